@@ -1,0 +1,6 @@
+# The one place that touches omp.h.  Without OpenMP (ADTAPE_OPENMP false at
+# build time) every function is a serial no-op fallback.
+
+cdef int omp_get_max_threads_safe() noexcept nogil
+cdef int omp_get_thread_num_safe() noexcept nogil
+cdef void omp_set_num_threads_safe(int n) noexcept nogil
