@@ -1,0 +1,283 @@
+"""Fully connected layer: ``out = inp @ weight.T + bias`` and its backward.
+
+All three products (forward, dinp, dweight) are one BLAS ``sgemm`` each, called
+from the calling thread so that BLAS uses its own pool, sized by
+``kernels.threads.set_num_threads``.  BLAS is column-major: a row-major matrix is
+the column-major view of its transpose, so the row-major product ``C = A @ B`` is
+computed as the column-major product ``C.T = B.T @ A.T`` (``sgemm_rowmajor``).
+The bias add and the dbias reduction are OpenMP loops; dbias is split by output
+channel (each thread owns a block of channels), so no atomics are needed.
+
+Each kernel has a ``_naive`` twin (plain serial loops, no BLAS) that also accepts
+float64, for tests and finite-difference checks.
+"""
+cimport cython
+cimport numpy as cnp
+from cython cimport floating
+from cython.parallel cimport prange
+from libc.string cimport memset
+from scipy.linalg.cython_blas cimport sgemm
+
+import numpy as np
+
+from kernels import threads
+
+cnp.import_array()
+
+# Channels per dbias task: 64 floats = 4 cache lines per row, enough to keep
+# both threads busy at GPT-2 widths (768 channels -> 12 tasks) and to let the
+# accumulator live in registers/L1.
+cdef enum:
+    DBIAS_BLOCK = 64
+
+
+cdef void sgemm_rowmajor(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t Nc,
+                         Py_ssize_t K, float alpha, const float* A, Py_ssize_t lda,
+                         const float* B, Py_ssize_t ldb, float beta, float* Cm,
+                         Py_ssize_t ldc) noexcept nogil:
+    # Row-major C (M, Nc) = alpha * op(A) (M, K) @ op(B) (K, Nc) + beta * C.
+    # Column-major, the same memory holds C.T = op(B).T @ op(A).T, so BLAS gets
+    # B first and the roles of M and Nc swap; a stored row-major operand is its
+    # own transpose to BLAS, hence 'N' when op is the identity.
+    cdef Py_ssize_t i, j
+    if M == 0 or Nc == 0:
+        return
+    if K == 0:
+        for i in range(M):
+            for j in range(Nc):
+                Cm[i * ldc + j] = 0.0 if beta == 0.0 else beta * Cm[i * ldc + j]
+        return
+    cdef char ta = b'T' if trans_b else b'N'
+    cdef char tb = b'T' if trans_a else b'N'
+    cdef int m = <int>Nc, n = <int>M, k = <int>K
+    cdef int la = <int>ldb, lb = <int>lda, lc = <int>ldc
+    sgemm(&ta, &tb, &m, &n, &k, &alpha, <float*>B, &la, <float*>A, &lb,
+          &beta, Cm, &lc)
+
+
+cdef void matmul_forward_c(float* out, const float* inp, const float* weight,
+                           const float* bias, Py_ssize_t N, Py_ssize_t C,
+                           Py_ssize_t OC, int n_threads) noexcept nogil:
+    cdef Py_ssize_t n, o
+    cdef float* row
+    sgemm_rowmajor(False, True, N, OC, C, 1.0, inp, C, weight, C, 0.0, out, OC)
+    if bias == NULL:
+        return
+    for n in prange(N, schedule='static', nogil=True, num_threads=n_threads):
+        row = out + n * OC
+        for o in range(OC):
+            row[o] = row[o] + bias[o]
+
+
+cdef inline void _dbias_block(float* dbias, const float* dout, Py_ssize_t N,
+                              Py_ssize_t OC, Py_ssize_t o0, Py_ssize_t width) noexcept nogil:
+    # float64 accumulation: N is B*T (8192 for GPT-2 at T=1024), long enough for
+    # a float32 running sum to lose digits.
+    cdef double acc[DBIAS_BLOCK]
+    cdef Py_ssize_t n, j
+    cdef const float* row
+    for j in range(width):
+        acc[j] = 0.0
+    for n in range(N):
+        row = dout + n * OC + o0
+        for j in range(width):
+            acc[j] += row[j]
+    for j in range(width):
+        dbias[o0 + j] += <float>acc[j]
+
+
+cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
+                            const float* dout, const float* inp, const float* weight,
+                            Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
+                            int n_threads) noexcept nogil:
+    cdef Py_ssize_t blk, n_blocks, o0
+    if dinp != NULL:
+        sgemm_rowmajor(False, False, N, C, OC, 1.0, dout, OC, weight, C, 1.0, dinp, C)
+    sgemm_rowmajor(True, False, OC, C, N, 1.0, dout, OC, inp, C, 1.0, dweight, C)
+    if dbias == NULL:
+        return
+    n_blocks = (OC + DBIAS_BLOCK - 1) // DBIAS_BLOCK
+    for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
+        o0 = blk * DBIAS_BLOCK
+        _dbias_block(dbias, dout, N, OC, o0, min(<Py_ssize_t>DBIAS_BLOCK, OC - o0))
+
+
+# ---------------------------------------------------------------- Python boundary
+
+def check_array(arr, name, shape, dtypes=(np.float32,), writable=False):
+    """Raise unless ``arr`` is a C-contiguous ndarray of one of ``dtypes`` and ``shape``.
+
+    Shared by the kernel modules: every wrapper checks its arguments once here,
+    so the nogil cores can trust them.
+    """
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(arr).__name__}")
+    if arr.dtype not in dtypes:
+        allowed = " or ".join(np.dtype(d).name for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}, got {arr.dtype}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (got strides {arr.strides})")
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{name} is an output and must be writable")
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+
+
+def resolve_threads(n_threads):
+    """The thread count a kernel uses: ``n_threads`` or the policy's default."""
+    if n_threads is None:
+        return threads.get_num_threads()
+    if not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1:
+        raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
+    return n_threads
+
+
+def _matmul_shapes(inp, weight):
+    """(lead, N, C, OC) from inp (N, C) or (B, T, C) and weight (OC, C)."""
+    if not isinstance(inp, np.ndarray) or inp.ndim not in (2, 3):
+        raise ValueError(f"inp must be a 2-D (N, C) or 3-D (B, T, C) array, got "
+                         f"{getattr(inp, 'shape', type(inp).__name__)}")
+    if not isinstance(weight, np.ndarray) or weight.ndim != 2:
+        raise ValueError(f"weight must be a 2-D (OC, C) array, got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    lead = tuple(inp.shape[:inp.ndim - 1])
+    C = inp.shape[inp.ndim - 1]
+    OC = weight.shape[0]
+    if weight.shape[1] != C:
+        raise ValueError(f"weight has shape {weight.shape}, expected ({OC}, {C}) to match inp's "
+                         f"last dimension {C}")
+    N = 1
+    for d in lead:
+        N *= d
+    return lead, N, C, OC
+
+
+cdef inline float* _ptr(cnp.ndarray arr):
+    return <float*>cnp.PyArray_DATA(arr)
+
+
+def matmul_forward(out, inp, weight, bias, *, n_threads=None):
+    """out = inp @ weight.T + bias.  inp (N, C) or (B, T, C); weight (OC, C);
+    bias (OC,) or None; out (N, OC) or (B, T, OC), overwritten."""
+    cdef Py_ssize_t N, C, OC
+    lead, N, C, OC = _matmul_shapes(inp, weight)
+    check_array(inp, "inp", lead + (C,))
+    check_array(weight, "weight", (OC, C))
+    if bias is not None:
+        check_array(bias, "bias", (OC,))
+    check_array(out, "out", lead + (OC,), writable=True)
+    cdef int nt = resolve_threads(n_threads)
+    cdef float* out_p = _ptr(out)
+    cdef float* inp_p = _ptr(inp)
+    cdef float* w_p = _ptr(weight)
+    cdef float* b_p = NULL if bias is None else _ptr(bias)
+    with nogil:
+        matmul_forward_c(out_p, inp_p, w_p, b_p, N, C, OC, nt)
+
+
+def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, n_threads=None):
+    """Accumulate the gradients of ``out = inp @ weight.T + bias``:
+    dinp += dout @ weight (skipped when dinp is None), dweight += dout.T @ inp,
+    dbias += dout summed over rows (skipped when dbias is None)."""
+    cdef Py_ssize_t N, C, OC
+    lead, N, C, OC = _matmul_shapes(inp, weight)
+    check_array(inp, "inp", lead + (C,))
+    check_array(weight, "weight", (OC, C))
+    check_array(dout, "dout", lead + (OC,))
+    check_array(dweight, "dweight", (OC, C), writable=True)
+    if dinp is not None:
+        check_array(dinp, "dinp", lead + (C,), writable=True)
+    if dbias is not None:
+        check_array(dbias, "dbias", (OC,), writable=True)
+    cdef int nt = resolve_threads(n_threads)
+    cdef float* dinp_p = NULL if dinp is None else _ptr(dinp)
+    cdef float* dw_p = _ptr(dweight)
+    cdef float* db_p = NULL if dbias is None else _ptr(dbias)
+    cdef float* dout_p = _ptr(dout)
+    cdef float* inp_p = _ptr(inp)
+    cdef float* w_p = _ptr(weight)
+    with nogil:
+        matmul_backward_c(dinp_p, dw_p, db_p, dout_p, inp_p, w_p, N, C, OC, nt)
+
+
+# ---------------------------------------------------------------- naive twins
+
+cdef void _forward_naive(floating[:, ::1] out, floating[:, ::1] inp,
+                         floating[:, ::1] weight, floating[::1] bias,
+                         bint has_bias) noexcept nogil:
+    cdef Py_ssize_t n, o, c
+    cdef floating acc
+    for n in range(inp.shape[0]):
+        for o in range(weight.shape[0]):
+            acc = bias[o] if has_bias else 0
+            for c in range(inp.shape[1]):
+                acc = acc + inp[n, c] * weight[o, c]
+            out[n, o] = acc
+
+
+cdef void _backward_naive(floating[:, ::1] dinp, floating[:, ::1] dweight,
+                          floating[::1] dbias, floating[:, ::1] dout,
+                          floating[:, ::1] inp, floating[:, ::1] weight,
+                          bint has_dinp, bint has_dbias) noexcept nogil:
+    cdef Py_ssize_t n, o, c
+    for n in range(inp.shape[0]):
+        for o in range(weight.shape[0]):
+            if has_dbias:
+                dbias[o] += dout[n, o]
+            for c in range(inp.shape[1]):
+                dweight[o, c] += dout[n, o] * inp[n, c]
+                if has_dinp:
+                    dinp[n, c] += dout[n, o] * weight[o, c]
+
+
+_NAIVE_DTYPES = (np.float32, np.float64)
+
+
+def _naive_dtype(inp):
+    if not isinstance(inp, np.ndarray) or inp.dtype not in _NAIVE_DTYPES:
+        raise TypeError(f"inp must be a float32 or float64 numpy.ndarray, got "
+                        f"{getattr(inp, 'dtype', type(inp).__name__)}")
+    return (inp.dtype,)
+
+
+def matmul_forward_naive(out, inp, weight, bias, *, n_threads=None):
+    """Plain-loop twin of ``matmul_forward`` (serial; float32 or float64)."""
+    lead, N, C, OC = _matmul_shapes(inp, weight)
+    dt = _naive_dtype(inp)
+    check_array(inp, "inp", lead + (C,), dt)
+    check_array(weight, "weight", (OC, C), dt)
+    if bias is not None:
+        check_array(bias, "bias", (OC,), dt)
+    check_array(out, "out", lead + (OC,), dt, writable=True)
+    resolve_threads(n_threads)
+    bias_or_dummy = bias if bias is not None else np.zeros(1, dt[0])
+    if dt[0] == np.float32:
+        _forward_naive[float](out.reshape(N, OC), inp.reshape(N, C), weight,
+                              bias_or_dummy, bias is not None)
+    else:
+        _forward_naive[double](out.reshape(N, OC), inp.reshape(N, C), weight,
+                               bias_or_dummy, bias is not None)
+
+
+def matmul_backward_naive(dinp, dweight, dbias, dout, inp, weight, *, n_threads=None):
+    """Plain-loop twin of ``matmul_backward`` (serial; float32 or float64)."""
+    lead, N, C, OC = _matmul_shapes(inp, weight)
+    dt = _naive_dtype(inp)
+    check_array(inp, "inp", lead + (C,), dt)
+    check_array(weight, "weight", (OC, C), dt)
+    check_array(dout, "dout", lead + (OC,), dt)
+    check_array(dweight, "dweight", (OC, C), dt, writable=True)
+    if dinp is not None:
+        check_array(dinp, "dinp", lead + (C,), dt, writable=True)
+    if dbias is not None:
+        check_array(dbias, "dbias", (OC,), dt, writable=True)
+    resolve_threads(n_threads)
+    dummy = np.zeros(1, dt[0])
+    dinp2 = dinp.reshape(N, C) if dinp is not None else np.zeros((1, 1), dt[0])
+    dbias1 = dbias if dbias is not None else dummy
+    if dt[0] == np.float32:
+        _backward_naive[float](dinp2, dweight, dbias1, dout.reshape(N, OC), inp.reshape(N, C),
+                               weight, dinp is not None, dbias is not None)
+    else:
+        _backward_naive[double](dinp2, dweight, dbias1, dout.reshape(N, OC), inp.reshape(N, C),
+                                weight, dinp is not None, dbias is not None)

@@ -1,0 +1,174 @@
+"""kernels.matmul against its naive twin, PyTorch, and float64 finite differences."""
+import numpy as np
+import pytest
+import torch
+
+from kernels import threads
+from kernels.matmul import (matmul_backward, matmul_backward_naive, matmul_forward,
+                            matmul_forward_naive)
+
+# (lead shape, C, OC): GPT-2-like, awkward (primes, 1s), 3-D inputs.
+SHAPES = [((4, 16), 64, 192), ((37,), 29, 41), ((1,), 1, 1), ((1, 1), 7, 3),
+          ((3, 5), 13, 1), ((2, 7), 1, 9), ((131,), 100, 257)]
+
+
+def rel_err(actual, expected):
+    """Largest absolute error relative to the largest magnitude in ``expected``."""
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    return float(np.abs(np.asarray(actual, np.float64) - expected).max()) / scale
+
+
+def make(rng, lead, C, OC, dtype=np.float32):
+    inp = rng.standard_normal(lead + (C,)).astype(dtype)
+    weight = rng.standard_normal((OC, C)).astype(dtype)
+    bias = rng.standard_normal(OC).astype(dtype)
+    dout = rng.standard_normal(lead + (OC,)).astype(dtype)
+    return inp, weight, bias, dout
+
+
+def grads_of(backward, inp, weight, dout, fill, with_dinp=True, with_dbias=True, **kw):
+    dinp = np.full(inp.shape, fill, inp.dtype) if with_dinp else None
+    dweight = np.full(weight.shape, fill, inp.dtype)
+    dbias = np.full(weight.shape[0], fill, inp.dtype) if with_dbias else None
+    backward(dinp, dweight, dbias, dout, inp, weight, **kw)
+    return dinp, dweight, dbias
+
+
+@pytest.mark.parametrize("lead,C,OC", SHAPES)
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_forward_matches_naive_and_torch(lead, C, OC, use_bias):
+    rng = np.random.default_rng(1)
+    inp, weight, bias, _ = make(rng, lead, C, OC)
+    bias = bias if use_bias else None
+    out = np.full(lead + (OC,), np.nan, np.float32)
+    matmul_forward(out, inp, weight, bias)
+    out_naive = np.full_like(out, np.nan)
+    matmul_forward_naive(out_naive, inp, weight, bias)
+    expected = torch.nn.functional.linear(
+        torch.from_numpy(inp), torch.from_numpy(weight),
+        None if bias is None else torch.from_numpy(bias)).numpy()
+    assert rel_err(out, out_naive) < 1e-5
+    assert rel_err(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("lead,C,OC", SHAPES)
+def test_backward_matches_naive_and_torch(lead, C, OC):
+    rng = np.random.default_rng(2)
+    inp, weight, bias, dout = make(rng, lead, C, OC)
+    got = grads_of(matmul_backward, inp, weight, dout, 0.0)
+    naive = grads_of(matmul_backward_naive, inp, weight, dout, 0.0)
+    x = torch.from_numpy(inp).requires_grad_()
+    w = torch.from_numpy(weight).requires_grad_()
+    b = torch.from_numpy(bias).requires_grad_()
+    torch.nn.functional.linear(x, w, b).backward(torch.from_numpy(dout))
+    for name, g, n, t in zip(("dinp", "dweight", "dbias"), got, naive, (x.grad, w.grad, b.grad)):
+        assert rel_err(g, n) < 1e-5, name
+        assert rel_err(g, t.numpy()) < 1e-4, name
+
+
+def test_backward_formula_by_finite_differences_float64():
+    # The naive twin in float64 is checked against central differences of
+    # L = sum(out * dout); the optimized kernel is checked against the twin above.
+    rng = np.random.default_rng(3)
+    lead, C, OC = (2, 3), 5, 4
+    inp, weight, bias, dout = make(rng, lead, C, OC, np.float64)
+    dinp, dweight, dbias = grads_of(matmul_backward_naive, inp, weight, dout, 0.0)
+
+    def loss():
+        out = np.empty(lead + (OC,))
+        matmul_forward_naive(out, inp, weight, bias)
+        return float((out * dout).sum())
+
+    eps = 1e-6
+    for param, grad in ((inp, dinp), (weight, dweight), (bias, dbias)):
+        numeric = np.empty_like(param)
+        for idx in np.ndindex(param.shape):
+            keep = param[idx]
+            param[idx] = keep + eps
+            up = loss()
+            param[idx] = keep - eps
+            down = loss()
+            param[idx] = keep
+            numeric[idx] = (up - down) / (2 * eps)
+        np.testing.assert_allclose(grad, numeric, rtol=1e-7, atol=1e-8)
+
+
+def test_backward_accumulates_and_skips_optional_outputs():
+    rng = np.random.default_rng(4)
+    inp, weight, bias, dout = make(rng, (3, 11), 19, 23)
+    fresh = grads_of(matmul_backward, inp, weight, dout, 0.0)
+    prefilled = grads_of(matmul_backward, inp, weight, dout, 1.5)
+    for f, p in zip(fresh, prefilled):
+        assert rel_err(p - 1.5, f) < 1e-6
+    dinp_none, dweight_only, dbias_none = grads_of(matmul_backward, inp, weight, dout, 0.0,
+                                                   with_dinp=False, with_dbias=False)
+    assert dinp_none is None and dbias_none is None
+    np.testing.assert_array_equal(dweight_only, fresh[1])
+
+
+def test_one_and_two_threads_agree():
+    rng = np.random.default_rng(5)
+    inp, weight, bias, dout = make(rng, (4, 33), 96, 300)
+    results = []
+    previous = threads.get_num_threads()
+    try:
+        for n in (1, 2):
+            threads.set_num_threads(n)
+            out = np.empty((4, 33, 300), np.float32)
+            matmul_forward(out, inp, weight, bias, n_threads=n)
+            results.append((out,) + grads_of(matmul_backward, inp, weight, dout, 0.0, n_threads=n))
+    finally:
+        threads.set_num_threads(previous)
+    for a, b in zip(*results):
+        assert rel_err(a, b) < 1e-6
+
+
+def test_gpt2_shape_against_torch():
+    rng = np.random.default_rng(6)
+    inp, weight, bias, dout = make(rng, (4, 64), 768, 2304)
+    out = np.empty((4, 64, 2304), np.float32)
+    matmul_forward(out, inp, weight, bias)
+    x = torch.from_numpy(inp).requires_grad_()
+    w = torch.from_numpy(weight).requires_grad_()
+    b = torch.from_numpy(bias).requires_grad_()
+    y = torch.nn.functional.linear(x, w, b)
+    y.backward(torch.from_numpy(dout))
+    assert rel_err(out, y.detach().numpy()) < 1e-5
+    got = grads_of(matmul_backward, inp, weight, dout, 0.0)
+    for g, t in zip(got, (x.grad, w.grad, b.grad)):
+        assert rel_err(g, t.numpy()) < 1e-4
+
+
+def test_bad_inputs_raise_clear_errors():
+    rng = np.random.default_rng(7)
+    inp, weight, bias, dout = make(rng, (5,), 6, 4)
+    out = np.empty((5, 4), np.float32)
+    with pytest.raises(ValueError, match="weight"):
+        matmul_forward(out, inp, np.zeros((4, 7), np.float32), bias)
+    with pytest.raises(ValueError, match="out"):
+        matmul_forward(np.empty((5, 5), np.float32), inp, weight, bias)
+    with pytest.raises(ValueError, match="bias"):
+        matmul_forward(out, inp, weight, np.zeros(5, np.float32))
+    with pytest.raises(TypeError, match="inp.*float32"):
+        matmul_forward(out, inp.astype(np.float64), weight, bias)
+    with pytest.raises(ValueError, match="weight.*C-contiguous"):
+        matmul_forward(out, inp, np.asfortranarray(weight), bias)
+    with pytest.raises(ValueError, match="inp"):
+        matmul_forward(out, inp.ravel(), weight, bias)
+    with pytest.raises(TypeError, match="bias"):
+        matmul_forward(out, inp, weight, [0.0] * 4)
+    readonly = np.empty((5, 4), np.float32)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="out.*writable"):
+        matmul_forward(readonly, inp, weight, bias)
+    with pytest.raises(ValueError, match="dout"):
+        matmul_backward(None, np.zeros_like(weight), None, dout[:, :3].copy(), inp, weight)
+    with pytest.raises(ValueError, match="dweight"):
+        matmul_backward(None, np.zeros((4, 5), np.float32), None, dout, inp, weight)
+    with pytest.raises(ValueError, match="dinp.*C-contiguous"):
+        matmul_backward(np.zeros((6, 5), np.float32).T, np.zeros_like(weight), None, dout,
+                        inp, weight)
+    with pytest.raises(ValueError, match="n_threads"):
+        matmul_forward(out, inp, weight, bias, n_threads=0)
+    with pytest.raises(TypeError, match="inp"):
+        matmul_forward_naive(out, inp.astype(np.int32), weight, bias)
