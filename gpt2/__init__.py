@@ -1,0 +1,1 @@
+"""GPT-2 on the adtape runtime: configuration, parameter layout, tokenizers, data and checkpoints."""

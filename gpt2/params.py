@@ -1,0 +1,132 @@
+"""GPT-2 parameter layout (llm.c order and shapes), one-allocation arena and GPT-2 initialization."""
+import math
+
+import numpy as np
+
+from gpt2.config import GPT2Config
+
+PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
+               "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
+
+# Residual-stream output projections: GPT-2 scales their init by 1/sqrt(2 * n_layer).
+RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
+LAYERNORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
+BIASES = ("ln1b", "qkvb", "attprojb", "ln2b", "fcb", "fcprojb", "lnfb")
+INIT_STD = 0.02
+
+
+def _check_config(config):
+    if not isinstance(config, GPT2Config):
+        raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
+
+
+def param_shapes(config):
+    """Ordered dict name -> shape of every parameter tensor, in llm.c order."""
+    _check_config(config)
+    L, C, Vp, maxT = config.n_layer, config.n_embd, config.padded_vocab_size, config.block_size
+    return {
+        "wte": (Vp, C), "wpe": (maxT, C),
+        "ln1w": (L, C), "ln1b": (L, C),
+        "qkvw": (L, 3 * C, C), "qkvb": (L, 3 * C),
+        "attprojw": (L, C, C), "attprojb": (L, C),
+        "ln2w": (L, C), "ln2b": (L, C),
+        "fcw": (L, 4 * C, C), "fcb": (L, 4 * C),
+        "fcprojw": (L, C, 4 * C), "fcprojb": (L, C),
+        "lnfw": (C,), "lnfb": (C,),
+    }
+
+
+def num_parameters(config):
+    """Total float count of the layout (wte counted with its padded rows)."""
+    return sum(math.prod(s) for s in param_shapes(config).values())
+
+
+def param_offsets(config):
+    """Ordered dict name -> (start, stop) element offsets into the flat arena."""
+    offsets, start = {}, 0
+    for name, shape in param_shapes(config).items():
+        stop = start + math.prod(shape)
+        offsets[name] = (start, stop)
+        start = stop
+    return offsets
+
+
+class ParamArena:
+    """All GPT-2 parameters (or gradients, or optimizer moments) in ONE float32 buffer.
+
+    ``flat`` is the 1-D buffer; ``views[name]`` (also ``arena.name``) are shaped views into it,
+    so zeroing, copying or an optimizer update over everything is one operation on ``flat``.
+    Pass ``flat`` to wrap an existing buffer (e.g. a checkpoint read in place) instead of allocating.
+    """
+
+    def __init__(self, config, flat=None):
+        _check_config(config)
+        n = num_parameters(config)
+        if flat is None:
+            flat = np.zeros(n, dtype=np.float32)
+        else:
+            if not isinstance(flat, np.ndarray):
+                raise TypeError(f"ParamArena flat must be a numpy array, got {type(flat).__name__}")
+            if flat.dtype != np.float32 or flat.ndim != 1 or flat.size != n:
+                raise ValueError(f"ParamArena flat must be 1-D float32 of {n} elements for this "
+                                 f"config, got {flat.dtype} with shape {flat.shape}")
+            if not flat.flags.c_contiguous:
+                raise ValueError("ParamArena flat must be C-contiguous")
+        self.config = config
+        self.flat = flat
+        self.views = {name: flat[start:stop].reshape(shape)
+                      for (name, (start, stop)), shape
+                      in zip(param_offsets(config).items(), param_shapes(config).values())}
+
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails: parameter names resolve to their views.
+        views = self.__dict__.get("views")
+        if views is not None and name in views:
+            return views[name]
+        raise AttributeError(f"ParamArena has no attribute or parameter {name!r}")
+
+    def __len__(self):
+        return self.flat.size
+
+    @property
+    def nbytes(self):
+        return self.flat.nbytes
+
+    def zero_(self):
+        self.flat.fill(0.0)
+        return self
+
+    def copy_(self, other):
+        """Copy another arena of the same config into this one."""
+        if not isinstance(other, ParamArena) or other.config != self.config:
+            raise ValueError("copy_ needs a ParamArena with the same config")
+        np.copyto(self.flat, other.flat)
+        return self
+
+    def __repr__(self):
+        return f"ParamArena({self.config}, {self.flat.size} floats)"
+
+
+def init_gpt2_(arena, seed):
+    """GPT-2 initialization in place, deterministic in ``seed``; returns the arena.
+
+    Weights ~ normal(0, 0.02), residual projections (attprojw, fcprojw) scaled by
+    1/sqrt(2 * n_layer), biases 0, layernorm weights 1, padded rows of wte 0.
+    """
+    if not isinstance(arena, ParamArena):
+        raise TypeError(f"init_gpt2_ needs a ParamArena, got {type(arena).__name__}")
+    config = arena.config
+    rng = np.random.Generator(np.random.PCG64(seed))
+    residual_std = INIT_STD / math.sqrt(2 * config.n_layer)
+    arena.zero_()
+    for name, view in arena.views.items():
+        if name in LAYERNORM_WEIGHTS:
+            view.fill(1.0)
+        elif name in BIASES:
+            continue
+        else:
+            std = residual_std if name in RESIDUAL_PROJECTIONS else INIT_STD
+            target = view[:config.vocab_size] if name == "wte" else view
+            rng.standard_normal(out=target, dtype=np.float32)
+            target *= np.float32(std)
+    return arena
