@@ -1,0 +1,225 @@
+"""Command line: ``python -m gpt2.perfmodel`` prints the predicted breakdown of a training step,
+or sweeps one parameter and plots step time and memory against it.
+
+Examples:
+  python -m gpt2.perfmodel --model gpt2 --batch 4 --seq 64 --hardware this-machine
+  python -m gpt2.perfmodel --n-layer 96 --n-head 96 --n-embd 12288 --vocab 51200 --seq 2048 \\
+      --batch 1536 --micro-batch 1 --hardware a100-80gb-sxm --precision bf16 --layout megatron \\
+      --tp 8 --pp 16 --dp 12 --recompute full
+  python -m gpt2.perfmodel --model gpt2 --seq 64 --sweep batch=1,2,4,8 --plot sweep.png
+"""
+import argparse
+import json
+import sys
+
+from .estimate import estimate
+from .graph import GraphOptions
+from .hardware import available_profiles, load_profile
+from .spec import RECOMPUTE_POLICIES, ModelSpec, ParallelConfig, Workload
+
+# Sweepable parameters: name -> (where it lives, field, type).
+SWEEPABLE = {
+    "batch": ("workload", "global_batch", int), "seq": ("workload", "seq_len", int),
+    "micro_batch": ("workload", "micro_batch", int), "dp": ("parallel", "dp", int),
+    "tp": ("parallel", "tp", int), "pp": ("parallel", "pp", int), "ep": ("parallel", "ep", int),
+    "interleave": ("parallel", "interleave", int), "zero": ("parallel", "zero_stage", int),
+    "recompute": ("parallel", "recompute", str), "checkpoints": ("parallel", "checkpoints", int),
+    "tape_budget": ("parallel", "tape_budget", float), "hardware": ("hardware", "", str),
+}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m gpt2.perfmodel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help="a GPT2Config preset name (gpt2.config), e.g. gpt2, small, tiny")
+    m.add_argument("--n-layer", type=int)
+    m.add_argument("--n-head", type=int)
+    m.add_argument("--n-embd", type=int)
+    m.add_argument("--vocab", type=int)
+    m.add_argument("--block-size", type=int, help="position table size (default: --seq)")
+    m.add_argument("--vocab-multiple", type=int, default=128)
+    m.add_argument("--experts", type=int, default=0, help="mixture of experts: experts per layer (0: dense)")
+    m.add_argument("--top-k", type=int, default=1)
+    m.add_argument("--capacity", type=float, default=1.0, help="MoE capacity factor")
+    w = p.add_argument_group("workload")
+    w.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
+    w.add_argument("--seq", type=int, default=64)
+    w.add_argument("--micro-batch", type=int, default=0)
+    w.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
+    w.add_argument("--layout", default="adtape", choices=["adtape", "megatron"],
+                   help="which activations are saved (our tape's set, or Megatron's with dropout)")
+    w.add_argument("--causal-flops", action="store_true", help="attention kernels skip the masked half")
+    h = p.add_argument_group("hardware and parallelism")
+    h.add_argument("--hardware", default="generic-cpu",
+                   help=f"profile path or name ({', '.join(available_profiles())})")
+    for name in ("dp", "tp", "pp", "ep", "interleave"):
+        h.add_argument(f"--{name}", type=int, default=1)
+    h.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    h.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    h.add_argument("--fsdp", action="store_true")
+    h.add_argument("--recompute", default="none", choices=RECOMPUTE_POLICIES)
+    h.add_argument("--checkpoints", type=int, default=0, help="binomial recompute: checkpoint slots")
+    h.add_argument("--flash", action="store_true", help="FlashAttention")
+    h.add_argument("--overlap-dp", action="store_true", help="hide gradient reduction behind backward")
+    h.add_argument("--tape-budget", type=float, default=-1.0, help="activation bytes kept in memory (-1: all)")
+    h.add_argument("--overlap-spill", action="store_true")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    o.add_argument("--sweep", help="PARAM=v1,v2,... with PARAM in " + ", ".join(SWEEPABLE))
+    o.add_argument("--plot", help="PNG path for the sweep plot")
+    return p
+
+
+def model_from_args(args):
+    if args.model:
+        try:
+            from gpt2.config import GPT2Config
+        except ImportError as exc:
+            raise SystemExit(f"--model {args.model!r} needs gpt2.config ({exc}); give --n-layer, --n-head, "
+                             f"--n-embd and --vocab instead") from None
+        extra = dict(vocab_multiple=args.vocab_multiple, n_experts=args.experts, top_k=args.top_k,
+                     capacity_factor=args.capacity)
+        return ModelSpec.from_config(GPT2Config.preset(args.model), **extra)
+    missing = [f"--{n}" for n in ("n-layer", "n-head", "n-embd", "vocab") if getattr(args, n.replace("-", "_")) is None]
+    if missing:
+        raise SystemExit(f"give --model or all of {', '.join(missing)}")
+    return ModelSpec(args.n_layer, args.n_head, args.n_embd, args.vocab,
+                     block_size=args.block_size or args.seq, vocab_multiple=args.vocab_multiple,
+                     n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity)
+
+
+def setup_from_args(args):
+    spec = model_from_args(args)
+    workload = Workload(args.batch, args.seq, args.micro_batch, args.precision)
+    parallel = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp,
+                              interleave=args.interleave, zero_stage=args.zero, fsdp=args.fsdp,
+                              recompute=args.recompute, checkpoints=args.checkpoints,
+                              flash_attention=args.flash, overlap_dp_comm=args.overlap_dp,
+                              tape_budget=args.tape_budget, overlap_spill_io=args.overlap_spill)
+    options = GraphOptions(layout=args.layout, causal_attention_flops=args.causal_flops)
+    return spec, workload, parallel, load_profile(args.hardware), options
+
+
+def _fmt_time(seconds):
+    if seconds >= 1:
+        return f"{seconds:9.3f} s "
+    return f"{seconds * 1e3:9.3f} ms"
+
+
+def _fmt_bytes(n):
+    return f"{n / 2**30:9.3f} GiB" if n >= 2**30 else f"{n / 2**20:9.2f} MiB"
+
+
+def format_table(est, spec, workload, parallel, hardware):
+    lines = [f"model: {spec.n_layer} layers, {spec.n_head} heads, C={spec.n_embd}, V={spec.vocab_size} "
+             f"({spec.num_parameters() / 1e6:.1f}M params)   batch {workload.global_batch} x seq {workload.seq_len}"
+             f"   {workload.precision}   hardware: {hardware.name}",
+             f"parallel: dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} ep={parallel.ep} "
+             f"sp={parallel.sequence_parallel} interleave={parallel.interleave} zero={parallel.sharding} "
+             f"recompute={parallel.recompute} flash={parallel.flash_attention}", ""]
+    phases = ("fwd", "recompute", "bwd")
+    classes = sorted({c for _, c in est.compute})
+    lines.append(f"{'time per step':<20}" + "".join(f"{p:>13}" for p in phases) + f"{'total':>13}{'share':>8}")
+    for c in classes:
+        row = [est.compute.get((p, c), 0.0) for p in phases]
+        lines.append(f"{c:<20}" + "".join(_fmt_time(v).rjust(13) for v in row)
+                     + _fmt_time(sum(row)).rjust(13) + f"{sum(row) / est.step_time:8.1%}")
+    extra = [("optimizer", est.optimizer)] + [(f"comm {k}", v) for k, v in est.communication.items()] + [
+        ("pipeline bubble", est.bubble), ("tape spill I/O", est.spill_io)]
+    for name, v in extra:
+        lines.append(f"{name:<20}" + " " * 39 + _fmt_time(v).rjust(13) + f"{v / est.step_time:8.1%}")
+    lines.append(f"{'step':<20}" + " " * 39 + _fmt_time(est.step_time).rjust(13))
+    lines.append(f"tokens/s {est.tokens_per_second:,.0f}   MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   "
+                 f"bubble fraction {est.bubble_fraction:.1%}   micro-batches {est.details['micro_batches']}")
+    lines.append("")
+    lines.append(f"{'memory per device':<20}")
+    for k, v in est.memory.as_dict().items():
+        lines.append(f"  {k:<18}{_fmt_bytes(v):>16}")
+    cap = hardware.memory_capacity
+    lines.append(f"  {'capacity':<18}{_fmt_bytes(cap):>16}   "
+                 f"{'fits' if est.memory.total <= cap else 'DOES NOT FIT'}")
+    return "\n".join(lines)
+
+
+def parse_sweep(text):
+    if "=" not in text:
+        raise SystemExit(f"--sweep {text!r}: expected PARAM=v1,v2,...")
+    name, values = text.split("=", 1)
+    if name not in SWEEPABLE:
+        raise SystemExit(f"--sweep: unknown parameter {name!r}; choose from {', '.join(SWEEPABLE)}")
+    kind = SWEEPABLE[name][2]
+    try:
+        parsed = [kind(v) for v in values.split(",") if v]
+    except ValueError:
+        raise SystemExit(f"--sweep {name}: values must be {kind.__name__}, got {values!r}") from None
+    if not parsed:
+        raise SystemExit(f"--sweep {name}: no values")
+    return name, parsed
+
+
+def run_sweep(name, values, spec, workload, parallel, hardware, options):
+    """[(value, Estimate)] for each value of the swept parameter."""
+    where, field, _ = SWEEPABLE[name]
+    out = []
+    for value in values:
+        w, p, hw = workload, parallel, hardware
+        if where == "workload":
+            w = Workload(**{**workload.__dict__, field: value})
+        elif where == "parallel":
+            p = parallel.with_changes(**{field: value})
+        else:
+            hw = load_profile(value)
+        out.append((value, estimate(spec, w, p, hw, options)))
+    return out
+
+
+def plot_sweep(name, results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [str(v) for v, _ in results]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    times = [e.step_time for _, e in results]
+    ax.plot(labels, times, "o-", color="tab:blue", label="step time")
+    ax.set_xlabel(name)
+    ax.set_ylabel("predicted step time (s)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(labels, [e.memory.total / 2**30 for _, e in results], "s--", color="tab:red", label="memory")
+    ax2.set_ylabel("predicted memory per device (GiB)", color="tab:red")
+    ax.set_title(f"perfmodel sweep over {name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        spec, workload, parallel, hardware, options = setup_from_args(args)
+        if args.sweep:
+            name, values = parse_sweep(args.sweep)
+            results = run_sweep(name, values, spec, workload, parallel, hardware, options)
+        else:
+            results = None
+            est = estimate(spec, workload, parallel, hardware, options)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if results is None:
+        print(json.dumps(est.as_dict(), indent=2) if args.json else format_table(est, spec, workload, parallel, hardware))
+        return 0
+    if args.json:
+        print(json.dumps([{"value": v, **e.as_dict()} for v, e in results], indent=2))
+    else:
+        print(f"{name:>14}{'step':>14}{'tokens/s':>14}{'memory':>16}{'MFU':>8}{'bubble':>8}")
+        for v, e in results:
+            print(f"{str(v):>14}{_fmt_time(e.step_time):>14}{e.tokens_per_second:>14,.0f}"
+                  f"{_fmt_bytes(e.memory.total):>16}{e.mfu:>8.1%}{e.bubble_fraction:>8.1%}")
+    if args.plot:
+        plot_sweep(name, results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Step time and memory of one training step: the op graph on a roofline, plus parallelism.
+
+Each op takes ``overhead + tape records * tape_overhead + max(compute, memory)``: its
+FLOPs at the efficiency its size reaches, or its bytes at the bandwidth its size
+reaches, whichever is slower.  A device runs its ops one after the other.  On top:
+tensor-parallel collectives per layer, expert all-to-all, pipeline point-to-point
+transfers and the bubble, the data-parallel gradient reduction (ZeRO/FSDP), and the
+tape's spill I/O.  Every term is zero when its feature is off.
+"""
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from . import collectives
+from .graph import GraphOptions, model_flops_per_token, stage_parameters, step_graph
+from .memory import memory_breakdown
+
+
+@dataclass
+class Estimate:
+    step_time: float
+    compute: dict                 # (phase, op_class) -> seconds per step (all micro-batches)
+    communication: dict           # tp, sequence/experts, pp, dp -> exposed seconds per step
+    bubble: float
+    bubble_fraction: float
+    optimizer: float
+    spill_io: float
+    memory: object                # MemoryBreakdown of the most loaded stage
+    model_flops: float            # PaLM model FLOPs of the step (all devices)
+    hardware_flops: float         # FLOPs actually executed (incl. recompute), all devices
+    tokens: int
+    world_size: int
+    peak_flops: float
+    details: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self):
+        return self.tokens / self.step_time
+
+    @property
+    def mfu(self):
+        return self.model_flops / (self.step_time * self.peak_flops * self.world_size)
+
+    @property
+    def hfu(self):
+        return self.hardware_flops / (self.step_time * self.peak_flops * self.world_size)
+
+    def by_class(self):
+        out = defaultdict(float)
+        for (_, op_class), seconds in self.compute.items():
+            out[op_class] += seconds
+        return dict(out)
+
+    def as_dict(self):
+        return {"step_time": self.step_time, "tokens_per_second": self.tokens_per_second,
+                "compute": {f"{p}/{c}": v for (p, c), v in sorted(self.compute.items())},
+                "communication": dict(self.communication), "bubble": self.bubble,
+                "bubble_fraction": self.bubble_fraction, "optimizer": self.optimizer,
+                "spill_io": self.spill_io, "memory": self.memory.as_dict(), "model_flops": self.model_flops,
+                "hardware_flops": self.hardware_flops, "mfu": self.mfu, "hfu": self.hfu,
+                "world_size": self.world_size}
+
+
+def op_time(op, hardware, precision):
+    """Seconds one op takes on one device."""
+    if op.op_class == "matmul":
+        compute = hardware.matmul_time(op.flops, op.variant, precision)
+    elif op.flops > 0:
+        compute = op.flops / (hardware.peak("fp32") * hardware.matmul_efficiency["fwd"].max_efficiency)
+    else:
+        compute = 0.0
+    memory = hardware.memory_time(op.nbytes)
+    tape = hardware.tape_overhead * op.tape_records if op.phase == "fwd" else 0.0
+    return hardware.op_overhead + tape + max(compute, memory)
+
+
+def _group_link(hardware, size, stride):
+    """(bandwidth, latency) of a group of ``size`` devices ``stride`` apart (tp innermost)."""
+    ic = hardware.interconnect
+    spans = size > 1 and stride * size > ic.devices_per_node
+    return ic.link(size, spans)
+
+
+def _tensor_parallel_time(spec, workload, parallel, hardware, n_layers):
+    """Per micro-batch: 2 all-reduces forward and 2 backward per layer (Megatron), 2 more
+    per re-run layer; sequence parallelism replaces each by all-gather + reduce-scatter."""
+    t = parallel.tp
+    if t == 1:
+        return 0.0
+    bw, lat = _group_link(hardware, t, 1)
+    n = workload.act_bytes * workload.micro_batch_size(parallel) * workload.seq_len * spec.n_embd
+    if parallel.sequence_parallel:
+        one = collectives.all_gather(n, t, bw, lat) + collectives.reduce_scatter(n, t, bw, lat)
+    else:
+        one = collectives.all_reduce(n, t, bw, lat)
+    per_layer = 4 + (2 if parallel.recompute in ("full", "per_layer") else 0)
+    # Embedding output (forward) and its gradient (backward) are all-reduced over the
+    # vocabulary-parallel group as well.
+    return (per_layer * n_layers + 2) * one
+
+
+def _expert_time(spec, workload, parallel, hardware, n_layers):
+    """Per micro-batch: dispatch and combine all-to-all, forward and backward, per MoE layer."""
+    if not spec.n_experts or parallel.ep == 1:
+        return 0.0
+    bw, lat = _group_link(hardware, parallel.ep, parallel.tp)
+    tokens = workload.micro_batch_size(parallel) * workload.seq_len
+    n = workload.act_bytes * tokens * spec.n_embd * spec.top_k * spec.capacity_factor / (
+        parallel.tp if parallel.sequence_parallel else 1)
+    per_layer = 4 + (2 if parallel.recompute in ("full", "per_layer") else 0)
+    return per_layer * n_layers * collectives.all_to_all(n, parallel.ep, bw, lat)
+
+
+def _pipeline_p2p_time(spec, workload, parallel, hardware):
+    """Per micro-batch: one activation sent forward and one gradient sent back per virtual stage."""
+    if parallel.pp == 1:
+        return 0.0
+    bw, lat = _group_link(hardware, parallel.pp, parallel.tp * parallel.dp)
+    n = workload.act_bytes * workload.micro_batch_size(parallel) * workload.seq_len * spec.n_embd
+    if parallel.sequence_parallel:
+        n /= parallel.tp    # scatter-gather: each tensor-parallel rank sends its slice
+    return 2 * parallel.interleave * collectives.point_to_point(n, bw, lat)
+
+
+def _data_parallel_time(spec, workload, parallel, hardware, stage):
+    """Gradient reduction per step: all-reduce (ZeRO 0), reduce-scatter + all-gather of the
+    updated parameters (ZeRO 1, 2), and for ZeRO 3 / FSDP parameter all-gathers in both
+    forward and backward (1.5x the all-reduce volume)."""
+    dp = parallel.dp
+    if dp == 1:
+        return 0.0
+    params = stage_parameters(spec, parallel, stage)
+    expert = 0.0
+    if spec.n_experts:
+        expert = (spec.n_layer // parallel.pp) * spec.mlp_params_per_expert * spec.n_experts / (
+            parallel.ep * parallel.tp)
+    groups = [(params - expert, dp), (expert, dp // parallel.ep)]
+    total = 0.0
+    for count, size in groups:
+        if count <= 0 or size == 1:
+            continue
+        bw, lat = _group_link(hardware, size, parallel.tp)
+        n = workload.act_bytes * count
+        if parallel.sharding == 0:
+            total += collectives.all_reduce(n, size, bw, lat)
+        elif parallel.sharding in (1, 2):
+            total += collectives.reduce_scatter(n, size, bw, lat) + collectives.all_gather(n, size, bw, lat)
+        else:
+            total += collectives.reduce_scatter(n, size, bw, lat) + 2 * collectives.all_gather(n, size, bw, lat)
+    return total
+
+
+def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
+    """Predicted time and memory of one training step on ``hardware`` (one device's view)."""
+    n_micro = workload.num_micro_batches(parallel)
+    stages = sorted({0, parallel.pp - 1} | ({parallel.pp // 2} if parallel.pp > 2 else set()))
+    per_stage_layers = spec.n_layer // parallel.pp
+    tp_time = _tensor_parallel_time(spec, workload, parallel, hardware, per_stage_layers)
+    moe_time = _expert_time(spec, workload, parallel, hardware, per_stage_layers)
+    p2p_time = _pipeline_p2p_time(spec, workload, parallel, hardware)
+
+    best = None
+    for stage in stages:
+        ops = step_graph(spec, workload, parallel, options, stage, hardware.sram_bytes)
+        compute = defaultdict(float)
+        optimizer = 0.0
+        for op in ops:
+            seconds = op_time(op, hardware, workload.precision)
+            if op.phase == "optim":
+                optimizer += seconds
+            else:
+                compute[(op.phase, op.op_class)] += seconds
+        micro = sum(compute.values()) + tp_time + moe_time
+        flops = sum(op.flops for op in ops if op.phase != "optim")
+        dp_time = _data_parallel_time(spec, workload, parallel, hardware, stage)
+        key = micro + optimizer + dp_time / max(n_micro, 1)
+        if best is None or key > best[0]:
+            best = (key, stage, ops, compute, micro, optimizer, flops, dp_time)
+    _, stage, ops, compute, micro, optimizer, flops, dp_time = best
+
+    bubble = (parallel.pp - 1) / parallel.interleave * micro
+    busy = n_micro * micro
+    bubble_fraction = bubble / (busy + bubble) if bubble else 0.0
+    if parallel.overlap_dp_comm:
+        backward = sum(v for (phase, _), v in compute.items() if phase == "bwd")
+        dp_exposed = max(0.0, dp_time - backward)
+    else:
+        dp_exposed = dp_time
+
+    memory = memory_breakdown(spec, workload, parallel, hardware, options, stage, ops)
+    spill_io = 0.0
+    if memory.spilled > 0:
+        if not hardware.disk_bandwidth > 0:
+            raise ValueError(f"tape budget {parallel.tape_budget:.0f} B spills {memory.spilled:.0f} B but the "
+                             f"hardware profile {hardware.name!r} has no disk_bandwidth")
+        # Written during the forward, read back during the backward, per micro-batch.
+        spill_io = 2 * memory.spilled / hardware.disk_bandwidth * n_micro
+        if parallel.overlap_spill_io:
+            spill_io = max(0.0, spill_io - n_micro * micro)
+
+    step = busy + bubble + optimizer + dp_exposed + n_micro * p2p_time + spill_io
+    tokens = workload.global_batch * workload.seq_len
+    # Hardware FLOPs are per device; every device of a stage does the same work, and the
+    # stages' work adds up (approximately equal stages).
+    devices = parallel.world_size
+    hardware_flops = flops * n_micro * devices
+    return Estimate(
+        step_time=step,
+        compute={k: v * n_micro for k, v in compute.items()},
+        communication={"tensor_parallel": tp_time * n_micro, "expert_all_to_all": moe_time * n_micro,
+                       "pipeline_p2p": p2p_time * n_micro, "data_parallel": dp_exposed},
+        bubble=bubble, bubble_fraction=bubble_fraction, optimizer=optimizer, spill_io=spill_io,
+        memory=memory, model_flops=model_flops_per_token(spec, workload.seq_len) * tokens,
+        hardware_flops=hardware_flops, tokens=tokens, world_size=devices,
+        peak_flops=hardware.peak(workload.precision),
+        details={"stage": stage, "micro_batches": n_micro, "micro_batch_time": micro,
+                 "data_parallel_unhidden": dp_time})

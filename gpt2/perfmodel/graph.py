@@ -1,0 +1,374 @@
+"""Per-operation task graph of one GPT-style training step, with FLOPs, bytes and saved tensors.
+
+``step_graph`` lists the ops one device runs for one micro-batch on one pipeline
+stage: forward, recomputation, backward, then (once per step) the optimizer.  Every
+op carries its FLOPs, the bytes it moves through main memory, the GEMM variant for
+matmuls, and the tensors its forward saves for the backward pass.
+
+Two layouts of what is saved:
+- ``"adtape"``: what our kernels need (kernels_api.md): layernorm saves its input and
+  mean/rstd, each matmul its input, fused attention saves qkv and the softmax
+  probabilities (B, n_head, T, T); no dropout; activations in the workload's precision.
+- ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
+  1-byte dropout masks after softmax, attention projection and MLP; attention split
+  into QK^T, softmax, dropout, AV); this reproduces 34sbh + 5as^2b per layer.
+
+Sizes: b micro-batch, s sequence, h hidden, a heads, t tensor-parallel size.
+"""
+from dataclasses import dataclass, field
+
+LAYOUTS = ("adtape", "megatron")
+OP_CLASSES = ("matmul", "attention", "layernorm", "elementwise", "embedding", "loss", "optimizer")
+
+# FLOPs per element of the non-matmul kernels (counted from the kernels' arithmetic).
+LAYERNORM_FWD_FLOPS = 8
+LAYERNORM_BWD_FLOPS = 12
+GELU_FWD_FLOPS = 10
+GELU_BWD_FLOPS = 16
+SOFTMAX_FLOPS = 5
+ADAMW_FLOPS = 14
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A tensor a forward op keeps for its backward."""
+    name: str
+    nbytes: float
+
+
+@dataclass
+class Op:
+    name: str
+    op_class: str
+    phase: str                   # "fwd", "recompute", "bwd", "optim"
+    layer: int                   # -1: outside the transformer blocks
+    flops: float
+    nbytes: float                # bytes read + written in main memory
+    variant: str = ""            # matmul: "fwd", "bwd_input", "bwd_weight"
+    saved: tuple = field(default_factory=tuple)
+    tape_records: int = 0        # records the forward pushes on the tape (popped by backward)
+
+    @property
+    def saved_bytes(self):
+        return sum(s.nbytes for s in self.saved)
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    layout: str = "adtape"
+    causal_attention_flops: bool = False   # count only the causal half of T x T (kernels that skip it)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"GraphOptions.layout must be one of {LAYOUTS}, got {self.layout!r}")
+
+
+class _Builder:
+    """Emits the forward ops of one micro-batch and their backward twins."""
+
+    def __init__(self, spec, b, s, e, tp, sp, flash, options, sram_bytes):
+        self.spec, self.b, self.s, self.e = spec, b, s, e
+        self.tp, self.sp, self.flash, self.options = tp, sp, flash, options
+        self.sram_bytes = sram_bytes
+        self.N = b * s
+        # Under sequence parallelism the replicated (layernorm, dropout, residual) regions
+        # are split over the tensor-parallel group.
+        self.rep = tp if sp else 1
+        self.megatron = options.layout == "megatron"
+
+    # --- primitive ops: each returns (forward op, [backward ops]) ---------------
+    def matmul(self, name, layer, rows, fan_in, fan_out, save_input=True, bias=True):
+        e = self.e
+        fwd = Op(name, "matmul", "fwd", layer, 2.0 * rows * fan_in * fan_out,
+                 e * (rows * fan_in + fan_in * fan_out + rows * fan_out + (fan_out if bias else 0)), "fwd",
+                 (Saved(f"{name}.input", e * rows * fan_in),) if save_input else (), 1 if save_input else 0)
+        bwd_in = Op(name, "matmul", "bwd", layer, 2.0 * rows * fan_in * fan_out,
+                    e * (rows * fan_out + fan_in * fan_out + 2 * rows * fan_in), "bwd_input")
+        bwd_w = Op(name, "matmul", "bwd", layer, 2.0 * rows * fan_in * fan_out + (rows * fan_out if bias else 0),
+                   e * (rows * fan_out + rows * fan_in + 2 * fan_in * fan_out), "bwd_weight")
+        return fwd, [bwd_in, bwd_w]
+
+    def pointwise(self, name, op_class, layer, elems, fwd_flops, bwd_flops, fwd_rw, bwd_rw, saved=()):
+        e = self.e
+        fwd = Op(name, op_class, "fwd", layer, fwd_flops * elems, e * fwd_rw * elems, "",
+                 tuple(saved), 1 if saved else 0)
+        bwd = Op(name, op_class, "bwd", layer, bwd_flops * elems, e * bwd_rw * elems)
+        return fwd, [bwd]
+
+    def layernorm(self, name, layer):
+        C, N, e = self.spec.n_embd, self.N / self.rep, self.e
+        saved = [Saved(f"{name}.input", e * N * C)]
+        if not self.megatron:
+            saved.append(Saved(f"{name}.mean_rstd", 2 * 4 * N))
+        fwd, bwd = self.pointwise(name, "layernorm", layer, N * C, LAYERNORM_FWD_FLOPS, LAYERNORM_BWD_FLOPS,
+                                  2, 4, saved)
+        # mean/rstd and the (C,) parameters: small next to N*C but part of the traffic.
+        fwd.nbytes += 2 * 4 * N + 2 * e * C
+        bwd[0].nbytes += 2 * 4 * N + 4 * e * C
+        return fwd, bwd
+
+    def dropout(self, name, layer, elems):
+        # Forward writes the output and a 1-byte mask; backward reads the mask.
+        fwd = Op(name, "elementwise", "fwd", layer, elems, 2 * self.e * elems + elems, "",
+                 (Saved(f"{name}.mask", 1.0 * elems),), 1)
+        bwd = Op(name, "elementwise", "bwd", layer, elems, 2 * self.e * elems + elems)
+        return fwd, [bwd]
+
+    def residual(self, name, layer):
+        elems = self.N * self.spec.n_embd / self.rep
+        return self.pointwise(name, "elementwise", layer, elems, 1, 0, 3, 5)
+
+    def attention(self, layer):
+        """Attention core (between the qkv and projection matmuls) of the local heads."""
+        spec, b, s, e = self.spec, self.b, self.s, self.e
+        heads = spec.n_head / self.tp
+        d = spec.head_size
+        pairs = s * (s + 1) / 2 if self.options.causal_attention_flops else s * s
+        mm = 2.0 * b * heads * pairs * d          # one of QK^T or AV
+        soft = SOFTMAX_FLOPS * b * heads * pairs
+        qkv_elems = 3 * b * s * heads * d
+        out_elems = b * s * heads * d
+        probs = b * heads * s * s
+        if self.flash:
+            # FlashAttention (Dao et al. 2022): K and V are streamed once per block of
+            # queries held in on-chip memory, Theta(s^2 d^2 / M) traffic; nothing s x s is
+            # written.  Backward recomputes the scores: 5 matmuls instead of 4.
+            block = max(1, int(self.sram_bytes // (4 * d * e))) if self.sram_bytes else s
+            passes = -(-s // block)
+            traffic = e * b * heads * s * d * (2 + 2 * passes) + e * out_elems
+            saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.lse", 4.0 * b * heads * s))
+            fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft, traffic, "", saved, 1)
+            bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft, 2.5 * traffic)
+            return [fwd], [bwd]
+        if not self.megatron:
+            # Our fused kernel: writes scores then probabilities, keeps probabilities.
+            saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.probs", e * probs))
+            fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft,
+                     e * (qkv_elems + out_elems + 3 * probs), "", saved, 1)
+            bwd = Op("attention", "attention", "bwd", layer, 4 * mm + 2 * soft,
+                     e * (2 * qkv_elems + out_elems + 4 * probs))
+            return [fwd], [bwd]
+        # Megatron: QK^T (saves q, k), softmax (saves output), dropout (mask), AV (saves
+        # dropout output and v).
+        qk = Op("attn.qk", "attention", "fwd", layer, mm, e * (2 * out_elems + probs), "",
+                (Saved("attn.q", e * out_elems), Saved("attn.k", e * out_elems)), 1)
+        sm = Op("attn.softmax", "attention", "fwd", layer, soft, e * 2 * probs, "",
+                (Saved("attn.softmax_out", e * probs),), 1)
+        dr_fwd, dr_bwd = self.dropout("attn.dropout", layer, probs)
+        av = Op("attn.av", "attention", "fwd", layer, mm, e * (probs + 2 * out_elems), "",
+                (Saved("attn.dropout_out", e * probs), Saved("attn.v", e * out_elems)), 1)
+        fwd = [qk, sm, dr_fwd, av]
+        bwd = [Op("attn.av", "attention", "bwd", layer, 2 * mm, e * (3 * probs + 3 * out_elems))] + dr_bwd + [
+            Op("attn.softmax", "attention", "bwd", layer, soft, e * 3 * probs),
+            Op("attn.qk", "attention", "bwd", layer, 2 * mm, e * (probs + 4 * out_elems))]
+        return fwd, bwd
+
+    def mlp(self, layer):
+        spec, N = self.spec, self.N
+        C, F = spec.n_embd, spec.ffn_hidden
+        pairs = []
+        if not spec.n_experts:
+            groups = [(N, F / self.tp)]
+        else:
+            pairs.append(self.matmul("router", layer, N / self.rep, C, spec.n_experts, bias=False))
+            # Expert parallelism: each device holds n_experts/ep experts and receives its share
+            # of every device's routed tokens, so per device it sees N*top_k*capacity rows.
+            local_experts = spec.n_experts
+            rows = N * spec.top_k * spec.capacity_factor / local_experts
+            groups = [(rows, F / self.tp)] * local_experts
+        for i, (rows, hidden) in enumerate(groups):
+            tag = f"expert{i}." if spec.n_experts else ""
+            pairs.append(self.matmul(f"{tag}fc", layer, rows, C, hidden))
+            pairs.append(self.pointwise(f"{tag}gelu", "elementwise", layer, rows * hidden, GELU_FWD_FLOPS,
+                                        GELU_BWD_FLOPS, 2, 4,
+                                        [Saved(f"{tag}gelu.input", self.e * rows * hidden)]))
+            pairs.append(self.matmul(f"{tag}fcproj", layer, rows, hidden, C))
+        return pairs
+
+    def layer(self, layer):
+        """Forward ops and backward ops (in backward order) of one transformer block."""
+        spec, N = self.spec, self.N
+        C = spec.n_embd
+        pairs = [self.layernorm("ln1", layer),
+                 self.matmul("qkv", layer, N, C, 3 * C / self.tp)]
+        att_fwd, att_bwd = self.attention(layer)
+        fwd = [p[0] for p in pairs] + att_fwd
+        bwd = [op for p in pairs for op in p[1]] + att_bwd
+        pairs = [self.matmul("attproj", layer, N, C / self.tp, C)]
+        if self.megatron:
+            pairs.append(self.dropout("attproj.dropout", layer, N * C / self.rep))
+        pairs += [self.residual("residual1", layer), self.layernorm("ln2", layer)]
+        pairs += self.mlp(layer)
+        if self.megatron:
+            pairs.append(self.dropout("mlp.dropout", layer, N * C / self.rep))
+        pairs.append(self.residual("residual2", layer))
+        fwd += [p[0] for p in pairs]
+        bwd += [op for p in pairs for op in p[1]]
+        return fwd, bwd[::-1]
+
+    def embedding(self):
+        C, N, e = self.spec.n_embd, self.N, self.e
+        fwd = Op("encoder", "embedding", "fwd", -1, N * C, 4 * N + e * 3 * N * C)
+        bwd = Op("encoder", "embedding", "bwd", -1, 2 * N * C, 4 * N + e * 5 * N * C)
+        return fwd, [bwd]
+
+    def head(self):
+        """Final layernorm, tied LM head (vocab split over tp) and cross-entropy."""
+        spec, N, e = self.spec, self.N, self.e
+        Vp = spec.padded_vocab / self.tp
+        lnf = self.layernorm("lnf", -1)
+        logits = self.matmul("lm_head", -1, N, spec.n_embd, Vp, bias=False)
+        # The loss keeps the log-sum-exp; logits stay alive for the backward (dlogits are
+        # written in place over them).
+        loss_saved = (Saved("loss.logits", e * N * Vp), Saved("loss.lse", 4.0 * N))
+        loss = (Op("loss", "loss", "fwd", -1, SOFTMAX_FLOPS * N * Vp, e * N * Vp + 8 * N, "", loss_saved, 1),
+                [Op("loss", "loss", "bwd", -1, SOFTMAX_FLOPS * N * Vp, e * 2 * N * Vp + 8 * N)])
+        return [lnf, logits, loss]
+
+
+def binomial_recompute_steps(n_steps, slots):
+    """Extra forward step evaluations to reverse ``n_steps`` layers with ``slots`` checkpoints.
+
+    Griewank's binomial checkpointing, by dynamic programming: the first forward sweep
+    places checkpoints for free; reversing a step re-runs it once with recording; getting
+    back to a step's input from the nearest checkpoint costs one evaluation per step
+    advanced.  With slots >= n_steps - 1 every layer input is stored and the cost is
+    n_steps (one recording re-run per layer).
+    """
+    if n_steps < 1 or slots < 0:
+        raise ValueError(f"binomial checkpointing needs n_steps >= 1 and slots >= 0, got {n_steps}, {slots}")
+    slots = min(slots, n_steps - 1)
+    # advance[n][c]: evaluations to advance from a stored state while reversing n steps.
+    advance = [[0] * (slots + 1) for _ in range(n_steps + 1)]
+    free = [[0] * (slots + 1) for _ in range(n_steps + 1)]
+    for n in range(2, n_steps + 1):
+        advance[n][0] = n * (n - 1) // 2
+        free[n][0] = n * (n - 1) // 2
+        for c in range(1, slots + 1):
+            advance[n][c] = min(k + advance[n - k][c - 1] + advance[k][c] for k in range(1, n))
+            free[n][c] = min(free[n - k][c - 1] + advance[k][c] for k in range(1, n))
+    return n_steps + free[n_steps][slots]
+
+
+def recompute_layer_passes(parallel, n_layers):
+    """How many extra forward passes of whole layers the recompute policy costs (per micro-batch)."""
+    policy = parallel.recompute
+    if policy in ("full", "per_layer"):
+        return n_layers
+    if policy == "binomial":
+        return binomial_recompute_steps(n_layers, parallel.checkpoints)
+    return 0
+
+
+def step_graph(spec, workload, parallel, options=GraphOptions(), stage=0, sram_bytes=0.0):
+    """Ops one device runs for one micro-batch of pipeline stage ``stage``, plus the optimizer step.
+
+    Returns a list of Ops: forward, recompute, backward (phase tells which), optimizer.
+    Optimizer ops are for the whole step (they run once, not per micro-batch).
+    """
+    if not 0 <= stage < parallel.pp:
+        raise ValueError(f"stage must be in [0, {parallel.pp}), got {stage}")
+    if spec.n_layer % parallel.pp:
+        raise ValueError(f"n_layer ({spec.n_layer}) must be divisible by pp ({parallel.pp})")
+    if spec.n_head % parallel.tp:
+        raise ValueError(f"n_head ({spec.n_head}) must be divisible by tp ({parallel.tp})")
+    b = workload.micro_batch_size(parallel)
+    builder = _Builder(spec, b, workload.seq_len, workload.act_bytes, parallel.tp, parallel.sequence_parallel,
+                       parallel.flash_attention, options, sram_bytes)
+    per_stage = spec.n_layer // parallel.pp
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    first, last = stage == 0, stage == parallel.pp - 1
+
+    fwd, bwd = [], []
+    if first:
+        f, bw = builder.embedding()
+        fwd.append(f)
+        bwd = bw + bwd
+    layer_fwd = {}
+    for layer in layers:
+        f, bw = builder.layer(layer)
+        layer_fwd[layer] = f
+        fwd += f
+        bwd = bw + bwd
+    if last:
+        head_bwd = []
+        for f, bw in builder.head():
+            fwd.append(f)
+            head_bwd = bw + head_bwd
+        bwd = head_bwd + bwd
+
+    recompute = []
+    if parallel.recompute == "selective" and not parallel.flash_attention:
+        for layer in layers:
+            recompute += [_as_recompute(op) for op in layer_fwd[layer] if op.op_class == "attention"]
+    elif parallel.recompute in ("full", "per_layer", "binomial"):
+        passes = recompute_layer_passes(parallel, per_stage)
+        # Passes are spread evenly over the layers for the bookkeeping of time; for the
+        # full and per_layer policies that is exactly one re-run per layer.
+        for i in range(passes):
+            recompute += [_as_recompute(op) for op in layer_fwd[layers[i % per_stage]]]
+
+    optim = optimizer_ops(spec, parallel, stage, workload)
+    return fwd + recompute + bwd + optim
+
+
+def _as_recompute(op):
+    return Op(op.name, op.op_class, "recompute", op.layer, op.flops, op.nbytes, op.variant)
+
+
+def stage_parameters(spec, parallel, stage):
+    """Parameters held by one device of ``stage`` before ZeRO sharding (tensor-parallel split)."""
+    per_stage = spec.n_layer // parallel.pp
+    params = per_stage * spec.layer_params()
+    if spec.n_experts:
+        # Experts are split over the expert-parallel group.
+        params -= per_stage * spec.mlp_params_per_expert * spec.n_experts * (1 - 1 / parallel.ep)
+    params /= parallel.tp
+    if stage == 0:
+        params += spec.embedding_params() / parallel.tp
+    if stage == parallel.pp - 1:
+        params += 2 * spec.n_embd
+        if parallel.pp > 1:
+            # The last stage keeps its own copy of the tied embedding for the LM head.
+            params += spec.padded_vocab * spec.n_embd / parallel.tp
+    return params
+
+
+def optimizer_ops(spec, parallel, stage, workload):
+    """Zeroing gradients and AdamW over the parameters this device updates."""
+    params = stage_parameters(spec, parallel, stage)
+    updated = params / parallel.dp if parallel.sharding >= 1 else params
+    grad_bytes = workload.act_bytes
+    zero = Op("zero_grad", "optimizer", "optim", -1, 0.0, grad_bytes * params)
+    # AdamW reads param, grad, m, v and writes param, m, v in fp32; with 16-bit training
+    # it also writes the 16-bit copy of the parameters.
+    extra = 2.0 if workload.act_bytes == 2 else 0.0
+    adam = Op("adamw", "optimizer", "optim", -1, ADAMW_FLOPS * updated,
+              (6 * 4 + grad_bytes + extra) * updated)
+    return [zero, adam]
+
+
+def palm_flops_per_token(n_params, n_layer, n_head, head_dim, seq_len):
+    """PaLM's model FLOPs per token (Chowdhery et al. 2022, App. B): 6N + 12 L H Q T."""
+    return 6.0 * n_params + 12.0 * n_layer * n_head * head_dim * seq_len
+
+
+def model_flops_per_token(spec, seq_len):
+    """PaLM's definition for a ModelSpec: N counts the parameters a token uses, without the
+    position embedding (it does no arithmetic; PaLM has none)."""
+    n = spec.active_parameters() - spec.block_size * spec.n_embd
+    return palm_flops_per_token(n, spec.n_layer, spec.n_head, spec.head_size, seq_len)
+
+
+def megatron_flops(spec, batch, seq_len, full_recompute=True):
+    """Narayanan et al. 2021, eq. (3): 96 B s l h^2 (1 + s/6h + V/16lh) with activation
+    recomputation, 72 B s l h^2 (1 + s/6h + V/12lh) without (matmul FLOPs per iteration)."""
+    B, s, l, h, V = batch, seq_len, spec.n_layer, spec.n_embd, spec.padded_vocab
+    if full_recompute:
+        return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def mfu(flops_per_token, tokens_per_second, peak_flops_total):
+    """Model FLOPs utilisation (PaLM): achieved model FLOP/s over the peak of all devices."""
+    return flops_per_token * tokens_per_second / peak_flops_total

@@ -1,0 +1,168 @@
+"""Hardware profiles: peak rates, efficiency curves and interconnect, as plain JSON data.
+
+A profile says how fast one device computes and moves bytes, and how devices talk.
+Published profiles (A100, H100, a generic CPU) ship in ``profiles/``; the profile of
+this machine is written by ``python -m gpt2.perfmodel.calibrate``.
+
+Efficiency is not one number: a small op reaches a smaller share of the peak than a
+large one.  Each curve is ``eff(x) = max_efficiency * x / (x + half_size)``, where x is
+the op's FLOPs (matmuls) or bytes (memory-bound ops): x = half_size gives half of
+``max_efficiency``.  Matmuls have one curve per product: the forward product and the
+two backward ones (input gradient, weight gradient), because BLAS runs their
+transposes at different speeds.
+"""
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+
+MATMUL_VARIANTS = ("fwd", "bwd_input", "bwd_weight")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class EfficiencyCurve:
+    """eff(x) = max_efficiency * x / (x + half_size); x in FLOPs or bytes."""
+    max_efficiency: float
+    half_size: float
+
+    def __post_init__(self):
+        if not (0.0 < self.max_efficiency <= 4.0):
+            # Above 1 is allowed: cache-resident data beats the DRAM bandwidth.
+            raise ValueError(f"max_efficiency must be in (0, 4], got {self.max_efficiency!r}")
+        if not (self.half_size >= 0.0 and math.isfinite(self.half_size)):
+            raise ValueError(f"half_size must be finite and >= 0, got {self.half_size!r}")
+
+    def __call__(self, size):
+        if size <= 0:
+            return self.max_efficiency
+        return self.max_efficiency * size / (size + self.half_size)
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """Links between devices: within a node and across nodes (bytes/s, seconds)."""
+    devices_per_node: int = 1
+    intra_node_bandwidth: float = 0.0
+    intra_node_latency: float = 0.0
+    inter_node_bandwidth: float = 0.0
+    inter_node_latency: float = 0.0
+
+    def link(self, group_size, spans_nodes):
+        """(bandwidth, latency) of a collective over ``group_size`` devices."""
+        if spans_nodes:
+            return self.inter_node_bandwidth, self.inter_node_latency
+        return self.intra_node_bandwidth, self.intra_node_latency
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    kind: str                      # "cpu" or "gpu"
+    source: str                    # where the figures come from
+    peak_flops: dict               # precision -> FLOP/s of one device
+    memory_bandwidth: float        # bytes/s of one device's main memory
+    memory_capacity: float         # bytes of one device's main memory
+    matmul_efficiency: dict        # variant -> EfficiencyCurve
+    memory_efficiency: EfficiencyCurve
+    op_overhead: float = 0.0       # seconds per kernel call (launch, Python call, OpenMP fork)
+    tape_overhead: float = 0.0     # seconds per tape record pushed and popped
+    disk_bandwidth: float = 0.0    # bytes/s to the tape's spill directory (write and read back)
+    threads: int = 0               # CPU: threads the figures were measured with (0: n/a)
+    sram_bytes: float = 0.0        # on-chip memory per core/SM, for FlashAttention traffic
+    baseline_rss: float = 0.0      # bytes the process holds before any model memory (CPU)
+    interconnect: Interconnect = field(default_factory=Interconnect)
+
+    def __post_init__(self):
+        if self.kind not in ("cpu", "gpu"):
+            raise ValueError(f"profile {self.name!r}: kind must be 'cpu' or 'gpu', got {self.kind!r}")
+        if not self.peak_flops or any(p not in PRECISIONS for p in self.peak_flops):
+            raise ValueError(f"profile {self.name!r}: peak_flops keys must be among {PRECISIONS}, "
+                             f"got {sorted(self.peak_flops)}")
+        for key, value in self.peak_flops.items():
+            if not value > 0:
+                raise ValueError(f"profile {self.name!r}: peak_flops[{key!r}] must be > 0, got {value!r}")
+        missing = [v for v in MATMUL_VARIANTS if v not in self.matmul_efficiency]
+        if missing:
+            raise ValueError(f"profile {self.name!r}: matmul_efficiency lacks {missing}")
+        for key in ("memory_bandwidth", "memory_capacity"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"profile {self.name!r}: {key} must be > 0, got {getattr(self, key)!r}")
+        for key in ("op_overhead", "tape_overhead", "disk_bandwidth", "sram_bytes", "baseline_rss"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"profile {self.name!r}: {key} must be >= 0, got {getattr(self, key)!r}")
+
+    def peak(self, precision):
+        try:
+            return self.peak_flops[precision]
+        except KeyError:
+            raise ValueError(f"profile {self.name!r} has no peak for precision {precision!r}; "
+                             f"it has {sorted(self.peak_flops)}") from None
+
+    def matmul_time(self, flops, variant, precision):
+        """Seconds for a matmul of ``flops`` FLOPs, without the per-call overhead."""
+        if flops <= 0:
+            return 0.0
+        return flops / (self.peak(precision) * self.matmul_efficiency[variant](flops))
+
+    def memory_time(self, nbytes):
+        """Seconds to stream ``nbytes`` through main memory, without the per-call overhead."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / (self.memory_bandwidth * self.memory_efficiency(nbytes))
+
+    def to_dict(self):
+        return asdict(self)
+
+    def with_changes(self, **changes):
+        return replace(self, **changes)
+
+
+def profile_from_dict(data, origin="<dict>"):
+    """Build a profile from its JSON form; errors name ``origin`` and the bad field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{origin}: a hardware profile must be a JSON object")
+    data = dict(data)
+    try:
+        data["matmul_efficiency"] = {k: EfficiencyCurve(**v) for k, v in data["matmul_efficiency"].items()}
+        data["memory_efficiency"] = EfficiencyCurve(**data["memory_efficiency"])
+        data["interconnect"] = Interconnect(**data.get("interconnect", {}))
+        return HardwareProfile(**data)
+    except KeyError as exc:
+        raise ValueError(f"{origin}: hardware profile lacks field {exc.args[0]!r}") from None
+    except TypeError as exc:
+        raise ValueError(f"{origin}: malformed hardware profile: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{origin}: {exc}") from None
+
+
+def load_profile(name_or_path):
+    """Load a profile by file path or by the name of a shipped profile (``a100-80gb-sxm``)."""
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(PROFILE_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"hardware profile {name_or_path!r} not found (as a path or in "
+                                f"{PROFILE_DIR}: {', '.join(available_profiles())})")
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    return profile_from_dict(data, origin=path)
+
+
+def save_profile(profile, path):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(profile.to_dict(), f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def available_profiles():
+    if not os.path.isdir(PROFILE_DIR):
+        return []
+    return sorted(n[:-5] for n in os.listdir(PROFILE_DIR) if n.endswith(".json"))
