@@ -51,7 +51,7 @@ def openmp_flags():
 
 omp_compile, omp_link = openmp_flags()
 compile_args = ["-O0", "-g"] if DEBUG else ["-O3"]
-compile_args += ["-Wno-unreachable-code", "-Wno-unused-function"]
+compile_args += ["-Wno-unreachable-code", "-Wno-unused-function", "-Wno-format-truncation"]
 if NATIVE:
     compile_args.append("-march=native")
 

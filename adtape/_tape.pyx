@@ -1,0 +1,1669 @@
+"""The layered tape: inline small buffer, linked slabs, locking, spill to disk, prefetch.
+
+A Tape is a LIFO byte stack.  The first ``sbo_size`` elements live in a buffer
+inside the Tape object; past it, fixed-size slabs are linked, so growth never
+moves stored bytes.  With a ``memory_budget``, the oldest slabs (for a LIFO the
+least recently used) are written to an unlinked spill file by a background I/O
+thread, in units of at least ``spill_unit`` bytes, each slab with a checksum;
+popping reads them back, and the I/O thread prefetches the next
+``prefetch_depth`` units below the head before they are needed.
+
+Concurrency model: every push/pop/peek takes the tape's spin lock (unless
+``threadsafe=False``), so threads sharing one tape keep the multiset of entries
+and the length exact; the order in which concurrent threads interleave is not
+defined.  A reverse sweep that needs exact LIFO order per thread uses one tape
+per thread (``ThreadLocalTapes``).  Slab states (resident, writing, on disk,
+loading, corrupt) change only under ``io_mu``, taken by the slow paths and the
+I/O thread; the fast paths touch only the head slab, which is always resident
+and never seen by the I/O thread.
+"""
+
+cimport cython
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from libc.errno cimport errno, EINTR, EIO
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdio cimport snprintf
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memset, strncpy, strerror
+from posix.types cimport off_t
+
+import atexit
+import os
+import tempfile
+import threading
+import weakref
+
+import numpy as np
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "unistd.h" nogil:
+    ssize_t pread(int fd, void* buf, size_t count, off_t offset)
+    ssize_t pwrite(int fd, const void* buf, size_t count, off_t offset)
+    int ftruncate(int fd, off_t length)
+    int close(int fd)
+    int unlink(const char* path)
+
+cdef extern from "stdlib.h" nogil:
+    int mkstemp(char* template)
+
+cdef extern from "sys/mman.h" nogil:
+    void* mmap(void* addr, size_t length, int prot, int flags, int fd, off_t offset)
+    int munmap(void* addr, size_t length)
+    int PROT_READ
+    int PROT_WRITE
+    int MAP_PRIVATE
+    int MAP_ANONYMOUS
+    void* MAP_FAILED
+
+cdef extern from "pthread.h" nogil:
+    int pthread_mutex_init(pthread_mutex_t* m, void* attr)
+    int pthread_mutex_destroy(pthread_mutex_t* m)
+    int pthread_mutex_lock(pthread_mutex_t* m)
+    int pthread_mutex_unlock(pthread_mutex_t* m)
+    int pthread_cond_init(pthread_cond_t* c, void* attr)
+    int pthread_cond_destroy(pthread_cond_t* c)
+    int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
+    int pthread_cond_signal(pthread_cond_t* c)
+    int pthread_cond_broadcast(pthread_cond_t* c)
+    int pthread_create(pthread_t* th, void* attr, void* (*fn)(void*) noexcept nogil, void* arg)
+    int pthread_join(pthread_t th, void** ret)
+
+DEF TRAILER = 24          # sizeof(RecordTrailer)
+DEF MMAP_MIN = 131072     # slabs this large are mapped, so freeing returns memory to the OS
+DEF MAX_SBO_BYTES = 2048
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+class TapeError(Exception):
+    """Base class of tape errors."""
+
+
+class TapeClosedError(TapeError, ValueError):
+    """An operation on a tape that was closed."""
+
+
+class TapeCorruptionError(TapeError):
+    """A spilled unit failed its checksum when read back."""
+
+
+class SpillError(TapeError, OSError):
+    """Writing to or creating the spill file failed (full disk, unwritable dir)."""
+
+
+cdef void set_err(TapeStruct* t, int code, int err, off_t offset, const char* msg) noexcept nogil:
+    t.err_code = code
+    t.err_errno = err
+    t.err_offset = offset
+    strncpy(t.err_msg, msg, 511)
+    t.err_msg[511] = 0
+
+
+cdef int fail(TapeStruct* t, int code, const char* msg) noexcept nogil:
+    set_err(t, code, 0, 0, msg)
+    return -1
+
+
+# ---------------------------------------------------------------------------
+# Slab memory and checksums
+# ---------------------------------------------------------------------------
+
+cdef inline size_t round8(size_t n) noexcept nogil:
+    return (n + 7) & ~(<size_t>7)
+
+
+cdef char* data_alloc(size_t cap) noexcept nogil:
+    cdef void* p
+    if cap >= MMAP_MIN:
+        p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        return NULL if p == MAP_FAILED else <char*>p
+    return <char*>malloc(cap)
+
+
+cdef void data_free(char* p, size_t cap) noexcept nogil:
+    if p == NULL:
+        return
+    if cap >= MMAP_MIN:
+        munmap(p, cap)
+    else:
+        free(p)
+
+
+cdef uint64_t checksum(const char* p, size_t n) noexcept nogil:
+    """Four independent multiply-xor lanes over 8-byte words, then the tail."""
+    cdef uint64_t h0 = 0x9E3779B97F4A7C15ULL, h1 = 0xC2B2AE3D27D4EB4FULL
+    cdef uint64_t h2 = 0x165667B19E3779F9ULL, h3 = 0x27D4EB2F165667C5ULL
+    cdef uint64_t w0, w1, w2, w3, tail = 0
+    cdef uint64_t M = 0x9FB21C651E98DF25ULL
+    cdef size_t i = 0
+    while i + 32 <= n:
+        memcpy(&w0, p + i, 8); memcpy(&w1, p + i + 8, 8)
+        memcpy(&w2, p + i + 16, 8); memcpy(&w3, p + i + 24, 8)
+        h0 = (h0 ^ w0) * M; h1 = (h1 ^ w1) * M
+        h2 = (h2 ^ w2) * M; h3 = (h3 ^ w3) * M
+        i += 32
+    while i < n:
+        tail = (tail ^ <unsigned char>p[i]) * 0x100000001B3ULL
+        i += 1
+    h0 ^= (h1 << 17 | h1 >> 47) ^ (h2 << 31 | h2 >> 33) ^ (h3 << 47 | h3 >> 17) ^ tail ^ n
+    h0 ^= h0 >> 33
+    h0 *= 0xFF51AFD7ED558CCDULL
+    h0 ^= h0 >> 33
+    return h0
+
+
+# ---------------------------------------------------------------------------
+# Window helpers: the head slab and its bounds
+# ---------------------------------------------------------------------------
+
+cdef inline size_t cur_pos(TapeStruct* t) noexcept nogil:
+    return t.head.base + <size_t>(t.top - t.floor)
+
+
+cdef inline void set_window(TapeStruct* t, Slab* s, size_t fill) noexcept nogil:
+    t.head = s
+    t.floor = s.data
+    t.limit = s.data + s.cap
+    t.top = s.data + fill
+    if <size_t>t.last_record_end > s.base:
+        t.fence = s.data + (<size_t>t.last_record_end - s.base)
+    else:
+        t.fence = s.data
+
+
+# ---------------------------------------------------------------------------
+# Free-slab pool and release (io_mu held)
+# ---------------------------------------------------------------------------
+
+cdef void release_slab(TapeStruct* t, Slab* s) noexcept nogil:
+    """Return a slab no longer in the chain: to the pool if standard, else free it."""
+    if s.state == SLAB_ON_DISK or s.state == SLAB_CORRUPT:
+        t.spilled_bytes -= s.used
+        free(s)
+        t.heap_slabs -= 1
+        return
+    if s.cap == t.slab_bytes and t.pool_count < t.max_free_slabs:
+        s.next = t.pool
+        s.prev = NULL
+        t.pool = s
+        t.pool_count += 1
+        return
+    data_free(s.data, s.cap)
+    t.resident_bytes -= s.cap
+    t.heap_slabs -= 1
+    free(s)
+
+
+cdef Slab* take_slab(TapeStruct* t, size_t cap) noexcept nogil:
+    """A resident slab of at least cap bytes: from the pool, else newly allocated."""
+    cdef Slab* s
+    if cap <= t.slab_bytes and t.pool != NULL:
+        s = t.pool
+        t.pool = s.next
+        t.pool_count -= 1
+    else:
+        if cap < t.slab_bytes:
+            cap = t.slab_bytes
+        s = <Slab*>malloc(sizeof(Slab))
+        if s == NULL:
+            return NULL
+        s.data = data_alloc(cap)
+        if s.data == NULL:
+            free(s)
+            return NULL
+        s.cap = cap
+        s.heap = 1
+        t.heap_slabs += 1
+        t.resident_bytes += cap
+        if t.resident_bytes > t.peak_resident_bytes:
+            t.peak_resident_bytes = t.resident_bytes
+    s.prev = NULL
+    s.next = NULL
+    s.used = 0
+    s.base = 0
+    s.state = SLAB_RESIDENT
+    s.prefetched = 0
+    s.file_offset = 0
+    s.checksum = 0
+    return s
+
+
+cdef void recycle_buffer(TapeStruct* t, Slab* s) noexcept nogil:
+    """Take a spilled slab's buffer: into the pool for the next head (no fresh pages to
+    fault in), else free it (io_mu held)."""
+    cdef Slab* spare = NULL
+    if s.cap == t.slab_bytes and t.pool_count < t.max_free_slabs:
+        spare = <Slab*>malloc(sizeof(Slab))
+    if spare != NULL:
+        memset(spare, 0, sizeof(Slab))
+        spare.data = s.data
+        spare.cap = s.cap
+        spare.heap = 1
+        spare.next = t.pool
+        t.pool = spare
+        t.pool_count += 1
+        t.heap_slabs += 1
+    else:
+        data_free(s.data, s.cap)
+        t.resident_bytes -= s.cap
+    s.data = NULL
+
+
+cdef void free_pooled(TapeStruct* t) noexcept nogil:
+    cdef Slab* s = t.pool
+    t.pool = s.next
+    t.pool_count -= 1
+    data_free(s.data, s.cap)
+    t.resident_bytes -= s.cap
+    t.heap_slabs -= 1
+    free(s)
+
+
+# ---------------------------------------------------------------------------
+# The I/O thread
+# ---------------------------------------------------------------------------
+
+cdef int write_all(int fd, const char* p, size_t n, off_t off) noexcept nogil:
+    cdef ssize_t w
+    while n > 0:
+        w = pwrite(fd, p, n, off)
+        if w < 0:
+            if errno == EINTR:
+                continue
+            return errno
+        if w == 0:
+            return EIO
+        p += w
+        n -= w
+        off += w
+    return 0
+
+
+cdef int read_all(int fd, char* p, size_t n, off_t off) noexcept nogil:
+    cdef ssize_t r
+    while n > 0:
+        r = pread(fd, p, n, off)
+        if r < 0:
+            if errno == EINTR:
+                continue
+            return errno
+        if r == 0:
+            return EIO
+        p += r
+        n -= r
+        off += r
+    return 0
+
+
+cdef void reclaim_file(TapeStruct* t, Slab* s) noexcept nogil:
+    """A slab's file bytes are free again: shrink the spill file from the top (io_mu held)."""
+    if s.file_offset + <off_t>s.used == t.file_end:
+        t.file_end = s.file_offset
+    if t.file_size - t.file_end >= <off_t>(8 * t.spill_unit) or (t.file_end == 0 and t.file_size > 0):
+        if ftruncate(t.fd, t.file_end) == 0:
+            t.file_size = t.file_end
+
+
+cdef int load_slab_data(TapeStruct* t, Slab* s) noexcept nogil:
+    """Read a LOADING slab's bytes and check them (io_mu NOT held).  Returns errno or -1 on checksum."""
+    cdef int err = read_all(t.fd, s.data, s.used, s.file_offset)
+    if err:
+        return err
+    if checksum(s.data, s.used) != s.checksum:
+        return -1
+    return 0
+
+
+cdef void finish_load(TapeStruct* t, Slab* s, int err, int prefetched) noexcept nogil:
+    """Publish the result of a read (io_mu held)."""
+    if err == 0:
+        s.state = SLAB_RESIDENT
+        s.prefetched = prefetched
+        t.spilled_bytes -= s.used
+        t.n_reloads += 1
+        reclaim_file(t, s)
+    else:
+        data_free(s.data, s.cap)
+        t.resident_bytes -= s.cap
+        s.data = NULL
+        s.state = SLAB_CORRUPT
+        s.prefetched = err      # kept for the error message: -1 checksum, else errno
+
+
+cdef void* io_main(void* arg) noexcept nogil:
+    cdef TapeStruct* t = <TapeStruct*>arg
+    cdef IORequest* req
+    cdef Slab* s
+    cdef int i, err
+    cdef off_t bad_offset
+    pthread_mutex_lock(&t.io_mu)
+    while True:
+        while t.queue_head == NULL and not t.io_stop:
+            pthread_cond_wait(&t.io_cv, &t.io_mu)
+        if t.queue_head == NULL:
+            break
+        req = t.queue_head
+        t.queue_head = req.next
+        if t.queue_head == NULL:
+            t.queue_tail = NULL
+        t.io_busy = 1
+        if req.is_write:
+            # Once a write failed, later queued writes fail too, so the spilled
+            # slabs stay a prefix of the chain until the error is reported.
+            err = t.io_errno
+            if err == 0:
+                err = t.inject_write_errno
+            bad_offset = req.first.file_offset
+            pthread_mutex_unlock(&t.io_mu)
+            s = req.first
+            if err == 0:
+                for i in range(req.count):
+                    s.checksum = checksum(s.data, s.used)
+                    err = write_all(t.fd, s.data, s.used, s.file_offset)
+                    if err:
+                        bad_offset = s.file_offset
+                        break
+                    s = s.next
+            pthread_mutex_lock(&t.io_mu)
+            s = req.first
+            for i in range(req.count):
+                t.writing_bytes -= s.cap
+                if err == 0:
+                    if s.file_offset + <off_t>s.used > t.file_size:
+                        t.file_size = s.file_offset + <off_t>s.used
+                    recycle_buffer(t, s)
+                    s.state = SLAB_ON_DISK
+                    t.spilled_bytes += s.used
+                    t.n_spills += 1
+                else:
+                    s.state = SLAB_RESIDENT
+                s = s.next
+            if err:
+                if t.io_errno == 0:
+                    t.io_errno = err
+                    t.io_err_offset = bad_offset
+                if req.first.file_offset < t.io_rollback_end:
+                    t.io_rollback_end = req.first.file_offset
+        else:
+            pthread_mutex_unlock(&t.io_mu)
+            s = req.first
+            for i in range(req.count):
+                s.io_result = load_slab_data(t, s)
+                s = s.next
+            pthread_mutex_lock(&t.io_mu)
+            s = req.first
+            for i in range(req.count):
+                finish_load(t, s, s.io_result, 1)
+                s = s.next
+        free(req)
+        t.io_busy = 0
+        pthread_cond_broadcast(&t.done_cv)
+    pthread_mutex_unlock(&t.io_mu)
+    return NULL
+
+
+cdef int open_spill_file(TapeStruct* t) noexcept nogil:
+    """Create the spill file and unlink it at once, so no path outlives the process."""
+    cdef char msg[512]
+    snprintf(t.spill_path, sizeof(t.spill_path), "%s/adtape-spill-XXXXXX", t.spill_dir)
+    t.fd = mkstemp(t.spill_path)
+    if t.fd < 0:
+        snprintf(msg, sizeof(msg), "cannot create a spill file in spill_dir %s: %s",
+                 t.spill_dir, strerror(errno))
+        set_err(t, ERR_IO, errno, 0, msg)
+        return -1
+    unlink(t.spill_path)
+    return 0
+
+
+cdef int start_io_thread(TapeStruct* t) noexcept nogil:
+    if t.io_started:
+        return 0
+    if pthread_create(&t.io_thread, NULL, io_main, t) != 0:
+        return fail(t, ERR_NOMEM, "cannot start the tape's I/O thread")
+    t.io_started = 1
+    return 0
+
+
+cdef int enqueue(TapeStruct* t, int is_write, Slab* first, int count) noexcept nogil:
+    cdef IORequest* req = <IORequest*>malloc(sizeof(IORequest))
+    if req == NULL:
+        return fail(t, ERR_NOMEM, "out of memory queueing tape I/O")
+    req.is_write = is_write
+    req.first = first
+    req.count = count
+    req.next = NULL
+    if t.queue_tail == NULL:
+        t.queue_head = req
+    else:
+        t.queue_tail.next = req
+    t.queue_tail = req
+    pthread_cond_signal(&t.io_cv)
+    return 0
+
+
+cdef int report_io_error(TapeStruct* t) noexcept nogil:
+    """Turn a failed background write into this call's error (io_mu held).
+
+    Waits until no write is in flight, so that file_end can go back to the
+    lowest failed offset; every failed slab is resident again, nothing is lost.
+    """
+    cdef char msg[512]
+    cdef int err = t.io_errno
+    while t.io_busy or t.queue_head != NULL:
+        pthread_cond_wait(&t.done_cv, &t.io_mu)
+    snprintf(msg, sizeof(msg),
+             "writing to the spill file %s (unlinked) at offset %lld failed: %s; "
+             "the data stays in memory and the tape is unchanged",
+             t.spill_path, <long long>t.io_err_offset, strerror(err))
+    set_err(t, ERR_IO, err, t.io_err_offset, msg)
+    if t.io_rollback_end < t.file_end:
+        t.file_end = t.io_rollback_end
+    t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
+    t.io_errno = 0
+    return -1
+
+
+cdef int spill_oldest(TapeStruct* t) noexcept nogil:
+    """Queue the oldest run of resident heap slabs below the head for writing (io_mu held).
+
+    Returns 1 if a batch was queued, 0 if nothing can be spilled, -1 on error.
+    """
+    cdef Slab* s = t.inline_slab.next
+    cdef Slab* first
+    cdef size_t batch = 0
+    cdef int count = 0
+    while s != NULL and s != t.head and s.state != SLAB_RESIDENT:
+        s = s.next
+    if s == NULL or s == t.head:
+        return 0
+    if t.fd < 0 and open_spill_file(t) < 0:
+        return -1
+    if start_io_thread(t) < 0:
+        return -1
+    first = s
+    while s != t.head and s.state == SLAB_RESIDENT and batch < t.spill_unit:
+        s.state = SLAB_WRITING
+        s.file_offset = t.file_end
+        t.file_end += s.used
+        t.writing_bytes += s.cap
+        batch += s.used
+        count += 1
+        s = s.next
+    if enqueue(t, 1, first, count) < 0:
+        return -1
+    return 1
+
+
+cdef int enforce_budget(TapeStruct* t) noexcept nogil:
+    """Bring resident bytes within the budget (io_mu held).
+
+    Frees pooled slabs first, then spills the oldest slabs; blocks on in-flight
+    writes only when they are needed to meet the budget.  Writes start early
+    (write-ahead) so that a steady stream of pushes rarely waits for the disk.
+    """
+    cdef int rc
+    cdef int64_t budget = t.memory_budget
+    cdef int64_t ahead
+    if budget < 0:
+        return 0
+    while True:
+        if t.io_errno:
+            return report_io_error(t)
+        if <int64_t>t.resident_bytes <= budget:
+            break
+        if t.pool != NULL:
+            free_pooled(t)
+            continue
+        if <int64_t>(t.resident_bytes - t.writing_bytes) > budget:
+            rc = spill_oldest(t)
+            if rc < 0:
+                return -1
+            if rc == 1:
+                continue
+        if t.writing_bytes > 0:
+            pthread_cond_wait(&t.done_cv, &t.io_mu)
+            continue
+        break
+    ahead = <int64_t>(2 * t.spill_unit)
+    if ahead > budget // 4:
+        ahead = budget // 4
+    if t.writing_bytes == 0 and <int64_t>t.resident_bytes > budget - ahead:
+        if spill_oldest(t) < 0:
+            return -1
+    return 0
+
+
+cdef int give_buffer(TapeStruct* t, Slab* s) noexcept nogil:
+    """Attach a data buffer to an on-disk slab about to be read (io_mu held)."""
+    cdef Slab* spare
+    if s.cap == t.slab_bytes and t.pool != NULL:
+        spare = t.pool
+        t.pool = spare.next
+        t.pool_count -= 1
+        s.data = spare.data
+        t.heap_slabs -= 1
+        free(spare)
+        return 0
+    s.data = data_alloc(s.cap)
+    if s.data == NULL:
+        return fail(t, ERR_NOMEM, "out of memory reading a spilled slab back")
+    t.resident_bytes += s.cap
+    if t.resident_bytes > t.peak_resident_bytes:
+        t.peak_resident_bytes = t.resident_bytes
+    return 0
+
+
+cdef void prefetch(TapeStruct* t) noexcept nogil:
+    """Queue reads of the next prefetch_depth spilled units below the head (io_mu held).
+
+    Looks only a bounded window below the head, and reads only while the
+    buffers fit in the budget: a prefetch never pushes the tape over it.
+    """
+    cdef Slab* s = t.head.prev
+    cdef Slab* low
+    cdef size_t unit_bytes
+    cdef int units = 0, count, window
+    window = t.prefetch_depth * (<int>(t.spill_unit // t.slab_bytes) + 1) + 2
+    while s != NULL and units < t.prefetch_depth and window > 0:
+        if s.state != SLAB_ON_DISK:
+            s = s.prev
+            window -= 1
+            continue
+        count = 0
+        unit_bytes = 0
+        low = s
+        while (s != NULL and s.state == SLAB_ON_DISK and unit_bytes < t.spill_unit
+               and (t.memory_budget < 0 or <int64_t>(t.resident_bytes + s.cap) <= t.memory_budget
+                    or (s.cap == t.slab_bytes and t.pool != NULL))):
+            if give_buffer(t, s) < 0:
+                t.err_code = ERR_NONE
+                break
+            s.state = SLAB_LOADING
+            unit_bytes += s.used
+            count += 1
+            low = s
+            s = s.prev
+        if count == 0:
+            return
+        if enqueue(t, 0, low, count) < 0:
+            t.err_code = ERR_NONE
+            return
+        units += 1
+        window -= count
+
+
+cdef int ensure_resident(TapeStruct* t, Slab* s) noexcept nogil:
+    """Make slab s resident, waiting for or doing the read (io_mu held)."""
+    cdef int err
+    cdef int waited = 0
+    cdef char msg[512]
+    while True:
+        if s.state == SLAB_RESIDENT:
+            if s.prefetched:
+                s.prefetched = 0
+                if not waited:
+                    t.prefetch_hits += 1
+            return 0
+        if s.state == SLAB_CORRUPT:
+            if s.prefetched == -1:
+                snprintf(msg, sizeof(msg),
+                         "spill file %s (unlinked), offset %lld, %zu bytes: checksum mismatch",
+                         t.spill_path, <long long>s.file_offset, s.used)
+                set_err(t, ERR_CORRUPT, 0, s.file_offset, msg)
+            else:
+                snprintf(msg, sizeof(msg),
+                         "reading spill file %s (unlinked) at offset %lld failed: %s",
+                         t.spill_path, <long long>s.file_offset, strerror(s.prefetched))
+                set_err(t, ERR_CORRUPT, s.prefetched, s.file_offset, msg)
+            return -1
+        if s.state == SLAB_ON_DISK:
+            if give_buffer(t, s) < 0:
+                return -1
+            s.state = SLAB_LOADING
+            t.prefetch_misses += 1
+            pthread_mutex_unlock(&t.io_mu)
+            err = load_slab_data(t, s)
+            pthread_mutex_lock(&t.io_mu)
+            finish_load(t, s, err, 0)
+            continue
+        # WRITING or LOADING: the I/O thread owns it for now.
+        if not waited:
+            t.prefetch_misses += 1
+            waited = 1
+        pthread_cond_wait(&t.done_cv, &t.io_mu)
+
+
+cdef int tape_grow(TapeStruct* t, size_t need) noexcept nogil:
+    """Link a new head slab with at least need bytes (tape lock held)."""
+    cdef Slab* h = t.head
+    cdef Slab* s
+    cdef int rc
+    h.used = <size_t>(t.top - t.floor)
+    pthread_mutex_lock(&t.io_mu)
+    if t.io_errno:
+        rc = report_io_error(t)
+        pthread_mutex_unlock(&t.io_mu)
+        return rc
+    s = take_slab(t, round8(need))
+    if s == NULL:
+        pthread_mutex_unlock(&t.io_mu)
+        return fail(t, ERR_NOMEM, "out of memory allocating a tape slab")
+    s.base = h.base + h.used
+    s.prev = h
+    h.next = s
+    set_window(t, s, 0)
+    rc = enforce_budget(t)
+    pthread_mutex_unlock(&t.io_mu)
+    return rc
+
+
+cdef int move_down(TapeStruct* t) noexcept nogil:
+    """Make the slab below the head the head, reading it back if spilled (tape lock held).
+
+    The old head stays linked above until trim_above, so a failed multi-slab
+    read can be undone by restore_window.
+    """
+    cdef Slab* below = t.head.prev
+    cdef int rc
+    t.head.used = <size_t>(t.top - t.floor)
+    pthread_mutex_lock(&t.io_mu)
+    rc = ensure_resident(t, below)
+    if rc == 0:
+        set_window(t, below, below.used)
+        if t.memory_budget >= 0 and t.prefetch_depth > 0:
+            prefetch(t)
+    pthread_mutex_unlock(&t.io_mu)
+    return rc
+
+
+cdef inline void trim_above(TapeStruct* t) noexcept nogil:
+    """Release the emptied slabs above the head after a successful pop."""
+    cdef Slab* s
+    cdef Slab* nxt
+    if t.head.next == NULL:
+        return
+    pthread_mutex_lock(&t.io_mu)
+    s = t.head.next
+    t.head.next = NULL
+    while s != NULL:
+        nxt = s.next
+        release_slab(t, s)
+        s = nxt
+    pthread_mutex_unlock(&t.io_mu)
+
+
+cdef inline void restore_window(TapeStruct* t, Slab* s, char* top) noexcept nogil:
+    """Undo a partial read: s is still linked and resident."""
+    set_window(t, s, <size_t>(top - s.data))
+
+
+# ---------------------------------------------------------------------------
+# Byte-level stack operations (tape lock held)
+# ---------------------------------------------------------------------------
+
+cdef int write_bytes(TapeStruct* t, const char* src, size_t n) noexcept nogil:
+    """Append n bytes, filling slabs in order (src NULL writes zeros)."""
+    cdef size_t room, c
+    while n > 0:
+        room = <size_t>(t.limit - t.top)
+        if room == 0:
+            if tape_grow(t, 8) < 0:
+                return -1
+            continue
+        c = room if room < n else n
+        if src != NULL:
+            memcpy(t.top, src, c)
+            src += c
+        else:
+            memset(t.top, 0, c)
+        t.top += c
+        n -= c
+    return 0
+
+
+cdef int read_bytes(TapeStruct* t, char* dst, size_t n, size_t* done) noexcept nogil:
+    """Pop n bytes into dst (original order; dst NULL discards); *done counts bytes popped.
+
+    Emptied slabs are released as the read goes down, so a read longer than the
+    budget stays within it.  On error the caller re-pushes what was popped.
+    """
+    cdef size_t avail, c
+    done[0] = 0
+    while n > 0:
+        avail = <size_t>(t.top - t.floor)
+        if avail == 0:
+            if move_down(t) < 0:
+                return -1
+            trim_above(t)
+            continue
+        c = avail if avail < n else n
+        t.top -= c
+        n -= c
+        if dst != NULL:
+            memcpy(dst + n, t.top, c)
+        done[0] += c
+    return 0
+
+
+cdef void keep_error_while(TapeStruct* t, int code, int err, off_t offset, char* msg_copy) noexcept nogil:
+    t.err_code = code
+    t.err_errno = err
+    t.err_offset = offset
+    memcpy(t.err_msg, msg_copy, 512)
+
+
+cdef void recompute_file_end(TapeStruct* t, Slab* s) noexcept nogil:
+    """file_end after discarding everything above slab s (io_mu held)."""
+    while s != NULL and s.state != SLAB_ON_DISK and s.state != SLAB_CORRUPT:
+        s = s.prev
+    t.file_end = 0 if s == NULL else s.file_offset + <off_t>s.used
+    if t.fd >= 0 and (t.file_end == 0 or t.file_size - t.file_end >= <off_t>(8 * t.spill_unit)):
+        if ftruncate(t.fd, t.file_end) == 0:
+            t.file_size = t.file_end
+
+
+cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_bytes,
+                   int64_t last_record_end) noexcept nogil:
+    """Discard everything above logical position pos (tape lock held).
+
+    The slab holding pos is made resident first, so a failure discards nothing.
+    """
+    cdef Slab* target = t.head
+    cdef Slab* s
+    cdef Slab* nxt
+    pthread_mutex_lock(&t.io_mu)
+    while t.io_busy or t.queue_head != NULL:
+        pthread_cond_wait(&t.done_cv, &t.io_mu)
+    while target.base > pos:
+        target = target.prev
+    if ensure_resident(t, target) < 0:
+        pthread_mutex_unlock(&t.io_mu)
+        return -1
+    s = target.next
+    target.next = NULL
+    while s != NULL:
+        nxt = s.next
+        release_slab(t, s)
+        s = nxt
+    t.n_records = n_records
+    t.record_bytes = record_bytes
+    t.last_record_end = last_record_end
+    set_window(t, target, pos - target.base)
+    recompute_file_end(t, target)
+    pthread_mutex_unlock(&t.io_mu)
+    return 0
+
+
+cdef int undo_write(TapeStruct* t, size_t pos0) noexcept nogil:
+    """Roll a failed multi-slab write back to pos0, keeping the write's error."""
+    cdef char msg[512]
+    cdef int code = t.err_code, err = t.err_errno
+    cdef off_t offset = t.err_offset
+    memcpy(msg, t.err_msg, 512)
+    rewind_to(t, pos0, t.n_records, t.record_bytes, t.last_record_end)
+    keep_error_while(t, code, err, offset, msg)
+    return -1
+
+
+cdef int check_open(TapeStruct* t) noexcept nogil:
+    if t.closed:
+        return fail(t, ERR_CLOSED, "the tape is closed")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# The C API (declared in _tape.pxd)
+# ---------------------------------------------------------------------------
+
+cdef int tape_init(TapeStruct* t, int itemsize, size_t sbo_bytes, char* inline_buf,
+                   size_t slab_bytes, int64_t memory_budget, const char* spill_dir,
+                   int prefetch_depth, int threadsafe, size_t spill_unit) noexcept nogil:
+    memset(t, 0, sizeof(TapeStruct))
+    t.itemsize = itemsize
+    t.threadsafe = threadsafe
+    t.slab_bytes = round8(slab_bytes)
+    t.spill_unit = spill_unit if spill_unit > 0 else 1
+    t.memory_budget = memory_budget
+    t.prefetch_depth = prefetch_depth
+    t.max_free_slabs = 2 + prefetch_depth
+    t.fd = -1
+    t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
+    strncpy(t.spill_dir, spill_dir, sizeof(t.spill_dir) - 1)
+    t.inline_buf = inline_buf
+    t.inline_slab.data = inline_buf
+    t.inline_slab.cap = sbo_bytes & ~(<size_t>7)
+    t.inline_slab.state = SLAB_RESIDENT
+    pthread_mutex_init(&t.io_mu, NULL)
+    pthread_cond_init(&t.io_cv, NULL)
+    pthread_cond_init(&t.done_cv, NULL)
+    set_window(t, &t.inline_slab, 0)
+    return 0
+
+
+cdef int scalar_on_top(TapeStruct* t) noexcept nogil:
+    """Move the window so a scalar of the tape's dtype sits right below top."""
+    cdef size_t pos
+    if check_open(t) < 0:
+        return -1
+    pos = cur_pos(t)
+    if pos == 0:
+        return fail(t, ERR_EMPTY, "pop from an empty tape")
+    if <int64_t>pos == t.last_record_end:
+        return fail(t, ERR_KIND, "the top entry is a byte record, not a scalar: "
+                                 "take it with pop_array() or pop_bytes()")
+    while t.top == t.floor:
+        if move_down(t) < 0:
+            return -1
+        trim_above(t)
+    return 0
+
+
+cdef int tape_push_slow(TapeStruct* t, const void* src) noexcept nogil:
+    if check_open(t) < 0 or tape_grow(t, t.itemsize) < 0:
+        return -1
+    memcpy(t.top, src, t.itemsize)
+    t.top += t.itemsize
+    return 0
+
+
+cdef int tape_pop_slow(TapeStruct* t, void* dst) noexcept nogil:
+    if scalar_on_top(t) < 0:
+        return -1
+    t.top -= t.itemsize
+    memcpy(dst, t.top, t.itemsize)
+    return 0
+
+
+cdef int tape_peek_slow(TapeStruct* t, void* dst) noexcept nogil:
+    if scalar_on_top(t) < 0:
+        return -1
+    memcpy(dst, t.top - t.itemsize, t.itemsize)
+    return 0
+
+
+cdef int tape_push_many(TapeStruct* t, const char* src, size_t n) noexcept nogil:
+    """Push n elements of the tape's dtype from src."""
+    cdef size_t pos0
+    cdef int rc = 0
+    tape_lock(t)
+    if check_open(t) < 0:
+        rc = -1
+    else:
+        pos0 = cur_pos(t)
+        if write_bytes(t, src, n * t.itemsize) < 0:
+            rc = undo_write(t, pos0)
+    tape_unlock(t)
+    return rc
+
+
+cdef int tape_pop_many(TapeStruct* t, char* dst, size_t n) noexcept nogil:
+    """Pop the last n elements into dst, most recent last."""
+    cdef size_t pos, have, done = 0
+    cdef char msg[512]
+    cdef int rc = 0
+    tape_lock(t)
+    if check_open(t) < 0:
+        rc = -1
+    else:
+        pos = cur_pos(t)
+        have = (pos - <size_t>t.last_record_end) // t.itemsize
+        if n > have:
+            if t.n_records > 0:
+                snprintf(msg, sizeof(msg), "pop_many(%zu): only %zu scalars lie above the top "
+                         "byte record", n, have)
+                rc = fail(t, ERR_KIND, msg)
+            else:
+                snprintf(msg, sizeof(msg), "pop_many(%zu) from a tape holding %zu entries", n, have)
+                rc = fail(t, ERR_EMPTY, msg)
+        elif read_bytes(t, dst, n * t.itemsize, &done) < 0:
+            write_bytes(t, dst + n * t.itemsize - done, done)
+            rc = -1
+    tape_unlock(t)
+    return rc
+
+
+cdef int push_record_parts(TapeStruct* t, const char* a, size_t na, const char* b, size_t nb,
+                           int kind) noexcept nogil:
+    """Push one record whose payload is a ++ b (tape lock held)."""
+    cdef RecordTrailer tr
+    cdef size_t pos0 = cur_pos(t)
+    cdef size_t payload = na + nb
+    tr.nbytes = payload
+    tr.kind = kind
+    tr.prev_record_end = t.last_record_end
+    if (write_bytes(t, a, na) < 0 or write_bytes(t, b, nb) < 0
+            or write_bytes(t, NULL, round8(payload) - payload) < 0
+            or write_bytes(t, <char*>&tr, TRAILER) < 0):
+        return undo_write(t, pos0)
+    t.n_records += 1
+    t.record_bytes += round8(payload) + TRAILER
+    t.last_record_end = <int64_t>cur_pos(t)
+    t.fence = t.top
+    return 0
+
+
+cdef int pop_trailer(TapeStruct* t, RecordTrailer* tr, int kind) noexcept nogil:
+    """Pop the trailer of the top record and its padding, checking its kind (tape lock held)."""
+    cdef size_t pos, done = 0, pad_done = 0
+    if check_open(t) < 0:
+        return -1
+    pos = cur_pos(t)
+    if pos == 0:
+        return fail(t, ERR_EMPTY, "pop from an empty tape")
+    if <int64_t>pos != t.last_record_end:
+        return fail(t, ERR_KIND, "the top entry is a scalar, not a byte record: take it with pop()")
+    if read_bytes(t, <char*>tr, TRAILER, &done) < 0:
+        write_bytes(t, <char*>tr + TRAILER - done, done)
+        return -1
+    if tr.kind != kind:
+        write_bytes(t, <char*>tr, TRAILER)
+        if kind == RECORD_ARRAY:
+            return fail(t, ERR_KIND, "the top record holds raw bytes, not an array: use pop_bytes()")
+        return fail(t, ERR_KIND, "the top record holds an array, not raw bytes: use pop_array()")
+    if read_bytes(t, NULL, round8(tr.nbytes) - tr.nbytes, &pad_done) < 0:
+        write_bytes(t, NULL, pad_done)
+        write_bytes(t, <char*>tr, TRAILER)
+        return -1
+    return 0
+
+
+cdef void finish_record_pop(TapeStruct* t, RecordTrailer* tr) noexcept nogil:
+    t.n_records -= 1
+    t.record_bytes -= round8(tr.nbytes) + TRAILER
+    t.last_record_end = tr.prev_record_end
+    set_window(t, t.head, <size_t>(t.top - t.floor))
+
+
+cdef void unpop_record(TapeStruct* t, RecordTrailer* tr, const char* a, size_t na,
+                       const char* b, size_t nb) noexcept nogil:
+    """Re-push the popped part of a record (a ++ b, then padding and trailer) after a
+    failed read, keeping the read's error."""
+    cdef char msg[512]
+    cdef int code = t.err_code, err = t.err_errno
+    cdef off_t offset = t.err_offset
+    memcpy(msg, t.err_msg, 512)
+    write_bytes(t, a, na)
+    write_bytes(t, b, nb)
+    write_bytes(t, NULL, round8(tr.nbytes) - tr.nbytes)
+    write_bytes(t, <char*>tr, TRAILER)
+    keep_error_while(t, code, err, offset, msg)
+
+
+cdef int tape_push_record(TapeStruct* t, const char* src, size_t nbytes, int kind) noexcept nogil:
+    cdef int rc
+    tape_lock(t)
+    rc = check_open(t)
+    if rc == 0:
+        rc = push_record_parts(t, src, nbytes, NULL, 0, kind)
+    tape_unlock(t)
+    return rc
+
+
+cdef int tape_top_record(TapeStruct* t, RecordTrailer* out) noexcept nogil:
+    """Read the top record's trailer without popping it."""
+    cdef int rc
+    tape_lock(t)
+    rc = pop_trailer(t, out, RECORD_BYTES)
+    if rc == 0:
+        write_bytes(t, NULL, round8(out.nbytes) - out.nbytes)
+        write_bytes(t, <char*>out, TRAILER)
+    tape_unlock(t)
+    return rc
+
+
+cdef int tape_pop_record(TapeStruct* t, char* dst, size_t nbytes, int kind) noexcept nogil:
+    """Pop a raw record of exactly nbytes into dst."""
+    cdef RecordTrailer tr
+    cdef size_t done = 0
+    cdef char msg[512]
+    cdef int rc
+    tape_lock(t)
+    rc = pop_trailer(t, &tr, kind)
+    if rc == 0 and tr.nbytes != nbytes:
+        unpop_record(t, &tr, NULL, 0, NULL, 0)
+        snprintf(msg, sizeof(msg), "the top record holds %llu bytes, not %zu",
+                 <unsigned long long>tr.nbytes, nbytes)
+        rc = fail(t, ERR_KIND, msg)
+    elif rc == 0:
+        if read_bytes(t, dst, nbytes, &done) < 0:
+            unpop_record(t, &tr, dst + nbytes - done, done, NULL, 0)
+            rc = -1
+        else:
+            finish_record_pop(t, &tr)
+    tape_unlock(t)
+    return rc
+
+
+cdef char* tape_reserve(TapeStruct* t, size_t nbytes) noexcept nogil:
+    """Reserve nbytes of contiguous tape storage for a record the caller fills in place.
+
+    The pointer is valid until the next operation on the tape; finish with
+    tape_commit_record(t, nbytes, kind).  Not locked: for a tape with one owner.
+    """
+    cdef char* p
+    if check_open(t) < 0:
+        return NULL
+    if <size_t>(t.limit - t.top) < round8(nbytes):
+        if tape_grow(t, round8(nbytes)) < 0:
+            return NULL
+    p = t.top
+    t.top += round8(nbytes)
+    return p
+
+
+cdef int tape_commit_record(TapeStruct* t, size_t nbytes, int kind) noexcept nogil:
+    cdef RecordTrailer tr
+    cdef size_t pos0 = cur_pos(t) - round8(nbytes)
+    tr.nbytes = nbytes
+    tr.kind = kind
+    tr.prev_record_end = t.last_record_end
+    if write_bytes(t, <char*>&tr, TRAILER) < 0:
+        return undo_write(t, pos0)
+    t.n_records += 1
+    t.record_bytes += round8(nbytes) + TRAILER
+    t.last_record_end = <int64_t>cur_pos(t)
+    t.fence = t.top
+    return 0
+
+
+cdef int64_t tape_len(TapeStruct* t) noexcept nogil:
+    return t.n_records + (<int64_t>cur_pos(t) - t.record_bytes) // t.itemsize
+
+
+cdef size_t tape_nbytes(TapeStruct* t) noexcept nogil:
+    return cur_pos(t)
+
+
+cdef int tape_clear(TapeStruct* t) noexcept nogil:
+    cdef int rc
+    tape_lock(t)
+    rc = check_open(t)
+    if rc == 0:
+        rc = rewind_to(t, 0, 0, 0, 0)
+        pthread_mutex_lock(&t.io_mu)
+        t.io_errno = 0
+        t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
+        pthread_mutex_unlock(&t.io_mu)
+    tape_unlock(t)
+    return rc
+
+
+cdef void tape_close(TapeStruct* t) noexcept nogil:
+    """Free every slab, stop the I/O thread and close the spill file.  Idempotent."""
+    tape_lock(t)
+    if t.closed:
+        tape_unlock(t)
+        return
+    rewind_to(t, 0, 0, 0, 0)
+    pthread_mutex_lock(&t.io_mu)
+    t.io_stop = 1
+    pthread_cond_signal(&t.io_cv)
+    pthread_mutex_unlock(&t.io_mu)
+    if t.io_started:
+        pthread_join(t.io_thread, NULL)
+        t.io_started = 0
+    if t.fd >= 0:
+        close(t.fd)
+        t.fd = -1
+    pthread_mutex_lock(&t.io_mu)
+    while t.pool != NULL:
+        free_pooled(t)
+    pthread_mutex_unlock(&t.io_mu)
+    pthread_mutex_destroy(&t.io_mu)
+    pthread_cond_destroy(&t.io_cv)
+    pthread_cond_destroy(&t.done_cv)
+    t.closed = 1
+    t.top = t.limit = t.floor = t.fence = NULL
+    tape_unlock(t)
+
+
+# ---------------------------------------------------------------------------
+# Python API
+# ---------------------------------------------------------------------------
+
+DEF MAX_NDIM = 64
+_DTYPES = {np.dtype(np.float64): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
+_open_tapes = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_tapes():
+    for tape in list(_open_tapes):
+        tape.close()
+
+
+class TapeMark:
+    """A position on one tape, returned by Tape.mark() and accepted by Tape.rewind()."""
+    __slots__ = ("tape_id", "nbytes", "n_records", "record_bytes", "last_record_end", "length")
+
+    def __init__(self, tape_id, nbytes, n_records, record_bytes, last_record_end, length):
+        self.tape_id = tape_id
+        self.nbytes = nbytes
+        self.n_records = n_records
+        self.record_bytes = record_bytes
+        self.last_record_end = last_record_end
+        self.length = length
+
+    def __repr__(self):
+        return f"TapeMark(length={self.length}, nbytes={self.nbytes})"
+
+
+cdef class Tape:
+    """A LIFO tape of float64 (or float32 / int64) scalars and byte records.
+
+    Parameters
+    ----------
+    dtype : float64 (default), float32 or int64 - the type of scalar entries.
+    sbo_size : elements kept inline in the Tape object (no heap allocation).
+    slab_size : elements per heap slab (default: 1 MiB worth).
+    memory_budget : bytes of heap slabs kept in memory; past it the oldest slabs
+        are written to a spill file.  None: no limit.
+    spill_dir : directory of the spill file (default: the system temp dir).
+    prefetch_depth : spilled units read ahead of need while popping.
+    threadsafe : take the tape's lock on every operation.
+    spill_unit : minimum bytes written or read per I/O request (default 1 MiB).
+    """
+
+    def __cinit__(self, dtype=np.float64, sbo_size=32, slab_size=None, memory_budget=None,
+                  spill_dir=None, prefetch_depth=2, threadsafe=True, spill_unit=1 << 20):
+        cdef int itemsize
+        cdef int64_t budget
+        self.t.closed = 1
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must be float64, float32 or int64, got {dtype!r}") from None
+        if dt not in _DTYPES:
+            raise TypeError(f"dtype must be float64, float32 or int64, got {dt}")
+        self.dtype = dt
+        self.kind = _DTYPES[dt]
+        itemsize = dt.itemsize
+        sbo_size = _count("sbo_size", sbo_size)
+        if sbo_size * itemsize > MAX_SBO_BYTES:
+            raise ValueError(f"sbo_size={sbo_size} exceeds the inline buffer "
+                             f"({MAX_SBO_BYTES // itemsize} elements of {dt})")
+        if slab_size is None:
+            slab_size = (1 << 20) // itemsize
+        slab_size = _count("slab_size", slab_size)
+        if slab_size == 0:
+            raise ValueError("slab_size must be at least 1")
+        prefetch_depth = _count("prefetch_depth", prefetch_depth)
+        spill_unit = _count("spill_unit", spill_unit)
+        if memory_budget is None:
+            budget = -1
+        else:
+            budget = _count("memory_budget", memory_budget)
+        if spill_dir is None:
+            spill_dir = tempfile.gettempdir()
+        spill_dir = os.fspath(spill_dir)
+        if budget >= 0:
+            if not os.path.exists(spill_dir):
+                raise FileNotFoundError(f"spill_dir {spill_dir!r} does not exist")
+            if not os.path.isdir(spill_dir):
+                raise NotADirectoryError(f"spill_dir {spill_dir!r} is not a directory")
+        encoded = os.fsencode(os.path.abspath(spill_dir))
+        if len(encoded) > 4000:
+            raise ValueError(f"spill_dir path is too long ({len(encoded)} bytes)")
+        tape_init(&self.t, itemsize, sbo_size * itemsize, self.sbo,
+                  slab_size * itemsize, budget, encoded, prefetch_depth,
+                  1 if threadsafe else 0, max(spill_unit, 1))
+        _open_tapes.add(self)
+
+    def __dealloc__(self):
+        if not self.t.closed:
+            tape_close(&self.t)
+
+    cdef int check(self, int rc) except -1:
+        """Raise the tape's last error as the matching Python exception."""
+        if rc == 0:
+            return 0
+        code = self.t.err_code
+        msg = self.t.err_msg.decode("utf-8", "replace")
+        self.t.err_code = ERR_NONE
+        if code == ERR_EMPTY:
+            raise IndexError(msg)
+        if code == ERR_KIND:
+            raise TypeError(msg)
+        if code == ERR_CLOSED:
+            raise TapeClosedError(msg)
+        if code == ERR_NOMEM:
+            raise MemoryError(msg)
+        if code == ERR_IO:
+            path = self.t.spill_path.decode("utf-8", "replace") or self.t.spill_dir.decode()
+            raise SpillError(self.t.err_errno, msg, path)
+        if code == ERR_CORRUPT:
+            raise TapeCorruptionError(msg)
+        if code == ERR_MARK:
+            raise ValueError(msg)
+        raise TapeError(msg or "tape operation failed")
+
+    cdef int require_open(self) except -1:
+        if self.t.closed:
+            raise TapeClosedError("the tape is closed")
+        return 0
+
+    # -- scalars ------------------------------------------------------------
+
+    def push(self, value):
+        """Push one scalar of the tape's dtype."""
+        cdef double d
+        cdef float f
+        cdef int64_t i
+        cdef int rc
+        if self.kind == 0:
+            d = value
+            rc = tape_push_f64(&self.t, d)
+        elif self.kind == 1:
+            f = value
+            rc = tape_push_f32(&self.t, f)
+        else:
+            if isinstance(value, float):
+                raise TypeError(f"an int64 tape takes integers, got float {value!r}")
+            i = value
+            rc = tape_push_i64(&self.t, i)
+        if rc:
+            self.check(rc)
+
+    def pop(self):
+        """Pop and return the most recently pushed scalar."""
+        cdef double d
+        cdef float f
+        cdef int64_t i
+        cdef int rc
+        if self.kind == 0:
+            rc = tape_pop_f64(&self.t, &d)
+            if rc:
+                self.check(rc)
+            return d
+        if self.kind == 1:
+            rc = tape_pop_f32(&self.t, &f)
+            if rc:
+                self.check(rc)
+            return f
+        rc = tape_pop_i64(&self.t, &i)
+        if rc:
+            self.check(rc)
+        return i
+
+    def peek(self):
+        """Return the most recently pushed scalar without popping it."""
+        cdef char buf[8]
+        cdef int rc = 0
+        tape_lock(&self.t)
+        if <size_t>(self.t.top - self.t.fence) >= <size_t>self.t.itemsize:
+            memcpy(buf, self.t.top - self.t.itemsize, self.t.itemsize)
+        else:
+            rc = tape_peek_slow(&self.t, buf)
+        tape_unlock(&self.t)
+        if rc:
+            self.check(rc)
+        if self.kind == 0:
+            return (<double*>buf)[0]
+        if self.kind == 1:
+            return (<float*>buf)[0]
+        return (<int64_t*>buf)[0]
+
+    def push_many(self, values):
+        """Push every element of an array of the tape's dtype (C order)."""
+        cdef cnp.ndarray arr
+        cdef int rc
+        cdef size_t n
+        cdef const char* src
+        if not isinstance(values, np.ndarray):
+            raise TypeError(f"push_many takes a numpy array, got {type(values).__name__}")
+        if values.dtype != self.dtype:
+            raise TypeError(f"push_many: array dtype {values.dtype} does not match the tape's "
+                            f"dtype {self.dtype}")
+        arr = np.ascontiguousarray(values)
+        n = arr.size
+        src = <const char*>cnp.PyArray_DATA(arr)
+        with nogil:
+            rc = tape_push_many(&self.t, src, n)
+        if rc:
+            self.check(rc)
+
+    def pop_many(self, n):
+        """Pop the last n scalars as an array, most recent last."""
+        cdef cnp.ndarray out
+        cdef int rc
+        cdef size_t count = _count("n", n)
+        cdef char* dst
+        self.require_open()
+        out = np.empty(count, dtype=self.dtype)
+        dst = <char*>cnp.PyArray_DATA(out)
+        with nogil:
+            rc = tape_pop_many(&self.t, dst, count)
+        if rc:
+            self.check(rc)
+        return out
+
+    # -- records ------------------------------------------------------------
+
+    def push_bytes(self, data):
+        """Push a bytes-like object as one record."""
+        cdef const unsigned char[::1] view
+        cdef int rc
+        cdef const char* src = NULL
+        cdef size_t n
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError:
+            raise TypeError(f"push_bytes takes a bytes-like object, got {type(data).__name__}") from None
+        n = view.shape[0]
+        if n:
+            src = <const char*>&view[0]
+        with nogil:
+            rc = tape_push_record(&self.t, src, n, RECORD_BYTES)
+        if rc:
+            self.check(rc)
+
+    def pop_bytes(self):
+        """Pop the top record pushed by push_bytes and return it as bytes."""
+        cdef RecordTrailer tr
+        cdef size_t done = 0
+        cdef int rc
+        tape_lock(&self.t)
+        rc = pop_trailer(&self.t, &tr, RECORD_BYTES)
+        if rc:
+            tape_unlock(&self.t)
+            self.check(rc)
+        try:
+            out = PyBytes_FromStringAndSize(NULL, tr.nbytes)
+        except MemoryError:
+            unpop_record(&self.t, &tr, NULL, 0, NULL, 0)
+            tape_unlock(&self.t)
+            raise
+        rc = read_bytes(&self.t, PyBytes_AS_STRING(out), tr.nbytes, &done)
+        if rc:
+            unpop_record(&self.t, &tr, PyBytes_AS_STRING(out) + tr.nbytes - done, done, NULL, 0)
+        else:
+            finish_record_pop(&self.t, &tr)
+        tape_unlock(&self.t)
+        if rc:
+            self.check(rc)
+        return out
+
+    def push_array(self, a):
+        """Push a copy of an array (any numeric dtype and shape) as one record."""
+        cdef cnp.ndarray arr
+        cdef int64_t meta[MAX_NDIM + 2]
+        cdef int ndim, k, rc
+        cdef size_t nbytes
+        cdef const char* src
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"push_array takes a numpy array, got {type(a).__name__}")
+        if a.dtype.hasobject:
+            raise TypeError("push_array cannot store arrays of Python objects")
+        arr = np.ascontiguousarray(a)
+        ndim = arr.ndim
+        if ndim > MAX_NDIM:
+            raise ValueError(f"push_array: {ndim} dimensions exceed the limit of {MAX_NDIM}")
+        for k in range(ndim):
+            meta[k] = arr.shape[k]
+        meta[ndim] = ndim
+        meta[ndim + 1] = cnp.PyArray_TYPE(arr)
+        nbytes = arr.nbytes
+        src = <const char*>cnp.PyArray_DATA(arr)
+        with nogil:
+            tape_lock(&self.t)
+            rc = check_open(&self.t)
+            if rc == 0:
+                rc = push_record_parts(&self.t, src, nbytes, <char*>meta,
+                                       8 * (ndim + 2), RECORD_ARRAY)
+            tape_unlock(&self.t)
+        if rc:
+            self.check(rc)
+
+    def pop_array(self, out=None):
+        """Pop the top array record; returns a new array, or fills ``out`` (same dtype, shape)."""
+        cdef RecordTrailer tr
+        cdef int64_t meta[MAX_NDIM + 2]
+        cdef char* meta_end = <char*>&meta[MAX_NDIM + 2]
+        cdef size_t done = 0, meta_len = 16, nbytes
+        cdef int64_t ndim
+        cdef cnp.ndarray result
+        cdef char* dst
+        cdef int rc
+        tape_lock(&self.t)
+        rc = pop_trailer(&self.t, &tr, RECORD_ARRAY)
+        if rc:
+            tape_unlock(&self.t)
+            self.check(rc)
+        rc = read_bytes(&self.t, meta_end - 16, 16, &done)
+        if rc == 0:
+            ndim = meta[MAX_NDIM]
+            meta_len = 16 + 8 * ndim
+            rc = read_bytes(&self.t, meta_end - meta_len, 8 * ndim, &done)
+            done += 16
+        if rc:
+            unpop_record(&self.t, &tr, meta_end - done, done, NULL, 0)
+            tape_unlock(&self.t)
+            self.check(rc)
+        try:
+            shape = tuple(meta[MAX_NDIM - ndim + k] for k in range(ndim))
+            dtype = cnp.PyArray_DescrFromType(meta[MAX_NDIM + 1])
+            if out is None:
+                result = np.empty(shape, dtype=dtype)
+            else:
+                if (not isinstance(out, np.ndarray) or out.dtype != dtype or out.shape != shape
+                        or not out.flags.c_contiguous or not out.flags.writeable):
+                    raise ValueError(f"pop_array(out=...): out must be a writable C-contiguous "
+                                     f"{dtype} array of shape {shape}")
+                result = out
+        except BaseException:
+            unpop_record(&self.t, &tr, meta_end - meta_len, meta_len, NULL, 0)
+            tape_unlock(&self.t)
+            raise
+        nbytes = result.nbytes
+        dst = <char*>cnp.PyArray_DATA(result)
+        with nogil:
+            rc = read_bytes(&self.t, dst, nbytes, &done)
+            if rc:
+                unpop_record(&self.t, &tr, dst + nbytes - done, done, meta_end - meta_len, meta_len)
+            else:
+                finish_record_pop(&self.t, &tr)
+            tape_unlock(&self.t)
+        if rc:
+            self.check(rc)
+        return result
+
+    # -- whole-tape operations ------------------------------------------------
+
+    def __len__(self):
+        cdef int64_t n
+        tape_lock(&self.t)
+        n = tape_len(&self.t)
+        tape_unlock(&self.t)
+        return n
+
+    @property
+    def nbytes(self):
+        """Logical bytes stored (scalars, records and their trailers)."""
+        return tape_nbytes(&self.t)
+
+    @property
+    def dtype(self):
+        return self.dtype
+
+    @property
+    def closed(self):
+        return bool(self.t.closed)
+
+    def mark(self):
+        """Remember the current top; rewind(mark) later discards everything pushed after it."""
+        self.require_open()
+        tape_lock(&self.t)
+        m = TapeMark(id(self), tape_nbytes(&self.t), self.t.n_records, self.t.record_bytes,
+                     self.t.last_record_end, tape_len(&self.t))
+        tape_unlock(&self.t)
+        return m
+
+    def rewind(self, mark):
+        """Discard every entry pushed after ``mark`` (from this tape's mark())."""
+        cdef int rc = 0
+        cdef size_t pos
+        cdef int64_t n_records, record_bytes, last_record_end
+        if not isinstance(mark, TapeMark) or mark.tape_id != id(self):
+            raise ValueError("rewind takes a TapeMark returned by this tape's mark()")
+        self.require_open()
+        pos, n_records = mark.nbytes, mark.n_records
+        record_bytes, last_record_end = mark.record_bytes, mark.last_record_end
+        with nogil:
+            tape_lock(&self.t)
+            if (pos > tape_nbytes(&self.t) or n_records > self.t.n_records
+                    or last_record_end > <int64_t>tape_nbytes(&self.t)):
+                rc = fail(&self.t, ERR_MARK, "the mark lies above the tape's top: it was popped past")
+            else:
+                rc = rewind_to(&self.t, pos, n_records, record_bytes, last_record_end)
+            tape_unlock(&self.t)
+        if rc:
+            self.check(rc)
+
+    def clear(self):
+        """Discard every entry; heap slabs are freed and the spill file emptied."""
+        cdef int rc
+        self.require_open()
+        with nogil:
+            rc = tape_clear(&self.t)
+        if rc:
+            self.check(rc)
+
+    def close(self):
+        """Free everything and remove the spill file.  Further use raises TapeClosedError."""
+        if not self.t.closed:
+            with nogil:
+                tape_close(&self.t)
+        _open_tapes.discard(self)
+
+    def __enter__(self):
+        self.require_open()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    @property
+    def stats(self):
+        """Counters: bytes resident/spilled, slabs, spills, reloads, prefetch hits and misses."""
+        cdef TapeStruct* t = &self.t
+        cdef Slab* s
+        cdef int64_t n_slabs = 0, resident_slabs = 0
+        self.require_open()
+        tape_lock(t)
+        pthread_mutex_lock(&t.io_mu)
+        s = t.head
+        while s != NULL:
+            if s.heap:
+                n_slabs += 1
+                if s.state == SLAB_RESIDENT or s.state == SLAB_WRITING:
+                    resident_slabs += 1
+            s = s.prev
+        out = {
+            "length": tape_len(t),
+            "nbytes": tape_nbytes(t),
+            "sbo_bytes": t.inline_slab.cap,
+            "in_sbo": t.head == &t.inline_slab,
+            "heap_slabs": t.heap_slabs,
+            "n_slabs": n_slabs,
+            "resident_slabs": resident_slabs,
+            "pooled_slabs": t.pool_count,
+            "resident_bytes": t.resident_bytes,
+            "peak_resident_bytes": t.peak_resident_bytes,
+            "spilled_bytes": t.spilled_bytes,
+            "spill_file_bytes": t.file_size,
+            "memory_budget": None if t.memory_budget < 0 else t.memory_budget,
+            "spills": t.n_spills,
+            "reloads": t.n_reloads,
+            "prefetch_hits": t.prefetch_hits,
+            "prefetch_misses": t.prefetch_misses,
+        }
+        pthread_mutex_unlock(&t.io_mu)
+        tape_unlock(t)
+        return out
+
+    def __repr__(self):
+        if self.t.closed:
+            return f"<adtape.Tape dtype={self.dtype} closed>"
+        return f"<adtape.Tape dtype={self.dtype} len={len(self)} nbytes={self.nbytes}>"
+
+    # -- test hooks -----------------------------------------------------------
+
+    def _inject_write_error(self, int err):
+        """Make every spill write fail with errno ``err`` (0 turns injection off).  For tests."""
+        self.require_open()
+        pthread_mutex_lock(&self.t.io_mu)
+        self.t.inject_write_errno = err
+        pthread_mutex_unlock(&self.t.io_mu)
+
+    def _spill_fd(self):
+        """The spill file's descriptor (-1 before the first spill).  For tests."""
+        return self.t.fd
+
+    def _sync(self):
+        """Wait until the I/O thread is idle.  For tests and benchmarks."""
+        self.require_open()
+        with nogil:
+            pthread_mutex_lock(&self.t.io_mu)
+            while self.t.io_busy or self.t.queue_head != NULL:
+                pthread_cond_wait(&self.t.done_cv, &self.t.io_mu)
+            pthread_mutex_unlock(&self.t.io_mu)
+
+
+def _count(name, value):
+    """A non-negative integer parameter, or a clear error naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+class ThreadLocalTapes:
+    """One tape per thread, created on first use with the same settings.
+
+    A reverse sweep needs its own entries back in exact LIFO order; with one
+    tape per thread no other thread can interleave.  These tapes skip the lock
+    (threadsafe=False) unless told otherwise.
+    """
+
+    def __init__(self, **tape_kwargs):
+        tape_kwargs.setdefault("threadsafe", False)
+        self._kwargs = tape_kwargs
+        self._local = threading.local()
+        self._tapes = []
+        self._lock = threading.Lock()
+
+    def get(self):
+        """The calling thread's tape."""
+        tape = getattr(self._local, "tape", None)
+        if tape is None or tape.closed:
+            tape = Tape(**self._kwargs)
+            self._local.tape = tape
+            with self._lock:
+                self._tapes.append(tape)
+        return tape
+
+    def tapes(self):
+        """Every tape created so far (one per thread that asked)."""
+        with self._lock:
+            return list(self._tapes)
+
+    def close(self):
+        """Close every thread's tape."""
+        with self._lock:
+            tapes, self._tapes = self._tapes, []
+        for tape in tapes:
+            tape.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
