@@ -1,0 +1,547 @@
+"""Checkpoints: our own training checkpoint, llm.c model files and Hugging Face GPT-2 safetensors.
+
+Every writer goes through ``atomic_writer``: the bytes go to a temporary file in the target's
+directory, are flushed and fsynced, and only then renamed over the target, so a crash or an
+error while saving leaves the previous file intact (and no temporary file behind).
+Every reader validates magic, version, sizes and config before trusting the data, and names the
+file and the broken constraint when it refuses one.
+"""
+import contextlib
+import json
+import math
+import os
+import struct
+import tempfile
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpt2.config import GPT2Config
+from gpt2.params import ParamArena, num_parameters
+
+
+@contextlib.contextmanager
+def atomic_writer(path):
+    """Binary file object whose contents replace ``path`` only if the block completes."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp_path = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
+                                    dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_path)
+        raise
+    # The rename is durable only once the directory entry is on disk too.
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_exact(f, n, path, what):
+    data = f.read(n)
+    if len(data) != n:
+        raise ValueError(f"{path!r} is truncated: {what} needs {n} bytes, only {len(data)} left")
+    return data
+
+
+def _readinto_exact(f, array, path, what):
+    view = memoryview(array).cast("B")
+    got = f.readinto(view)
+    if got != len(view):
+        raise ValueError(f"{path!r} is truncated: {what} needs {len(view)} bytes, "
+                         f"only {got or 0} left")
+
+
+def _config_mismatch(expected, found):
+    return ", ".join(f"{k}: expected {v}, file has {found.to_dict()[k]}"
+                     for k, v in expected.to_dict().items() if found.to_dict()[k] != v)
+
+
+def _as_flat(arr, config, name):
+    """Flat float32 buffer of a ParamArena or of a 1-D float32 array of the layout's size."""
+    if isinstance(arr, ParamArena):
+        if arr.config != config:
+            raise ValueError(f"{name} has config {arr.config}, the parameters have {config}")
+        return arr.flat
+    n = num_parameters(config)
+    if (not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.shape != (n,)
+            or not arr.flags.c_contiguous):
+        raise ValueError(f"{name} must be a ParamArena or a C-contiguous float32 array of shape "
+                         f"({n},), got {type(arr).__name__} "
+                         f"{getattr(arr, 'dtype', '')} {getattr(arr, 'shape', '')}")
+    return arr
+
+
+# --------------------------------------------------------------------------------------------
+# Our own checkpoint format
+# --------------------------------------------------------------------------------------------
+
+CHECKPOINT_MAGIC = b"ADTGPT2\x00"
+CHECKPOINT_VERSION = 1
+_PREAMBLE = struct.Struct("<8sIIQ")  # magic, format version, reserved, JSON header length
+_SECTION_ALIGN = 64
+_MAX_HEADER_BYTES = 1 << 26
+
+
+@dataclass
+class Checkpoint:
+    """What ``load_checkpoint`` returns; adam_m / adam_v are None when no optimizer was saved."""
+
+    config: GPT2Config
+    params: ParamArena
+    step: int
+    adam_m: ParamArena = None
+    adam_v: ParamArena = None
+    adam_step: int = 0
+    data_state: dict = None
+    extra: dict = None
+
+
+def _align(n):
+    return (n + _SECTION_ALIGN - 1) // _SECTION_ALIGN * _SECTION_ALIGN
+
+
+def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0,
+                    data_state=None, extra=None):
+    """Write parameters, AdamW moments and step, training step and data position to ``path``.
+
+    params: ParamArena. adam_m / adam_v: both or neither, each a ParamArena or a flat float32
+    array of the same layout. data_state / extra: JSON-serializable dicts (e.g.
+    ``DataLoader.state()``, hyperparameters). The write is atomic (see ``atomic_writer``).
+    """
+    if not isinstance(params, ParamArena):
+        raise TypeError(f"params must be a ParamArena, got {type(params).__name__}")
+    config = params.config
+    if (adam_m is None) != (adam_v is None):
+        raise ValueError("adam_m and adam_v must be given together (or neither)")
+    for name, value in (("step", step), ("adam_step", adam_step)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    sections = [("params", params.flat)]
+    if adam_m is not None:
+        sections += [("adam_m", _as_flat(adam_m, config, "adam_m")),
+                     ("adam_v", _as_flat(adam_v, config, "adam_v"))]
+    table, offset = [], 0
+    for name, flat in sections:
+        table.append({"name": name, "offset": offset, "nbytes": flat.nbytes,
+                      "crc32": zlib.crc32(memoryview(flat).cast("B"))})
+        offset = _align(offset + flat.nbytes)
+    header = {"config": config.to_dict(), "step": int(step), "adam_step": int(adam_step),
+              "data_state": data_state, "extra": extra, "sections": table}
+    try:
+        header_bytes = json.dumps(header).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"data_state and extra must be JSON-serializable: {e}") from None
+    data_start = _align(_PREAMBLE.size + len(header_bytes))
+    header_bytes = header_bytes.ljust(data_start - _PREAMBLE.size, b" ")
+    with atomic_writer(path) as f:
+        f.write(_PREAMBLE.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, 0, len(header_bytes)))
+        f.write(header_bytes)
+        for entry, (_, flat) in zip(table, sections):
+            f.seek(data_start + entry["offset"])
+            f.write(memoryview(flat).cast("B"))
+
+
+def _parse_checkpoint_header(f, path, file_size):
+    preamble = f.read(_PREAMBLE.size)
+    if len(preamble) < _PREAMBLE.size or preamble[:8] != CHECKPOINT_MAGIC:
+        raise ValueError(f"{path!r} is not an adtape GPT-2 checkpoint (bad magic)")
+    _, version, _, header_len = _PREAMBLE.unpack(preamble)
+    if version != CHECKPOINT_VERSION:
+        raise ValueError(f"checkpoint {path!r} has format version {version}; this adtape reads "
+                         f"version {CHECKPOINT_VERSION}")
+    if header_len > min(_MAX_HEADER_BYTES, file_size - _PREAMBLE.size):
+        raise ValueError(f"checkpoint {path!r} is truncated or corrupt: header length "
+                         f"{header_len} exceeds the {file_size} byte file")
+    try:
+        header = json.loads(_read_exact(f, header_len, path, "the JSON header"))
+        config = GPT2Config.from_dict(header["config"])
+        sections = {}
+        for s in header["sections"]:
+            entry = {k: int(s[k]) for k in ("offset", "nbytes", "crc32")}
+            if entry["offset"] < 0:
+                raise ValueError(f"negative offset in section {s['name']!r}")
+            sections[str(s["name"])] = entry
+        header["step"], header["adam_step"] = int(header["step"]), int(header["adam_step"])
+        missing = {"data_state", "extra"} - header.keys()
+        if missing:
+            raise KeyError(f"missing keys {sorted(missing)}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint {path!r} has a corrupt header: {e!r}") from None
+    return header, config, sections, _PREAMBLE.size + header_len
+
+
+def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None):
+    """Read a checkpoint written by ``save_checkpoint``.
+
+    config: if given, the file's config must equal it. params / adam_m / adam_v: optional
+    ParamArenas to read into in place (no second copy of a large model); otherwise new arenas.
+    Their contents are undefined if loading fails, so pass fresh ones when the old values matter.
+    Raises FileNotFoundError for a missing file and ValueError for a foreign, truncated,
+    corrupt (CRC) or mismatching one.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        header, file_config, sections, data_start = _parse_checkpoint_header(f, path, file_size)
+        if config is not None and file_config != config:
+            raise ValueError(f"checkpoint {path!r} was saved for a different model: "
+                             f"{_config_mismatch(config, file_config)}")
+        n_bytes = num_parameters(file_config) * 4
+        expected_names = ["params"] + (["adam_m", "adam_v"] if "adam_m" in sections else [])
+        if sorted(sections) != sorted(expected_names):
+            raise ValueError(f"checkpoint {path!r} has sections {sorted(sections)}, expected "
+                             f"{expected_names}")
+        end = 0
+        for name in expected_names:
+            entry = sections[name]
+            if entry["nbytes"] != n_bytes:
+                raise ValueError(f"checkpoint {path!r}: section {name} holds {entry['nbytes']} "
+                                 f"bytes, the config needs {n_bytes}")
+            end = max(end, data_start + entry["offset"] + entry["nbytes"])
+        if file_size < end:
+            raise ValueError(f"checkpoint {path!r} is truncated: {file_size} bytes, its header "
+                             f"describes {end}")
+        destinations = {"params": params, "adam_m": adam_m, "adam_v": adam_v}
+        arenas = {}
+        for name in expected_names:
+            dest = destinations[name]
+            if dest is None:
+                dest = ParamArena(file_config)
+            elif not isinstance(dest, ParamArena) or dest.config != file_config:
+                raise ValueError(f"{name} destination must be a ParamArena with the file's "
+                                 f"config {file_config}")
+            entry = sections[name]
+            f.seek(data_start + entry["offset"])
+            _readinto_exact(f, dest.flat, path, f"section {name}")
+            if zlib.crc32(memoryview(dest.flat).cast("B")) != entry["crc32"]:
+                raise ValueError(f"checkpoint {path!r} is corrupt: section {name} fails its "
+                                 "CRC32 check")
+            arenas[name] = dest
+    return Checkpoint(config=file_config, params=arenas["params"], step=header["step"],
+                      adam_m=arenas.get("adam_m"), adam_v=arenas.get("adam_v"),
+                      adam_step=header["adam_step"], data_state=header["data_state"], extra=header["extra"])
+
+
+# --------------------------------------------------------------------------------------------
+# llm.c model files (gpt2_124M.bin)
+# --------------------------------------------------------------------------------------------
+
+LLMC_MODEL_MAGIC = 20240326
+LLMC_MODEL_VERSION = 3  # float32 parameters with wte padded to Vp rows
+LLMC_HEADER_INTS = 256
+
+
+def export_llmc(path, params):
+    """Write ``params`` as an llm.c float32 model file (version 3)."""
+    if not isinstance(params, ParamArena):
+        raise TypeError(f"params must be a ParamArena, got {type(params).__name__}")
+    c = params.config
+    header = np.zeros(LLMC_HEADER_INTS, dtype="<i4")
+    header[:8] = (LLMC_MODEL_MAGIC, LLMC_MODEL_VERSION, c.block_size, c.vocab_size, c.n_layer,
+                  c.n_head, c.n_embd, c.padded_vocab_size)
+    with atomic_writer(path) as f:
+        f.write(header.tobytes())
+        f.write(memoryview(params.flat).cast("B"))
+
+
+def import_llmc(path):
+    """Read an llm.c float32 model file (version 3) into a new ParamArena."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        header = np.frombuffer(_read_exact(f, 4 * LLMC_HEADER_INTS, path, "the llm.c header"),
+                               dtype="<i4")
+        if header[0] != LLMC_MODEL_MAGIC:
+            raise ValueError(f"{path!r} is not an llm.c model file: magic {int(header[0])}, "
+                             f"expected {LLMC_MODEL_MAGIC}")
+        if header[1] != LLMC_MODEL_VERSION:
+            raise ValueError(f"llm.c model file {path!r} has version {int(header[1])}; only "
+                             f"version {LLMC_MODEL_VERSION} (float32, padded vocab) is supported")
+        max_t, vocab, n_layer, n_head, n_embd, padded_vocab = (int(x) for x in header[2:8])
+        try:
+            config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                                vocab_size=vocab, block_size=max_t)
+        except ValueError as e:
+            raise ValueError(f"llm.c model file {path!r} has an invalid config: {e}") from None
+        if padded_vocab != config.padded_vocab_size:
+            raise ValueError(f"llm.c model file {path!r} pads the vocabulary to {padded_vocab} "
+                             f"rows; our layout needs {config.padded_vocab_size}")
+        expected = 4 * LLMC_HEADER_INTS + 4 * num_parameters(config)
+        if file_size != expected:
+            raise ValueError(f"llm.c model file {path!r} is {file_size} bytes, its header "
+                             f"({config}) needs {expected}"
+                             + (" (truncated)" if file_size < expected else ""))
+        arena = ParamArena(config)
+        _readinto_exact(f, arena.flat, path, "the parameters")
+    return arena
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors (format spec: u64 LE header length, JSON header, raw little-endian data)
+# --------------------------------------------------------------------------------------------
+
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+    "U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "U64": np.dtype("<u8"),
+}
+_MAX_SAFETENSORS_HEADER = 100 << 20  # the reference implementation's limit
+
+
+@dataclass
+class SafetensorsEntry:
+    dtype: str
+    shape: tuple
+    begin: int
+    end: int
+
+
+class SafetensorsFile:
+    """Validated header of a safetensors file; ``read(name)`` loads one tensor (floats as float32)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        with open(self.path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            if file_size < 8:
+                raise ValueError(f"{self.path!r} is not a safetensors file: only {file_size} bytes")
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > min(_MAX_SAFETENSORS_HEADER, file_size - 8):
+                raise ValueError(f"{self.path!r} is not a safetensors file or is truncated: "
+                                 f"header length {header_len}, file size {file_size}")
+            raw = f.read(header_len)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{self.path!r} is not a safetensors file: bad JSON header "
+                             f"({e})") from None
+        self.data_start = 8 + header_len
+        data_size = file_size - self.data_start
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.entries = {}
+        for name, info in header.items():
+            try:
+                dtype = info["dtype"]
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"safetensors file {self.path!r}: malformed entry for tensor "
+                                 f"{name!r}: {info!r}") from None
+            if dtype not in SAFETENSORS_DTYPES:
+                raise ValueError(f"safetensors file {self.path!r}: tensor {name!r} has "
+                                 f"unsupported dtype {dtype!r}")
+            nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+            if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != nbytes:
+                raise ValueError(f"safetensors file {self.path!r}: tensor {name!r} {dtype} "
+                                 f"{list(shape)} has data_offsets [{begin}, {end}], inconsistent "
+                                 f"with its {nbytes} bytes")
+            if end > data_size:
+                raise ValueError(f"safetensors file {self.path!r} is truncated: tensor {name!r} "
+                                 f"ends at byte {end} of a {data_size} byte data section")
+            self.entries[name] = SafetensorsEntry(dtype, shape, begin, end)
+
+    def read(self, name, as_float32=True):
+        entry = self.entries[name]
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + entry.begin)
+            raw = _read_exact(f, entry.end - entry.begin, self.path, f"tensor {name!r}")
+        arr = np.frombuffer(raw, dtype=SAFETENSORS_DTYPES[entry.dtype]).reshape(entry.shape)
+        if not as_float32:
+            return arr
+        if entry.dtype == "BF16":
+            # bfloat16 is the top half of a float32.
+            return (arr.astype(np.uint32) << 16).view(np.float32)
+        if entry.dtype not in ("F64", "F32", "F16"):
+            raise ValueError(f"safetensors file {self.path!r}: tensor {name!r} has dtype "
+                             f"{entry.dtype}, expected a float type (F32, F16, BF16, F64)")
+        return arr.astype(np.float32)
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Write dict name -> numpy array (float32/float16/float64/ints) as a safetensors file."""
+    by_dtype = {v: k for k, v in SAFETENSORS_DTYPES.items() if k != "BF16"}
+    header, arrays, offset = {}, [], 0
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        code = by_dtype.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype)
+        if code is None:
+            raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, which write_safetensors "
+                             "does not store")
+        arr = arr.astype(SAFETENSORS_DTYPES[code], copy=False)
+        header[name] = {"dtype": code, "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        arrays.append(arr)
+        offset += arr.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw = raw.ljust((len(raw) + 7) // 8 * 8, b" ")  # the spec pads the header to 8 bytes
+    with atomic_writer(path) as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for arr in arrays:
+            f.write(memoryview(arr).cast("B"))
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face GPT-2 (transformers' GPT2Model / GPT2LMHeadModel names)
+# --------------------------------------------------------------------------------------------
+
+# our per-layer name -> (HF suffix under h.{i}., transposed: HF Conv1D stores (in, out))
+HF_LAYER_NAMES = {
+    "ln1w": ("ln_1.weight", False), "ln1b": ("ln_1.bias", False),
+    "qkvw": ("attn.c_attn.weight", True), "qkvb": ("attn.c_attn.bias", False),
+    "attprojw": ("attn.c_proj.weight", True), "attprojb": ("attn.c_proj.bias", False),
+    "ln2w": ("ln_2.weight", False), "ln2b": ("ln_2.bias", False),
+    "fcw": ("mlp.c_fc.weight", True), "fcb": ("mlp.c_fc.bias", False),
+    "fcprojw": ("mlp.c_proj.weight", True), "fcprojb": ("mlp.c_proj.bias", False),
+}
+HF_GLOBAL_NAMES = {"wpe": "wpe.weight", "lnfw": "ln_f.weight", "lnfb": "ln_f.bias"}
+_HF_PREFIX = "transformer."
+_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers, not parameters
+
+
+def hf_config_dict(config):
+    """A transformers GPT2Config (config.json) describing our model."""
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
+            "vocab_size": config.vocab_size, "n_positions": config.block_size,
+            "n_ctx": config.block_size, "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}
+
+
+def export_hf_gpt2(path, params, write_config=False):
+    """Write ``params`` as a Hugging Face GPT-2 ``model.safetensors`` (F32, no prefix).
+
+    wte is written with its vocab_size real rows. With write_config, a ``config.json`` is
+    written beside it so the directory loads with ``GPT2LMHeadModel.from_pretrained``.
+    """
+    if not isinstance(params, ParamArena):
+        raise TypeError(f"params must be a ParamArena, got {type(params).__name__}")
+    c = params.config
+    tensors = {"wte.weight": params.wte[:c.vocab_size]}
+    tensors["wpe.weight"] = params.wpe
+    for i in range(c.n_layer):
+        for ours, (suffix, transposed) in HF_LAYER_NAMES.items():
+            w = params.views[ours][i]
+            tensors[f"h.{i}.{suffix}"] = w.T if transposed else w
+    tensors["ln_f.weight"] = params.lnfw
+    tensors["ln_f.bias"] = params.lnfb
+    write_safetensors(path, tensors, metadata={"format": "pt"})
+    if write_config:
+        config_path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))),
+                                   "config.json")
+        with atomic_writer(config_path) as f:
+            f.write(json.dumps(hf_config_dict(c), indent=2).encode("utf-8"))
+
+
+def _hf_n_head(path, n_head, inferred):
+    """n_head from the argument or from config.json beside the file (weights cannot tell it)."""
+    if n_head is not None:
+        return n_head
+    config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"cannot tell n_head of {path!r}: pass n_head= or config=, or put the "
+                         "model's config.json beside it")
+    try:
+        with open(config_path, "rb") as f:
+            hf = json.load(f)
+        n_head = int(hf["n_head"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_path!r} is not a GPT-2 config.json with n_head: {e}") from None
+    for key, ours in (("n_layer", "n_layer"), ("n_embd", "n_embd"), ("vocab_size", "vocab_size"),
+                      ("n_positions", "block_size")):
+        if key in hf and hf[key] != inferred[ours]:
+            raise ValueError(f"{config_path!r} says {key}={hf[key]}, but {path!r} holds "
+                             f"weights for {ours}={inferred[ours]}")
+    return n_head
+
+
+def import_hf_gpt2(path, config=None, n_head=None):
+    """Read a Hugging Face GPT-2 ``model.safetensors`` into a new ParamArena.
+
+    Names may carry the ``transformer.`` prefix (GPT2LMHeadModel) or not (GPT2Model); the
+    attention mask buffers are ignored; an ``lm_head.weight`` must equal wte (tied).
+    Sizes come from the weights; n_head from ``config``, ``n_head`` or ``config.json`` beside
+    the file. F32, F16, BF16 and F64 tensors are converted to float32.
+    """
+    st = SafetensorsFile(path)
+    names, lm_head = {}, None
+    for full in st.entries:
+        name = full[len(_HF_PREFIX):] if full.startswith(_HF_PREFIX) else full
+        if name.endswith(_HF_BUFFERS):
+            continue
+        if name == "lm_head.weight":
+            lm_head = full
+            continue
+        if name in names:
+            raise ValueError(f"safetensors file {st.path!r} holds {name!r} twice (with and "
+                             "without the transformer. prefix)")
+        names[name] = full
+    if "wte.weight" not in names or "wpe.weight" not in names:
+        raise ValueError(f"{st.path!r} is not a GPT-2 model: it lacks wte.weight/wpe.weight "
+                         f"(tensors: {sorted(st.entries)[:8]}...)")
+    vocab, n_embd = (st.entries[names["wte.weight"]].shape + (0, 0))[:2]
+    block = st.entries[names["wpe.weight"]].shape[0]
+    layers = {int(n.split(".")[1]) for n in names if n.startswith("h.") and n.split(".")[1].isdigit()}
+    n_layer = len(layers)
+    if layers != set(range(n_layer)):
+        raise ValueError(f"safetensors file {st.path!r}: layer indices {sorted(layers)} are not "
+                         f"0..{n_layer - 1}")
+    inferred = dict(n_layer=n_layer, n_embd=n_embd, vocab_size=vocab, block_size=block)
+    if config is None:
+        try:
+            config = GPT2Config(n_head=_hf_n_head(st.path, n_head, inferred), **inferred)
+        except ValueError as e:
+            raise ValueError(f"{st.path!r}: cannot build a GPT-2 config from its weights: "
+                             f"{e}") from None
+    elif any(getattr(config, k) != v for k, v in inferred.items()):
+        raise ValueError(f"{st.path!r} holds weights for {inferred}, not for {config}")
+    C = config.n_embd
+    expected = {"wte.weight": (config.vocab_size, C), "wpe.weight": (config.block_size, C),
+                "ln_f.weight": (C,), "ln_f.bias": (C,)}
+    layer_shapes = {"ln1w": (C,), "ln1b": (C,), "qkvw": (C, 3 * C), "qkvb": (3 * C,),
+                    "attprojw": (C, C), "attprojb": (C,), "ln2w": (C,), "ln2b": (C,),
+                    "fcw": (C, 4 * C), "fcb": (4 * C,), "fcprojw": (4 * C, C), "fcprojb": (C,)}
+    for i in range(config.n_layer):
+        for ours, (suffix, _) in HF_LAYER_NAMES.items():
+            expected[f"h.{i}.{suffix}"] = layer_shapes[ours]
+    missing = sorted(set(expected) - set(names))
+    unknown = sorted(set(names) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"safetensors file {st.path!r} does not match GPT-2 {config}: missing "
+                         f"{missing[:8]}, unexpected {unknown[:8]}")
+    for name, shape in expected.items():
+        found = st.entries[names[name]].shape
+        if found != shape:
+            raise ValueError(f"safetensors file {st.path!r}: tensor {names[name]!r} has shape "
+                             f"{list(found)}, expected {list(shape)}")
+
+    arena = ParamArena(config)
+    arena.wte[:config.vocab_size] = st.read(names["wte.weight"])
+    for ours, hf in HF_GLOBAL_NAMES.items():
+        arena.views[ours][...] = st.read(names[hf])
+    for i in range(config.n_layer):
+        for ours, (suffix, transposed) in HF_LAYER_NAMES.items():
+            w = st.read(names[f"h.{i}.{suffix}"])
+            arena.views[ours][i] = w.T if transposed else w
+    if lm_head is not None:
+        head = st.read(lm_head)
+        if head.shape != (config.vocab_size, C) or not np.array_equal(
+                head, arena.wte[:config.vocab_size]):
+            raise ValueError(f"safetensors file {st.path!r}: lm_head.weight differs from "
+                             "wte.weight; only tied GPT-2 heads are supported")
+    return arena
