@@ -65,7 +65,10 @@ def op_time(op, hardware, precision):
     if op.op_class == "matmul":
         compute = hardware.matmul_time(op.flops, op.variant, precision)
     elif op.flops > 0:
-        compute = op.flops / (hardware.peak("fp32") * hardware.matmul_efficiency["fwd"].max_efficiency)
+        phase = "fwd" if op.phase == "recompute" else op.phase
+        curve = hardware.kernel_efficiency.get(f"{op.op_class}.{phase}")
+        eff = curve(op.flops) if curve is not None else hardware.matmul_efficiency["fwd"].max_efficiency
+        compute = op.flops / (hardware.peak("fp32") * eff)
     else:
         compute = 0.0
     memory = hardware.memory_time(op.nbytes)

@@ -47,6 +47,7 @@ class Op:
     variant: str = ""            # matmul: "fwd", "bwd_input", "bwd_weight"
     saved: tuple = field(default_factory=tuple)
     tape_records: int = 0        # records the forward pushes on the tape (popped by backward)
+    gemm_flops: float = 0.0      # FLOPs of its dense matrix products (what Megatron's formula counts)
 
     @property
     def saved_bytes(self):
@@ -77,15 +78,18 @@ class _Builder:
         self.megatron = options.layout == "megatron"
 
     # --- primitive ops: each returns (forward op, [backward ops]) ---------------
-    def matmul(self, name, layer, rows, fan_in, fan_out, save_input=True, bias=True):
+    def matmul(self, name, layer, rows, fan_in, fan_out, bias=True, input_shard=1):
+        """input_shard: the saved input is split this many ways (sequence parallelism keeps the
+        scattered input of a column-parallel matmul and all-gathers it again in backward)."""
         e = self.e
-        fwd = Op(name, "matmul", "fwd", layer, 2.0 * rows * fan_in * fan_out,
+        gemm = 2.0 * rows * fan_in * fan_out
+        fwd = Op(name, "matmul", "fwd", layer, gemm,
                  e * (rows * fan_in + fan_in * fan_out + rows * fan_out + (fan_out if bias else 0)), "fwd",
-                 (Saved(f"{name}.input", e * rows * fan_in),) if save_input else (), 1 if save_input else 0)
-        bwd_in = Op(name, "matmul", "bwd", layer, 2.0 * rows * fan_in * fan_out,
-                    e * (rows * fan_out + fan_in * fan_out + 2 * rows * fan_in), "bwd_input")
-        bwd_w = Op(name, "matmul", "bwd", layer, 2.0 * rows * fan_in * fan_out + (rows * fan_out if bias else 0),
-                   e * (rows * fan_out + rows * fan_in + 2 * fan_in * fan_out), "bwd_weight")
+                 (Saved(f"{name}.input", e * rows * fan_in / input_shard),), 1, gemm)
+        bwd_in = Op(name, "matmul", "bwd", layer, gemm,
+                    e * (rows * fan_out + fan_in * fan_out + 2 * rows * fan_in), "bwd_input", gemm_flops=gemm)
+        bwd_w = Op(name, "matmul", "bwd", layer, gemm + (rows * fan_out if bias else 0),
+                   e * (rows * fan_out + rows * fan_in + 2 * fan_in * fan_out), "bwd_weight", gemm_flops=gemm)
         return fwd, [bwd_in, bwd_w]
 
     def pointwise(self, name, op_class, layer, elems, fwd_flops, bwd_flops, fwd_rw, bwd_rw, saved=()):
@@ -116,7 +120,8 @@ class _Builder:
 
     def residual(self, name, layer):
         elems = self.N * self.spec.n_embd / self.rep
-        return self.pointwise(name, "elementwise", layer, elems, 1, 0, 3, 5)
+        # Backward accumulates the gradient into both inputs: two adds per element.
+        return self.pointwise(name, "elementwise", layer, elems, 1, 2, 3, 5)
 
     def attention(self, layer):
         """Attention core (between the qkv and projection matmuls) of the local heads."""
@@ -137,30 +142,31 @@ class _Builder:
             passes = -(-s // block)
             traffic = e * b * heads * s * d * (2 + 2 * passes) + e * out_elems
             saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.lse", 4.0 * b * heads * s))
-            fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft, traffic, "", saved, 1)
-            bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft, 2.5 * traffic)
+            fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft, traffic, "", saved, 1, 2 * mm)
+            bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft, 2.5 * traffic, gemm_flops=5 * mm)
             return [fwd], [bwd]
         if not self.megatron:
             # Our fused kernel: writes scores then probabilities, keeps probabilities.
             saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.probs", e * probs))
             fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft,
-                     e * (qkv_elems + out_elems + 3 * probs), "", saved, 1)
+                     e * (qkv_elems + out_elems + 3 * probs), "", saved, 1, 2 * mm)
             bwd = Op("attention", "attention", "bwd", layer, 4 * mm + 2 * soft,
-                     e * (2 * qkv_elems + out_elems + 4 * probs))
+                     e * (2 * qkv_elems + out_elems + 4 * probs), gemm_flops=4 * mm)
             return [fwd], [bwd]
         # Megatron: QK^T (saves q, k), softmax (saves output), dropout (mask), AV (saves
         # dropout output and v).
         qk = Op("attn.qk", "attention", "fwd", layer, mm, e * (2 * out_elems + probs), "",
-                (Saved("attn.q", e * out_elems), Saved("attn.k", e * out_elems)), 1)
+                (Saved("attn.q", e * out_elems), Saved("attn.k", e * out_elems)), 1, mm)
         sm = Op("attn.softmax", "attention", "fwd", layer, soft, e * 2 * probs, "",
                 (Saved("attn.softmax_out", e * probs),), 1)
         dr_fwd, dr_bwd = self.dropout("attn.dropout", layer, probs)
         av = Op("attn.av", "attention", "fwd", layer, mm, e * (probs + 2 * out_elems), "",
-                (Saved("attn.dropout_out", e * probs), Saved("attn.v", e * out_elems)), 1)
+                (Saved("attn.dropout_out", e * probs), Saved("attn.v", e * out_elems)), 1, mm)
         fwd = [qk, sm, dr_fwd, av]
-        bwd = [Op("attn.av", "attention", "bwd", layer, 2 * mm, e * (3 * probs + 3 * out_elems))] + dr_bwd + [
+        bwd = [Op("attn.av", "attention", "bwd", layer, 2 * mm, e * (3 * probs + 3 * out_elems), gemm_flops=2 * mm)
+               ] + dr_bwd + [
             Op("attn.softmax", "attention", "bwd", layer, soft, e * 3 * probs),
-            Op("attn.qk", "attention", "bwd", layer, 2 * mm, e * (probs + 4 * out_elems))]
+            Op("attn.qk", "attention", "bwd", layer, 2 * mm, e * (probs + 4 * out_elems), gemm_flops=2 * mm)]
         return fwd, bwd
 
     def mlp(self, layer):
@@ -178,7 +184,7 @@ class _Builder:
             groups = [(rows, F / self.tp)] * local_experts
         for i, (rows, hidden) in enumerate(groups):
             tag = f"expert{i}." if spec.n_experts else ""
-            pairs.append(self.matmul(f"{tag}fc", layer, rows, C, hidden))
+            pairs.append(self.matmul(f"{tag}fc", layer, rows, C, hidden, input_shard=self.rep))
             pairs.append(self.pointwise(f"{tag}gelu", "elementwise", layer, rows * hidden, GELU_FWD_FLOPS,
                                         GELU_BWD_FLOPS, 2, 4,
                                         [Saved(f"{tag}gelu.input", self.e * rows * hidden)]))
@@ -190,7 +196,7 @@ class _Builder:
         spec, N = self.spec, self.N
         C = spec.n_embd
         pairs = [self.layernorm("ln1", layer),
-                 self.matmul("qkv", layer, N, C, 3 * C / self.tp)]
+                 self.matmul("qkv", layer, N, C, 3 * C / self.tp, input_shard=self.rep)]
         att_fwd, att_bwd = self.attention(layer)
         fwd = [p[0] for p in pairs] + att_fwd
         bwd = [op for p in pairs for op in p[1]] + att_bwd
@@ -313,7 +319,8 @@ def step_graph(spec, workload, parallel, options=GraphOptions(), stage=0, sram_b
 
 
 def _as_recompute(op):
-    return Op(op.name, op.op_class, "recompute", op.layer, op.flops, op.nbytes, op.variant)
+    return Op(op.name, op.op_class, "recompute", op.layer, op.flops, op.nbytes, op.variant,
+              gemm_flops=op.gemm_flops)
 
 
 def stage_parameters(spec, parallel, stage):

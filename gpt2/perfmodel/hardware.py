@@ -5,12 +5,16 @@ Published profiles (A100, H100, a generic CPU) ship in ``profiles/``; the profil
 this machine is written by ``python -m gpt2.perfmodel.calibrate``.
 
 Efficiency is not one number: a small op reaches a smaller share of the peak than a
-large one.  Each curve is ``eff(x) = max_efficiency * x / (x + half_size)``, where x is
-the op's FLOPs (matmuls) or bytes (memory-bound ops): x = half_size gives half of
-``max_efficiency``.  Matmuls have one curve per product: the forward product and the
-two backward ones (input gradient, weight gradient), because BLAS runs their
-transposes at different speeds.
+large one.  A curve is either ``eff(x) = max_efficiency * x / (x + half_size)``, where x
+is the op's FLOPs (matmuls) or bytes (memory-bound ops), or, when calibration measured
+it, a table of (size, efficiency) points interpolated in log(size) and held flat past
+its ends (caches make small copies faster than large ones, which no saturating curve
+can say).  Matmuls have one curve per product: the forward product and the two
+backward ones (input gradient, weight gradient), because BLAS runs their transposes at
+different speeds.  ``kernel_efficiency`` holds measured curves of our other kernels
+(attention, layernorm, ...) by op class, as a share of the fp32 peak by FLOPs.
 """
+import bisect
 import json
 import math
 import os
@@ -24,21 +28,42 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class EfficiencyCurve:
-    """eff(x) = max_efficiency * x / (x + half_size); x in FLOPs or bytes."""
+    """eff(x) = max_efficiency * x / (x + half_size), or interpolated ``points`` if given."""
     max_efficiency: float
     half_size: float
+    points: tuple = ()             # ((size, efficiency), ...) sorted by size
 
     def __post_init__(self):
-        if not (0.0 < self.max_efficiency <= 4.0):
-            # Above 1 is allowed: cache-resident data beats the DRAM bandwidth.
-            raise ValueError(f"max_efficiency must be in (0, 4], got {self.max_efficiency!r}")
+        # Above 1 is allowed: cache-resident data beats the DRAM bandwidth.
+        if not (0.0 < self.max_efficiency <= 64.0):
+            raise ValueError(f"max_efficiency must be in (0, 64], got {self.max_efficiency!r}")
         if not (self.half_size >= 0.0 and math.isfinite(self.half_size)):
             raise ValueError(f"half_size must be finite and >= 0, got {self.half_size!r}")
+        points = tuple(sorted((float(x), float(e)) for x, e in self.points))
+        for x, e in points:
+            if not (x > 0 and 0 < e <= 64 and math.isfinite(x)):
+                raise ValueError(f"efficiency point ({x}, {e}) needs size > 0 and efficiency in (0, 64]")
+        object.__setattr__(self, "points", points)
 
     def __call__(self, size):
+        if self.points:
+            return self._interpolate(size)
         if size <= 0:
             return self.max_efficiency
         return self.max_efficiency * size / (size + self.half_size)
+
+    def _interpolate(self, size):
+        xs = [x for x, _ in self.points]
+        if size <= xs[0]:
+            return self.points[0][1]
+        if size >= xs[-1]:
+            return self.points[-1][1]
+        i = bisect.bisect_right(xs, size)
+        (x0, e0), (x1, e1) = self.points[i - 1], self.points[i]
+        if x1 == x0:
+            return e1
+        w = (math.log(size) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return e0 + w * (e1 - e0)
 
 
 @dataclass(frozen=True)
@@ -74,6 +99,8 @@ class HardwareProfile:
     sram_bytes: float = 0.0        # on-chip memory per core/SM, for FlashAttention traffic
     baseline_rss: float = 0.0      # bytes the process holds before any model memory (CPU)
     interconnect: Interconnect = field(default_factory=Interconnect)
+    kernel_efficiency: dict = field(default_factory=dict)   # op class -> EfficiencyCurve (by FLOPs)
+    calibration: dict = field(default_factory=dict)         # how and when the figures were measured
 
     def __post_init__(self):
         if self.kind not in ("cpu", "gpu"):
@@ -129,6 +156,7 @@ def profile_from_dict(data, origin="<dict>"):
         data["matmul_efficiency"] = {k: EfficiencyCurve(**v) for k, v in data["matmul_efficiency"].items()}
         data["memory_efficiency"] = EfficiencyCurve(**data["memory_efficiency"])
         data["interconnect"] = Interconnect(**data.get("interconnect", {}))
+        data["kernel_efficiency"] = {k: EfficiencyCurve(**v) for k, v in data.get("kernel_efficiency", {}).items()}
         return HardwareProfile(**data)
     except KeyError as exc:
         raise ValueError(f"{origin}: hardware profile lacks field {exc.args[0]!r}") from None

@@ -115,6 +115,14 @@ def activation_bytes(spec, workload, parallel, options=GraphOptions(), stage=0, 
     return other + slots * checkpoint, max(full_layer.values(), default=0.0)
 
 
+def layer_activation_bytes(spec, workload, parallel, options=GraphOptions()):
+    """Stored activation bytes per transformer layer (one micro-batch, embedding and head excluded)."""
+    ops = step_graph(spec, workload, parallel, options)
+    stored, _ = activation_bytes(spec, workload, parallel, options, ops=ops)
+    other = sum(saved_by_layer(ops).get(-1, {}).values())
+    return (stored - other) / (spec.n_layer // parallel.pp)
+
+
 def in_flight_micro_batches(parallel, n_micro):
     """Micro-batches whose activations the first pipeline stage holds at once (1F1B)."""
     if parallel.pp == 1:

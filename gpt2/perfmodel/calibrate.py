@@ -1,0 +1,354 @@
+"""Measure this machine and write its hardware profile.
+
+  python -m gpt2.perfmodel.calibrate [--threads N] [--output PATH] [--quick]
+
+Measures, at the model's real shapes (GPT-2 124M at a few (B, T); --quick: the tiny
+preset): float32 sgemm throughput through numpy's BLAS for the forward product and both
+backward products, the peak on a large square sgemm, memory bandwidth by array size,
+the fixed cost of one kernel call and of one tape record, our kernels' throughput by op
+class (attention, layernorm, GELU, residual, embedding, loss, optimizer: whichever are
+built), the spill-file bandwidth and the baseline RSS of a process that imported the
+runtime.  The machine is shared, so every figure is the median of several runs,
+interleaved across the shapes (one run of each shape per round).
+"""
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from .graph import GraphOptions, step_graph
+from .hardware import PROFILE_DIR, EfficiencyCurve, HardwareProfile, Interconnect, save_profile
+from .spec import ModelSpec, ParallelConfig, Workload
+
+FULL_CONFIGS = ((1, 64), (4, 64), (4, 256))
+QUICK_CONFIGS = ((1, 16), (2, 32))
+
+
+def _median_times(tasks, repeats, warmup=1):
+    """{key: median seconds}; tasks is {key: callable}, run round-robin ``repeats`` times."""
+    for fn in tasks.values():
+        for _ in range(warmup):
+            fn()
+    samples = defaultdict(list)
+    for _ in range(repeats):
+        for key, fn in tasks.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[key].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def _set_threads(n):
+    """Use ``n`` threads (None: the default); returns (count in force, previous count)."""
+    try:
+        from kernels import threads
+    except ImportError:
+        from threadpoolctl import threadpool_info, threadpool_limits
+        previous = max((p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"), default=1)
+        n = n or (len(os.sched_getaffinity(0)))
+        threadpool_limits(limits=n, user_api="blas")
+        return n, previous
+    previous = threads.get_num_threads()
+    return threads.set_num_threads(n), previous
+
+
+def measure_peak(size, repeats):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size), dtype=np.float32)
+    b = rng.standard_normal((size, size), dtype=np.float32)
+    c = np.empty_like(a)
+    t = _median_times({"peak": lambda: np.matmul(a, b.T, out=c)}, repeats)["peak"]
+    return 2.0 * size ** 3 / t
+
+
+def _gemm_task(variant, rows, fan_in, fan_out, rng):
+    inp = rng.standard_normal((rows, fan_in), dtype=np.float32)
+    weight = rng.standard_normal((fan_out, fan_in), dtype=np.float32)
+    dout = rng.standard_normal((rows, fan_out), dtype=np.float32)
+    if variant == "fwd":
+        out = np.empty((rows, fan_out), np.float32)
+        return lambda: np.matmul(inp, weight.T, out=out)
+    if variant == "bwd_input":
+        dinp = np.empty((rows, fan_in), np.float32)
+        return lambda: np.matmul(dout, weight, out=dinp)
+    dweight = np.empty((fan_out, fan_in), np.float32)
+    return lambda: np.matmul(dout.T, inp, out=dweight)
+
+
+def matmul_shapes(spec, configs):
+    """{(variant, rows, fan_in, fan_out): flops} of every matmul in the step at ``configs``."""
+    shapes = {}
+    for b, t in configs:
+        for op in step_graph(spec, Workload(b, t), ParallelConfig()):
+            if op.op_class == "matmul":
+                rows, fan_in, fan_out = _matmul_dims(spec, op, b * t)
+                shapes[(op.variant, rows, fan_in, fan_out)] = op.gemm_flops
+    return shapes
+
+
+def _matmul_dims(spec, op, rows):
+    C = spec.n_embd
+    dims = {"qkv": (C, 3 * C), "attproj": (C, C), "fc": (C, spec.ffn_hidden), "fcproj": (spec.ffn_hidden, C),
+            "lm_head": (C, spec.padded_vocab)}
+    return (rows,) + dims[op.name]
+
+
+def measure_matmuls(spec, configs, peak, repeats):
+    rng = np.random.default_rng(1)
+    shapes = matmul_shapes(spec, configs)
+    tasks = {key: _gemm_task(*key, rng) for key in shapes}
+    times = _median_times(tasks, repeats)
+    points = defaultdict(list)
+    for key, flops in shapes.items():
+        points[key[0]].append((flops, flops / (times[key] * peak)))
+    return {variant: _curve(pts) for variant, pts in points.items()}, {
+        f"{k[0]} {k[1]}x{k[2]}x{k[3]}": flops / times[k] for k, flops in shapes.items()}
+
+
+def _curve(points):
+    """A table curve through the measured points (same sizes averaged), plus a saturating fit."""
+    merged = defaultdict(list)
+    for size, eff in points:
+        merged[size].append(eff)
+    pts = sorted((s, float(np.mean(e))) for s, e in merged.items())
+    best = max(e for _, e in pts)
+    # Saturating fit for extrapolation: half_size where the curve crosses half of the best.
+    below = [s for s, e in pts if e < best / 2]
+    half = float(max(below)) if below else 0.0
+    return EfficiencyCurve(max_efficiency=min(best, 64.0), half_size=half, points=tuple(pts))
+
+
+def measure_memory(sizes, repeats):
+    """Copy bandwidth (bytes read + written per second) by array size; returns (peak bw, curve)."""
+    tasks = {}
+    for n in sizes:
+        src = np.ones(n // 4, np.float32)
+        dst = np.empty_like(src)
+        tasks[n] = (lambda s=src, d=dst: np.copyto(d, s))
+    times = _median_times(tasks, repeats)
+    bw = {n: 2.0 * n / times[n] for n in sizes}
+    dram = bw[max(sizes)]
+    return dram, _curve([(2.0 * n, bw[n] / dram) for n in sizes])
+
+
+def measure_overheads(repeats):
+    """(seconds per tiny kernel call, seconds per tape record pushed and popped, sources)."""
+    small = np.ones(8, np.float32)
+    out = np.empty_like(small)
+    sources = {}
+    try:
+        from kernels import layers
+        call = lambda: layers.residual_forward(out, small, small)   # noqa: E731
+        sources["op_overhead"] = "kernels.layers.residual_forward on 8 floats"
+    except ImportError:
+        call = lambda: np.add(small, small, out=out)   # noqa: E731
+        sources["op_overhead"] = "numpy.add on 8 floats (kernels not built)"
+    inner = 200
+
+    def calls():
+        for _ in range(inner):
+            call()
+    overhead = _median_times({"call": calls}, repeats)["call"] / inner
+    tape_cost = 0.0
+    try:
+        import adtape
+        tape = adtape.Tape(dtype=np.float32)
+
+        def records():
+            for _ in range(inner):
+                tape.push_array(small)
+            for _ in range(inner):
+                tape.pop_array()
+        tape_cost = _median_times({"tape": records}, repeats)["tape"] / inner
+        tape.close()
+        sources["tape_overhead"] = "adtape.Tape push_array + pop_array of 8 floats"
+    except ImportError:
+        sources["tape_overhead"] = "adtape not built: 0"
+    return overhead, tape_cost, sources
+
+
+def _kernel_tasks(spec, b, t, rng):
+    """{(op name, phase): callable} running our kernels at the shapes of one (B, T)."""
+    from kernels import layers
+    C, N, F, nh = spec.n_embd, b * t, spec.ffn_hidden, spec.n_head
+    f = lambda *shape: rng.standard_normal(shape, dtype=np.float32)   # noqa: E731
+    x, y, dx = f(b, t, C), np.empty((b, t, C), np.float32), f(b, t, C)
+    w, bias, dw, db = f(C), f(C), np.zeros(C, np.float32), np.zeros(C, np.float32)
+    mean, rstd = np.empty((b, t), np.float32), np.empty((b, t), np.float32)
+    layers.layernorm_forward(y, mean, rstd, x, w, bias)
+    h, hy, dh = f(b, t, F), np.empty((b, t, F), np.float32), f(b, t, F)
+    ids = rng.integers(0, spec.vocab_size, (b, t), dtype=np.int32)
+    wte, wpe = f(spec.padded_vocab, C), f(spec.block_size, C)
+    dwte, dwpe = np.zeros_like(wte), np.zeros_like(wpe)
+    tasks = {
+        ("ln1", "fwd"): lambda: layers.layernorm_forward(y, mean, rstd, x, w, bias),
+        ("ln1", "bwd"): lambda: layers.layernorm_backward(dx, dw, db, y, x, w, mean, rstd),
+        ("gelu", "fwd"): lambda: layers.gelu_forward(hy, h),
+        ("gelu", "bwd"): lambda: layers.gelu_backward(dh, h, hy),
+        ("residual1", "fwd"): lambda: layers.residual_forward(y, x, dx),
+        ("residual1", "bwd"): lambda: layers.residual_backward(dx, y, x),
+        ("encoder", "fwd"): lambda: layers.encoder_forward(y, ids, wte, wpe),
+        ("encoder", "bwd"): lambda: layers.encoder_backward(dwte, dwpe, x, ids),
+    }
+    try:
+        from kernels import attention
+        qkv, dqkv = f(b, t, 3 * C) * 0.1, np.zeros((b, t, 3 * C), np.float32)
+        att, out = np.empty((b, nh, t, t), np.float32), np.empty((b, t, C), np.float32)
+        attention.attention_forward(out, att, qkv, nh)
+        tasks[("attention", "fwd")] = lambda: attention.attention_forward(out, att, qkv, nh)
+        tasks[("attention", "bwd")] = lambda: attention.attention_backward(dqkv, x, qkv, att, nh)
+    except ImportError:
+        pass
+    try:
+        from kernels import loss
+        V, Vp = spec.vocab_size, spec.padded_vocab
+        logits, dlogits = f(b, t, Vp), np.zeros((b, t, Vp), np.float32)
+        losses, lse, dlosses = np.empty((b, t), np.float32), np.empty((b, t), np.float32), np.full(
+            (b, t), 1.0 / N, np.float32)
+        tasks[("loss", "fwd")] = lambda: loss.softmax_crossentropy_forward(losses, lse, logits, ids, V)
+        tasks[("loss", "bwd")] = lambda: loss.softmax_crossentropy_backward(dlogits, dlosses, logits, lse, ids, V)
+        loss.softmax_crossentropy_forward(losses, lse, logits, ids, V)
+    except ImportError:
+        pass
+    return tasks
+
+
+def _optimizer_tasks(spec, rng):
+    try:
+        from kernels import optim
+    except ImportError:
+        return {}, 0
+    n = spec.num_parameters()
+    p, g = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32) * 1e-3
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    return {("adamw", "optim"): lambda: optim.adamw_step(p, g, m, v, 1, 1e-4, weight_decay=0.1)}, n
+
+
+def measure_kernels(spec, configs, peak, overhead, repeats):
+    """{op_class.phase: EfficiencyCurve by FLOPs} from our kernels at the configs' shapes."""
+    try:
+        import kernels.layers   # noqa: F401
+    except ImportError:
+        return {}, ["kernels.layers not built: no kernel curves"]
+    rng = np.random.default_rng(2)
+    points, notes = defaultdict(list), []
+    opt_tasks, _ = _optimizer_tasks(spec, rng)
+    for b, t in configs:
+        ops = {(op.name, op.phase): op for op in step_graph(spec, Workload(b, t), ParallelConfig())
+               if op.layer in (-1, 0)}
+        tasks = _kernel_tasks(spec, b, t, rng)
+        tasks.update(opt_tasks if (b, t) == configs[0] else {})
+        times = _median_times(tasks, repeats)
+        for key, seconds in times.items():
+            op = ops[key]
+            if op.flops <= 0:
+                continue
+            work = max(seconds - overhead, seconds * 0.05)
+            points[f"{op.op_class}.{'fwd' if op.phase == 'fwd' else op.phase}"].append(
+                (op.flops, op.flops / (peak * work)))
+    for missing in ("attention", "loss", "optimizer"):
+        if not any(k.startswith(missing) for k in points):
+            notes.append(f"kernels for {missing} not built: its ops use the default efficiency")
+    return {k: _curve(v) for k, v in points.items()}, notes
+
+
+def measure_disk(path, nbytes):
+    """Bytes/s of writing then reading back a spill-sized file (each direction), through the
+    page cache as the tape's spill I/O goes (no fsync)."""
+    block = os.urandom(1 << 20)
+    fd, name = tempfile.mkstemp(dir=path, prefix="perfmodel-calib-")
+    try:
+        t0 = time.perf_counter()
+        for _ in range(nbytes >> 20):
+            os.write(fd, block)
+        t1 = time.perf_counter()
+        os.lseek(fd, 0, os.SEEK_SET)
+        while os.read(fd, 1 << 20):
+            pass
+        t2 = time.perf_counter()
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return 2.0 * (nbytes >> 20 << 20) / (t2 - t0)
+
+
+def measure_baseline_rss():
+    """RSS of a fresh interpreter that imported numpy, the kernels and the tape."""
+    code = ("import numpy, psutil\n"
+            "for m in ('kernels.matmul', 'kernels.layers', 'kernels.attention', 'adtape'):\n"
+            "    try:\n        __import__(m)\n    except ImportError:\n        pass\n"
+            "print(psutil.Process().memory_info().rss)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.getcwd())
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def calibrate(threads=None, quick=False, spec=None, configs=None, repeats=None, spill_dir=None):
+    """Measure this machine with ``threads`` threads (restored afterwards); returns a HardwareProfile."""
+    threads, previous = _set_threads(threads)
+    try:
+        return _calibrate(threads, quick, spec, configs, repeats, spill_dir)
+    finally:
+        _set_threads(previous)
+
+
+def _calibrate(threads, quick, spec, configs, repeats, spill_dir):
+    import psutil
+    if spec is None:
+        spec = ModelSpec(2, 2, 32, 256, block_size=64) if quick else ModelSpec(12, 12, 768, 50257)
+    configs = tuple(configs or (QUICK_CONFIGS if quick else FULL_CONFIGS))
+    repeats = repeats or (3 if quick else 7)
+    peak = measure_peak(256 if quick else 2048, repeats)
+    matmul_curves, gemm_rates = measure_matmuls(spec, configs, peak, repeats)
+    mem_sizes = [1 << k for k in (range(14, 22, 2) if quick else range(14, 29, 2))]
+    bandwidth, memory_curve = measure_memory(mem_sizes, repeats)
+    overhead, tape_cost, sources = measure_overheads(repeats)
+    kernel_curves, notes = measure_kernels(spec, configs, peak, overhead, repeats)
+    disk = measure_disk(spill_dir or tempfile.gettempdir(), (8 if quick else 256) << 20)
+    baseline = measure_baseline_rss()
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return HardwareProfile(
+        name="this-machine", kind="cpu",
+        source=f"measured by python -m gpt2.perfmodel.calibrate at {now}, {threads} threads"
+               + (" (quick)" if quick else ""),
+        peak_flops={"fp32": peak}, memory_bandwidth=bandwidth,
+        memory_capacity=float(psutil.virtual_memory().total), matmul_efficiency=matmul_curves,
+        memory_efficiency=memory_curve, op_overhead=overhead, tape_overhead=tape_cost, disk_bandwidth=disk,
+        threads=threads, sram_bytes=0.0, baseline_rss=baseline, interconnect=Interconnect(),
+        kernel_efficiency=kernel_curves,
+        calibration={"time": now, "threads": threads, "quick": quick, "repeats": repeats,
+                     "model": [spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size],
+                     "configs": [list(c) for c in configs], "sgemm_flops_per_s": gemm_rates,
+                     "sources": sources, "notes": notes})
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m gpt2.perfmodel.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=None, help="threads for BLAS and OpenMP (default: all cores)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats (seconds)")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--output", default=os.path.join(PROFILE_DIR, "this-machine.json"))
+    args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    profile = calibrate(args.threads, args.quick, repeats=args.repeats)
+    save_profile(profile, args.output)
+    print(f"peak sgemm {profile.peak('fp32') / 1e9:.1f} GFLOP/s, copy bandwidth "
+          f"{profile.memory_bandwidth / 1e9:.2f} GB/s, kernel call {profile.op_overhead * 1e6:.2f} us, "
+          f"tape record {profile.tape_overhead * 1e6:.2f} us, spill {profile.disk_bandwidth / 1e9:.2f} GB/s, "
+          f"baseline RSS {profile.baseline_rss / 2**20:.0f} MiB ({profile.threads} threads)")
+    for note in profile.calibration["notes"]:
+        print(f"note: {note}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

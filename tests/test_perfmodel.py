@@ -1,0 +1,238 @@
+"""Tests of the analytical performance model: formulas, published figures, zeros when off,
+monotonicity, the CLI, and a quick calibration that writes a valid profile."""
+import json
+import math
+
+import pytest
+
+from gpt2.perfmodel import (EfficiencyCurve, GraphOptions, ModelSpec, ParallelConfig, Workload, activation_bytes,
+                            all_gather, all_reduce, all_to_all, binomial_recompute_steps, estimate,
+                            korthikanti_activations_per_layer, load_profile, megatron_flops, model_state_bytes,
+                            point_to_point, reduce_scatter, step_graph)
+from gpt2.perfmodel import cli
+from gpt2.perfmodel.calibrate import calibrate
+from gpt2.perfmodel.hardware import available_profiles, profile_from_dict, save_profile
+from gpt2.perfmodel.published import (GPT3_175B, korthikanti_checks, megatron_flops_checks, palm_mfu_check,
+                                      zero_checks)
+
+GPT2 = ModelSpec(12, 12, 768, 50257)
+CPU = load_profile("generic-cpu")
+A100 = load_profile("a100-80gb-sxm")
+
+
+def test_gpt2_parameter_count_matches_llmc_layout():
+    assert GPT2.num_parameters() == 124475904
+    assert ModelSpec(2, 2, 32, 256, block_size=64).num_parameters() == 256 * 32 + 64 * 32 + 2 * (
+        12 * 32 * 32 + 13 * 32) + 64
+
+
+def test_shipped_profiles_load():
+    names = available_profiles()
+    for name in ("a100-40gb-sxm", "a100-80gb-sxm", "h100-sxm", "generic-cpu"):
+        assert name in names
+        assert load_profile(name).peak_flops["fp32"] > 0
+
+
+def test_profile_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_profile("nope")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_profile(str(bad))
+    data = CPU.to_dict()
+    del data["memory_bandwidth"]
+    with pytest.raises(ValueError, match="memory_bandwidth"):
+        profile_from_dict(data, "x")
+    data = CPU.to_dict()
+    data["peak_flops"] = {"fp32": -1}
+    with pytest.raises(ValueError, match="peak_flops"):
+        profile_from_dict(data, "x")
+
+
+def test_profile_round_trip(tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(CPU, str(path))
+    assert load_profile(str(path)) == CPU
+
+
+def test_efficiency_curve_forms():
+    sat = EfficiencyCurve(0.8, 100.0)
+    assert sat(100.0) == pytest.approx(0.4)
+    assert sat(1e12) == pytest.approx(0.8, rel=1e-6)
+    table = EfficiencyCurve(1.0, 0.0, points=((10, 0.2), (1000, 0.6)))
+    assert table(1) == 0.2 and table(1e9) == 0.6
+    assert table(100) == pytest.approx(0.4)
+    with pytest.raises(ValueError):
+        EfficiencyCurve(0.0, 1.0)
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="divisible"):
+        ModelSpec(1, 5, 32, 10)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        ParallelConfig(sequence_parallel=True)
+    with pytest.raises(ValueError, match="recompute"):
+        ParallelConfig(recompute="sometimes")
+    with pytest.raises(ValueError, match="divisible by dp"):
+        Workload(5, 16).micro_batch_size(ParallelConfig(dp=2))
+
+
+def test_matmul_flops_of_graph_equal_6N_plus_attention():
+    b, t = 2, 32
+    ops = step_graph(GPT2, Workload(b, t), ParallelConfig())
+    gemm = sum(op.gemm_flops for op in ops)
+    # 6 * (matmul weights) * tokens plus 12 * L * C * T^2-per-sequence attention products.
+    C, L = GPT2.n_embd, GPT2.n_layer
+    weights = L * 12 * C * C + GPT2.padded_vocab * C
+    assert gemm == pytest.approx(6 * weights * b * t + 12 * L * C * t * t * b, rel=1e-12)
+
+
+def test_published_checks_within_rounding():
+    for rec in zero_checks():
+        # ZeRO prints its figures rounded to 0.1 GB.
+        assert abs(rec["predicted"] - rec["measured"]) <= 0.05 + 1e-9, rec
+    for rec in korthikanti_checks() + megatron_flops_checks():
+        assert rec["rel_error"] == pytest.approx(0.0, abs=1e-12), rec
+    (palm,) = palm_mfu_check()
+    assert abs(palm["predicted"] - palm["measured"]) < 0.0005
+
+
+def test_korthikanti_closed_forms():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    assert korthikanti_activations_per_layer(s, b, h, a) == 34 * s * b * h + 5 * a * s * s * b
+    assert korthikanti_activations_per_layer(s, b, h, a, t) == s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t
+    assert korthikanti_activations_per_layer(s, b, h, a, t, True, "selective") == 34 * s * b * h / t
+
+
+def test_megatron_formula_matches_its_expansion():
+    B, s = 3, 2048
+    l, h, V = GPT3_175B.n_layer, GPT3_175B.n_embd, GPT3_175B.padded_vocab
+    assert megatron_flops(GPT3_175B, B, s) == pytest.approx(
+        96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V)
+
+
+def test_zero_sharding_is_monotone_and_exact():
+    sizes = [sum(model_state_bytes(1e9, "bf16", 8, z)) for z in range(4)]
+    assert sizes == sorted(sizes, reverse=True)
+    assert sizes[3] == pytest.approx(16e9 / 8)
+    assert sum(model_state_bytes(1e9, "fp32", 1, 0)) == 16e9
+
+
+def test_collectives_formulas_and_zero_when_off():
+    n, bw, lat = 1e9, 1e11, 1e-5
+    assert all_reduce(n, 8, bw, lat) == pytest.approx(14 * lat + 2 * 7 / 8 * n / bw)
+    assert reduce_scatter(n, 8, bw, lat) == pytest.approx(7 * lat + 7 / 8 * n / bw)
+    assert all_gather(n, 4, bw, lat) == all_to_all(n, 4, bw, lat)
+    for fn in (all_reduce, reduce_scatter, all_gather, all_to_all):
+        assert fn(n, 1, 0.0, lat) == 0.0
+        assert fn(0.0, 8, bw, lat) == 0.0
+    assert point_to_point(0.0, bw, lat) == 0.0
+    with pytest.raises(ValueError, match="bandwidth"):
+        all_reduce(n, 2, 0.0, lat)
+
+
+def test_every_parallel_term_is_zero_when_off():
+    est = estimate(GPT2, Workload(4, 64), ParallelConfig(), CPU)
+    assert all(v == 0.0 for v in est.communication.values())
+    assert est.bubble == 0.0 and est.bubble_fraction == 0.0 and est.spill_io == 0.0
+    assert est.memory.spilled == 0.0
+    assert all(phase != "recompute" for phase, _ in est.compute)
+    ops = step_graph(GPT2, Workload(4, 64), ParallelConfig())
+    assert not [op for op in ops if op.phase == "recompute"]
+
+
+def test_each_feature_turns_its_term_on():
+    w = Workload(64, 1024, micro_batch=1, precision="bf16")
+    spec = ModelSpec(8, 16, 2048, 50257, block_size=1024)
+    base = estimate(spec, w, ParallelConfig(dp=8), A100)
+    assert base.communication["data_parallel"] > 0 and base.communication["tensor_parallel"] == 0
+    tp = estimate(spec, w, ParallelConfig(dp=4, tp=2), A100)
+    assert tp.communication["tensor_parallel"] > 0
+    pp = estimate(spec, w, ParallelConfig(dp=4, pp=2), A100)
+    n_micro = w.num_micro_batches(ParallelConfig(dp=4, pp=2))
+    assert pp.bubble_fraction == pytest.approx((2 - 1) / (n_micro + 2 - 1))
+    assert pp.communication["pipeline_p2p"] > 0
+    inter = estimate(spec, w, ParallelConfig(dp=2, pp=4, interleave=2), A100)
+    n_micro = w.num_micro_batches(ParallelConfig(dp=2, pp=4))
+    assert inter.bubble_fraction == pytest.approx(3 / (2 * n_micro + 3))
+    moe = ModelSpec(8, 16, 2048, 50257, block_size=1024, n_experts=8, top_k=2)
+    assert estimate(moe, w, ParallelConfig(dp=8, ep=8), A100).communication["expert_all_to_all"] > 0
+    assert estimate(moe, w, ParallelConfig(dp=8), A100).communication["expert_all_to_all"] == 0
+
+
+def test_recompute_trades_memory_for_time():
+    w = Workload(4, 256)
+    results = {}
+    for policy, slots in (("none", 0), ("binomial", 2), ("per_layer", 0)):
+        p = ParallelConfig(recompute=policy, checkpoints=slots)
+        results[policy] = estimate(GPT2, w, p, CPU)
+    assert results["none"].memory.activations > results["per_layer"].memory.activations
+    assert results["per_layer"].memory.activations > results["binomial"].memory.activations
+    assert results["none"].step_time < results["per_layer"].step_time < results["binomial"].step_time
+
+
+def test_binomial_checkpointing_counts():
+    assert binomial_recompute_steps(12, 11) == 12
+    assert binomial_recompute_steps(12, 0) == 12 + 66
+    costs = [binomial_recompute_steps(30, c) for c in range(0, 30)]
+    assert costs == sorted(costs, reverse=True)
+    # Griewank: with c slots and r repetitions, binom(c + r, c) steps need at most r * steps.
+    assert binomial_recompute_steps(math.comb(3 + 2, 3), 3) <= 2 * math.comb(5, 3) + math.comb(5, 3)
+
+
+def test_tape_budget_spills_and_costs_io():
+    w = Workload(4, 256)
+    full = estimate(GPT2, w, ParallelConfig(), CPU)
+    budget = full.memory.activations / 2
+    spilled = estimate(GPT2, w, ParallelConfig(tape_budget=budget), CPU)
+    assert spilled.memory.spilled == pytest.approx(full.memory.activations - budget)
+    assert spilled.memory.activations == pytest.approx(budget)
+    assert spilled.spill_io == pytest.approx(2 * spilled.memory.spilled / CPU.disk_bandwidth)
+    assert spilled.step_time > full.step_time
+
+
+def test_flash_attention_removes_quadratic_memory():
+    w = Workload(1, 2048, precision="bf16")
+    spec = ModelSpec(4, 16, 1024, 50257, block_size=2048)
+    plain, _ = activation_bytes(spec, w, ParallelConfig(), GraphOptions("megatron"))
+    flash, _ = activation_bytes(spec, w, ParallelConfig(flash_attention=True), GraphOptions("megatron"))
+    assert plain - flash > 4 * 5 * 16 * 2048 * 2048 * 0.9
+    ops = step_graph(spec, w, ParallelConfig(flash_attention=True), sram_bytes=192 * 1024)
+    att = [op for op in ops if op.op_class == "attention" and op.phase == "fwd"]
+    assert all(op.nbytes < 2 * 16 * 2048 * 2048 for op in att)
+
+
+def test_time_and_memory_grow_with_batch():
+    ests = [estimate(GPT2, Workload(b, 64), ParallelConfig(), CPU) for b in (1, 2, 4, 8)]
+    times = [e.step_time for e in ests]
+    mems = [e.memory.total for e in ests]
+    assert times == sorted(times) and mems == sorted(mems)
+
+
+def test_cli_table_json_and_sweep_plot(tmp_path, capsys):
+    args = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--vocab", "256", "--batch", "2", "--seq", "16"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "matmul" in out and "memory per device" in out and "pipeline bubble" in out
+    assert cli.main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["step_time"] > 0
+    png = tmp_path / "sweep.png"
+    assert cli.main(args + ["--sweep", "batch=1,2,4", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="unknown parameter"):
+        cli.main(args + ["--sweep", "colour=1"])
+
+
+def test_quick_calibration_writes_valid_profile(tmp_path):
+    spec = ModelSpec(1, 2, 32, 256, block_size=32)
+    profile = calibrate(threads=1, quick=True, spec=spec, configs=((1, 8),), repeats=1, spill_dir=str(tmp_path))
+    path = tmp_path / "this.json"
+    save_profile(profile, str(path))
+    loaded = load_profile(str(path))
+    assert loaded.kind == "cpu" and loaded.threads == 1
+    assert loaded.peak("fp32") > 0 and loaded.memory_bandwidth > 0 and loaded.disk_bandwidth > 0
+    assert set(loaded.matmul_efficiency) == {"fwd", "bwd_input", "bwd_weight"}
+    est = estimate(spec, Workload(1, 8), ParallelConfig(), loaded)
+    assert est.step_time > 0
