@@ -63,15 +63,15 @@ class TorchGPT2(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        x = self.wte[idx] + self.wpe[:T]
+        x = F.embedding(idx, self.wte) + self.wpe[:T]
         for block in self.blocks:
             x = block(x)
-        logits = self.lnf(x) @ self.wte.T  # tied LM head
+        logits = F.linear(self.lnf(x), self.wte)  # tied LM head, (B, T, Vp)
         if targets is None:
             return logits, None
-        V = self.config.vocab_size
-        loss = F.cross_entropy(logits[..., :V].reshape(-1, V), targets.reshape(-1))
-        return logits, loss
+        # a strided view of the real columns, not a copy of the (B*T, V) logits
+        real = logits.view(B * T, -1)[:, :self.config.vocab_size]
+        return logits, F.cross_entropy(real, targets.reshape(-1))
 
     def _param(self, name, layer):
         if name in LAYER_PARAMS:

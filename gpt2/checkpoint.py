@@ -229,7 +229,8 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None)
             arenas[name] = dest
     return Checkpoint(config=file_config, params=arenas["params"], step=header["step"],
                       adam_m=arenas.get("adam_m"), adam_v=arenas.get("adam_v"),
-                      adam_step=header["adam_step"], data_state=header["data_state"], extra=header["extra"])
+                      adam_step=header["adam_step"], data_state=header["data_state"],
+                      extra=header["extra"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from gpt2.checkpoint import (SafetensorsFile, export_hf_gpt2, export_llmc, impor
                              import_llmc, load_checkpoint, save_checkpoint, write_safetensors)
 from gpt2.config import GPT2Config
 from gpt2.data import DataLoader
-from gpt2.params import ParamArena, init_gpt2_, num_parameters
+from gpt2.params import ParamArena, init_gpt2_
 
 TINY = GPT2Config.preset("tiny")
 # a vocabulary that is not a multiple of 128, so the padded wte rows are exercised
