@@ -1,0 +1,687 @@
+"""GPT-2's pointwise and row-wise layers as forward/backward kernel pairs.
+
+encoder (token + position embedding), layernorm (eps 1e-5, keeps mean and rstd for
+backward), GELU (PyTorch's approximate='tanh') and residual add.  Forward kernels
+overwrite their outputs; backward kernels add into every gradient.  The parallel
+kernels split work by output ownership and keep a fixed summation order, so their
+results do not depend on the thread count.  Every kernel has a serial ``_naive``
+twin with the same signature; the twins also accept float64 arrays, which is how
+the tests check the backward formulas against finite differences.
+"""
+from cython.parallel cimport prange
+from libc.math cimport sqrtf, sqrt, tanh
+from libc.stdint cimport int32_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+
+import numpy as np
+cimport numpy as cnp
+from cython cimport floating
+
+from kernels.threads import get_num_threads
+
+cnp.import_array()
+
+cdef extern from *:
+    """
+    #define ADTAPE_LAYERNORM_EPS 1e-5
+    #define ADTAPE_GELU_K 0.7978845608028654 /* sqrt(2/pi) */
+    #define ADTAPE_GELU_A 0.044715
+    """
+    # double constants; float kernels cast them, which gcc folds at compile time
+    const double LAYERNORM_EPS "ADTAPE_LAYERNORM_EPS"
+    const double GELU_K "ADTAPE_GELU_K"
+    const double GELU_A "ADTAPE_GELU_A"
+
+cdef extern from *:
+    # Pointers that alias no other argument: gcc's runtime alias checks give up on
+    # loops with many pointers (more than 10 pairs) and leave them scalar.
+    ctypedef float* float_r "float *__restrict__"
+    ctypedef const float* cfloat_r "const float *__restrict__"
+
+cdef enum:
+    # Elements per parallel work item of the pointwise kernels (64 KiB of float32).
+    CHUNK = 16384
+    # Row blocks of layernorm backward's dweight/dbias partial sums: a fixed count, so
+    # the summation order, hence the result, does not depend on the thread count.
+    LAYERNORM_ROW_BLOCKS = 32
+    # Channel slices are whole 64-byte cache lines so threads never share one.
+    LINE_FLOATS = 16
+
+_TYPE_NAMES = {cnp.NPY_FLOAT32: "float32", cnp.NPY_FLOAT64: "float64", cnp.NPY_INT32: "int32"}
+
+
+# ---------------------------------------------------------------------------
+# Boundary checks (shared with kernels.loss and kernels.optim through layers.pxd)
+
+cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint writable) except? NULL:
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(arr).__name__}")
+    cdef cnp.ndarray a = <cnp.ndarray>arr
+    if (cnp.PyArray_TYPE(a) != typenum or not cnp.PyArray_ISNOTSWAPPED(a)
+            or not cnp.PyArray_ISALIGNED(a)):
+        raise TypeError(f"{name} must be an aligned native {_TYPE_NAMES[typenum]} array, "
+                        f"got dtype {arr.dtype}")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a):
+        raise ValueError(f"{name} must be C-contiguous")
+    if writable and not cnp.PyArray_ISWRITEABLE(a):
+        raise ValueError(f"{name} must be writeable")
+    if shape is not None and arr.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
+    return cnp.PyArray_DATA(a)
+
+
+cdef int resolve_threads(object n_threads) except -1:
+    if n_threads is None:
+        return get_num_threads()
+    if not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1:
+        raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
+    return n_threads
+
+
+cdef int _float_type(object arr):
+    # The naive twins run in float64 when given float64 arrays, float32 otherwise.
+    if isinstance(arr, np.ndarray) and arr.dtype == np.float64:
+        return cnp.NPY_FLOAT64
+    return cnp.NPY_FLOAT32
+
+
+cdef tuple _check_encoder_forward(out, ids, wte, wpe, int ft):
+    checked_data("ids", ids, cnp.NPY_INT32, None, False)
+    if ids.ndim != 2:
+        raise ValueError(f"ids must have shape (B, T), got {ids.shape}")
+    checked_data("wte", wte, ft, None, False)
+    if wte.ndim != 2:
+        raise ValueError(f"wte must have shape (Vp, C), got {wte.shape}")
+    B, T = ids.shape
+    Vp, C = wte.shape
+    checked_data("wpe", wpe, ft, None, False)
+    if wpe.ndim != 2 or wpe.shape[1] != C or wpe.shape[0] < T:
+        raise ValueError(f"wpe must have shape (maxT, {C}) with maxT >= T={T}, got {wpe.shape}")
+    checked_data("out", out, ft, (B, T, C), True)
+    _check_ids(ids, Vp)
+    return B, T, C
+
+
+cdef tuple _check_encoder_backward(dwte, dwpe, dout, ids, int ft):
+    checked_data("ids", ids, cnp.NPY_INT32, None, False)
+    if ids.ndim != 2:
+        raise ValueError(f"ids must have shape (B, T), got {ids.shape}")
+    checked_data("dwte", dwte, ft, None, True)
+    if dwte.ndim != 2:
+        raise ValueError(f"dwte must have shape (Vp, C), got {dwte.shape}")
+    B, T = ids.shape
+    Vp, C = dwte.shape
+    checked_data("dwpe", dwpe, ft, None, True)
+    if dwpe.ndim != 2 or dwpe.shape[1] != C or dwpe.shape[0] < T:
+        raise ValueError(f"dwpe must have shape (maxT, {C}) with maxT >= T={T}, got {dwpe.shape}")
+    checked_data("dout", dout, ft, (B, T, C), False)
+    _check_ids(ids, Vp)
+    return B, T, C
+
+
+cdef _check_ids(ids, Py_ssize_t Vp):
+    if ids.size and (ids.min() < 0 or ids.max() >= Vp):
+        raise ValueError(f"ids must lie in [0, {Vp}) (rows of wte), "
+                         f"got values in [{ids.min()}, {ids.max()}]")
+
+
+cdef tuple _check_rows(str name, arr, int ft, bint writable):
+    # (B, T, C) or (N, C) -> (N, C, leading shape)
+    checked_data(name, arr, ft, None, writable)
+    if arr.ndim not in (2, 3) or arr.shape[arr.ndim - 1] < 1:
+        raise ValueError(f"{name} must have shape (B, T, C) or (N, C) with C >= 1, got {arr.shape}")
+    lead = arr.shape[:arr.ndim - 1]
+    return int(np.prod(lead)), arr.shape[arr.ndim - 1], lead
+
+
+cdef tuple _check_layernorm_forward(out, mean, rstd, inp, weight, bias, int ft):
+    N, C, lead = _check_rows("inp", inp, ft, False)
+    checked_data("weight", weight, ft, (C,), False)
+    checked_data("bias", bias, ft, (C,), False)
+    checked_data("out", out, ft, inp.shape, True)
+    checked_data("mean", mean, ft, lead, True)
+    checked_data("rstd", rstd, ft, lead, True)
+    return N, C
+
+
+cdef tuple _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, int ft):
+    N, C, lead = _check_rows("inp", inp, ft, False)
+    checked_data("weight", weight, ft, (C,), False)
+    checked_data("mean", mean, ft, lead, False)
+    checked_data("rstd", rstd, ft, lead, False)
+    checked_data("dout", dout, ft, inp.shape, False)
+    checked_data("dinp", dinp, ft, inp.shape, True)
+    checked_data("dweight", dweight, ft, (C,), True)
+    checked_data("dbias", dbias, ft, (C,), True)
+    return N, C
+
+
+cdef Py_ssize_t _check_pointwise(outputs, inputs, int ft) except -1:
+    # Every array has the first input's shape; returns the element count.
+    first_name, first = inputs[0]
+    checked_data(first_name, first, ft, None, False)
+    shape = first.shape
+    for name, arr in inputs[1:]:
+        checked_data(name, arr, ft, shape, False)
+    for name, arr in outputs:
+        checked_data(name, arr, ft, shape, True)
+    return first.size
+
+
+cdef inline float* _f32(arr):
+    return <float*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+
+
+# ---------------------------------------------------------------------------
+# Vectorizable row helpers (see sum_f32 in layers.pxd for the accumulator layout)
+
+cdef inline float _sum_sq_dev(const float* x, float m, Py_ssize_t n) noexcept nogil:
+    cdef float acc[SUM_LANES]
+    cdef Py_ssize_t i = 0, j
+    for j in range(SUM_LANES):
+        acc[j] = 0
+    while i + SUM_LANES <= n:
+        for j in range(SUM_LANES):
+            acc[j] = acc[j] + (x[i + j] - m) * (x[i + j] - m)
+        i = i + SUM_LANES
+    for j in range(n - i):
+        acc[j] = acc[j] + (x[i + j] - m) * (x[i + j] - m)
+    return halving_sum(acc, SUM_LANES)
+
+
+cdef inline void _add_rows(float* out, const float* a, const float* b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = a[i] + b[i]
+
+
+cdef inline void _accumulate(float* acc, const float* x, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        acc[i] = acc[i] + x[i]
+
+
+cdef inline Py_ssize_t _slice_width(Py_ssize_t C, int n_slices) noexcept nogil:
+    cdef Py_ssize_t w = (C + n_slices - 1) // n_slices
+    return (w + LINE_FLOATS - 1) // LINE_FLOATS * LINE_FLOATS
+
+
+# ---------------------------------------------------------------------------
+# encoder
+
+cdef void encoder_forward_core(float* out, const int32_t* ids, const float* wte, const float* wpe,
+                               Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, int n_threads) noexcept nogil:
+    cdef Py_ssize_t r
+    for r in prange(B * T, schedule='static', nogil=True, num_threads=n_threads):
+        _add_rows(out + r * C, wte + <Py_ssize_t>ids[r] * C, wpe + (r % T) * C, C)
+
+
+cdef void _encoder_dwte_slice(float* dwte, const float* dout, const int32_t* ids, Py_ssize_t N,
+                              Py_ssize_t C, Py_ssize_t c0, Py_ssize_t c1) noexcept nogil:
+    # One thread owns channels [c0, c1) of every row of dwte, so repeated ids
+    # need no atomics, and each element is summed in row order.
+    cdef Py_ssize_t r
+    for r in range(N):
+        _accumulate(dwte + <Py_ssize_t>ids[r] * C + c0, dout + r * C + c0, c1 - c0)
+
+
+cdef void _encoder_dwpe_row(float* dwpe_t, const float* dout, Py_ssize_t t, Py_ssize_t B,
+                            Py_ssize_t T, Py_ssize_t C) noexcept nogil:
+    cdef Py_ssize_t b
+    for b in range(B):
+        _accumulate(dwpe_t, dout + (b * T + t) * C, C)
+
+
+cdef void encoder_backward_core(float* dwte, float* dwpe, const float* dout, const int32_t* ids,
+                                Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, int n_threads) noexcept nogil:
+    cdef Py_ssize_t s, t, c0, c1
+    cdef Py_ssize_t width = _slice_width(C, n_threads)
+    cdef Py_ssize_t n_slices = (C + width - 1) // width
+    for s in prange(n_slices, schedule='static', nogil=True, num_threads=n_threads):
+        c0 = s * width
+        c1 = min(C, c0 + width)
+        _encoder_dwte_slice(dwte, dout, ids, B * T, C, c0, c1)
+    for t in prange(T, schedule='static', nogil=True, num_threads=n_threads):
+        _encoder_dwpe_row(dwpe + t * C, dout, t, B, T, C)
+
+
+def encoder_forward(out, ids, wte, wpe, *, n_threads=None):
+    """out[b, t] = wte[ids[b, t]] + wpe[t].  out (B,T,C); ids (B,T) int32 in [0, Vp);
+    wte (Vp,C); wpe (maxT,C) with maxT >= T."""
+    cdef int nt = resolve_threads(n_threads)
+    B, T, C = _check_encoder_forward(out, ids, wte, wpe, cnp.NPY_FLOAT32)
+    cdef float* o = _f32(out)
+    cdef const int32_t* idp = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
+    cdef const float* wtep = _f32(wte)
+    cdef const float* wpep = _f32(wpe)
+    cdef Py_ssize_t b = B, t = T, c = C
+    with nogil:
+        encoder_forward_core(o, idp, wtep, wpep, b, t, c, nt)
+
+
+def encoder_backward(dwte, dwpe, dout, ids, *, n_threads=None):
+    """dwte[ids[b, t]] += dout[b, t]; dwpe[t] += sum_b dout[b, t]."""
+    cdef int nt = resolve_threads(n_threads)
+    B, T, C = _check_encoder_backward(dwte, dwpe, dout, ids, cnp.NPY_FLOAT32)
+    cdef float* dwtep = _f32(dwte)
+    cdef float* dwpep = _f32(dwpe)
+    cdef const float* doutp = _f32(dout)
+    cdef const int32_t* idp = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
+    cdef Py_ssize_t b = B, t = T, c = C
+    with nogil:
+        encoder_backward_core(dwtep, dwpep, doutp, idp, b, t, c, nt)
+
+
+def _encoder_forward_naive(floating[:, :, ::1] out, const int32_t[:, ::1] ids,
+                           const floating[:, ::1] wte, const floating[:, ::1] wpe):
+    cdef Py_ssize_t b, t, c
+    for b in range(out.shape[0]):
+        for t in range(out.shape[1]):
+            for c in range(out.shape[2]):
+                out[b, t, c] = wte[ids[b, t], c] + wpe[t, c]
+
+
+def _encoder_backward_naive(floating[:, ::1] dwte, floating[:, ::1] dwpe,
+                            const floating[:, :, ::1] dout, const int32_t[:, ::1] ids):
+    cdef Py_ssize_t b, t, c
+    for b in range(dout.shape[0]):
+        for t in range(dout.shape[1]):
+            for c in range(dout.shape[2]):
+                dwte[ids[b, t], c] += dout[b, t, c]
+                dwpe[t, c] += dout[b, t, c]
+
+
+def encoder_forward_naive(out, ids, wte, wpe, *, n_threads=None):
+    """Serial twin of encoder_forward (float32 or float64)."""
+    resolve_threads(n_threads)
+    _check_encoder_forward(out, ids, wte, wpe, _float_type(out))
+    _encoder_forward_naive(out, ids, wte, wpe)
+
+
+def encoder_backward_naive(dwte, dwpe, dout, ids, *, n_threads=None):
+    """Serial twin of encoder_backward (float32 or float64)."""
+    resolve_threads(n_threads)
+    _check_encoder_backward(dwte, dwpe, dout, ids, _float_type(dout))
+    _encoder_backward_naive(dwte, dwpe, dout, ids)
+
+
+# ---------------------------------------------------------------------------
+# layernorm
+
+cdef inline void _layernorm_row(float* out, float* mean, float* rstd, const float* x,
+                                const float* weight, const float* bias, Py_ssize_t C) noexcept nogil:
+    cdef float m = sum_f32(x, C) / C
+    # Two passes over the row (it sits in L1) avoid E[x^2] - E[x]^2 cancellation.
+    cdef float s = <float>1.0 / sqrtf(_sum_sq_dev(x, m, C) / C + <float>LAYERNORM_EPS)
+    cdef Py_ssize_t i
+    for i in range(C):
+        out[i] = (x[i] - m) * s * weight[i] + bias[i]
+    mean[0] = m
+    rstd[0] = s
+
+
+cdef void layernorm_forward_core(float* out, float* mean, float* rstd, const float* inp,
+                                 const float* weight, const float* bias,
+                                 Py_ssize_t N, Py_ssize_t C, int n_threads) noexcept nogil:
+    cdef Py_ssize_t r
+    for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
+        _layernorm_row(out + r * C, mean + r, rstd + r, inp + r * C, weight, bias, C)
+
+
+cdef inline void _layernorm_backward_row(float_r dinp, float_r dweight, float_r dbias,
+                                         cfloat_r dout, cfloat_r x, cfloat_r weight,
+                                         float m, float s, Py_ssize_t C) noexcept nogil:
+    cdef float acc_g[SUM_LANES]
+    cdef float acc_gx[SUM_LANES]
+    cdef Py_ssize_t i = 0, j
+    cdef float g
+    for j in range(SUM_LANES):
+        acc_g[j] = 0
+        acc_gx[j] = 0
+    while i + SUM_LANES <= C:
+        for j in range(SUM_LANES):
+            g = weight[i + j] * dout[i + j]
+            acc_g[j] = acc_g[j] + g
+            acc_gx[j] = acc_gx[j] + g * (x[i + j] - m)
+        i = i + SUM_LANES
+    for j in range(C - i):
+        g = weight[i + j] * dout[i + j]
+        acc_g[j] = acc_g[j] + g
+        acc_gx[j] = acc_gx[j] + g * (x[i + j] - m)
+    cdef float sum_g = halving_sum(acc_g, SUM_LANES)
+    cdef float sum_gx = halving_sum(acc_gx, SUM_LANES)
+    # dinp = rstd * (g - mean(g) - norm * mean(g * norm)), norm = (x - mean) * rstd
+    cdef float mean_g = sum_g / C
+    cdef float mean_gn = sum_gx * s / C
+    cdef float norm
+    for i in range(C):
+        norm = (x[i] - m) * s
+        dweight[i] = dweight[i] + norm * dout[i]
+        dbias[i] = dbias[i] + dout[i]
+        dinp[i] = dinp[i] + (weight[i] * dout[i] - mean_g - norm * mean_gn) * s
+
+
+cdef void _layernorm_backward_block(float* dinp, float* part_w, float* part_b, const float* dout,
+                                    const float* inp, const float* weight, const float* mean,
+                                    const float* rstd, Py_ssize_t r0, Py_ssize_t r1,
+                                    Py_ssize_t C) noexcept nogil:
+    cdef Py_ssize_t r
+    memset(part_w, 0, C * sizeof(float))
+    memset(part_b, 0, C * sizeof(float))
+    for r in range(r0, r1):
+        _layernorm_backward_row(dinp + r * C, part_w, part_b, dout + r * C, inp + r * C,
+                                weight, mean[r], rstd[r], C)
+
+
+cdef void _reduce_blocks(float* dst, float* parts, Py_ssize_t n_blocks, Py_ssize_t C,
+                         Py_ssize_t c0, Py_ssize_t c1) noexcept nogil:
+    # dst[c] += sum over blocks of parts[block, c], blocks in order, for c in [c0, c1).
+    cdef Py_ssize_t blk
+    for blk in range(1, n_blocks):
+        _accumulate(parts + c0, parts + blk * C + c0, c1 - c0)
+    _accumulate(dst + c0, parts + c0, c1 - c0)
+
+
+cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, const float* dout,
+                                 const float* inp, const float* weight, const float* mean,
+                                 const float* rstd, Py_ssize_t N, Py_ssize_t C,
+                                 int n_threads) except -1 nogil:
+    if N == 0:
+        return 0
+    cdef Py_ssize_t n_blocks = min(N, <Py_ssize_t>LAYERNORM_ROW_BLOCKS)
+    # Partial dweight sums, one row per block, then partial dbias sums.
+    cdef float* parts = <float*>malloc(2 * n_blocks * C * sizeof(float))
+    if parts == NULL:
+        with gil:
+            raise MemoryError(f"layernorm_backward: cannot allocate {2 * n_blocks * C} floats")
+    cdef float* parts_b = parts + n_blocks * C
+    cdef Py_ssize_t blk, s, c0, c1
+    for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
+        _layernorm_backward_block(dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
+                                  mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C)
+    cdef Py_ssize_t width = _slice_width(C, n_threads)
+    cdef Py_ssize_t n_slices = (C + width - 1) // width
+    for s in prange(n_slices, schedule='static', nogil=True, num_threads=n_threads):
+        c0 = s * width
+        c1 = min(C, c0 + width)
+        _reduce_blocks(dweight, parts, n_blocks, C, c0, c1)
+        _reduce_blocks(dbias, parts_b, n_blocks, C, c0, c1)
+    free(parts)
+    return 0
+
+
+def layernorm_forward(out, mean, rstd, inp, weight, bias, *, n_threads=None):
+    """out = (inp - mean) * rstd * weight + bias over the last axis (eps 1e-5).
+    inp/out (B,T,C) or (N,C); mean/rstd (B,T) or (N,) are written for backward."""
+    cdef int nt = resolve_threads(n_threads)
+    N, C = _check_layernorm_forward(out, mean, rstd, inp, weight, bias, cnp.NPY_FLOAT32)
+    cdef float* o = _f32(out)
+    cdef float* mp = _f32(mean)
+    cdef float* rp = _f32(rstd)
+    cdef const float* ip = _f32(inp)
+    cdef const float* wp = _f32(weight)
+    cdef const float* bp = _f32(bias)
+    cdef Py_ssize_t n = N, c = C
+    with nogil:
+        layernorm_forward_core(o, mp, rp, ip, wp, bp, n, c, nt)
+
+
+def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *, n_threads=None):
+    """Adds layernorm's gradients into dinp, dweight and dbias."""
+    cdef int nt = resolve_threads(n_threads)
+    N, C = _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
+                                     cnp.NPY_FLOAT32)
+    cdef float* dip = _f32(dinp)
+    cdef float* dwp = _f32(dweight)
+    cdef float* dbp = _f32(dbias)
+    cdef const float* dop = _f32(dout)
+    cdef const float* ip = _f32(inp)
+    cdef const float* wp = _f32(weight)
+    cdef const float* mp = _f32(mean)
+    cdef const float* rp = _f32(rstd)
+    cdef Py_ssize_t n = N, c = C
+    with nogil:
+        layernorm_backward_core(dip, dwp, dbp, dop, ip, wp, mp, rp, n, c, nt)
+
+
+def _layernorm_forward_naive(floating[:, ::1] out, floating[::1] mean, floating[::1] rstd,
+                             const floating[:, ::1] inp, const floating[::1] weight,
+                             const floating[::1] bias):
+    cdef Py_ssize_t r, i, C = inp.shape[1]
+    cdef floating m, v
+    for r in range(inp.shape[0]):
+        m = 0
+        for i in range(C):
+            m += inp[r, i]
+        m = m / C
+        v = 0
+        for i in range(C):
+            v += (inp[r, i] - m) * (inp[r, i] - m)
+        v = v / C
+        mean[r] = m
+        rstd[r] = 1 / sqrt(v + LAYERNORM_EPS)
+        for i in range(C):
+            out[r, i] = (inp[r, i] - m) * rstd[r] * weight[i] + bias[i]
+
+
+def _layernorm_backward_naive(floating[:, ::1] dinp, floating[::1] dweight, floating[::1] dbias,
+                              const floating[:, ::1] dout, const floating[:, ::1] inp,
+                              const floating[::1] weight, const floating[::1] mean,
+                              const floating[::1] rstd):
+    cdef Py_ssize_t r, i, C = inp.shape[1]
+    cdef floating norm, dnorm, mean_dnorm, mean_dnorm_norm
+    for r in range(inp.shape[0]):
+        mean_dnorm = 0
+        mean_dnorm_norm = 0
+        for i in range(C):
+            norm = (inp[r, i] - mean[r]) * rstd[r]
+            dnorm = weight[i] * dout[r, i]
+            mean_dnorm += dnorm
+            mean_dnorm_norm += dnorm * norm
+        mean_dnorm = mean_dnorm / C
+        mean_dnorm_norm = mean_dnorm_norm / C
+        for i in range(C):
+            norm = (inp[r, i] - mean[r]) * rstd[r]
+            dnorm = weight[i] * dout[r, i]
+            dbias[i] += dout[r, i]
+            dweight[i] += norm * dout[r, i]
+            dinp[r, i] += (dnorm - mean_dnorm - norm * mean_dnorm_norm) * rstd[r]
+
+
+def layernorm_forward_naive(out, mean, rstd, inp, weight, bias, *, n_threads=None):
+    """Serial twin of layernorm_forward (float32 or float64)."""
+    resolve_threads(n_threads)
+    N, C = _check_layernorm_forward(out, mean, rstd, inp, weight, bias, _float_type(inp))
+    _layernorm_forward_naive(out.reshape(N, C), mean.reshape(N), rstd.reshape(N),
+                             inp.reshape(N, C), weight, bias)
+
+
+def layernorm_backward_naive(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *, n_threads=None):
+    """Serial twin of layernorm_backward (float32 or float64)."""
+    resolve_threads(n_threads)
+    N, C = _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
+                                     _float_type(inp))
+    _layernorm_backward_naive(dinp.reshape(N, C), dweight, dbias, dout.reshape(N, C),
+                              inp.reshape(N, C), weight, mean.reshape(N), rstd.reshape(N))
+
+
+# ---------------------------------------------------------------------------
+# GELU, tanh approximation.  0.5 * (1 + tanh(u)) == 1 / (1 + exp(-2u)), which needs one
+# exp and no cancellation near tanh(u) = -1.
+
+cdef inline float _gelu_sigmoid(float x, float* e) noexcept nogil:
+    # s = 1 / (1 + exp(z)), z = -2u; e receives exp(z).  Beyond z = 80, s is set to 0
+    # rather than left as a value that turns denormal downstream.
+    cdef float z = <float>(-2.0 * GELU_K) * (x + <float>GELU_A * x * x * x)
+    e[0] = fast_expf(select_f32(z > <float>80.0, <float>80.0, z))
+    return select_f32(z > <float>80.0, <float>0.0, <float>1.0 / (<float>1.0 + e[0]))
+
+
+cdef void _gelu_forward_span(float* out, const float* inp, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float e
+    for i in range(n):
+        out[i] = inp[i] * _gelu_sigmoid(inp[i], &e)
+
+
+cdef void _gelu_backward_span(float* dinp, const float* inp, const float* dout,
+                              Py_ssize_t n) noexcept nogil:
+    # d/dx [x s] = s + x s (1 - s) 2u', with 1 - s = e s
+    cdef Py_ssize_t i
+    cdef float x, s, e, du
+    for i in range(n):
+        x = inp[i]
+        s = _gelu_sigmoid(x, &e)
+        du = <float>(2.0 * GELU_K) * (<float>1.0 + <float>(3.0 * GELU_A) * x * x)
+        dinp[i] = dinp[i] + s * (<float>1.0 + x * du * e * s) * dout[i]
+
+
+cdef void gelu_forward_core(float* out, const float* inp, Py_ssize_t n, int n_threads) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
+        _gelu_forward_span(out + k * CHUNK, inp + k * CHUNK, min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+
+
+cdef void gelu_backward_core(float* dinp, const float* inp, const float* dout, Py_ssize_t n,
+                             int n_threads) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
+        _gelu_backward_span(dinp + k * CHUNK, inp + k * CHUNK, dout + k * CHUNK,
+                            min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+
+
+def gelu_forward(out, inp, *, n_threads=None):
+    """out = GELU(inp), tanh approximation; any shape."""
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = _check_pointwise((("out", out),), (("inp", inp),), cnp.NPY_FLOAT32)
+    cdef float* o = _f32(out)
+    cdef const float* ip = _f32(inp)
+    with nogil:
+        gelu_forward_core(o, ip, n, nt)
+
+
+def gelu_backward(dinp, inp, dout, *, n_threads=None):
+    """dinp += GELU'(inp) * dout."""
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = _check_pointwise((("dinp", dinp),), (("inp", inp), ("dout", dout)),
+                                         cnp.NPY_FLOAT32)
+    cdef float* dp = _f32(dinp)
+    cdef const float* ip = _f32(inp)
+    cdef const float* dop = _f32(dout)
+    with nogil:
+        gelu_backward_core(dp, ip, dop, n, nt)
+
+
+def _gelu_forward_naive(floating[::1] out, const floating[::1] inp):
+    cdef Py_ssize_t i
+    cdef floating x
+    for i in range(inp.shape[0]):
+        x = inp[i]
+        out[i] = 0.5 * x * (1 + tanh(GELU_K * (x + GELU_A * x * x * x)))
+
+
+def _gelu_backward_naive(floating[::1] dinp, const floating[::1] inp, const floating[::1] dout):
+    cdef Py_ssize_t i
+    cdef floating x, th
+    for i in range(inp.shape[0]):
+        x = inp[i]
+        th = tanh(GELU_K * (x + GELU_A * x * x * x))
+        dinp[i] += (0.5 * (1 + th)
+                    + 0.5 * x * (1 - th * th) * GELU_K * (1 + 3 * GELU_A * x * x)) * dout[i]
+
+
+def gelu_forward_naive(out, inp, *, n_threads=None):
+    """Serial twin of gelu_forward, written with tanh (float32 or float64)."""
+    resolve_threads(n_threads)
+    _check_pointwise((("out", out),), (("inp", inp),), _float_type(inp))
+    _gelu_forward_naive(out.reshape(-1), inp.reshape(-1))
+
+
+def gelu_backward_naive(dinp, inp, dout, *, n_threads=None):
+    """Serial twin of gelu_backward, written with tanh (float32 or float64)."""
+    resolve_threads(n_threads)
+    _check_pointwise((("dinp", dinp),), (("inp", inp), ("dout", dout)), _float_type(inp))
+    _gelu_backward_naive(dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1))
+
+
+# ---------------------------------------------------------------------------
+# residual
+
+cdef void residual_forward_core(float* out, const float* inp1, const float* inp2, Py_ssize_t n,
+                                int n_threads) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
+        _add_rows(out + k * CHUNK, inp1 + k * CHUNK, inp2 + k * CHUNK,
+                  min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+
+
+cdef void _residual_backward_span(float* dinp1, float* dinp2, const float* dout,
+                                  Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dinp1[i] = dinp1[i] + dout[i]
+        dinp2[i] = dinp2[i] + dout[i]
+
+
+cdef void residual_backward_core(float* dinp1, float* dinp2, const float* dout, Py_ssize_t n,
+                                 int n_threads) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
+        _residual_backward_span(dinp1 + k * CHUNK, dinp2 + k * CHUNK, dout + k * CHUNK,
+                                min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+
+
+def residual_forward(out, inp1, inp2, *, n_threads=None):
+    """out = inp1 + inp2; any shape (out may be inp1 or inp2)."""
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = _check_pointwise((("out", out),), (("inp1", inp1), ("inp2", inp2)),
+                                         cnp.NPY_FLOAT32)
+    cdef float* o = _f32(out)
+    cdef const float* p1 = _f32(inp1)
+    cdef const float* p2 = _f32(inp2)
+    with nogil:
+        residual_forward_core(o, p1, p2, n, nt)
+
+
+def residual_backward(dinp1, dinp2, dout, *, n_threads=None):
+    """dinp1 += dout; dinp2 += dout."""
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),),
+                                         cnp.NPY_FLOAT32)
+    if dinp1 is dinp2 or cnp.PyArray_DATA(<cnp.ndarray>dinp1) == cnp.PyArray_DATA(<cnp.ndarray>dinp2):
+        raise ValueError("dinp1 and dinp2 must be different arrays")
+    cdef float* d1 = _f32(dinp1)
+    cdef float* d2 = _f32(dinp2)
+    cdef const float* dop = _f32(dout)
+    with nogil:
+        residual_backward_core(d1, d2, dop, n, nt)
+
+
+def _residual_forward_naive(floating[::1] out, const floating[::1] inp1, const floating[::1] inp2):
+    cdef Py_ssize_t i
+    for i in range(out.shape[0]):
+        out[i] = inp1[i] + inp2[i]
+
+
+def _residual_backward_naive(floating[::1] dinp1, floating[::1] dinp2, const floating[::1] dout):
+    cdef Py_ssize_t i
+    for i in range(dout.shape[0]):
+        dinp1[i] += dout[i]
+        dinp2[i] += dout[i]
+
+
+def residual_forward_naive(out, inp1, inp2, *, n_threads=None):
+    """Serial twin of residual_forward (float32 or float64)."""
+    resolve_threads(n_threads)
+    _check_pointwise((("out", out),), (("inp1", inp1), ("inp2", inp2)), _float_type(inp1))
+    _residual_forward_naive(out.reshape(-1), inp1.reshape(-1), inp2.reshape(-1))
+
+
+def residual_backward_naive(dinp1, dinp2, dout, *, n_threads=None):
+    """Serial twin of residual_backward (float32 or float64)."""
+    resolve_threads(n_threads)
+    _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),), _float_type(dout))
+    if dinp1 is dinp2:
+        raise ValueError("dinp1 and dinp2 must be different arrays")
+    _residual_backward_naive(dinp1.reshape(-1), dinp2.reshape(-1), dout.reshape(-1))
