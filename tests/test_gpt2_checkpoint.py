@@ -1,11 +1,16 @@
 """Checkpoints: our format (round trip, atomicity, validation), llm.c model files, HF safetensors."""
 import json
 import os
+import pathlib
 import struct
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 
+import gpt2
 from gpt2 import checkpoint as ckpt
 from gpt2.checkpoint import (SafetensorsFile, export_hf_gpt2, export_llmc, import_hf_gpt2,
                              import_llmc, load_checkpoint, save_checkpoint, write_safetensors)
@@ -129,6 +134,32 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, failing):
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["ck.bin"], "temporary file left behind"
     np.testing.assert_array_equal(load_checkpoint(path).params.flat, params.flat)
+
+
+def test_process_killed_while_saving_keeps_previous_checkpoint(tmp_path):
+    path, params, *_ = saved_state(tmp_path)
+    before = path.read_bytes()
+    # The child writes a new checkpoint and is SIGKILLed after the data, before the rename.
+    child = textwrap.dedent(f"""
+        import os, signal
+        from gpt2 import checkpoint
+        from gpt2.config import GPT2Config
+        from gpt2.params import ParamArena, init_gpt2_
+        checkpoint.os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+        params = init_gpt2_(ParamArena(GPT2Config.preset("tiny")), 77)
+        checkpoint.save_checkpoint({str(path)!r}, params, step=999)
+    """)
+    package_root = str(pathlib.Path(gpt2.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": package_root}
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True)
+    assert result.returncode == -9, result.stderr.decode()
+    leftovers = [p for p in os.listdir(tmp_path) if p != "ck.bin"]
+    assert len(leftovers) == 1 and leftovers[0].endswith(".tmp")
+    assert (tmp_path / leftovers[0]).stat().st_size > params.nbytes, "the child got to write"
+    assert path.read_bytes() == before
+    ck = load_checkpoint(path)
+    assert ck.step == 123
+    np.testing.assert_array_equal(ck.params.flat, params.flat)
 
 
 # ---------------------------------------------------------------------------- llm.c
