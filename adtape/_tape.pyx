@@ -779,7 +779,10 @@ cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_
     pthread_mutex_lock(&t.io_mu)
     while t.io_busy or t.queue_head != NULL:
         pthread_cond_wait(&t.done_cv, &t.io_mu)
-    while target.base > pos:
+    # At a slab boundary the lower slab ends exactly at pos: prefer it when it is
+    # resident, so clear() frees every heap slab and nothing is read back in vain.
+    while target.prev != NULL and (target.base > pos or (
+            target.base == pos and target.prev.state == SLAB_RESIDENT)):
         target = target.prev
     if ensure_resident(t, target) < 0:
         pthread_mutex_unlock(&t.io_mu)
@@ -1167,10 +1170,14 @@ cdef class Tape:
     prefetch_depth : spilled units read ahead of need while popping.
     threadsafe : take the tape's lock on every operation.
     spill_unit : minimum bytes written or read per I/O request (default 1 MiB).
+    keep_free_slabs : emptied slabs kept for reuse before they are freed (default:
+        64 without a budget, so a tape refilled every training step does not fault
+        fresh pages in; 2 + prefetch_depth with one, as kept slabs count against it).
     """
 
     def __cinit__(self, dtype=np.float64, sbo_size=32, slab_size=None, memory_budget=None,
-                  spill_dir=None, prefetch_depth=2, threadsafe=True, spill_unit=1 << 20):
+                  spill_dir=None, prefetch_depth=2, threadsafe=True, spill_unit=1 << 20,
+                  keep_free_slabs=None):
         cdef int itemsize
         cdef int64_t budget
         self.t.closed = 1
@@ -1212,6 +1219,10 @@ cdef class Tape:
         tape_init(&self.t, itemsize, sbo_size * itemsize, self.sbo,
                   slab_size * itemsize, budget, encoded, prefetch_depth,
                   1 if threadsafe else 0, max(spill_unit, 1))
+        if keep_free_slabs is not None:
+            self.t.max_free_slabs = _count("keep_free_slabs", keep_free_slabs)
+        elif budget < 0:
+            self.t.max_free_slabs = 64
         _open_tapes.add(self)
 
     def __dealloc__(self):
@@ -1399,7 +1410,7 @@ cdef class Tape:
             raise TypeError(f"push_array takes a numpy array, got {type(a).__name__}")
         if a.dtype.hasobject:
             raise TypeError("push_array cannot store arrays of Python objects")
-        arr = np.ascontiguousarray(a)
+        arr = a if a.flags.c_contiguous else a.copy(order="C")
         ndim = arr.ndim
         if ndim > MAX_NDIM:
             raise ValueError(f"push_array: {ndim} dimensions exceed the limit of {MAX_NDIM}")
@@ -1476,6 +1487,7 @@ cdef class Tape:
 
     def __len__(self):
         cdef int64_t n
+        self.require_open()
         tape_lock(&self.t)
         n = tape_len(&self.t)
         tape_unlock(&self.t)
