@@ -1,0 +1,241 @@
+"""GPT-2 over the OpenMP kernels: parameters, AdamW state and two backward paths.
+
+``GPT2`` owns three arenas of the parameter layout (parameters, gradients and
+the two AdamW moments), each one allocation.  A training step is
+``loss = model.loss_and_grad(inputs, targets)`` followed by ``model.adamw_step``.
+
+Two engines compute the loss and its gradient with the same kernels:
+* ``"tape"`` (the default): the forward pass runs through ``adtape`` ops, which
+  save what each backward kernel needs onto an ``adtape.Tape`` (so a
+  ``memory_budget`` spills activations to disk) and the backward pass is the
+  tape's reverse sweep - derived, not written out by hand.
+* ``"manual"``: llm.c's hand-sequenced forward and backward over one
+  preallocated activation arena, kept as the baseline the tape path is checked
+  and timed against.
+"""
+import math
+
+import numpy as np
+
+from gpt2.config import GPT2Config
+from gpt2.params import ParamArena, init_gpt2_
+from kernels import attention, layers, loss as loss_kernels, matmul, optim, threads
+
+
+class ActivationArena:
+    """Every activation and activation gradient of one (B, T) forward/backward, in one allocation.
+
+    Forward buffers are overwritten every step.  The gradient buffers hold one
+    layer at a time and are zeroed before each backward kernel adds into them.
+    """
+
+    def __init__(self, config, B, T):
+        L, C, NH = config.n_layer, config.n_embd, config.n_head
+        Vp = config.padded_vocab_size
+        BT = B * T
+        shapes = {
+            "encoded": (B, T, C),
+            "ln1": (L, B, T, C), "ln1_mean": (L, B, T), "ln1_rstd": (L, B, T),
+            "qkv": (L, B, T, 3 * C), "atty": (L, B, T, C), "att": (L, B, NH, T, T),
+            "attproj": (L, B, T, C), "residual2": (L, B, T, C),
+            "ln2": (L, B, T, C), "ln2_mean": (L, B, T), "ln2_rstd": (L, B, T),
+            "fch": (L, B, T, 4 * C), "fch_gelu": (L, B, T, 4 * C), "fcproj": (L, B, T, C),
+            "residual3": (L, B, T, C),
+            "lnf": (B, T, C), "lnf_mean": (B, T), "lnf_rstd": (B, T),
+            "logits": (B, T, Vp), "losses": (B, T), "lse": (B, T),
+        }
+        # Gradient buffers: one layer's worth is reused for every layer, the
+        # residual stream gradient is carried down.
+        grad_shapes = {
+            "d_residual": (B, T, C), "d_ln": (B, T, C), "d_qkv": (B, T, 3 * C),
+            "d_atty": (B, T, C), "d_fch": (B, T, 4 * C), "d_fch_gelu": (B, T, 4 * C),
+            "d_losses": (B, T),
+        }
+        self.B, self.T = B, T
+        sizes = {**shapes, **grad_shapes}
+        total = sum(math.prod(s) for s in sizes.values())
+        self.flat = np.empty(total, dtype=np.float32)
+        start = 0
+        for name, shape in sizes.items():
+            n = math.prod(shape)
+            setattr(self, name, self.flat[start:start + n].reshape(shape))
+            start += n
+
+
+class GPT2:
+    """A GPT-2 model with its gradients and AdamW state, each one arena."""
+
+    def __init__(self, config, seed=0, engine="tape", tape=None):
+        if not isinstance(config, GPT2Config):
+            raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
+        if engine not in ("tape", "manual"):
+            raise ValueError(f"engine must be 'tape' or 'manual', got {engine!r}")
+        self.config = config
+        self.params = ParamArena(config)
+        init_gpt2_(self.params, seed)
+        self.grads = ParamArena(config)
+        self.grads.zero_()
+        self.adam_m = np.zeros_like(self.params.flat)
+        self.adam_v = np.zeros_like(self.params.flat)
+        self.adam_step = 0
+        self.engine = engine
+        self._tape = tape
+        self._acts = None
+        self._tape_engine = None
+
+    # -- inputs ---------------------------------------------------------------
+
+    def check_batch(self, inputs, targets=None):
+        """Validate a batch: int32-convertible (B, T) ids in range, T <= block_size."""
+        cfg = self.config
+        inputs = np.asarray(inputs)
+        if inputs.ndim != 2:
+            raise ValueError(f"inputs must have shape (B, T), got {inputs.shape}")
+        if not np.issubdtype(inputs.dtype, np.integer):
+            raise TypeError(f"inputs must be integer token ids, got {inputs.dtype}")
+        B, T = inputs.shape
+        if B < 1 or T < 1:
+            raise ValueError(f"inputs must have B >= 1 and T >= 1, got {inputs.shape}")
+        if T > cfg.block_size:
+            raise ValueError(f"sequence length T={T} exceeds the model's block_size "
+                             f"{cfg.block_size}")
+        if inputs.size and (inputs.min() < 0 or inputs.max() >= cfg.vocab_size):
+            raise ValueError(f"input token ids must lie in [0, {cfg.vocab_size}), got ids in "
+                             f"[{inputs.min()}, {inputs.max()}]")
+        inputs = np.ascontiguousarray(inputs, dtype=np.int32)
+        if targets is None:
+            return inputs, None
+        targets = np.asarray(targets)
+        if targets.shape != inputs.shape:
+            raise ValueError(f"targets shape {targets.shape} does not match inputs {inputs.shape}")
+        if not np.issubdtype(targets.dtype, np.integer):
+            raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
+        if targets.min() < 0 or targets.max() >= cfg.vocab_size:
+            raise ValueError(f"target token ids must lie in [0, {cfg.vocab_size}), got ids in "
+                             f"[{targets.min()}, {targets.max()}]")
+        return inputs, np.ascontiguousarray(targets, dtype=np.int32)
+
+    def _activations(self, B, T):
+        if self._acts is None or (self._acts.B, self._acts.T) != (B, T):
+            self._acts = None
+            self._acts = ActivationArena(self.config, B, T)
+        return self._acts
+
+    # -- forward only -----------------------------------------------------------
+
+    def forward(self, inputs, targets=None):
+        """Logits (B, T, Vp) - a view valid until the next call - and the mean loss if targets."""
+        inputs, targets = self.check_batch(inputs, targets)
+        B, T = inputs.shape
+        a = self._activations(B, T)
+        self._forward_manual(a, inputs, targets)
+        return a.logits, (float(a.losses.mean()) if targets is not None else None)
+
+    # -- loss and gradient --------------------------------------------------------
+
+    def loss_and_grad(self, inputs, targets):
+        """Mean cross-entropy loss; its gradient is accumulated into ``self.grads``."""
+        inputs, targets = self.check_batch(inputs, targets)
+        if self.engine == "manual":
+            B, T = inputs.shape
+            a = self._activations(B, T)
+            self._forward_manual(a, inputs, targets)
+            self._backward_manual(a, inputs, targets)
+            return float(a.losses.mean())
+        if self._tape_engine is None:
+            from gpt2.tape_engine import TapeEngine
+            self._tape_engine = TapeEngine(self, tape=self._tape)
+        return self._tape_engine.loss_and_grad(inputs, targets)
+
+    def zero_grad(self):
+        optim.zero_grad(self.grads.flat)
+
+    def clip_grad_norm(self, max_norm):
+        """Scale gradients to global norm ``max_norm`` at most; returns the norm before."""
+        return optim.clip_grad_norm(self.grads.flat, max_norm)
+
+    def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
+        """One AdamW update of every parameter (PyTorch semantics, decay on all of them)."""
+        self.adam_step += 1
+        optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m, self.adam_v,
+                         self.adam_step, lr, beta1, beta2, eps, weight_decay)
+
+    def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None):
+        """Zero grads, forward, backward, (clip), AdamW. Returns (loss, grad norm or None)."""
+        self.zero_grad()
+        loss = self.loss_and_grad(inputs, targets)
+        norm = self.clip_grad_norm(grad_clip) if grad_clip else None
+        self.adamw_step(lr, weight_decay=weight_decay)
+        return loss, norm
+
+    def close(self):
+        if self._tape_engine is not None:
+            self._tape_engine.close()
+            self._tape_engine = None
+
+    # -- the hand-sequenced baseline (llm.c) ----------------------------------------
+
+    def _forward_manual(self, a, inputs, targets):
+        p, cfg = self.params, self.config
+        NH = cfg.n_head
+        layers.encoder_forward(a.encoded, inputs, p.wte, p.wpe)
+        residual = a.encoded
+        for l in range(cfg.n_layer):
+            layers.layernorm_forward(a.ln1[l], a.ln1_mean[l], a.ln1_rstd[l], residual,
+                                     p.ln1w[l], p.ln1b[l])
+            matmul.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], p.qkvb[l])
+            attention.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH)
+            matmul.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], p.attprojb[l])
+            layers.residual_forward(a.residual2[l], residual, a.attproj[l])
+            layers.layernorm_forward(a.ln2[l], a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l],
+                                     p.ln2w[l], p.ln2b[l])
+            matmul.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], p.fcb[l])
+            layers.gelu_forward(a.fch_gelu[l], a.fch[l])
+            matmul.matmul_forward(a.fcproj[l], a.fch_gelu[l], p.fcprojw[l], p.fcprojb[l])
+            layers.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
+            residual = a.residual3[l]
+        layers.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, residual, p.lnfw, p.lnfb)
+        matmul.matmul_forward(a.logits, a.lnf, p.wte, None)
+        if targets is not None:
+            loss_kernels.softmax_crossentropy_forward(a.losses, a.lse, a.logits, targets,
+                                                      cfg.vocab_size)
+
+    def _backward_manual(self, a, inputs, targets):
+        p, g, cfg = self.params, self.grads, self.config
+        B, T = inputs.shape
+        NH = cfg.n_head
+        a.d_residual.fill(0.0)
+        a.d_ln.fill(0.0)
+        a.d_losses.fill(1.0 / (B * T))
+        # dlogits overwrite the logits in place: they are not needed afterwards.
+        loss_kernels.softmax_crossentropy_backward(a.logits, a.d_losses, a.logits, a.lse,
+                                                   targets, cfg.vocab_size)
+        dres = a.d_residual
+        matmul.matmul_backward(a.d_ln, g.wte, None, a.logits, a.lnf, p.wte)
+        last = a.residual3[cfg.n_layer - 1] if cfg.n_layer else a.encoded
+        layers.layernorm_backward(dres, g.lnfw, g.lnfb, a.d_ln, last, p.lnfw,
+                                  a.lnf_mean, a.lnf_rstd)
+        for l in reversed(range(cfg.n_layer)):
+            residual = a.residual3[l - 1] if l > 0 else a.encoded
+            # residual3 = residual2 + fcproj: dres is the gradient of fcproj, and
+            # layernorm-2's backward adds into it to make the gradient of residual2.
+            a.d_fch_gelu.fill(0.0)
+            matmul.matmul_backward(a.d_fch_gelu, g.fcprojw[l], g.fcprojb[l], dres,
+                                   a.fch_gelu[l], p.fcprojw[l])
+            a.d_fch.fill(0.0)
+            layers.gelu_backward(a.d_fch, a.fch[l], a.d_fch_gelu)
+            a.d_ln.fill(0.0)
+            matmul.matmul_backward(a.d_ln, g.fcw[l], g.fcb[l], a.d_fch, a.ln2[l], p.fcw[l])
+            layers.layernorm_backward(dres, g.ln2w[l], g.ln2b[l], a.d_ln, a.residual2[l],
+                                      p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l])
+            # residual2 = residual + attproj: the same again for the attention half.
+            a.d_atty.fill(0.0)
+            matmul.matmul_backward(a.d_atty, g.attprojw[l], g.attprojb[l], dres,
+                                   a.atty[l], p.attprojw[l])
+            a.d_qkv.fill(0.0)
+            attention.attention_backward(a.d_qkv, a.d_atty, a.qkv[l], a.att[l], NH)
+            a.d_ln.fill(0.0)
+            matmul.matmul_backward(a.d_ln, g.qkvw[l], g.qkvb[l], a.d_qkv, a.ln1[l], p.qkvw[l])
+            layers.layernorm_backward(dres, g.ln1w[l], g.ln1b[l], a.d_ln, residual,
+                                      p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l])
+        layers.encoder_backward(g.wte, g.wpe, dres, inputs)
