@@ -75,8 +75,10 @@ class GPT2:
         init_gpt2_(self.params, seed)
         self.grads = ParamArena(config)
         self.grads.zero_()
-        self.adam_m = np.zeros_like(self.params.flat)
-        self.adam_v = np.zeros_like(self.params.flat)
+        self.adam_m = ParamArena(config)
+        self.adam_m.zero_()
+        self.adam_v = ParamArena(config)
+        self.adam_v.zero_()
         self.adam_step = 0
         self.engine = engine
         self._tape = tape
@@ -157,7 +159,7 @@ class GPT2:
     def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
         """One AdamW update of every parameter (PyTorch semantics, decay on all of them)."""
         self.adam_step += 1
-        optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m, self.adam_v,
+        optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat,
                          self.adam_step, lr, beta1, beta2, eps, weight_decay)
 
     def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None):

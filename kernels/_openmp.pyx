@@ -2,6 +2,7 @@
 
 IF ADTAPE_OPENMP:
     cimport openmp
+    from cython.parallel cimport prange
 
 cdef int omp_get_max_threads_safe() noexcept nogil:
     IF ADTAPE_OPENMP:
@@ -34,3 +35,41 @@ def _set_omp_threads(int n):
 
 def _get_omp_threads():
     return omp_get_max_threads_safe()
+
+
+cdef extern from "xmmintrin.h" nogil:
+    unsigned int _mm_getcsr()
+    void _mm_setcsr(unsigned int csr)
+
+# MXCSR bits: flush-to-zero (results) and denormals-are-zero (inputs).
+cdef enum:
+    MXCSR_FTZ = 0x8000
+    MXCSR_DAZ = 0x0040
+
+
+cdef inline void _apply_ftz(bint enable) noexcept nogil:
+    if enable:
+        _mm_setcsr(_mm_getcsr() | MXCSR_FTZ | MXCSR_DAZ)
+    else:
+        _mm_setcsr(_mm_getcsr() & ~(<unsigned int>(MXCSR_FTZ | MXCSR_DAZ)))
+
+
+def set_flush_denormal(bint enable, int n_threads=0):
+    """Set (or clear) flush-to-zero and denormals-are-zero in this thread and every
+    OpenMP worker.  MXCSR is per thread; threads created later inherit the creating
+    thread's, so call this before BLAS starts its pool to cover BLAS threads too.
+    Returns True when the calling thread's MXCSR has both bits as asked."""
+    cdef int i
+    if n_threads <= 0:
+        n_threads = omp_get_max_threads_safe()
+    _apply_ftz(enable)
+    IF ADTAPE_OPENMP:
+        for i in prange(n_threads, schedule='static', chunksize=1, nogil=True,
+                        num_threads=n_threads):
+            _apply_ftz(enable)
+    return flush_denormal_enabled() == bool(enable)
+
+
+def flush_denormal_enabled():
+    """True when FTZ and DAZ are both set in the calling thread."""
+    return (_mm_getcsr() & (MXCSR_FTZ | MXCSR_DAZ)) == (MXCSR_FTZ | MXCSR_DAZ)
