@@ -1,0 +1,21 @@
+# C contract of kernels.loss: fused softmax + cross-entropy over a padded vocabulary.
+# N rows (B*T) of Vp logits, the first V real; losses, lse, dlosses (N,); targets (N,)
+# int32 in [0, V).  The forward saves each row's log-sum-exp for the backward.
+
+from libc.stdint cimport int32_t
+
+
+cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const float* logits,
+                                            const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
+                                            Py_ssize_t Vp, int n_threads) noexcept nogil
+# dlogits += (softmax(logits) - onehot(target)) * dlosses over the V real columns; padded
+# columns are left as they are.
+cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosses,
+                                             const float* logits, const float* lse,
+                                             const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
+                                             Py_ssize_t Vp, int n_threads) noexcept nogil
+# In place: logits becomes (softmax(logits) - onehot(target)) * dlosses, padded columns 0.
+cdef void softmax_crossentropy_backward_inplace_core(float* logits, const float* dlosses,
+                                                     const float* lse, const int32_t* targets,
+                                                     Py_ssize_t N, Py_ssize_t V, Py_ssize_t Vp,
+                                                     int n_threads) noexcept nogil

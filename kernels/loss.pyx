@@ -1,0 +1,213 @@
+"""Fused softmax + cross-entropy over a padded vocabulary, as a forward/backward pair.
+
+The forward reads each row of logits once (an online max and sum of exponentials over
+L1-sized chunks) and saves the row's log-sum-exp; the backward turns it straight into
+the softmax gradient, optionally in place over the logits so the (B,T,Vp) buffer is not
+needed twice.  Columns V..Vp-1 (vocabulary padding) are ignored.  Exponentials use the
+vectorizable fast_expf of kernels.layers; the serial ``_naive`` twins use libm's exp
+and also accept float64, for the finite-difference tests.
+"""
+from cython.parallel cimport prange
+from libc.math cimport logf, exp, log, INFINITY
+from libc.stdint cimport int32_t
+
+import numpy as np
+cimport numpy as cnp
+from cython cimport floating
+
+from kernels.layers cimport checked_data, resolve_threads, fast_expf, sum_f32, max_f32
+
+cnp.import_array()
+
+cdef enum:
+    # Logits per chunk of the online log-sum-exp: 4 KiB, so the second read of a chunk
+    # (the exponentials after its max) comes from L1.
+    LSE_CHUNK = 1024
+
+
+cdef float _row_logsumexp(const float* x, Py_ssize_t V) noexcept nogil:
+    cdef float expbuf[LSE_CHUNK]
+    cdef float m = -INFINITY, s = 0, chunk_max
+    cdef Py_ssize_t c0 = 0, n, i
+    while c0 < V:
+        n = min(<Py_ssize_t>LSE_CHUNK, V - c0)
+        chunk_max = max_f32(x + c0, n)
+        if chunk_max > m:
+            s = s * fast_expf(m - chunk_max)
+            m = chunk_max
+        for i in range(n):
+            expbuf[i] = fast_expf(x[c0 + i] - m)
+        s = s + sum_f32(expbuf, n)
+        c0 = c0 + n
+    return m + logf(s)
+
+
+cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const float* logits,
+                                            const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
+                                            Py_ssize_t Vp, int n_threads) noexcept nogil:
+    cdef Py_ssize_t r
+    cdef float row_lse
+    for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
+        row_lse = _row_logsumexp(logits + r * Vp, V)
+        lse[r] = row_lse
+        losses[r] = row_lse - logits[r * Vp + targets[r]]
+
+
+cdef void _row_backward(float* d, const float* x, float row_lse, float g, Py_ssize_t V) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(V):
+        d[i] = d[i] + fast_expf(x[i] - row_lse) * g
+
+
+cdef void _row_backward_inplace(float* x, float row_lse, float g, Py_ssize_t V,
+                                Py_ssize_t Vp) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(V):
+        x[i] = fast_expf(x[i] - row_lse) * g
+    for i in range(V, Vp):
+        x[i] = 0
+
+
+cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosses,
+                                             const float* logits, const float* lse,
+                                             const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
+                                             Py_ssize_t Vp, int n_threads) noexcept nogil:
+    cdef Py_ssize_t r
+    for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
+        _row_backward(dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V)
+        dlogits[r * Vp + targets[r]] -= dlosses[r]
+
+
+cdef void softmax_crossentropy_backward_inplace_core(float* logits, const float* dlosses,
+                                                     const float* lse, const int32_t* targets,
+                                                     Py_ssize_t N, Py_ssize_t V, Py_ssize_t Vp,
+                                                     int n_threads) noexcept nogil:
+    cdef Py_ssize_t r
+    for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
+        _row_backward_inplace(logits + r * Vp, lse[r], dlosses[r], V, Vp)
+        logits[r * Vp + targets[r]] -= dlosses[r]
+
+
+cdef int _float_type(object arr):
+    if isinstance(arr, np.ndarray) and arr.dtype == np.float64:
+        return cnp.NPY_FLOAT64
+    return cnp.NPY_FLOAT32
+
+
+cdef tuple _check_logits(logits, targets, V, int ft):
+    # -> (N, Vp, leading shape); targets must lie in [0, V)
+    checked_data("logits", logits, ft, None, False)
+    if logits.ndim not in (2, 3):
+        raise ValueError(f"logits must have shape (B, T, Vp) or (N, Vp), got {logits.shape}")
+    lead = logits.shape[:logits.ndim - 1]
+    Vp = logits.shape[logits.ndim - 1]
+    if not isinstance(V, int) or isinstance(V, bool) or not 1 <= V <= Vp:
+        raise ValueError(f"V must be an integer in [1, Vp={Vp}], got {V!r}")
+    checked_data("targets", targets, cnp.NPY_INT32, lead, False)
+    if targets.size and (targets.min() < 0 or targets.max() >= V):
+        raise ValueError(f"targets must lie in [0, V={V}), got values in "
+                         f"[{targets.min()}, {targets.max()}]")
+    return int(np.prod(lead)), Vp, lead
+
+
+cdef tuple _check_forward(losses, lse, logits, targets, V, int ft):
+    N, Vp, lead = _check_logits(logits, targets, V, ft)
+    checked_data("losses", losses, ft, lead, True)
+    checked_data("lse", lse, ft, lead, True)
+    return N, Vp
+
+
+cdef tuple _check_backward(dlogits, dlosses, logits, lse, targets, V, int ft):
+    # -> (N, Vp, in_place)
+    N, Vp, lead = _check_logits(logits, targets, V, ft)
+    checked_data("dlogits", dlogits, ft, logits.shape, True)
+    checked_data("dlosses", dlosses, ft, lead, False)
+    checked_data("lse", lse, ft, lead, False)
+    in_place = (cnp.PyArray_DATA(<cnp.ndarray>dlogits) == cnp.PyArray_DATA(<cnp.ndarray>logits))
+    if not in_place and np.may_share_memory(dlogits, logits):
+        raise ValueError("dlogits must be either logits itself or not overlap it")
+    return N, Vp, in_place
+
+
+def softmax_crossentropy_forward(losses, lse, logits, targets, V, *, n_threads=None):
+    """losses[r] = logsumexp(logits[r, :V]) - logits[r, targets[r]]; lse[r] saved.
+    logits (B,T,Vp) or (N,Vp) with Vp >= V; targets int32 in [0, V)."""
+    cdef int nt = resolve_threads(n_threads)
+    N, Vp = _check_forward(losses, lse, logits, targets, V, cnp.NPY_FLOAT32)
+    cdef float* lp = <float*>cnp.PyArray_DATA(<cnp.ndarray>losses)
+    cdef float* sp = <float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
+    cdef const float* xp = <float*>cnp.PyArray_DATA(<cnp.ndarray>logits)
+    cdef const int32_t* tp = <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>targets)
+    cdef Py_ssize_t n = N, v = V, vp = Vp
+    with nogil:
+        softmax_crossentropy_forward_core(lp, sp, xp, tp, n, v, vp, nt)
+
+
+def softmax_crossentropy_backward(dlogits, dlosses, logits, lse, targets, V, *, n_threads=None):
+    """dlogits += (softmax(logits[:, :V]) - onehot(targets)) * dlosses[:, None].
+    With dlogits is logits the result overwrites the logits instead, padded columns set
+    to 0; otherwise padded columns of dlogits are left unchanged."""
+    cdef int nt = resolve_threads(n_threads)
+    N, Vp, in_place = _check_backward(dlogits, dlosses, logits, lse, targets, V, cnp.NPY_FLOAT32)
+    cdef float* dp = <float*>cnp.PyArray_DATA(<cnp.ndarray>dlogits)
+    cdef const float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>dlosses)
+    cdef const float* xp = <float*>cnp.PyArray_DATA(<cnp.ndarray>logits)
+    cdef const float* sp = <float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
+    cdef const int32_t* tp = <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>targets)
+    cdef Py_ssize_t n = N, v = V, vp = Vp
+    cdef bint inplace = in_place
+    with nogil:
+        if inplace:
+            softmax_crossentropy_backward_inplace_core(dp, gp, sp, tp, n, v, vp, nt)
+        else:
+            softmax_crossentropy_backward_core(dp, gp, xp, sp, tp, n, v, vp, nt)
+
+
+def _forward_naive(floating[::1] losses, floating[::1] lse, const floating[:, ::1] logits,
+                   const int32_t[::1] targets, Py_ssize_t V):
+    cdef Py_ssize_t r, i
+    cdef double m, s
+    for r in range(logits.shape[0]):
+        m = logits[r, 0]
+        for i in range(V):
+            if logits[r, i] > m:
+                m = logits[r, i]
+        s = 0
+        for i in range(V):
+            s += exp(logits[r, i] - m)
+        lse[r] = m + log(s)
+        losses[r] = m + log(s) - logits[r, targets[r]]
+
+
+def _backward_naive(floating[:, ::1] dlogits, const floating[::1] dlosses,
+                    const floating[:, ::1] logits, const floating[::1] lse,
+                    const int32_t[::1] targets, Py_ssize_t V, bint in_place):
+    cdef Py_ssize_t r, i
+    cdef double p
+    for r in range(logits.shape[0]):
+        for i in range(V):
+            p = exp(logits[r, i] - lse[r])
+            if i == targets[r]:
+                p -= 1
+            if in_place:
+                dlogits[r, i] = p * dlosses[r]
+            else:
+                dlogits[r, i] += p * dlosses[r]
+        if in_place:
+            for i in range(V, logits.shape[1]):
+                dlogits[r, i] = 0
+
+
+def softmax_crossentropy_forward_naive(losses, lse, logits, targets, V, *, n_threads=None):
+    """Serial twin of softmax_crossentropy_forward (float32 or float64)."""
+    resolve_threads(n_threads)
+    N, Vp = _check_forward(losses, lse, logits, targets, V, _float_type(logits))
+    _forward_naive(losses.reshape(N), lse.reshape(N), logits.reshape(N, Vp), targets.reshape(N), V)
+
+
+def softmax_crossentropy_backward_naive(dlogits, dlosses, logits, lse, targets, V, *, n_threads=None):
+    """Serial twin of softmax_crossentropy_backward (float32 or float64)."""
+    resolve_threads(n_threads)
+    N, Vp, in_place = _check_backward(dlogits, dlosses, logits, lse, targets, V, _float_type(logits))
+    _backward_naive(dlogits.reshape(N, Vp), dlosses.reshape(N), logits.reshape(N, Vp),
+                    lse.reshape(N), targets.reshape(N), V, in_place)

@@ -1,0 +1,254 @@
+"""AdamW and gradient-norm kernels over flat float32 buffers.
+
+adamw_step follows torch.optim.AdamW (its default single-tensor implementation)
+operation by operation in float32, with the bias corrections computed in float64 as
+PyTorch's Python code does.  grad_norm accumulates in float64 over fixed blocks, so
+its result does not depend on the thread count.  Each kernel has a serial ``_naive``
+twin with the same signature.
+"""
+from cython.parallel cimport prange
+from libc.math cimport sqrt, sqrtf, pow, isfinite
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+
+import numpy as np
+cimport numpy as cnp
+
+from kernels.layers cimport checked_data, resolve_threads
+
+cnp.import_array()
+
+cdef enum:
+    # Elements per parallel work item (64 KiB of float32).
+    CHUNK = 16384
+    # Float64 lanes of the per-block sums of squares.
+    SQ_LANES = 32
+
+
+cdef inline Py_ssize_t _span(Py_ssize_t k, Py_ssize_t n) noexcept nogil:
+    return min(<Py_ssize_t>CHUNK, n - k * CHUNK)
+
+
+cdef void _adamw_span(float* p, const float* g, float* m, float* v, Py_ssize_t n, float decay,
+                      float w1, float beta2, float w2, float neg_step_size, float bc2_sqrt,
+                      float eps) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        p[i] = p[i] * decay
+        m[i] = m[i] + w1 * (g[i] - m[i])
+        v[i] = v[i] * beta2 + w2 * g[i] * g[i]
+        p[i] = p[i] + neg_step_size * (m[i] / (sqrtf(v[i]) / bc2_sqrt + eps))
+
+
+cdef void adamw_core(float* params, const float* grads, float* m, float* v, Py_ssize_t n,
+                     int step, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, int n_threads) noexcept nogil:
+    # The same float32 operations as torch: p *= 1 - lr*wd; m.lerp_(g, 1 - beta1);
+    # v = v*beta2 + (1 - beta2)*g*g; p += -lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
+    cdef float decay = <float>(1.0 - lr * weight_decay)
+    cdef float w1 = <float>(1.0 - beta1)
+    cdef float w2 = <float>(1.0 - beta2)
+    cdef float neg_step_size = <float>(-lr / (1.0 - pow(beta1, step)))
+    cdef float bc2_sqrt = <float>sqrt(1.0 - pow(beta2, step))
+    cdef Py_ssize_t k
+    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
+        _adamw_span(params + k * CHUNK, grads + k * CHUNK, m + k * CHUNK, v + k * CHUNK,
+                    _span(k, n), decay, w1, <float>beta2, w2, neg_step_size, bc2_sqrt, <float>eps)
+
+
+cdef void zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
+        memset(buf + k * CHUNK, 0, _span(k, n) * sizeof(float))
+
+
+cdef void _scale_span(float* buf, float factor, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        buf[i] = buf[i] * factor
+
+
+cdef void scale_core(float* buf, float factor, Py_ssize_t n, int n_threads) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
+        _scale_span(buf + k * CHUNK, factor, _span(k, n))
+
+
+cdef double _sum_squares_span(const float* x, Py_ssize_t n) noexcept nogil:
+    # Lanes of float64 partial sums, then a halving sum: every step is an elementwise
+    # loop gcc vectorizes without reassociating a reduction.
+    cdef double acc[SQ_LANES]
+    cdef Py_ssize_t i = 0, j, h, lanes = SQ_LANES
+    cdef double xj
+    for j in range(SQ_LANES):
+        acc[j] = 0
+    while i + SQ_LANES <= n:
+        for j in range(SQ_LANES):
+            xj = x[i + j]
+            acc[j] = acc[j] + xj * xj
+        i = i + SQ_LANES
+    for j in range(n - i):
+        xj = x[i + j]
+        acc[j] = acc[j] + xj * xj
+    while lanes > 1:
+        h = lanes // 2
+        for j in range(h):
+            acc[j] = acc[j] + acc[lanes - h + j]
+        lanes = lanes - h
+    return acc[0]
+
+
+cdef double sum_squares_core(const float* buf, Py_ssize_t n, int n_threads) except? -1 nogil:
+    cdef Py_ssize_t n_blocks = (n + CHUNK - 1) // CHUNK, k
+    cdef double total = 0
+    if n_blocks == 0:
+        return 0
+    cdef double* partial = <double*>malloc(n_blocks * sizeof(double))
+    if partial == NULL:
+        with gil:
+            raise MemoryError(f"grad_norm: cannot allocate {n_blocks} partial sums")
+    for k in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
+        partial[k] = _sum_squares_span(buf + k * CHUNK, _span(k, n))
+    for k in range(n_blocks):
+        total = total + partial[k]
+    free(partial)
+    return total
+
+
+cdef Py_ssize_t _check_flat(str name, arr, bint writable) except -1:
+    checked_data(name, arr, cnp.NPY_FLOAT32, None, writable)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a flat (1-D) array, got shape {arr.shape}")
+    return arr.shape[0]
+
+
+cdef _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    n = _check_flat("params", params, True)
+    checked_data("grads", grads, cnp.NPY_FLOAT32, (n,), False)
+    checked_data("m", m, cnp.NPY_FLOAT32, (n,), True)
+    checked_data("v", v, cnp.NPY_FLOAT32, (n,), True)
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or not 1 <= step < 2**31:
+        raise ValueError(f"step must be an integer >= 1 (it counts updates, for bias correction), "
+                         f"got {step!r}")
+    for name, value, low, high in (("lr", lr, 0.0, np.inf), ("beta1", beta1, 0.0, 1.0),
+                                   ("beta2", beta2, 0.0, 1.0), ("eps", eps, 0.0, np.inf),
+                                   ("weight_decay", weight_decay, 0.0, np.inf)):
+        if not (low <= float(value) and (float(value) < high or high == np.inf)) or not isfinite(value):
+            raise ValueError(f"{name} must be finite and in [{low}, {high}), got {value!r}")
+    arrays = (params, grads, m, v)
+    for i in range(4):
+        for j in range(i + 1, 4):
+            if np.may_share_memory(arrays[i], arrays[j]):
+                raise ValueError("params, grads, m and v must be four separate buffers")
+    return n
+
+
+def adamw_step(params, grads, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+               weight_decay=0.0, *, n_threads=None):
+    """One AdamW update in place of params, m (first moment) and v (second moment).
+    All four are flat float32 arrays of equal length; step >= 1 is this update's number."""
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps,
+                                     weight_decay)
+    cdef float* pp = <float*>cnp.PyArray_DATA(<cnp.ndarray>params)
+    cdef const float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>grads)
+    cdef float* mp = <float*>cnp.PyArray_DATA(<cnp.ndarray>m)
+    cdef float* vp = <float*>cnp.PyArray_DATA(<cnp.ndarray>v)
+    cdef int s = step
+    cdef double lr_ = lr, b1 = beta1, b2 = beta2, eps_ = eps, wd = weight_decay
+    with nogil:
+        adamw_core(pp, gp, mp, vp, n, s, lr_, b1, b2, eps_, wd, nt)
+
+
+def zero_grad(grads, *, n_threads=None):
+    """grads[...] = 0 for a C-contiguous float32 array of any shape."""
+    cdef int nt = resolve_threads(n_threads)
+    cdef float* gp = <float*>checked_data("grads", grads, cnp.NPY_FLOAT32, None, True)
+    cdef Py_ssize_t n = grads.size
+    with nogil:
+        zero_core(gp, n, nt)
+
+
+def grad_norm(grads, *, n_threads=None):
+    """Global L2 norm of a flat float32 array, accumulated in float64."""
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = _check_flat("grads", grads, False)
+    cdef const float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>grads)
+    cdef double total
+    with nogil:
+        total = sum_squares_core(gp, n, nt)
+    return sqrt(total)
+
+
+def clip_grad_norm(grads, max_norm, *, n_threads=None):
+    """Scale grads in place so their global L2 norm is at most max_norm, as
+    torch.nn.utils.clip_grad_norm_ does (factor max_norm / (norm + 1e-6), applied when
+    below 1).  Returns the norm before clipping."""
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = _check_flat("grads", grads, True)
+    if not isfinite(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm must be finite and >= 0, got {max_norm!r}")
+    cdef float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>grads)
+    cdef double limit = max_norm, total, norm, coef
+    with nogil:
+        total = sum_squares_core(gp, n, nt)
+        norm = sqrt(total)
+        coef = limit / (norm + 1e-6)
+        if coef < 1.0:
+            scale_core(gp, <float>coef, n, nt)
+    return norm
+
+
+def adamw_step_naive(params, grads, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                     weight_decay=0.0, *, n_threads=None):
+    """Serial twin of adamw_step."""
+    resolve_threads(n_threads)
+    _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay)
+    cdef float[::1] p = params, mm = m, vv = v
+    cdef const float[::1] g = grads
+    cdef Py_ssize_t i
+    cdef float decay = 1.0 - lr * weight_decay
+    cdef float step_size = lr / (1.0 - beta1 ** step)
+    cdef float bc2_sqrt = sqrt(1.0 - beta2 ** step)
+    for i in range(p.shape[0]):
+        p[i] *= decay
+        mm[i] = <float>beta1 * mm[i] + <float>(1.0 - beta1) * g[i]
+        vv[i] = <float>beta2 * vv[i] + <float>(1.0 - beta2) * g[i] * g[i]
+        p[i] -= step_size * mm[i] / (sqrtf(vv[i]) / bc2_sqrt + <float>eps)
+
+
+def zero_grad_naive(grads, *, n_threads=None):
+    """Serial twin of zero_grad."""
+    resolve_threads(n_threads)
+    checked_data("grads", grads, cnp.NPY_FLOAT32, None, True)
+    cdef float[::1] flat = grads.reshape(-1)
+    cdef Py_ssize_t i
+    for i in range(flat.shape[0]):
+        flat[i] = 0
+
+
+def grad_norm_naive(grads, *, n_threads=None):
+    """Serial twin of grad_norm."""
+    resolve_threads(n_threads)
+    _check_flat("grads", grads, False)
+    cdef const float[::1] g = grads
+    cdef double total = 0
+    cdef Py_ssize_t i
+    for i in range(g.shape[0]):
+        total += <double>g[i] * <double>g[i]
+    return sqrt(total)
+
+
+def clip_grad_norm_naive(grads, max_norm, *, n_threads=None):
+    """Serial twin of clip_grad_norm."""
+    _check_flat("grads", grads, True)
+    if not isfinite(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm must be finite and >= 0, got {max_norm!r}")
+    norm = grad_norm_naive(grads, n_threads=n_threads)
+    cdef float[::1] g = grads
+    cdef float coef = max_norm / (norm + 1e-6)
+    cdef Py_ssize_t i
+    if max_norm / (norm + 1e-6) < 1.0:
+        for i in range(g.shape[0]):
+            g[i] *= coef
+    return norm
