@@ -1,0 +1,672 @@
+"""Tensors that record reverse-mode AD on the layered tape, and the reverse sweep.
+
+A ``Tensor`` wraps a float32/float64 NumPy array.  An op computes its value
+eagerly and, when an input requires a gradient, appends a node to the graph of
+the active ``OpTape``: the primitive, where each input comes from (a node index,
+or a leaf), the input shapes, and the residuals its VJP rule needs.  Residual
+arrays computed by the program are copied into the byte tape
+(``adtape.Tape.push_array``), so under a ``memory_budget`` they spill to disk;
+the data of leaves and constants is kept by reference, since nothing rewrites
+it between the forward and the backward pass (the optimizer steps after).
+
+``backward()`` walks the node list from the end in a plain loop (no recursion,
+so a chain of 10^5 ops is fine), pops each node's residuals in mirror order of
+their pushes and calls the primitive's rule.  Rules come from a registry
+(``defvjp``, ``custom_vjp``); the built-in table is in ``adtape.vjps``.
+"""
+import contextlib
+import functools
+
+import numpy as np
+
+from adtape._tape import Tape, TapeClosedError
+
+__all__ = ["Tensor", "OpTape", "Primitive", "primitive", "defvjp", "defvjp_accumulate",
+           "custom_vjp", "no_grad", "enable_grad", "is_grad_enabled", "current_op_tape",
+           "tensor"]
+
+_ndarray = np.ndarray
+_ON_TAPE = object()          # marks a residual slot whose array lives on the byte tape
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class _State:
+    """Process-wide recording state: the graph ops record into, and grad mode."""
+    __slots__ = ("graph", "enabled")
+
+
+_state = _State()
+_state.enabled = True
+_state.graph = None
+
+
+class Primitive:
+    """An op with a VJP rule.
+
+    Three kinds of rule can be registered (see ``defvjp``, ``defvjp_accumulate``
+    and ``custom_vjp``): one pullback per argument, ``pullback(g, *res, **kw)``
+    returning that argument's gradient; a joint ``bwd(res, g)`` returning a
+    tuple of gradients; or an accumulating ``bwd(g, dests, *res, **kw)`` that
+    adds (+=) into preallocated gradient buffers (the kernel ops use it: their
+    backward kernels accumulate in place, so nothing is allocated per step).
+    """
+    __slots__ = ("name", "argnames", "fwd", "vjps", "bwd", "bwd_acc", "__weakref__")
+
+    def __init__(self, name, argnames, fwd=None):
+        self.name = name
+        self.argnames = tuple(argnames)
+        self.fwd = fwd
+        self.vjps = None
+        self.bwd = None
+        self.bwd_acc = None
+
+    def __repr__(self):
+        return f"<adtape primitive {self.name}({', '.join(self.argnames)})>"
+
+    def __call__(self, *args, **kwargs):
+        """Apply a primitive whose ``fwd(*arrays, **kwargs)`` returns ``(out, residuals)``."""
+        if len(args) != len(self.argnames):
+            raise TypeError(f"{self.name} takes {len(self.argnames)} arguments "
+                            f"({', '.join(self.argnames)}), got {len(args)}")
+        arrays = [a.data if type(a) is Tensor else a for a in args]
+        out, res = self.fwd(*arrays, **kwargs)
+        out = _as_array(out, self.name)
+        if _state.enabled and _needs_grad(args):
+            # Residuals that are the very arrays of leaf/constant inputs are kept by reference.
+            by_input = {id(a.data): a for a in args if type(a) is Tensor}
+            res = tuple(by_input.get(id(r), r) if type(r) is _ndarray else r for r in res)
+            return _record(self, out, args, res, kwargs)
+        return _constant(out)
+
+    def missing_rule(self, argnum):
+        name = self.argnames[argnum] if argnum < len(self.argnames) else str(argnum)
+        return NotImplementedError(
+            f"no VJP rule for argument {argnum} ({name!r}) of op {self.name!r}; "
+            f"register one with adtape.defvjp({self.name}, ...)")
+
+
+def _needs_grad(args):
+    for a in args:
+        if type(a) is Tensor and a.requires_grad:
+            return True
+    return False
+
+
+def _as_array(out, opname):
+    if type(out) is _ndarray:
+        return out
+    if isinstance(out, (_ndarray, np.generic, float, int)):
+        return np.asarray(out)
+    raise TypeError(f"op {opname!r} must return an ndarray, got {type(out).__name__}")
+
+
+def primitive(fun):
+    """Make ``fun`` (a NumPy function of arrays) a primitive, autograd style.
+
+    Its residuals are ``(ans, *args)``; register pullbacks with
+    ``defvjp(f, lambda g, ans, x, y: ..., ...)``, one per argument.
+    """
+    def fwd(*args, **kwargs):
+        ans = fun(*args, **kwargs)
+        return ans, (ans,) + args
+    return Primitive(fun.__name__, _argnames(fun), fwd)
+
+
+def _argnames(fun):
+    code = fun.__code__
+    return code.co_varnames[:code.co_argcount]
+
+
+def defvjp(prim, *pullbacks):
+    """Register one pullback per argument of ``prim``; ``None`` marks an argument
+    without a rule (differentiating through it raises NotImplementedError)."""
+    if not isinstance(prim, Primitive):
+        raise TypeError(f"defvjp needs an adtape Primitive, got {type(prim).__name__}")
+    if len(pullbacks) > len(prim.argnames):
+        raise ValueError(f"{prim.name} has {len(prim.argnames)} arguments, "
+                         f"got {len(pullbacks)} pullbacks")
+    prim.vjps = tuple(pullbacks) + (None,) * (len(prim.argnames) - len(pullbacks))
+    prim.bwd = prim.bwd_acc = None
+    return prim
+
+
+def defvjp_accumulate(prim, bwd):
+    """Register ``bwd(g, dests, *res, **kw)`` that adds each input's gradient into
+    ``dests[i]`` (a zero-initialised or running buffer; ``None`` if not needed)."""
+    if not isinstance(prim, Primitive):
+        raise TypeError(f"defvjp_accumulate needs an adtape Primitive, got {type(prim).__name__}")
+    prim.bwd_acc = bwd
+    prim.vjps = prim.bwd = None
+    return prim
+
+
+class custom_vjp:
+    """JAX-style custom derivative: ``f = custom_vjp(fun)``, then
+    ``f.defvjp(fwd, bwd)`` with ``fwd(*args) -> (out, residuals)`` and
+    ``bwd(residuals, g) -> tuple of gradients`` (``None`` for no gradient).
+    ``fun`` and the rules work on NumPy arrays; residual arrays go on the tape."""
+
+    def __init__(self, fun):
+        self.fun = fun
+        self.prim = Primitive(fun.__name__, _argnames(fun), lambda *a, **k: (fun(*a, **k), ()))
+        functools.update_wrapper(self, fun)
+
+    def defvjp(self, fwd, bwd):
+        self.prim.fwd = fwd
+        self.prim.bwd = bwd
+        self.prim.vjps = self.prim.bwd_acc = None
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self.prim(*args, **kwargs)
+
+
+class _Graph:
+    """One recording: the node list over a byte tape, and the leaves it reads."""
+    __slots__ = ("nodes", "leaves", "tape", "owner", "freed", "child", "mark")
+
+    def __init__(self, tape, owner, mark=None):
+        self.nodes = []
+        self.leaves = []
+        self.tape = tape
+        self.owner = owner
+        self.freed = False
+        self.child = None
+        self.mark = mark
+
+    def adopt(self, t):
+        """Return the input reference of ``t``, a tensor not yet seen by this graph."""
+        if t._is_leaf:
+            t._graph = self
+            t._ref = ~len(self.leaves)
+            self.leaves.append(t)
+            return t._ref
+        if t._graph is not None and t._graph.freed:
+            raise RuntimeError(
+                "this tensor was computed in a graph that backward() already consumed; "
+                "use .detach() to take it as a constant, or pass retain_graph=True to backward()")
+        raise RuntimeError(
+            "this tensor was recorded in another graph (another OpTape, or outside the "
+            "function being differentiated or checkpointed); pass it in as an argument "
+            "or .detach() it")
+
+
+class OpTape:
+    """An AD recording context: a byte ``Tape`` for residuals plus the node list.
+
+    ``with OpTape(memory_budget=64 << 20) as t: ...`` records the ops inside
+    onto ``t``; outside any ``with`` the process-wide default is used.  The
+    keyword arguments are those of ``adtape.Tape``.
+    """
+
+    def __init__(self, memory_budget=None, spill_dir=None, slab_size=None, sbo_size=32,
+                 prefetch_depth=2, spill_unit=1 << 20):
+        self._tape_kwargs = dict(sbo_size=sbo_size, slab_size=slab_size,
+                                 memory_budget=memory_budget, spill_dir=spill_dir,
+                                 prefetch_depth=prefetch_depth, threadsafe=False,
+                                 spill_unit=spill_unit)
+        self.tape = Tape(np.float64, **self._tape_kwargs)
+        self.graph = _Graph(self.tape, self)
+        self.closed = False
+        self._outer = []
+
+    def new_scratch_tape(self):
+        """A byte tape with this one's settings (retain_graph parks residuals on it)."""
+        return Tape(np.float64, **self._tape_kwargs)
+
+    def __enter__(self):
+        if self.closed:
+            raise TapeClosedError("this OpTape is closed")
+        self._outer.append(_state.graph)
+        _state.graph = self.graph
+        return self
+
+    def __exit__(self, *exc):
+        _state.graph = self._outer.pop()
+        return False
+
+    def close(self):
+        """Close the byte tape; recording onto this OpTape afterwards raises TapeClosedError."""
+        self.closed = True
+        self.graph.freed = True
+        self.graph.nodes = []
+        self.tape.close()
+
+    def reset(self):
+        """Drop everything recorded and not yet swept."""
+        self.graph.freed = True
+        self.tape.clear()
+        self._fresh_root()
+
+    def _fresh_root(self):
+        new = _Graph(self.tape, self)
+        if _state.graph is self.graph:
+            _state.graph = new
+        self.graph = new
+
+    @property
+    def n_nodes(self):
+        return len(self.graph.nodes)
+
+    @property
+    def stats(self):
+        s = dict(self.tape.stats)
+        s["nodes"] = len(self.graph.nodes)
+        s["nbytes"] = self.tape.nbytes
+        return s
+
+
+def current_op_tape():
+    """The OpTape ops record onto now."""
+    return _state.graph.owner
+
+
+@contextlib.contextmanager
+def nested_graph():
+    """Record onto a fresh graph stacked on the current byte tape (LIFO: its
+    residuals sit above the outer graph's), with grad mode on.  On exit the
+    outer graph is current again and anything the nested graph left on the tape
+    (a sweep that never happened) is dropped."""
+    outer = _state.graph
+    if outer.owner.closed:
+        raise TapeClosedError("cannot record: the current OpTape is closed")
+    graph = _Graph(outer.tape, outer.owner, outer.tape.mark())
+    outer.child = graph
+    enabled = _state.enabled
+    _state.graph = graph
+    _state.enabled = True
+    try:
+        yield graph
+    finally:
+        _state.graph = outer
+        _state.enabled = enabled
+        outer.child = None
+        if not graph.freed:
+            graph.freed = True
+            graph.tape.rewind(graph.mark)
+
+
+class no_grad(contextlib.ContextDecorator):
+    """Context manager / decorator: ops inside compute values without recording."""
+
+    def __enter__(self):
+        self._prev = _state.enabled
+        _state.enabled = False
+        return self
+
+    def __exit__(self, *exc):
+        _state.enabled = self._prev
+        return False
+
+
+class enable_grad(contextlib.ContextDecorator):
+    """Context manager / decorator: turn recording back on inside ``no_grad``."""
+
+    def __enter__(self):
+        self._prev = _state.enabled
+        _state.enabled = True
+        return self
+
+    def __exit__(self, *exc):
+        _state.enabled = self._prev
+        return False
+
+
+def is_grad_enabled():
+    return _state.enabled
+
+
+class Tensor:
+    """A float32/float64 NumPy array that records the ops applied to it.
+
+    ``requires_grad=True`` makes a leaf: gradients accumulate into ``.grad``
+    (a NumPy array of the same shape and dtype; set it to a preallocated buffer
+    to have backward add into it in place).
+    """
+    __slots__ = ("data", "grad", "requires_grad", "_graph", "_ref", "_is_leaf", "__weakref__")
+    __array_priority__ = 1000    # ndarray (op) Tensor defers to Tensor's reflected operators
+
+    def __init__(self, data, requires_grad=False, dtype=None):
+        if type(data) is Tensor:
+            data = data.data
+        arr = np.asarray(data, dtype=dtype)
+        if arr.dtype not in _FLOAT_DTYPES:
+            if dtype is None and arr.dtype.kind in "biu":
+                arr = arr.astype(np.float64)
+            else:
+                raise TypeError(f"Tensor data must be float32 or float64, got {arr.dtype}")
+        self.data = arr
+        self.grad = None
+        self.requires_grad = bool(requires_grad)
+        self._graph = None
+        self._ref = None
+        self._is_leaf = True
+
+    # -- array-like properties ---------------------------------------------
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+    @property
+    def size(self):
+        return self.data.size
+
+    @property
+    def is_leaf(self):
+        return self._is_leaf
+
+    @property
+    def T(self):
+        return _ops.transpose(self)
+
+    def __len__(self):
+        return len(self.data)
+
+    def numpy(self):
+        return self.data
+
+    def item(self):
+        return self.data.item()
+
+    def __float__(self):
+        return float(self.data)
+
+    def __array__(self, dtype=None, copy=None):
+        return self.data if dtype is None else self.data.astype(dtype)
+
+    def __repr__(self):
+        flag = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor({np.array2string(self.data, separator=', ')}{flag})"
+
+    def detach(self):
+        """The same array as a constant (no gradient flows through it)."""
+        return _constant(self.data)
+
+    def zero_grad(self):
+        if self.grad is not None:
+            self.grad[...] = 0
+
+    # -- the reverse pass ----------------------------------------------------
+    def backward(self, seed=None, retain_graph=False):
+        """Sweep the graph this tensor was recorded in, seeded with ``seed``
+        (default 1 for a single-element tensor), accumulating into leaves' ``.grad``.
+
+        The sweep consumes the graph (its residuals are popped off the tape);
+        ``retain_graph=True`` keeps it for another backward.
+        """
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad "
+                               "(no input of its computation has requires_grad=True)")
+        data = self.data
+        if seed is None:
+            if data.size != 1:
+                raise ValueError(f"backward() needs a seed for a non-scalar tensor of shape "
+                                 f"{data.shape}: pass seed=<array of that shape>")
+            seed = np.ones_like(data)
+        else:
+            seed = np.asarray(seed.data if type(seed) is Tensor else seed, dtype=data.dtype)
+            if seed.shape != data.shape:
+                raise ValueError(f"backward() seed has shape {seed.shape}, the tensor has "
+                                 f"shape {data.shape}")
+        if self._is_leaf:
+            if self.grad is None:
+                self.grad = seed.copy()
+            else:
+                self.grad += seed
+            return
+        graph = self._graph
+        if graph.freed:
+            raise RuntimeError("backward() through a graph that was already swept: "
+                               "pass retain_graph=True to the first backward() to sweep twice")
+        if graph.child is not None:
+            raise RuntimeError("backward() on an outer graph while a nested recording is open")
+        sweep(graph, self._ref, seed, retain_graph)
+
+    # Operators and methods are bound to the primitives of adtape.vjps at import.
+
+
+def _constant(arr):
+    t = _new_tensor(Tensor)
+    t.data = arr
+    t.grad = None
+    t.requires_grad = False
+    t._graph = None
+    t._ref = None
+    t._is_leaf = True
+    return t
+
+
+_new_tensor = object.__new__
+
+
+def tensor(data, requires_grad=False, dtype=None):
+    """Make a Tensor (a leaf when ``requires_grad``)."""
+    return Tensor(data, requires_grad=requires_grad, dtype=dtype)
+
+
+def _record(prim, out, inputs, res, kwargs):
+    """Append a node for ``prim`` and return its output tensor.
+
+    ``inputs``: the op's arguments (Tensors; anything else is a constant).
+    ``res``: residuals; a Tensor item means that input's array (kept by reference
+    for leaves and constants, pushed to the byte tape otherwise), an ndarray is
+    pushed, any other object is kept on the node as it is.
+    """
+    graph = _state.graph
+    if graph.freed:
+        if graph.owner.closed:
+            raise TapeClosedError(f"cannot record {prim.name!r}: the OpTape is closed")
+        graph = _reopen(graph)
+    refs = []
+    shapes = []
+    for t in inputs:
+        if type(t) is Tensor and t.requires_grad:
+            refs.append(t._ref if t._graph is graph else graph.adopt(t))
+            shapes.append(t.data.shape)
+        else:
+            refs.append(None)
+            shapes.append(None)
+    n_tape = 0
+    if res:
+        push = graph.tape.push_array
+        kept = []
+        for r in res:
+            tr = type(r)
+            if tr is Tensor:
+                if r._is_leaf:
+                    kept.append(r.data)
+                    continue
+                r = r.data
+                tr = _ndarray
+            if tr is _ndarray:
+                push(r)
+                kept.append(_ON_TAPE)
+                n_tape += 1
+            else:
+                kept.append(r)
+        kept = tuple(kept)
+    else:
+        kept = ()
+    nodes = graph.nodes
+    t = _new_tensor(Tensor)
+    t.data = out
+    t.grad = None
+    t.requires_grad = True
+    t._graph = graph
+    t._ref = len(nodes)
+    t._is_leaf = False
+    nodes.append((prim, refs, shapes, kept, n_tape, kwargs))
+    return t
+
+
+def _reopen(graph):
+    """The current graph was swept: recording goes on in a fresh root graph."""
+    owner = graph.owner
+    if graph is owner.graph:
+        owner._fresh_root()
+        return owner.graph
+    raise RuntimeError("cannot record into a nested graph that was already swept")
+
+
+def _unbroadcast(r, shape):
+    """Sum a gradient of a broadcast result down to the input's shape."""
+    extra = r.ndim - len(shape)
+    if extra > 0:
+        r = r.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and r.shape[i] != 1)
+    if axes:
+        r = r.sum(axis=axes, keepdims=True)
+    if r.shape != shape:
+        raise ValueError(f"gradient of shape {r.shape} does not match its input's shape {shape}")
+    return r
+
+
+def sweep(graph, seed_ref, seed, retain_graph=False):
+    """The reverse pass over ``graph``: seed node ``seed_ref`` with ``seed``, pop
+    every node's residuals (mirror order of the pushes) and apply its rule."""
+    nodes = graph.nodes
+    leaves = graph.leaves
+    tape = graph.tape
+    pop = tape.pop_array
+    parked = graph.owner.new_scratch_tape() if retain_graph else None
+    n = len(nodes)
+    grads = [None] * n
+    owned = bytearray(n)
+    grads[seed_ref] = seed
+    enabled = _state.enabled
+    _state.enabled = False
+    try:
+        for i in range(n - 1, -1, -1):
+            prim, refs, shapes, kept, n_tape, kwargs = nodes[i]
+            if n_tape:
+                popped = [pop() for _ in range(n_tape)]
+                if parked is not None:
+                    for a in popped:
+                        parked.push_array(a)
+            g = grads[i]
+            if g is None:
+                continue
+            grads[i] = None
+            if not n_tape:
+                res = kept
+            elif n_tape == len(kept):
+                popped.reverse()
+                res = popped
+            else:
+                it = reversed(popped)
+                res = [next(it) if r is _ON_TAPE else r for r in kept]
+            vjps = prim.vjps
+            if vjps is not None:
+                for j, ref in enumerate(refs):
+                    if ref is None:
+                        continue
+                    pullback = vjps[j]
+                    if pullback is None:
+                        raise prim.missing_rule(j)
+                    _accumulate(grads, owned, leaves, ref,
+                                pullback(g, *res, **kwargs) if kwargs else pullback(g, *res),
+                                shapes[j])
+            elif prim.bwd_acc is not None:
+                dests = [None if ref is None else _dest(grads, owned, leaves, ref, shapes[j], g.dtype)
+                         for j, ref in enumerate(refs)]
+                if kwargs:
+                    prim.bwd_acc(g, dests, *res, **kwargs)
+                else:
+                    prim.bwd_acc(g, dests, *res)
+            elif prim.bwd is not None:
+                out = prim.bwd(tuple(res), g)
+                if not isinstance(out, (tuple, list)) or len(out) != len(refs):
+                    raise TypeError(f"the VJP of {prim.name!r} must return a tuple of "
+                                    f"{len(refs)} gradients, got {out!r:.80}")
+                for j, ref in enumerate(refs):
+                    if ref is None:
+                        continue
+                    if out[j] is None:
+                        raise prim.missing_rule(j)
+                    _accumulate(grads, owned, leaves, ref, np.asarray(out[j]), shapes[j])
+            else:
+                for j, ref in enumerate(refs):
+                    if ref is not None:
+                        raise prim.missing_rule(j)
+    except BaseException:
+        # A failed sweep leaves the tape in an unknown state: drop what this graph owns.
+        graph.freed = True
+        graph.nodes = []
+        if graph.mark is None:
+            tape.clear()
+        raise
+    finally:
+        _state.enabled = enabled
+    if parked is not None:
+        while len(parked):
+            tape.push_array(parked.pop_array())
+        parked.close()
+        return
+    graph.freed = True
+    graph.nodes = []
+    graph.leaves = []
+    if graph.mark is None and graph is graph.owner.graph:
+        graph.owner._fresh_root()
+
+
+def _accumulate(grads, owned, leaves, ref, r, shape):
+    if type(r) is not _ndarray:
+        r = np.asarray(r)
+    if r.shape != shape:
+        r = _unbroadcast(r, shape)
+    if ref >= 0:
+        cur = grads[ref]
+        if cur is None:
+            grads[ref] = r
+        elif owned[ref]:
+            cur += r
+        else:
+            s = cur + r
+            if type(s) is _ndarray:
+                owned[ref] = 1
+            else:
+                s = np.asarray(s)
+            grads[ref] = s
+    else:
+        leaf = leaves[~ref]
+        lg = leaf.grad
+        if lg is None:
+            leaf.grad = np.array(r, dtype=leaf.data.dtype, copy=True)
+        else:
+            lg += r
+
+
+def _dest(grads, owned, leaves, ref, shape, dtype):
+    """A buffer this sweep owns that the accumulating rule may add into."""
+    if ref >= 0:
+        cur = grads[ref]
+        if cur is None:
+            cur = np.zeros(shape, dtype)
+        elif not owned[ref]:
+            cur = np.array(cur, dtype=dtype, copy=True)
+        else:
+            return cur
+        grads[ref] = cur
+        owned[ref] = 1
+        return cur
+    leaf = leaves[~ref]
+    if leaf.grad is None:
+        leaf.grad = np.zeros(leaf.data.shape, leaf.data.dtype)
+    return leaf.grad
+
+
+def _install_default():
+    _state.graph = OpTape().graph
+
+
+_install_default()
+
+from adtape import vjps as _ops  # noqa: E402  (binds Tensor's operators; needs the names above)

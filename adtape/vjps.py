@@ -1,0 +1,351 @@
+"""The built-in tensor ops and their VJP rules, in one table.
+
+Each op computes its value with NumPy and records a node when an input needs a
+gradient.  Residuals name what the rule needs: an input Tensor (its array is
+kept by reference for leaves and constants, copied onto the byte tape
+otherwise), a computed array (copied onto the tape) or a small Python value
+(kept on the node).  Rules for broadcasting ops may return a gradient of the
+broadcast shape; the sweep sums it down to the input's shape.
+"""
+import numpy as np
+
+from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp
+
+__all__ = ["add", "sub", "mul", "div", "neg", "power", "matmul", "exp", "log", "tanh",
+           "sum", "mean", "reshape", "transpose", "getitem", "embedding"]
+
+_ndarray = np.ndarray
+
+
+def _broadcast_error(op, a, b, exc):
+    return ValueError(f"{op}: operand shapes {np.shape(a)} and {np.shape(b)} are incompatible "
+                      f"({exc})")
+
+
+def _binary(name):
+    return Primitive(name, ("x", "y"))
+
+
+ADD = _binary("add")
+SUB = _binary("sub")
+MUL = _binary("mul")
+DIV = _binary("div")
+POW = _binary("power")
+MATMUL = _binary("matmul")
+NEG = Primitive("neg", ("x",))
+EXP = Primitive("exp", ("x",))
+LOG = Primitive("log", ("x",))
+TANH = Primitive("tanh", ("x",))
+SUM = Primitive("sum", ("x",))
+MEAN = Primitive("mean", ("x",))
+RESHAPE = Primitive("reshape", ("x",))
+TRANSPOSE = Primitive("transpose", ("x",))
+GETITEM = Primitive("getitem", ("x",))
+EMBEDDING = Primitive("embedding", ("weight", "ids"))
+
+
+# -- forward ops -------------------------------------------------------------------
+
+def add(x, y):
+    xd = x.data if type(x) is Tensor else x
+    yd = y.data if type(y) is Tensor else y
+    try:
+        out = xd + yd
+    except ValueError as exc:
+        raise _broadcast_error("add", xd, yd, exc) from None
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
+                           or (type(y) is Tensor and y.requires_grad)):
+        return _record(ADD, out, (x, y), (), None)
+    return _constant(out)
+
+
+def sub(x, y):
+    xd = x.data if type(x) is Tensor else x
+    yd = y.data if type(y) is Tensor else y
+    try:
+        out = xd - yd
+    except ValueError as exc:
+        raise _broadcast_error("sub", xd, yd, exc) from None
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
+                           or (type(y) is Tensor and y.requires_grad)):
+        return _record(SUB, out, (x, y), (), None)
+    return _constant(out)
+
+
+def mul(x, y):
+    xd = x.data if type(x) is Tensor else x
+    yd = y.data if type(y) is Tensor else y
+    try:
+        out = xd * yd
+    except ValueError as exc:
+        raise _broadcast_error("mul", xd, yd, exc) from None
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
+                           or (type(y) is Tensor and y.requires_grad)):
+        return _record(MUL, out, (x, y), (y, x), None)
+    return _constant(out)
+
+
+def div(x, y):
+    xd = x.data if type(x) is Tensor else x
+    yd = y.data if type(y) is Tensor else y
+    try:
+        out = xd / yd
+    except ValueError as exc:
+        raise _broadcast_error("div", xd, yd, exc) from None
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
+                           or (type(y) is Tensor and y.requires_grad)):
+        return _record(DIV, out, (x, y), (y, out), None)
+    return _constant(out)
+
+
+def power(x, y):
+    xd = x.data if type(x) is Tensor else x
+    yd = y.data if type(y) is Tensor else y
+    try:
+        out = xd ** yd
+    except ValueError as exc:
+        raise _broadcast_error("power", xd, yd, exc) from None
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
+                           or (type(y) is Tensor and y.requires_grad)):
+        return _record(POW, out, (x, y), (x, y, out), None)
+    return _constant(out)
+
+
+def matmul(x, y):
+    xd = x.data if type(x) is Tensor else x
+    yd = y.data if type(y) is Tensor else y
+    try:
+        out = xd @ yd
+    except ValueError as exc:
+        raise _broadcast_error("matmul", xd, yd, exc) from None
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
+                           or (type(y) is Tensor and y.requires_grad)):
+        return _record(MATMUL, out, (x, y), (x, y), None)
+    return _constant(out)
+
+
+def neg(x):
+    out = -(x.data if type(x) is Tensor else np.asarray(x))
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and type(x) is Tensor and x.requires_grad:
+        return _record(NEG, out, (x,), (), None)
+    return _constant(out)
+
+
+def exp(x):
+    out = np.exp(x.data if type(x) is Tensor else x)
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and type(x) is Tensor and x.requires_grad:
+        return _record(EXP, out, (x,), (out,), None)
+    return _constant(out)
+
+
+def log(x):
+    out = np.log(x.data if type(x) is Tensor else x)
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and type(x) is Tensor and x.requires_grad:
+        return _record(LOG, out, (x,), (x,), None)
+    return _constant(out)
+
+
+def tanh(x):
+    out = np.tanh(x.data if type(x) is Tensor else x)
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and type(x) is Tensor and x.requires_grad:
+        return _record(TANH, out, (x,), (out,), None)
+    return _constant(out)
+
+
+def sum(x, axis=None, keepdims=False):
+    xd = x.data if type(x) is Tensor else np.asarray(x)
+    out = np.asarray(xd.sum(axis=axis, keepdims=keepdims))
+    if _state.enabled and type(x) is Tensor and x.requires_grad:
+        return _record(SUM, out, (x,), (xd.shape, axis, keepdims), None)
+    return _constant(out)
+
+
+def mean(x, axis=None, keepdims=False):
+    xd = x.data if type(x) is Tensor else np.asarray(x)
+    out = np.asarray(xd.mean(axis=axis, keepdims=keepdims))
+    if _state.enabled and type(x) is Tensor and x.requires_grad:
+        count = xd.size // max(out.size, 1) if xd.size else 0
+        return _record(MEAN, out, (x,), (xd.shape, axis, keepdims, count), None)
+    return _constant(out)
+
+
+def reshape(x, *shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    xd = x.data if type(x) is Tensor else np.asarray(x)
+    try:
+        out = xd.reshape(shape)
+    except ValueError as exc:
+        raise ValueError(f"reshape: cannot reshape an array of shape {xd.shape} "
+                         f"into {shape} ({exc})") from None
+    if _state.enabled and type(x) is Tensor and x.requires_grad:
+        return _record(RESHAPE, out, (x,), (xd.shape,), None)
+    return _constant(out)
+
+
+def transpose(x, *axes):
+    if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (tuple, list))):
+        axes = axes[0]
+    axes = tuple(axes) if axes else None
+    xd = x.data if type(x) is Tensor else np.asarray(x)
+    out = xd.transpose(axes)
+    if _state.enabled and type(x) is Tensor and x.requires_grad:
+        return _record(TRANSPOSE, out, (x,), (axes,), None)
+    return _constant(out)
+
+
+def getitem(x, index):
+    if type(index) is Tensor:
+        index = index.data
+    xd = x.data if type(x) is Tensor else np.asarray(x)
+    out = xd[index]
+    if type(out) is not _ndarray:
+        out = np.asarray(out)
+    if _state.enabled and type(x) is Tensor and x.requires_grad:
+        return _record(GETITEM, out, (x,), (xd.shape, index, _is_basic_index(index)), None)
+    return _constant(out)
+
+
+def embedding(weight, ids):
+    """Rows ``weight[ids]`` for an integer array ``ids`` (any shape)."""
+    wd = weight.data if type(weight) is Tensor else np.asarray(weight)
+    ids = np.asarray(ids.data if type(ids) is Tensor else ids)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"embedding: ids must be an integer array, got {ids.dtype}")
+    if wd.ndim != 2:
+        raise ValueError(f"embedding: weight must be 2-D (rows, features), got shape {wd.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= wd.shape[0]):
+        raise IndexError(f"embedding: ids must lie in [0, {wd.shape[0]}), "
+                         f"got values in [{ids.min()}, {ids.max()}]")
+    out = wd[ids]
+    if _state.enabled and type(weight) is Tensor and weight.requires_grad:
+        return _record(EMBEDDING, out, (weight, None), (wd.shape, ids), None)
+    return _constant(out)
+
+
+def _is_basic_index(index):
+    """True when ``index`` selects each element at most once (slices, ints, None, ...)."""
+    items = index if type(index) is tuple else (index,)
+    for it in items:
+        if not (it is None or it is Ellipsis or isinstance(it, (slice, int, np.integer))):
+            return False
+    return True
+
+
+# -- VJP rules ---------------------------------------------------------------------
+
+def _matmul_x(g, x, y):
+    if y.ndim == 1:
+        if x.ndim == 1:
+            return g * y
+        return g[..., None] * y
+    if x.ndim == 1:
+        return (g[..., None, :] @ np.swapaxes(y, -1, -2))[..., 0, :]
+    return g @ np.swapaxes(y, -1, -2)
+
+
+def _matmul_y(g, x, y):
+    if x.ndim == 1:
+        if y.ndim == 1:
+            return g * x
+        return x[:, None] * g[..., None, :]
+    if y.ndim == 1:
+        return (np.swapaxes(x, -1, -2) @ g[..., None])[..., 0]
+    return np.swapaxes(x, -1, -2) @ g
+
+
+def _reduced_grad(g, shape, axis, keepdims):
+    if axis is not None and not keepdims:
+        g = np.expand_dims(g, axis)
+    return np.broadcast_to(g, shape)
+
+
+def _getitem_vjp(g, shape, index, basic):
+    out = np.zeros(shape, g.dtype)
+    if basic:
+        out[index] = g
+    else:
+        np.add.at(out, index, g)
+    return out
+
+
+def _embedding_vjp(g, shape, ids):
+    out = np.zeros(shape, g.dtype)
+    np.add.at(out, ids.reshape(-1), g.reshape(-1, shape[1]))
+    return out
+
+
+def _transpose_vjp(g, axes):
+    return g.transpose() if axes is None else g.transpose(np.argsort(axes))
+
+
+defvjp(ADD, lambda g: g, lambda g: g)
+defvjp(SUB, lambda g: g, lambda g: -g)
+defvjp(MUL, lambda g, y, x: g * y, lambda g, y, x: g * x)
+defvjp(DIV, lambda g, y, out: g / y, lambda g, y, out: -g * out / y)
+defvjp(POW, lambda g, x, y, out: g * y * x ** (y - 1),
+       lambda g, x, y, out: g * out * np.log(x))
+defvjp(MATMUL, _matmul_x, _matmul_y)
+defvjp(NEG, lambda g: -g)
+defvjp(EXP, lambda g, out: g * out)
+defvjp(LOG, lambda g, x: g / x)
+defvjp(TANH, lambda g, out: g * (1 - out * out))
+defvjp(SUM, lambda g, shape, axis, keepdims: _reduced_grad(g, shape, axis, keepdims))
+defvjp(MEAN, lambda g, shape, axis, keepdims, count:
+       _reduced_grad(g / count, shape, axis, keepdims))
+defvjp(RESHAPE, lambda g, shape: g.reshape(shape))
+defvjp(TRANSPOSE, _transpose_vjp)
+defvjp(GETITEM, _getitem_vjp)
+defvjp(EMBEDDING, _embedding_vjp, None)
+
+
+# -- Tensor operators and methods --------------------------------------------------
+
+def _reflected(op):
+    def rop(self, other):
+        return op(other, self)
+    rop.__name__ = f"r{op.__name__}"
+    return rop
+
+
+Tensor.__add__ = add
+Tensor.__radd__ = add
+Tensor.__sub__ = sub
+Tensor.__rsub__ = _reflected(sub)
+Tensor.__mul__ = mul
+Tensor.__rmul__ = mul
+Tensor.__truediv__ = div
+Tensor.__rtruediv__ = _reflected(div)
+Tensor.__pow__ = power
+Tensor.__rpow__ = _reflected(power)
+Tensor.__matmul__ = matmul
+Tensor.__rmatmul__ = _reflected(matmul)
+Tensor.__neg__ = neg
+Tensor.__getitem__ = getitem
+Tensor.exp = exp
+Tensor.log = log
+Tensor.tanh = tanh
+Tensor.sum = sum
+Tensor.mean = mean
+Tensor.reshape = reshape
+Tensor.transpose = transpose
