@@ -1,0 +1,211 @@
+"""Validate the performance model: published figures and our own measurements.
+
+  python bench/perfmodel_validation.py [--profile this-machine] [--repeats 7]
+
+Writes bench/results/perfmodel_validation.json: one record per check with name,
+predicted, measured and the signed relative error (predicted - measured) / measured,
+and bench/results/perfmodel_validation.png (predicted against measured).
+
+Own measurements (CPU, shapes held out from calibration, which used (B, T) in
+calibrate.FULL_CONFIGS):
+- time of one GPT-2 124M transformer block, forward then backward, as the sequence of
+  our kernels the op graph lists, interleaved across configurations, median of runs;
+- bytes of the block's saved activations: the arrays our kernels produce that their
+  backward needs, pushed on an adtape.Tape (its byte counter) and the process RSS growth;
+- the full training step, once gpt2.model exposes ``time_training_step(config, B, T,
+  repeats)`` returning {"seconds", "peak_rss", "tape_bytes"}; until then its records
+  are listed under "pending".
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gpt2.perfmodel import GraphOptions, ModelSpec, ParallelConfig, Workload, estimate, load_profile, op_time, \
+    step_graph  # noqa: E402
+from gpt2.perfmodel.calibrate import FULL_CONFIGS  # noqa: E402
+from gpt2.perfmodel.memory import saved_by_layer  # noqa: E402
+from gpt2.perfmodel.published import published_checks, record  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HELD_OUT = ((2, 32), (1, 128), (2, 128), (8, 64))
+GPT2 = ModelSpec(12, 12, 768, 50257)
+
+
+class Block:
+    """One transformer block's buffers and the kernel sequence of its forward and backward."""
+
+    def __init__(self, spec, b, t, rng):
+        from kernels import attention, layers, matmul
+        self.k_att, self.k_layers, self.k_mm = attention, layers, matmul
+        C, F, nh = spec.n_embd, spec.ffn_hidden, spec.n_head
+        self.nh = nh
+        f = lambda *s, scale=0.02: (rng.standard_normal(s, dtype=np.float32) * scale)  # noqa: E731
+        z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+        self.w = {"ln1w": np.ones(C, np.float32), "ln1b": z(C), "qkvw": f(3 * C, C), "qkvb": z(3 * C),
+                  "attprojw": f(C, C), "attprojb": z(C), "ln2w": np.ones(C, np.float32), "ln2b": z(C),
+                  "fcw": f(F, C), "fcb": z(F), "fcprojw": f(C, F), "fcprojb": z(C)}
+        self.g = {k: np.zeros_like(v) for k, v in self.w.items()}
+        self.x = f(b, t, C, scale=1.0)
+        # Saved activations (what backward reads), exactly the adtape layout of graph.py.
+        self.saved = {"ln1": z(b, t, C), "ln1_mean": z(b, t), "ln1_rstd": z(b, t), "qkv": z(b, t, 3 * C),
+                      "att": z(b, nh, t, t), "atty": z(b, t, C), "res2": z(b, t, C), "ln2": z(b, t, C),
+                      "ln2_mean": z(b, t), "ln2_rstd": z(b, t), "fch": z(b, t, F), "fch_gelu": z(b, t, F)}
+        self.y, self.tmp = z(b, t, C), z(b, t, C)
+        self.d = {"out": f(b, t, C, scale=1.0), "res2": z(b, t, C), "ln2": z(b, t, C), "fch": z(b, t, F),
+                  "fch_gelu": z(b, t, F), "atty": z(b, t, C), "qkv": z(b, t, 3 * C), "ln1": z(b, t, C),
+                  "x": z(b, t, C)}
+
+    def forward(self):
+        L, M, A, s, w = self.k_layers, self.k_mm, self.k_att, self.saved, self.w
+        L.layernorm_forward(s["ln1"], s["ln1_mean"], s["ln1_rstd"], self.x, w["ln1w"], w["ln1b"])
+        M.matmul_forward(s["qkv"], s["ln1"], w["qkvw"], w["qkvb"])
+        A.attention_forward(s["atty"], s["att"], s["qkv"], self.nh)
+        M.matmul_forward(self.tmp, s["atty"], w["attprojw"], w["attprojb"])
+        L.residual_forward(s["res2"], self.x, self.tmp)
+        L.layernorm_forward(s["ln2"], s["ln2_mean"], s["ln2_rstd"], s["res2"], w["ln2w"], w["ln2b"])
+        M.matmul_forward(s["fch"], s["ln2"], w["fcw"], w["fcb"])
+        L.gelu_forward(s["fch_gelu"], s["fch"])
+        M.matmul_forward(self.tmp, s["fch_gelu"], w["fcprojw"], w["fcprojb"])
+        L.residual_forward(self.y, s["res2"], self.tmp)
+
+    def backward(self):
+        L, M, A, s, w, g, d = self.k_layers, self.k_mm, self.k_att, self.saved, self.w, self.g, self.d
+        for k in ("res2", "ln2", "fch", "fch_gelu", "atty", "qkv", "ln1", "x"):
+            d[k].fill(0.0)
+        L.residual_backward(d["res2"], self.tmp, d["out"])
+        M.matmul_backward(d["fch_gelu"], g["fcprojw"], g["fcprojb"], self.tmp, s["fch_gelu"], w["fcprojw"])
+        L.gelu_backward(d["fch"], s["fch"], d["fch_gelu"])
+        M.matmul_backward(d["ln2"], g["fcw"], g["fcb"], d["fch"], s["ln2"], w["fcw"])
+        L.layernorm_backward(d["res2"], g["ln2w"], g["ln2b"], d["ln2"], s["res2"], w["ln2w"], s["ln2_mean"],
+                             s["ln2_rstd"])
+        L.residual_backward(d["x"], self.tmp, d["res2"])
+        M.matmul_backward(d["atty"], g["attprojw"], g["attprojb"], self.tmp, s["atty"], w["attprojw"])
+        A.attention_backward(d["qkv"], d["atty"], s["qkv"], s["att"], self.nh)
+        M.matmul_backward(d["ln1"], g["qkvw"], g["qkvb"], d["qkv"], s["ln1"], w["qkvw"])
+        L.layernorm_backward(d["x"], g["ln1w"], g["ln1b"], d["ln1"], self.x, w["ln1w"], s["ln1_mean"],
+                             s["ln1_rstd"])
+
+    def step(self):
+        self.forward()
+        self.backward()
+
+
+def predicted_block_time(spec, b, t, profile):
+    ops = step_graph(spec, Workload(b, t), ParallelConfig())
+    return sum(op_time(op, profile, "fp32") for op in ops if op.layer == 0)
+
+
+def block_time_checks(profile, repeats):
+    rng = np.random.default_rng(0)
+    blocks = {cfg: Block(GPT2, *cfg, rng) for cfg in HELD_OUT}
+    for blk in blocks.values():
+        blk.step()
+    samples = {cfg: [] for cfg in HELD_OUT}
+    for _ in range(repeats):
+        for cfg, blk in blocks.items():
+            t0 = time.perf_counter()
+            blk.step()
+            samples[cfg].append(time.perf_counter() - t0)
+    out = []
+    for (b, t), times in samples.items():
+        measured = float(np.median(times))
+        out.append(record(f"block_fwd_bwd_time_B{b}_T{t}", predicted_block_time(GPT2, b, t, profile), measured,
+                          "s", "our kernels, GPT-2 124M block, median of interleaved runs",
+                          f"held out from calibration configs {list(FULL_CONFIGS)}; "
+                          f"spread {min(times):.4g}..{max(times):.4g} s"))
+    return out
+
+
+def block_memory_checks(b, t):
+    """Predicted saved bytes of one block vs the tape's byte counter and RSS growth."""
+    import adtape
+    predicted = sum(saved_by_layer(step_graph(GPT2, Workload(b, t), ParallelConfig()))[0].values())
+    proc = psutil.Process()
+    blk = Block(GPT2, b, t, np.random.default_rng(1))
+    # np.zeros maps pages lazily: the forward's first writes are what RSS sees grow.  The
+    # block's input x (saved by the first layernorm) was written at construction.
+    rss0 = proc.memory_info().rss
+    blk.forward()
+    rss_growth = proc.memory_info().rss - rss0 - blk.y.nbytes - blk.tmp.nbytes + blk.x.nbytes
+    tape = adtape.Tape(dtype=np.float32)
+    for arr in [blk.x] + list(blk.saved.values()):
+        tape.push_array(arr)
+    tape_bytes = tape.nbytes
+    tape.close()
+    src = "numpy arrays written by our kernels' block forward"
+    return [record(f"block_saved_bytes_tape_B{b}_T{t}", predicted, tape_bytes, "B", src + ", adtape.Tape.nbytes",
+                   "tape bytes include each record's header"),
+            record(f"block_saved_bytes_rss_B{b}_T{t}", predicted, rss_growth, "B",
+                   src + ", process RSS growth minus weights and gradient buffers")]
+
+
+def training_step_checks(profile, repeats):
+    """Whole-step checks through gpt2.model.time_training_step, when it exists."""
+    try:
+        from gpt2.model import time_training_step
+    except ImportError as exc:
+        return [], [f"training step (time within 10%, memory within 5%): needs gpt2.model.time_training_step ({exc})"]
+    from gpt2.config import GPT2Config
+    out = []
+    for b, t in HELD_OUT:
+        m = time_training_step(GPT2Config.preset("gpt2"), b, t, repeats)
+        est = estimate(GPT2, Workload(b, t), ParallelConfig(), profile, GraphOptions())
+        out.append(record(f"step_time_B{b}_T{t}", est.step_time, m["seconds"], "s", "gpt2.model training step"))
+        out.append(record(f"step_peak_rss_B{b}_T{t}", est.memory.total, m["peak_rss"], "B", "process peak RSS"))
+        if m.get("tape_bytes"):
+            out.append(record(f"step_tape_bytes_B{b}_T{t}", est.memory.activations, m["tape_bytes"], "B",
+                              "adtape byte counter"))
+    return out, []
+
+
+def plot(records, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(records) + 1.5))
+    names = [r["name"] for r in records]
+    errs = [100 * r["rel_error"] for r in records]
+    ax.barh(names, errs, color=["tab:green" if abs(e) <= 10 else "tab:red" for e in errs])
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_xlabel("signed relative error, predicted vs measured (%)")
+    ax.set_title("perfmodel validation")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default="this-machine")
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+    profile = load_profile(args.profile)
+    from kernels import threads
+    threads.set_num_threads(profile.threads or None)
+    records = published_checks()
+    records += block_time_checks(profile, args.repeats)
+    records += block_memory_checks(4, 128)
+    step_records, pending = training_step_checks(profile, args.repeats)
+    records += step_records
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "perfmodel_validation.json"), "w") as f:
+        json.dump({"profile": profile.name, "profile_source": profile.source, "threads": profile.threads,
+                   "records": records, "pending": pending}, f, indent=2)
+    plot(records, os.path.join(RESULTS, "perfmodel_validation.png"))
+    print(f"{'check':<44}{'predicted':>14}{'measured':>14}{'error':>10}  unit")
+    for r in records:
+        print(f"{r['name']:<44}{r['predicted']:>14.5g}{r['measured']:>14.5g}{r['rel_error']:>+10.2%}  {r['unit']}")
+    for line in pending:
+        print(f"pending: {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
