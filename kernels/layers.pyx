@@ -527,11 +527,13 @@ cdef void _gelu_forward_span(float* out, const float* inp, Py_ssize_t n) noexcep
 
 cdef void _gelu_backward_span(float* dinp, const float* inp, const float* dout,
                               Py_ssize_t n) noexcept nogil:
-    # d/dx [x s] = s + x s (1 - s) 2u', with 1 - s = e s
+    # d/dx [x s] = s + x s (1 - s) 2u', with 1 - s = e s.  Beyond |x| = 20 the result
+    # is exactly 1 or 0 in float32; clamping there keeps x^2 from overflowing into inf*0.
     cdef Py_ssize_t i
     cdef float x, s, e, du
     for i in range(n):
-        x = inp[i]
+        x = select_f32(inp[i] > <float>20.0, <float>20.0, inp[i])
+        x = select_f32(x < <float>-20.0, <float>-20.0, x)
         s = _gelu_sigmoid(x, &e)
         du = <float>(2.0 * GELU_K) * (<float>1.0 + <float>(3.0 * GELU_A) * x * x)
         dinp[i] = dinp[i] + s * (<float>1.0 + x * du * e * s) * dout[i]

@@ -1,0 +1,363 @@
+"""kernels.layers against its naive twins, PyTorch and float64 finite differences."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import layers
+
+# (B, T, C): T=1, C=1, C not a multiple of 8 or of the 64 accumulator lanes,
+# B*T not a multiple of any unroll or block count, and one GPT-2 width.
+SHAPES = [(1, 1, 1), (1, 1, 5), (2, 3, 7), (3, 5, 67), (1, 37, 130), (2, 11, 768)]
+
+
+def rand(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def close(actual, expected, rtol, scale=0.0):
+    """Each element within rtol of itself or of the largest reference magnitude (or of
+    `scale`, for results that cancel to about 0)."""
+    expected = np.asarray(expected, dtype=np.float64)
+    atol = rtol * max(np.abs(expected).max(initial=0.0), scale, 1e-30)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+def fd_check(forward, inputs, wrt, analytic, n_probe=12, h=1e-6, seed=0):
+    """Central differences in float64 of sum(forward(inputs) * probe weights) against
+    the analytic gradients; `forward` returns the output array, `analytic[name]` the
+    gradient of that same scalar w.r.t. inputs[name]."""
+    rng = np.random.default_rng(seed)
+    for name in wrt:
+        x = inputs[name]
+        flat = x.reshape(-1)
+        idx = rng.choice(flat.size, size=min(n_probe, flat.size), replace=False)
+        for i in idx:
+            orig = flat[i]
+            flat[i] = orig + h
+            plus = forward(inputs)
+            flat[i] = orig - h
+            minus = forward(inputs)
+            flat[i] = orig
+            numeric = (plus - minus) / (2 * h)
+            got = analytic[name].reshape(-1)[i]
+            assert abs(got - numeric) <= 1e-6 * max(1.0, abs(numeric)), (name, i, got, numeric)
+
+
+# ---------------------------------------------------------------------------
+# encoder
+
+def encoder_case(rng, B, T, C, Vp=11, maxT=None):
+    maxT = maxT or T + 2
+    ids = rng.integers(0, Vp, size=(B, T)).astype(np.int32)
+    return ids, rand(rng, Vp, C), rand(rng, maxT, C)
+
+
+@pytest.mark.parametrize("B,T,C", SHAPES)
+def test_encoder_matches_naive_and_torch(B, T, C):
+    rng = np.random.default_rng(1)
+    # Few ids for many positions: the dwte scatter sees each id many times.
+    ids, wte, wpe = encoder_case(rng, B, T, C, Vp=3)
+    out, out_naive = np.empty((B, T, C), np.float32), np.empty((B, T, C), np.float32)
+    layers.encoder_forward(out, ids, wte, wpe)
+    layers.encoder_forward_naive(out_naive, ids, wte, wpe)
+    np.testing.assert_array_equal(out, out_naive)
+
+    twte = torch.tensor(wte, requires_grad=True)
+    twpe = torch.tensor(wpe, requires_grad=True)
+    tout = F.embedding(torch.tensor(ids, dtype=torch.long), twte) + twpe[:T]
+    close(out, tout.detach().numpy(), 1e-5)
+
+    dout = rand(rng, B, T, C)
+    tout.backward(torch.tensor(dout))
+    dwte0, dwpe0 = rand(rng, *wte.shape), rand(rng, *wpe.shape)
+    dwte, dwpe = dwte0.copy(), dwpe0.copy()
+    layers.encoder_backward(dwte, dwpe, dout, ids)
+    close(dwte - dwte0, twte.grad.numpy(), 1e-4)
+    close(dwpe - dwpe0, twpe.grad.numpy(), 1e-4)
+    dwte_n, dwpe_n = dwte0.copy(), dwpe0.copy()
+    layers.encoder_backward_naive(dwte_n, dwpe_n, dout, ids)
+    close(dwte, dwte_n, 1e-5)
+    close(dwpe, dwpe_n, 1e-5)
+
+
+def test_encoder_backward_finite_differences():
+    rng = np.random.default_rng(2)
+    B, T, C = 2, 3, 4
+    ids = np.array([[0, 2, 2], [2, 1, 0]], np.int32)
+    inputs = {"wte": rng.standard_normal((3, C)), "wpe": rng.standard_normal((T + 1, C))}
+    probe = rng.standard_normal((B, T, C))
+
+    def forward(inp):
+        out = np.empty((B, T, C))
+        layers.encoder_forward_naive(out, ids, inp["wte"], inp["wpe"])
+        return float((out * probe).sum())
+
+    grads = {"wte": np.zeros((3, C)), "wpe": np.zeros((T + 1, C))}
+    layers.encoder_backward_naive(grads["wte"], grads["wpe"], probe, ids)
+    fd_check(forward, inputs, ["wte", "wpe"], grads, n_probe=12)
+
+
+def test_encoder_ids_checked_at_the_boundary():
+    rng = np.random.default_rng(3)
+    ids, wte, wpe = encoder_case(rng, 2, 3, 4, Vp=5)
+    out = np.empty((2, 3, 4), np.float32)
+    for bad, ok in ((5, 4), (-1, 0)):
+        ids[1, 2] = ok
+        layers.encoder_forward(out, ids, wte, wpe)
+        layers.encoder_backward(np.zeros_like(wte), np.zeros_like(wpe), out, ids)
+        ids[1, 2] = bad
+        with pytest.raises(ValueError, match=r"ids must lie in \[0, 5\)"):
+            layers.encoder_forward(out, ids, wte, wpe)
+        with pytest.raises(ValueError, match="ids"):
+            layers.encoder_backward(np.zeros_like(wte), np.zeros_like(wpe), out, ids)
+        with pytest.raises(ValueError, match="ids"):
+            layers.encoder_forward_naive(out, ids, wte, wpe)
+
+
+def test_encoder_rejects_bad_arguments():
+    rng = np.random.default_rng(4)
+    ids, wte, wpe = encoder_case(rng, 2, 3, 4)
+    out = np.empty((2, 3, 4), np.float32)
+    with pytest.raises(TypeError, match="ids"):
+        layers.encoder_forward(out, ids.astype(np.int64), wte, wpe)
+    with pytest.raises(TypeError, match="wte"):
+        layers.encoder_forward(out, ids, wte.astype(np.float64), wpe)
+    with pytest.raises(ValueError, match="wpe"):
+        layers.encoder_forward(out, ids, wte, wpe[:2])  # maxT < T
+    with pytest.raises(ValueError, match="out"):
+        layers.encoder_forward(np.empty((2, 3, 5), np.float32), ids, wte, wpe)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        layers.encoder_forward(out, ids, np.asfortranarray(wte), wpe)
+    with pytest.raises(TypeError, match="dout"):
+        layers.encoder_backward(np.zeros_like(wte), np.zeros_like(wpe), out.tolist(), ids)
+
+
+# ---------------------------------------------------------------------------
+# layernorm
+
+def layernorm_arrays(rng, B, T, C):
+    x = rand(rng, B, T, C, scale=2.0) + 0.5
+    return x, rand(rng, C), rand(rng, C)
+
+
+@pytest.mark.parametrize("B,T,C", SHAPES)
+def test_layernorm_matches_naive_and_torch(B, T, C):
+    rng = np.random.default_rng(5)
+    x, w, b = layernorm_arrays(rng, B, T, C)
+    out, mean, rstd = np.empty_like(x), np.empty((B, T), np.float32), np.empty((B, T), np.float32)
+    layers.layernorm_forward(out, mean, rstd, x, w, b)
+    out_n, mean_n, rstd_n = np.empty_like(x), np.empty_like(mean), np.empty_like(rstd)
+    layers.layernorm_forward_naive(out_n, mean_n, rstd_n, x, w, b)
+    close(out, out_n, 1e-5)
+    close(mean, mean_n, 1e-5)
+    close(rstd, rstd_n, 1e-5)
+
+    tx, tw, tb = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    tout = F.layer_norm(tx, (C,), tw, tb, eps=1e-5)
+    close(out, tout.detach().numpy(), 1e-5)
+    close(mean, x.astype(np.float64).mean(-1), 1e-5)
+    close(rstd, 1 / np.sqrt(x.astype(np.float64).var(-1) + 1e-5), 1e-5)
+
+    dout = rand(rng, B, T, C)
+    tout.backward(torch.tensor(dout))
+    grads0 = [rand(rng, B, T, C), rand(rng, C), rand(rng, C)]  # backward accumulates
+    grads = [g.copy() for g in grads0]
+    layers.layernorm_backward(*grads, dout, x, w, mean, rstd)
+    # With C = 1, dinp and dweight cancel to 0 exactly (PyTorch leaves rounding noise);
+    # their natural scales are |dout| * rstd and the column sums of |dout|.
+    scales = (float(np.abs(dout).max() * rstd.max()),
+              float(np.abs(dout).reshape(-1, C).sum(0).max()), 0.0)
+    for got, g0, ref, scale in zip(grads, grads0, (tx.grad, tw.grad, tb.grad), scales):
+        close(got - g0, ref.numpy(), 1e-4, scale=scale)
+    grads_n = [g.copy() for g in grads0]
+    layers.layernorm_backward_naive(*grads_n, dout, x, w, mean, rstd)
+    for got, ref, scale in zip(grads, grads_n, scales):
+        close(got, ref, 1e-5, scale=scale)
+
+
+def test_layernorm_accepts_rows():
+    rng = np.random.default_rng(6)
+    x, w, b = layernorm_arrays(rng, 1, 9, 13)
+    x2 = x.reshape(9, 13)
+    out, mean, rstd = np.empty_like(x), np.empty((1, 9), np.float32), np.empty((1, 9), np.float32)
+    out2, mean2, rstd2 = np.empty_like(x2), np.empty(9, np.float32), np.empty(9, np.float32)
+    layers.layernorm_forward(out, mean, rstd, x, w, b)
+    layers.layernorm_forward(out2, mean2, rstd2, x2, w, b)
+    np.testing.assert_array_equal(out.reshape(9, 13), out2)
+    np.testing.assert_array_equal(rstd.reshape(9), rstd2)
+
+
+def test_layernorm_backward_finite_differences():
+    rng = np.random.default_rng(7)
+    B, T, C = 2, 3, 5
+    inputs = {"inp": rng.standard_normal((B, T, C)), "weight": rng.standard_normal(C),
+              "bias": rng.standard_normal(C)}
+    probe = rng.standard_normal((B, T, C))
+
+    def forward(inp):
+        out, mean, rstd = np.empty((B, T, C)), np.empty((B, T)), np.empty((B, T))
+        layers.layernorm_forward_naive(out, mean, rstd, inp["inp"], inp["weight"], inp["bias"])
+        return float((out * probe).sum())
+
+    out, mean, rstd = np.empty((B, T, C)), np.empty((B, T)), np.empty((B, T))
+    layers.layernorm_forward_naive(out, mean, rstd, inputs["inp"], inputs["weight"], inputs["bias"])
+    grads = {"inp": np.zeros((B, T, C)), "weight": np.zeros(C), "bias": np.zeros(C)}
+    layers.layernorm_backward_naive(grads["inp"], grads["weight"], grads["bias"], probe,
+                                    inputs["inp"], inputs["weight"], mean, rstd)
+    fd_check(forward, inputs, ["inp", "weight", "bias"], grads, n_probe=30)
+
+
+def test_layernorm_rejects_bad_arguments():
+    rng = np.random.default_rng(8)
+    x, w, b = layernorm_arrays(rng, 2, 3, 4)
+    out, mean, rstd = np.empty_like(x), np.empty((2, 3), np.float32), np.empty((2, 3), np.float32)
+    with pytest.raises(ValueError, match="weight"):
+        layers.layernorm_forward(out, mean, rstd, x, w[:3], b)
+    with pytest.raises(ValueError, match="mean"):
+        layers.layernorm_forward(out, np.empty(6, np.float32), rstd, x, w, b)
+    with pytest.raises(TypeError, match="inp"):
+        layers.layernorm_forward(out, mean, rstd, x.astype(np.float16), w, b)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        layers.layernorm_forward(out, mean, rstd, x[:, :, ::2].copy()[:, ::2], w[:2], b[:2])
+    with pytest.raises(ValueError, match="inp"):
+        layers.layernorm_forward(out.reshape(-1), mean, rstd, x.reshape(-1), w, b)
+    x.setflags(write=False)
+    layers.layernorm_forward(out, mean, rstd, x, w, b)  # read-only inputs are fine
+    out.setflags(write=False)
+    with pytest.raises(ValueError, match="out must be writeable"):
+        layers.layernorm_forward(out, mean, rstd, x, w, b)
+    with pytest.raises(ValueError, match="dinp"):
+        layers.layernorm_backward(np.zeros((2, 3, 5), np.float32), np.zeros(4, np.float32),
+                                  np.zeros(4, np.float32), x, x, w, mean, rstd)
+
+
+# ---------------------------------------------------------------------------
+# GELU
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5, 67), (2, 3, 16387)])
+def test_gelu_matches_naive_and_torch(shape):
+    rng = np.random.default_rng(9)
+    x = rand(rng, *shape, scale=3.0)
+    if x.size >= 4:
+        x.reshape(-1)[:4] = [-60.0, -9.0, 9.0, 60.0]
+    out, out_n = np.empty_like(x), np.empty_like(x)
+    layers.gelu_forward(out, x)
+    layers.gelu_forward_naive(out_n, x)
+    close(out, out_n, 1e-5)
+    tx = torch.tensor(x, requires_grad=True)
+    tout = F.gelu(tx, approximate="tanh")
+    close(out, tout.detach().numpy(), 1e-5)
+    # Elementwise relative error against x * sigmoid(2u) in float64, which unlike the
+    # tanh form does not cancel where tanh(u) is near -1.
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore"):  # exp -> inf is right: the reference is then -0
+        ref64 = x64 / (1 + np.exp(-2 * np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64**3)))
+    np.testing.assert_allclose(out, ref64, rtol=1e-5, atol=1e-30)
+
+    dout = rand(rng, *shape)
+    tout.backward(torch.tensor(dout))
+    dinp0 = rand(rng, *shape)
+    dinp, dinp_n = dinp0.copy(), dinp0.copy()
+    layers.gelu_backward(dinp, x, dout)
+    layers.gelu_backward_naive(dinp_n, x, dout)
+    close(dinp - dinp0, tx.grad.numpy(), 1e-4)
+    close(dinp, dinp_n, 1e-5)
+
+
+def test_gelu_extremes_are_finite_and_exact_zero_far_left():
+    x = np.array([-1e30, -500.0, -50.0, 0.0, 50.0, 1e30, 3e38], np.float32)
+    out, dinp = np.empty_like(x), np.zeros_like(x)
+    layers.gelu_forward(out, x)
+    layers.gelu_backward(dinp, x, np.ones_like(x))
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(dinp))
+    np.testing.assert_array_equal(out[:3], 0.0)
+    np.testing.assert_array_equal(out[3:], x[3:])
+    np.testing.assert_array_equal(dinp, [0, 0, 0, 0.5, 1, 1, 1])
+
+
+def test_gelu_backward_finite_differences():
+    rng = np.random.default_rng(10)
+    inputs = {"inp": rng.standard_normal(40) * 3}
+    probe = rng.standard_normal(40)
+
+    def forward(inp):
+        out = np.empty(40)
+        layers.gelu_forward_naive(out, inp["inp"])
+        return float((out * probe).sum())
+
+    grads = {"inp": np.zeros(40)}
+    layers.gelu_backward_naive(grads["inp"], inputs["inp"], probe)
+    fd_check(forward, inputs, ["inp"], grads, n_probe=40)
+
+
+# ---------------------------------------------------------------------------
+# residual
+
+@pytest.mark.parametrize("shape", [(1,), (3, 5, 67), (2, 3, 16387)])
+def test_residual_matches_naive_and_torch(shape):
+    rng = np.random.default_rng(11)
+    a, b = rand(rng, *shape), rand(rng, *shape)
+    out, out_n = np.empty_like(a), np.empty_like(a)
+    layers.residual_forward(out, a, b)
+    layers.residual_forward_naive(out_n, a, b)
+    np.testing.assert_array_equal(out, out_n)
+    np.testing.assert_array_equal(out, (torch.tensor(a) + torch.tensor(b)).numpy())
+    in_place = a.copy()
+    layers.residual_forward(in_place, in_place, b)
+    np.testing.assert_array_equal(in_place, out)
+
+    dout = rand(rng, *shape)
+    d1, d2 = rand(rng, *shape), rand(rng, *shape)
+    e1, e2 = d1.copy(), d2.copy()
+    layers.residual_backward(d1, d2, dout)
+    layers.residual_backward_naive(e1, e2, dout)
+    np.testing.assert_array_equal(d1, e1)
+    np.testing.assert_array_equal(d2, e2)
+
+
+def test_residual_finite_differences_and_errors():
+    rng = np.random.default_rng(12)
+    inputs = {"a": rng.standard_normal(6), "b": rng.standard_normal(6)}
+    probe = rng.standard_normal(6)
+
+    def forward(inp):
+        out = np.empty(6)
+        layers.residual_forward_naive(out, inp["a"], inp["b"])
+        return float((out * probe).sum())
+
+    grads = {"a": np.zeros(6), "b": np.zeros(6)}
+    layers.residual_backward_naive(grads["a"], grads["b"], probe)
+    fd_check(forward, inputs, ["a", "b"], grads, n_probe=6)
+    a = np.zeros(6, np.float32)
+    with pytest.raises(ValueError, match="inp2"):
+        layers.residual_forward(a, a, np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="different arrays"):
+        layers.residual_backward(a, a, a.copy())
+    with pytest.raises(ValueError, match="n_threads"):
+        layers.residual_forward(a, a, a, n_threads=0)
+
+
+# ---------------------------------------------------------------------------
+# threads
+
+def test_one_and_two_threads_give_identical_results():
+    rng = np.random.default_rng(13)
+    B, T, C = 3, 37, 200
+    x, w, b = layernorm_arrays(rng, B, T, C)
+    ids, wte, wpe = encoder_case(rng, B, T, C, Vp=5)
+    dout = rand(rng, B, T, C)
+    results = []
+    for n_threads in (1, 2):
+        out, mean, rstd = np.empty_like(x), np.empty((B, T), np.float32), np.empty((B, T), np.float32)
+        layers.layernorm_forward(out, mean, rstd, x, w, b, n_threads=n_threads)
+        grads = [np.zeros_like(x), np.zeros(C, np.float32), np.zeros(C, np.float32)]
+        layers.layernorm_backward(*grads, dout, x, w, mean, rstd, n_threads=n_threads)
+        dwte, dwpe = np.zeros_like(wte), np.zeros_like(wpe)
+        layers.encoder_backward(dwte, dwpe, dout, ids, n_threads=n_threads)
+        g, dg = np.empty_like(x), np.zeros_like(x)
+        layers.gelu_forward(g, x, n_threads=n_threads)
+        layers.gelu_backward(dg, x, dout, n_threads=n_threads)
+        results.append([out, mean, rstd, *grads, dwte, dwpe, g, dg])
+    for one, two in zip(*results):
+        np.testing.assert_array_equal(one, two)
