@@ -65,11 +65,17 @@ class ActivationArena:
 class GPT2:
     """A GPT-2 model with its gradients and AdamW state, each one arena."""
 
-    def __init__(self, config, seed=0, engine="tape", tape=None):
+    def __init__(self, config, seed=0, engine="tape", tape_kwargs=None, checkpointing="none",
+                 snapshots=2):
         if not isinstance(config, GPT2Config):
             raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
         if engine not in ("tape", "manual"):
             raise ValueError(f"engine must be 'tape' or 'manual', got {engine!r}")
+        if checkpointing not in ("none", "layer", "binomial"):
+            raise ValueError(f"checkpointing must be 'none', 'layer' or 'binomial', "
+                             f"got {checkpointing!r}")
+        if checkpointing != "none" and engine != "tape":
+            raise ValueError("checkpointing recomputes through the tape: use engine='tape'")
         self.config = config
         self.params = ParamArena(config)
         init_gpt2_(self.params, seed)
@@ -81,7 +87,9 @@ class GPT2:
         self.adam_v.zero_()
         self.adam_step = 0
         self.engine = engine
-        self._tape = tape
+        self.tape_kwargs = dict(tape_kwargs or {})
+        self.checkpointing = checkpointing
+        self.snapshots = snapshots
         self._acts = None
         self._tape_engine = None
 
@@ -146,7 +154,8 @@ class GPT2:
             return float(a.losses.mean())
         if self._tape_engine is None:
             from gpt2.tape_engine import TapeEngine
-            self._tape_engine = TapeEngine(self, tape=self._tape)
+            self._tape_engine = TapeEngine(self, self.tape_kwargs, self.checkpointing,
+                                           self.snapshots)
         return self._tape_engine.loss_and_grad(inputs, targets)
 
     def zero_grad(self):
