@@ -25,7 +25,9 @@ cdef enum:
     LSE_CHUNK = 1024
 
 
-cdef float _row_logsumexp(const float* x, Py_ssize_t V) noexcept nogil:
+cdef float _row_logsumexp(const float* x, Py_ssize_t V, float* row_max) noexcept nogil:
+    # Returns log(sum(exp(x - max))) and stores the max: the loss is then
+    # (max - x[target]) + that, which keeps its precision when the logits are large.
     cdef float expbuf[LSE_CHUNK]
     cdef float m = -INFINITY, s = 0, chunk_max
     cdef Py_ssize_t c0 = 0, n, i
@@ -39,18 +41,24 @@ cdef float _row_logsumexp(const float* x, Py_ssize_t V) noexcept nogil:
             expbuf[i] = fast_expf(x[c0 + i] - m)
         s = s + sum_f32(expbuf, n)
         c0 = c0 + n
-    return m + logf(s)
+    row_max[0] = m
+    return logf(s)
+
+
+cdef void _row_forward(float* loss, float* lse, const float* x, int32_t target,
+                       Py_ssize_t V) noexcept nogil:
+    cdef float m
+    cdef float log_sum = _row_logsumexp(x, V, &m)
+    lse[0] = m + log_sum
+    loss[0] = (m - x[target]) + log_sum
 
 
 cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const float* logits,
                                             const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
                                             Py_ssize_t Vp, int n_threads) noexcept nogil:
     cdef Py_ssize_t r
-    cdef float row_lse
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        row_lse = _row_logsumexp(logits + r * Vp, V)
-        lse[r] = row_lse
-        losses[r] = row_lse - logits[r * Vp + targets[r]]
+        _row_forward(losses + r, lse + r, logits + r * Vp, targets[r], V)
 
 
 cdef void _row_backward(float* d, const float* x, float row_lse, float g, Py_ssize_t V) noexcept nogil:
@@ -176,7 +184,7 @@ def _forward_naive(floating[::1] losses, floating[::1] lse, const floating[:, ::
         for i in range(V):
             s += exp(logits[r, i] - m)
         lse[r] = m + log(s)
-        losses[r] = m + log(s) - logits[r, targets[r]]
+        losses[r] = (m - logits[r, targets[r]]) + log(s)
 
 
 def _backward_naive(floating[:, ::1] dlogits, const floating[::1] dlosses,
