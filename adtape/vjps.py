@@ -4,11 +4,13 @@ Each op computes its value with NumPy and records a node when an input needs a
 gradient.  Residuals name what the rule needs: an input Tensor (its array is
 kept by reference for leaves and constants, copied onto the byte tape
 otherwise), a computed array (copied onto the tape) or a small Python value
-(kept on the node).  Rules for broadcasting ops may return a gradient of the
+(kept on the node).  ``exp``, ``log`` and ``tanh`` of a ``Scalar`` go to scalar
+mode.  Rules for broadcasting ops may return a gradient of the
 broadcast shape; the sweep sums it down to the input's shape.
 """
 import numpy as np
 
+from adtape.scalar import Scalar
 from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp
 
 __all__ = ["add", "sub", "mul", "div", "neg", "power", "matmul", "exp", "log", "tanh",
@@ -146,6 +148,8 @@ def neg(x):
 
 
 def exp(x):
+    if type(x) is Scalar:
+        return x.exp()
     out = np.exp(x.data if type(x) is Tensor else x)
     if type(out) is not _ndarray:
         out = np.asarray(out)
@@ -155,6 +159,8 @@ def exp(x):
 
 
 def log(x):
+    if type(x) is Scalar:
+        return x.log()
     out = np.log(x.data if type(x) is Tensor else x)
     if type(out) is not _ndarray:
         out = np.asarray(out)
@@ -164,6 +170,8 @@ def log(x):
 
 
 def tanh(x):
+    if type(x) is Scalar:
+        return x.tanh()
     out = np.tanh(x.data if type(x) is Tensor else x)
     if type(out) is not _ndarray:
         out = np.asarray(out)

@@ -1,0 +1,193 @@
+"""GPT-2 ops for tensors: each op runs its OpenMP kernel from ``kernels``.
+
+The forward kernels write into freshly allocated outputs; the backward kernels
+accumulate (+=), so these ops register accumulating rules
+(``defvjp_accumulate``): the sweep hands them the gradient buffers (a leaf's
+``.grad``, e.g. a view into a gradient arena, or a running buffer of an
+intermediate) and nothing is allocated or copied per gradient.  Everything is
+float32; the kernels check shapes and dtypes and name the offending argument.
+"""
+import numpy as np
+
+from kernels import attention as _attention
+from kernels import layers as _layers
+from kernels import loss as _loss
+from kernels import matmul as _matmul
+
+from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp, defvjp_accumulate
+
+__all__ = ["encoder", "layernorm", "gelu", "residual", "linear", "attention",
+           "softmax_cross_entropy"]
+
+ENCODER = Primitive("encoder", ("ids", "wte", "wpe"))
+LAYERNORM = Primitive("layernorm", ("x", "weight", "bias"))
+GELU = Primitive("gelu", ("x",))
+RESIDUAL = Primitive("residual", ("x", "y"))
+LINEAR = Primitive("linear", ("x", "weight", "bias"))
+ATTENTION = Primitive("attention", ("qkv",))
+SOFTMAX_CROSS_ENTROPY = Primitive("softmax_cross_entropy", ("logits", "targets"))
+
+
+def _data(x):
+    return x.data if type(x) is Tensor else x
+
+
+def _needs_grad(*xs):
+    if not _state.enabled:
+        return False
+    for x in xs:
+        if type(x) is Tensor and x.requires_grad:
+            return True
+    return False
+
+
+def _contiguous(g):
+    return g if g.flags.c_contiguous and g.dtype == np.float32 else np.ascontiguousarray(
+        g, dtype=np.float32)
+
+
+def _or_scratch(dest, like):
+    # A kernel that always writes every gradient gets a throwaway buffer for unneeded ones.
+    return dest if dest is not None else np.zeros_like(like)
+
+
+def encoder(ids, wte, wpe):
+    """Token plus position embeddings: ``wte[ids] + wpe[:T]``; ids (B,T) int32."""
+    ids = np.asarray(ids)
+    wte_d, wpe_d = _data(wte), _data(wpe)
+    out = np.empty(ids.shape + (wte_d.shape[-1],), np.float32)
+    _layers.encoder_forward(out, ids, wte_d, wpe_d)
+    if _needs_grad(wte, wpe):
+        return _record(ENCODER, out, (None, wte, wpe), (ids, wte, wpe), None)
+    return _constant(out)
+
+
+def _encoder_bwd(g, dests, ids, wte, wpe):
+    _layers.encoder_backward(_or_scratch(dests[1], wte), _or_scratch(dests[2], wpe),
+                             _contiguous(g), ids)
+
+
+def layernorm(x, weight, bias):
+    """Layer normalisation over the last axis (eps 1e-5)."""
+    xd = np.ascontiguousarray(_data(x))
+    out = np.empty_like(xd)
+    mean = np.empty(xd.shape[:-1], np.float32)
+    rstd = np.empty(xd.shape[:-1], np.float32)
+    _layers.layernorm_forward(out, mean, rstd, xd, _data(weight), _data(bias))
+    if _needs_grad(x, weight, bias):
+        return _record(LAYERNORM, out, (x, weight, bias),
+                       (x if xd is _data(x) else xd, weight, mean, rstd), None)
+    return _constant(out)
+
+
+def _layernorm_bwd(g, dests, x, weight, mean, rstd):
+    _layers.layernorm_backward(_or_scratch(dests[0], x), _or_scratch(dests[1], weight),
+                               _or_scratch(dests[2], weight), _contiguous(g), x, weight,
+                               mean, rstd)
+
+
+def gelu(x):
+    """GELU, tanh approximation."""
+    xd = np.ascontiguousarray(_data(x))
+    out = np.empty_like(xd)
+    _layers.gelu_forward(out, xd)
+    if _needs_grad(x):
+        return _record(GELU, out, (x,), (x if xd is _data(x) else xd,), None)
+    return _constant(out)
+
+
+def _gelu_bwd(g, dests, x):
+    _layers.gelu_backward(dests[0], x, _contiguous(g))
+
+
+def residual(x, y):
+    """``x + y`` for the residual stream (same shapes)."""
+    xd = np.ascontiguousarray(_data(x))
+    yd = np.ascontiguousarray(_data(y))
+    out = np.empty_like(xd)
+    _layers.residual_forward(out, xd, yd)
+    if _needs_grad(x, y):
+        return _record(RESIDUAL, out, (x, y), (), None)
+    return _constant(out)
+
+
+def _residual_bwd(g, dests):
+    g = _contiguous(g)
+    dx, dy = dests
+    if dx is not None and dy is not None and dx is not dy:
+        _layers.residual_backward(dx, dy, g)
+        return
+    for d in dests:
+        if d is not None:
+            d += g
+
+
+def linear(x, weight, bias=None):
+    """``x @ weight.T + bias``; x (N,C) or (B,T,C), weight (OC,C), bias (OC,) or None."""
+    xd = np.ascontiguousarray(_data(x))
+    wd = _data(weight)
+    out = np.empty(xd.shape[:-1] + (wd.shape[0],), np.float32)
+    _matmul.matmul_forward(out, xd, wd, None if bias is None else _data(bias))
+    if _needs_grad(x, weight, bias):
+        return _record(LINEAR, out, (x, weight, bias),
+                       (x if xd is _data(x) else xd, weight), None)
+    return _constant(out)
+
+
+def _linear_bwd(g, dests, x, weight):
+    _matmul.matmul_backward(dests[0], _or_scratch(dests[1], weight), dests[2],
+                            _contiguous(g), x, weight)
+
+
+def attention(qkv, n_head):
+    """Causal multi-head self-attention of a packed (B,T,3C) ``[q|k|v]``; returns (B,T,C)."""
+    qd = np.ascontiguousarray(_data(qkv))
+    if qd.ndim != 3 or qd.shape[2] % 3:
+        raise ValueError(f"attention: qkv must have shape (B, T, 3C), got {qd.shape}")
+    B, T, C3 = qd.shape
+    out = np.empty((B, T, C3 // 3), np.float32)
+    att = np.empty((B, n_head, T, T), np.float32)
+    _attention.attention_forward(out, att, qd, n_head)
+    if _needs_grad(qkv):
+        return _record(ATTENTION, out, (qkv,), (qkv if qd is _data(qkv) else qd, att, n_head),
+                       None)
+    return _constant(out)
+
+
+def _attention_bwd(g, dests, qkv, att, n_head):
+    _attention.attention_backward(dests[0], _contiguous(g), qkv, att, n_head)
+
+
+def softmax_cross_entropy(logits, targets, V=None):
+    """Per-position loss ``logsumexp(logits[..., :V]) - logits[..., target]``.
+
+    logits (B,T,Vp) or (N,Vp); columns from ``V`` (default Vp) on are padding and
+    get zero gradient; targets int32 in [0, V).  Returns losses of shape (B,T) or (N,).
+    """
+    ld = np.ascontiguousarray(_data(logits))
+    targets = np.asarray(targets)
+    if V is None:
+        V = ld.shape[-1]
+    losses = np.empty(ld.shape[:-1], np.float32)
+    lse = np.empty(ld.shape[:-1], np.float32)
+    _loss.softmax_crossentropy_forward(losses, lse, ld, targets, V)
+    if _needs_grad(logits):
+        # The logits go on the tape as a plain array (never by reference): the rule
+        # overwrites the popped copy with the gradient instead of allocating one.
+        return _record(SOFTMAX_CROSS_ENTROPY, losses, (logits, None),
+                       (ld, lse, targets, V), None)
+    return _constant(losses)
+
+
+def _softmax_cross_entropy_vjp(g, logits, lse, targets, V):
+    _loss.softmax_crossentropy_backward(logits, _contiguous(g), logits, lse, targets, V)
+    return logits
+
+
+defvjp_accumulate(ENCODER, _encoder_bwd)
+defvjp_accumulate(LAYERNORM, _layernorm_bwd)
+defvjp_accumulate(GELU, _gelu_bwd)
+defvjp_accumulate(RESIDUAL, _residual_bwd)
+defvjp_accumulate(LINEAR, _linear_bwd)
+defvjp_accumulate(ATTENTION, _attention_bwd)
+defvjp(SOFTMAX_CROSS_ENTROPY, _softmax_cross_entropy_vjp, None)
