@@ -9,7 +9,8 @@ twin with the same signature.
 from cython.parallel cimport prange
 from libc.math cimport sqrt, sqrtf, pow, isfinite
 from libc.stdlib cimport malloc, free
-from libc.string cimport memset
+from libc.stdint cimport uint32_t
+from libc.string cimport memcpy, memset
 
 import numpy as np
 cimport numpy as cnp
@@ -29,6 +30,22 @@ cdef inline Py_ssize_t _span(Py_ssize_t k, Py_ssize_t n) noexcept nogil:
     return min(<Py_ssize_t>CHUNK, n - k * CHUNK)
 
 
+cdef inline float _sqrt_vectorizable(float v) noexcept nogil:
+    # sqrt(v) for v >= 0 within about 1 ulp (v denormal: only roughly, far below AdamW's
+    # eps).  libm's sqrtf keeps a scalar errno path for negative inputs, so without
+    # -fno-math-errno a loop calling it does not vectorize: Newton steps from the
+    # bit-trick 1/sqrt estimate instead, then one Newton step on the square root itself.
+    cdef uint32_t bits
+    cdef float y, s
+    memcpy(&bits, &v, 4)
+    bits = <uint32_t>0x5f3759df - (bits >> 1)
+    memcpy(&y, &bits, 4)
+    y = y * (<float>1.5 - <float>0.5 * v * y * y)
+    y = y * (<float>1.5 - <float>0.5 * v * y * y)
+    s = v * y
+    return s + <float>0.5 * y * (v - s * s)
+
+
 cdef void _adamw_span(float* p, const float* g, float* m, float* v, Py_ssize_t n, float decay,
                       float w1, float beta2, float w2, float neg_step_size, float bc2_sqrt,
                       float eps) noexcept nogil:
@@ -37,7 +54,7 @@ cdef void _adamw_span(float* p, const float* g, float* m, float* v, Py_ssize_t n
         p[i] = p[i] * decay
         m[i] = m[i] + w1 * (g[i] - m[i])
         v[i] = v[i] * beta2 + w2 * g[i] * g[i]
-        p[i] = p[i] + neg_step_size * (m[i] / (sqrtf(v[i]) / bc2_sqrt + eps))
+        p[i] = p[i] + neg_step_size * (m[i] / (_sqrt_vectorizable(v[i]) / bc2_sqrt + eps))
 
 
 cdef void adamw_core(float* params, const float* grads, float* m, float* v, Py_ssize_t n,
