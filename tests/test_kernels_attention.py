@@ -1,0 +1,180 @@
+"""kernels.attention against its naive twin, PyTorch SDPA, and float64 finite differences."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import threads
+from kernels.attention import (attention_backward, attention_backward_naive,
+                               attention_forward, attention_forward_naive)
+
+# (B, T, C, n_head): GPT-2 head size, T = 1, odd T across the 64-row block and the
+# 16-wide register tile, C not a multiple of 8, head size 1.
+SHAPES = [(2, 64, 128, 2), (1, 1, 24, 2), (3, 5, 30, 3), (1, 67, 20, 4), (2, 130, 64, 1),
+          (1, 17, 3, 3)]
+
+
+def rel_err(actual, expected):
+    """Largest absolute error relative to the largest magnitude in ``expected``."""
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    return float(np.abs(np.asarray(actual, np.float64) - expected).max()) / scale
+
+
+def make(rng, B, T, C, dtype=np.float32):
+    return (rng.standard_normal((B, T, 3 * C)).astype(dtype),
+            rng.standard_normal((B, T, C)).astype(dtype))
+
+
+def run_forward(forward, qkv, NH, **kw):
+    B, T, C3 = qkv.shape
+    out = np.full((B, T, C3 // 3), np.nan, qkv.dtype)
+    att = np.full((B, NH, T, T), np.nan, qkv.dtype)
+    forward(out, att, qkv, NH, **kw)
+    return out, att
+
+
+def run_backward(backward, dout, qkv, att, NH, fill=0.0, **kw):
+    dqkv = np.full(qkv.shape, fill, qkv.dtype)
+    backward(dqkv, dout, qkv, att, NH, **kw)
+    return dqkv
+
+
+def torch_attention(qkv, dout, NH):
+    """out, att probabilities and dqkv from PyTorch's causal SDPA and autograd."""
+    B, T, C3 = qkv.shape
+    C, hs = C3 // 3, C3 // 3 // NH
+    x = torch.from_numpy(qkv).requires_grad_()
+    q, k, v = (t.view(B, T, NH, hs).transpose(1, 2) for t in x.split(C, dim=2))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = out.transpose(1, 2).reshape(B, T, C)
+    out.backward(torch.from_numpy(dout))
+    with torch.no_grad():
+        scores = (q @ k.transpose(-1, -2)) / hs ** 0.5
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return out.detach().numpy(), att.numpy(), x.grad.numpy()
+
+
+@pytest.mark.parametrize("B,T,C,NH", SHAPES)
+def test_matches_naive_and_torch(B, T, C, NH):
+    rng = np.random.default_rng(1)
+    qkv, dout = make(rng, B, T, C)
+    out, att = run_forward(attention_forward, qkv, NH)
+    out_naive, att_naive = run_forward(attention_forward_naive, qkv, NH)
+    out_torch, att_torch, dqkv_torch = torch_attention(qkv, dout, NH)
+    assert rel_err(out, out_naive) < 1e-5
+    assert rel_err(att, att_naive) < 1e-5
+    assert rel_err(out, out_torch) < 1e-5
+    assert rel_err(att, att_torch) < 1e-5
+    assert np.all(att[:, :, np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0)
+    dqkv = run_backward(attention_backward, dout, qkv, att, NH)
+    dqkv_naive = run_backward(attention_backward_naive, dout, qkv, att, NH)
+    assert rel_err(dqkv, dqkv_naive) < 1e-5
+    assert rel_err(dqkv, dqkv_torch) < 1e-4
+
+
+def test_gpt2_shape_against_torch():
+    rng = np.random.default_rng(2)
+    qkv, dout = make(rng, 2, 256, 768)
+    out, att = run_forward(attention_forward, qkv, 12)
+    out_torch, _, dqkv_torch = torch_attention(qkv, dout, 12)
+    assert rel_err(out, out_torch) < 1e-5
+    assert rel_err(run_backward(attention_backward, dout, qkv, att, 12), dqkv_torch) < 1e-4
+
+
+def test_large_scores_stay_finite():
+    # Scores of several hundred: the softmax must subtract the row max.
+    rng = np.random.default_rng(3)
+    qkv, dout = make(rng, 1, 40, 32)
+    qkv *= 8.0
+    out, att = run_forward(attention_forward, qkv, 2)
+    out_torch, att_torch, dqkv_torch = torch_attention(qkv, dout, 2)
+    assert np.isfinite(out).all() and np.isfinite(att).all()
+    assert rel_err(out, out_torch) < 1e-5
+    assert rel_err(run_backward(attention_backward, dout, qkv, att, 2), dqkv_torch) < 1e-4
+
+
+def test_backward_formula_by_finite_differences_float64():
+    # The naive twin in float64 is checked against central differences of
+    # L = sum(out * dout); the optimized kernel is checked against the twin above.
+    rng = np.random.default_rng(4)
+    B, T, C, NH = 2, 4, 6, 2
+    qkv, dout = make(rng, B, T, C, np.float64)
+    _, att = run_forward(attention_forward_naive, qkv, NH)
+    dqkv = run_backward(attention_backward_naive, dout, qkv, att, NH)
+
+    def loss():
+        out, _ = run_forward(attention_forward_naive, qkv, NH)
+        return float((out * dout).sum())
+
+    eps = 1e-6
+    numeric = np.empty_like(qkv)
+    for idx in np.ndindex(qkv.shape):
+        keep = qkv[idx]
+        qkv[idx] = keep + eps
+        up = loss()
+        qkv[idx] = keep - eps
+        down = loss()
+        qkv[idx] = keep
+        numeric[idx] = (up - down) / (2 * eps)
+    np.testing.assert_allclose(dqkv, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_backward_accumulates():
+    rng = np.random.default_rng(5)
+    qkv, dout = make(rng, 2, 33, 40)
+    _, att = run_forward(attention_forward, qkv, 4)
+    fresh = run_backward(attention_backward, dout, qkv, att, 4)
+    prefilled = run_backward(attention_backward, dout, qkv, att, 4, fill=2.5)
+    assert rel_err(prefilled - 2.5, fresh) < 1e-6
+    twice = fresh.copy()
+    attention_backward(twice, dout, qkv, att, 4)
+    assert rel_err(twice, 2 * fresh) < 1e-6
+
+
+def test_one_and_two_threads_agree():
+    rng = np.random.default_rng(6)
+    qkv, dout = make(rng, 3, 70, 48)
+    results = []
+    previous = threads.get_num_threads()
+    try:
+        for n in (1, 2):
+            threads.set_num_threads(n)
+            out, att = run_forward(attention_forward, qkv, 4, n_threads=n)
+            results.append((out, att, run_backward(attention_backward, dout, qkv, att, 4,
+                                                   n_threads=n)))
+    finally:
+        threads.set_num_threads(previous)
+    for a, b in zip(*results):
+        assert rel_err(a, b) < 1e-6
+
+
+def test_bad_inputs_raise_clear_errors():
+    rng = np.random.default_rng(7)
+    qkv, dout = make(rng, 2, 5, 12)
+    out, att = run_forward(attention_forward, qkv, 3)
+    dqkv = np.zeros_like(qkv)
+    with pytest.raises(ValueError, match="n_head"):
+        attention_forward(out, att, qkv, 5)
+    with pytest.raises(ValueError, match="n_head"):
+        attention_forward(out, att, qkv, 0)
+    with pytest.raises(ValueError, match="qkv.*3"):
+        attention_forward(out, att, np.zeros((2, 5, 35), np.float32), 3)
+    with pytest.raises(ValueError, match="qkv"):
+        attention_forward(out, att, qkv[0], 3)
+    with pytest.raises(ValueError, match="att"):
+        attention_forward(out, np.zeros((2, 3, 5, 4), np.float32), qkv, 3)
+    with pytest.raises(ValueError, match="out"):
+        attention_forward(np.zeros((2, 5, 13), np.float32), att, qkv, 3)
+    with pytest.raises(TypeError, match="qkv.*float32"):
+        attention_forward(out, att, qkv.astype(np.float64), 3)
+    with pytest.raises(ValueError, match="qkv.*C-contiguous"):
+        attention_forward(out, att, np.asfortranarray(qkv), 3)
+    with pytest.raises(ValueError, match="dout"):
+        attention_backward(dqkv, dout[:, :4].copy(), qkv, att, 3)
+    with pytest.raises(TypeError, match="att"):
+        attention_backward(dqkv, dout, qkv, att.astype(np.float16), 3)
+    with pytest.raises(ValueError, match="dqkv.*C-contiguous"):
+        attention_backward(np.zeros((36, 5, 2), np.float32).T, dout, qkv, att, 3)
+    with pytest.raises(TypeError, match="qkv"):
+        attention_forward_naive(out, att, qkv.astype(np.int64), 3)
