@@ -87,9 +87,11 @@ def mul(x, y):
         raise _broadcast_error("mul", xd, yd, exc) from None
     if type(out) is not _ndarray:
         out = np.asarray(out)
-    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
-                           or (type(y) is Tensor and y.requires_grad)):
-        return _record(MUL, out, (x, y), (y, x), None)
+    xg = type(x) is Tensor and x.requires_grad
+    yg = type(y) is Tensor and y.requires_grad
+    if _state.enabled and (xg or yg):
+        # Save only what the needed gradients read.
+        return _record(MUL, out, (x, y), (y if xg else None, x if yg else None), None)
     return _constant(out)
 
 
@@ -102,9 +104,11 @@ def div(x, y):
         raise _broadcast_error("div", xd, yd, exc) from None
     if type(out) is not _ndarray:
         out = np.asarray(out)
-    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
-                           or (type(y) is Tensor and y.requires_grad)):
-        return _record(DIV, out, (x, y), (y, out), None)
+    xg = type(x) is Tensor and x.requires_grad
+    yg = type(y) is Tensor and y.requires_grad
+    if _state.enabled and (xg or yg):
+        # Save only what the needed gradients read.
+        return _record(DIV, out, (x, y), (y, out if yg else None), None)
     return _constant(out)
 
 
@@ -117,9 +121,11 @@ def power(x, y):
         raise _broadcast_error("power", xd, yd, exc) from None
     if type(out) is not _ndarray:
         out = np.asarray(out)
-    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
-                           or (type(y) is Tensor and y.requires_grad)):
-        return _record(POW, out, (x, y), (x, y, out), None)
+    xg = type(x) is Tensor and x.requires_grad
+    yg = type(y) is Tensor and y.requires_grad
+    if _state.enabled and (xg or yg):
+        # Save only what the needed gradients read.
+        return _record(POW, out, (x, y), (x, y, out if yg else None), None)
     return _constant(out)
 
 
@@ -132,9 +138,12 @@ def matmul(x, y):
         raise _broadcast_error("matmul", xd, yd, exc) from None
     if type(out) is not _ndarray:
         out = np.asarray(out)
-    if _state.enabled and ((type(x) is Tensor and x.requires_grad)
-                           or (type(y) is Tensor and y.requires_grad)):
-        return _record(MATMUL, out, (x, y), (x, y), None)
+    xg = type(x) is Tensor and x.requires_grad
+    yg = type(y) is Tensor and y.requires_grad
+    if _state.enabled and (xg or yg):
+        # Save only what the needed gradients read.
+        return _record(MATMUL, out, (x, y), (x if yg else None, y if xg else None,
+                                            np.ndim(xd), np.ndim(yd)), None)
     return _constant(out)
 
 
@@ -262,22 +271,22 @@ def _is_basic_index(index):
 
 # -- VJP rules ---------------------------------------------------------------------
 
-def _matmul_x(g, x, y):
-    if y.ndim == 1:
-        if x.ndim == 1:
+def _matmul_x(g, x, y, x_ndim, y_ndim):
+    if y_ndim == 1:
+        if x_ndim == 1:
             return g * y
         return g[..., None] * y
-    if x.ndim == 1:
+    if x_ndim == 1:
         return (g[..., None, :] @ np.swapaxes(y, -1, -2))[..., 0, :]
     return g @ np.swapaxes(y, -1, -2)
 
 
-def _matmul_y(g, x, y):
-    if x.ndim == 1:
-        if y.ndim == 1:
+def _matmul_y(g, x, y, x_ndim, y_ndim):
+    if x_ndim == 1:
+        if y_ndim == 1:
             return g * x
         return x[:, None] * g[..., None, :]
-    if y.ndim == 1:
+    if y_ndim == 1:
         return (np.swapaxes(x, -1, -2) @ g[..., None])[..., 0]
     return np.swapaxes(x, -1, -2) @ g
 
