@@ -546,11 +546,13 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
     try:
         for i in range(n - 1, -1, -1):
             prim, refs, shapes, kept, n_tape, kwargs = nodes[i]
-            if n_tape:
+            if n_tape == 1:
+                popped = [pop()]
+            elif n_tape:
                 popped = [pop() for _ in range(n_tape)]
-                if parked is not None:
-                    for a in popped:
-                        parked.push_array(a)
+            if n_tape and parked is not None:
+                for a in popped:
+                    parked.push_array(a)
             g = grads[i]
             if g is None:
                 continue
@@ -571,9 +573,12 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
                     pullback = vjps[j]
                     if pullback is None:
                         raise prim.missing_rule(j)
-                    _accumulate(grads, owned, leaves, ref,
-                                pullback(g, *res, **kwargs) if kwargs else pullback(g, *res),
-                                shapes[j])
+                    r = pullback(g, *res, **kwargs) if kwargs else pullback(g, *res)
+                    if (ref >= 0 and grads[ref] is None and type(r) is _ndarray
+                            and r.shape == shapes[j]):
+                        grads[ref] = r
+                    else:
+                        _accumulate(grads, owned, leaves, ref, r, shapes[j])
             elif prim.bwd_acc is not None:
                 dests = [None if ref is None else _dest(grads, owned, leaves, ref, shapes[j], g.dtype)
                          for j, ref in enumerate(refs)]

@@ -168,9 +168,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=200, help="ops per recorded chain")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads on both sides (default 1: at 4x4 a parallel region costs "
+                         "more than the op, and the figure measured is the AD overhead)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
-    n_threads = threads.set_num_threads()
+    n_threads = threads.set_num_threads(args.threads)
     torch.set_num_threads(n_threads)
     rng = np.random.default_rng(0)
     inp = make_inputs(rng)
