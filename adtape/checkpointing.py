@@ -109,9 +109,10 @@ def _spine(n, s):
     return positions
 
 
-def checkpoint_loop(step, x, n_steps, snapshots):
-    """Apply ``x = step(x)`` ``n_steps`` times; backward recomputes along a binomial
-    schedule storing at most ``snapshots`` states (besides ``x``) on the tape."""
+def checkpoint_loop(step, x, n_steps, snapshots, pass_index=False):
+    """Apply ``x = step(x)`` ``n_steps`` times (``x = step(i, x)`` for step ``i`` with
+    ``pass_index``); backward recomputes along a binomial schedule storing at most
+    ``snapshots`` states (besides ``x``) on the tape."""
     if not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
     if not isinstance(snapshots, int) or snapshots < 0:
@@ -120,10 +121,12 @@ def checkpoint_loop(step, x, n_steps, snapshots):
         x = Tensor(x)
     spine = _spine(n_steps, snapshots) if _state.enabled else []
     stored = []
+    if not pass_index:
+        step = _ignore_index(step)
     state = x
     with no_grad():
         for i in range(n_steps):
-            state = _check_output(step(state), "the loop step")
+            state = _check_output(step(i, state), "the loop step")
             if i + 1 in spine:
                 stored.append(state.data)
     if not _state.enabled:
@@ -132,18 +135,25 @@ def checkpoint_loop(step, x, n_steps, snapshots):
                    (step, n_steps, snapshots, x) + tuple(stored), None)
 
 
-def _advance(step, data, k):
+def _ignore_index(step):
+    def indexed(i, state):
+        return step(state)
+    return indexed
+
+
+def _advance(step, data, start, k):
+    """The state after steps start .. start + k - 1, without recording."""
     state = Tensor(data)
     with no_grad():
-        for _ in range(k):
-            state = step(state)
+        for i in range(start, start + k):
+            state = step(i, state)
     return state.data
 
 
-def _backprop_step(step, data, g):
+def _backprop_step(step, i, data, g):
     with nested_graph():
         leaf = Tensor(data, requires_grad=True)
-        out = _check_output(step(leaf), "the loop step")
+        out = _check_output(step(i, leaf), "the loop step")
         if out.requires_grad:
             out.backward(seed=g)
     return leaf.grad if leaf.grad is not None else np.zeros_like(data)
@@ -154,14 +164,14 @@ def _reverse(step, lo, hi, s, state, g, stored):
     while hi - lo > 1:
         if s == 0:
             for j in range(hi - 1, lo, -1):
-                g = _backprop_step(step, _advance(step, state, j - lo), g)
+                g = _backprop_step(step, j, _advance(step, state, lo, j - lo), g)
             hi = lo + 1
             break
         mid = lo + _split(hi - lo, s)
-        mid_state = stored.pop(mid) if mid in stored else _advance(step, state, mid - lo)
+        mid_state = stored.pop(mid) if mid in stored else _advance(step, state, lo, mid - lo)
         g = _reverse(step, mid, hi, s - 1, mid_state, g, stored)
         hi = mid
-    return _backprop_step(step, state, g)
+    return _backprop_step(step, lo, state, g)
 
 
 def _checkpoint_loop_bwd(g, dests, step, n_steps, snapshots, x, *stored):

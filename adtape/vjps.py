@@ -189,20 +189,34 @@ def tanh(x):
     return _constant(out)
 
 
-def sum(x, axis=None, keepdims=False):
+def _reduce(x, axis, keepdims, scale):
+    """Sum (times ``scale``) over ``axis``; also the keepdims shape the rule expands from."""
     xd = x.data if type(x) is Tensor else np.asarray(x)
-    out = np.asarray(xd.sum(axis=axis, keepdims=keepdims))
+    kept = np.add.reduce(xd, axis=axis, keepdims=True)
+    if scale is not None:
+        kept = kept * (kept.size / xd.size if xd.size else np.nan)
+    if keepdims:
+        out = kept
+    elif axis is None:
+        out = kept.reshape(())
+    else:
+        out = kept.squeeze(axis)
+    return xd, out, kept.shape
+
+
+def sum(x, axis=None, keepdims=False):
+    xd, out, kshape = _reduce(x, axis, keepdims, None)
     if _state.enabled and type(x) is Tensor and x.requires_grad:
-        return _record(SUM, out, (x,), (xd.shape, axis, keepdims), None)
+        return _record(SUM, out, (x,), (xd.shape, kshape, 1.0), None)
     return _constant(out)
 
 
 def mean(x, axis=None, keepdims=False):
-    xd = x.data if type(x) is Tensor else np.asarray(x)
-    out = np.asarray(xd.mean(axis=axis, keepdims=keepdims))
+    xd, out, kshape = _reduce(x, axis, keepdims, True)
     if _state.enabled and type(x) is Tensor and x.requires_grad:
-        count = xd.size // max(out.size, 1) if xd.size else 0
-        return _record(MEAN, out, (x,), (xd.shape, axis, keepdims, count), None)
+        count = xd.size // max(out.size, 1)
+        return _record(MEAN, out, (x,), (xd.shape, kshape, 1.0 / count if count else np.nan),
+                       None)
     return _constant(out)
 
 
@@ -272,6 +286,8 @@ def _is_basic_index(index):
 # -- VJP rules ---------------------------------------------------------------------
 
 def _matmul_x(g, x, y, x_ndim, y_ndim):
+    if x_ndim == 2 and y_ndim == 2:
+        return g @ y.T
     if y_ndim == 1:
         if x_ndim == 1:
             return g * y
@@ -282,6 +298,8 @@ def _matmul_x(g, x, y, x_ndim, y_ndim):
 
 
 def _matmul_y(g, x, y, x_ndim, y_ndim):
+    if x_ndim == 2 and y_ndim == 2:
+        return x.T @ g
     if x_ndim == 1:
         if y_ndim == 1:
             return g * x
@@ -291,10 +309,10 @@ def _matmul_y(g, x, y, x_ndim, y_ndim):
     return np.swapaxes(x, -1, -2) @ g
 
 
-def _reduced_grad(g, shape, axis, keepdims):
-    if axis is not None and not keepdims:
-        g = np.expand_dims(g, axis)
-    return np.broadcast_to(g, shape)
+def _reduced_grad(g, shape, kshape, scale):
+    out = np.empty(shape, g.dtype)
+    out[...] = g.reshape(kshape) if scale == 1.0 else g.reshape(kshape) * scale
+    return out
 
 
 def _getitem_vjp(g, shape, index, basic):
@@ -327,9 +345,8 @@ defvjp(NEG, lambda g: -g)
 defvjp(EXP, lambda g, out: g * out)
 defvjp(LOG, lambda g, x: g / x)
 defvjp(TANH, lambda g, out: g * (1 - out * out))
-defvjp(SUM, lambda g, shape, axis, keepdims: _reduced_grad(g, shape, axis, keepdims))
-defvjp(MEAN, lambda g, shape, axis, keepdims, count:
-       _reduced_grad(g / count, shape, axis, keepdims))
+defvjp(SUM, _reduced_grad)
+defvjp(MEAN, _reduced_grad)
 defvjp(RESHAPE, lambda g, shape: g.reshape(shape))
 defvjp(TRANSPOSE, _transpose_vjp)
 defvjp(GETITEM, _getitem_vjp)

@@ -189,3 +189,29 @@ def test_memory_budget_bounds_rss_and_keeps_gradients(tmp_path):
     # state-sized arrays in flight (1 MiB each) and the spill I/O buffers.
     assert unbounded["peak_growth"] > 0.8 * unbounded["saved"]
     assert bounded["peak_growth"] < budget + (24 << 20), bounded
+
+
+def test_checkpoint_loop_passes_the_step_index():
+    rng = np.random.default_rng(8)
+    n = 9
+    weights = [Tensor(rng.standard_normal((4, 4)) * 0.5, requires_grad=True) for _ in range(n)]
+    x0 = rng.standard_normal((2, 4))
+
+    def block(i, h):
+        return ad.tanh(h @ weights[i])
+
+    def grads(snapshots):
+        for w in weights:
+            w.grad = None
+        x = Tensor(x0, requires_grad=True)
+        if snapshots is None:
+            y = x
+            for i in range(n):
+                y = block(i, y)
+        else:
+            y = ad.checkpoint_loop(block, x, n, snapshots, pass_index=True)
+        y.sum().backward()
+        return [x.grad] + [w.grad for w in weights]
+
+    for a, b in zip(grads(None), grads(2)):
+        np.testing.assert_array_equal(a, b)
