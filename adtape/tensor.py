@@ -602,11 +602,16 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
                     if ref is not None:
                         raise prim.missing_rule(j)
     except BaseException:
-        # A failed sweep leaves the tape in an unknown state: drop what this graph owns.
-        graph.freed = True
-        graph.nodes = []
+        # A failed sweep leaves the tape part-popped: drop what this graph owns (a nested
+        # graph's records are dropped by nested_graph, which rewinds to its mark).
+        if parked is not None:
+            parked.close()
         if graph.mark is None:
+            graph.freed = True
+            graph.nodes = []
             tape.clear()
+            if graph is graph.owner.graph:
+                graph.owner._fresh_root()
         raise
     finally:
         _state.enabled = enabled

@@ -276,3 +276,22 @@ def test_optape_memory_budget_spills_and_gradients_match(tmp_path):
     np.testing.assert_array_equal(gw, gw2)
     full.close()
     small.close()
+
+
+def test_a_failing_rule_leaves_the_tape_usable():
+    @ad.custom_vjp
+    def fails(x):
+        return x * 1.0
+
+    fails.defvjp(lambda x: (x * 1.0, (x,)), lambda res, g: 1 / 0)
+    w = Tensor(randn(3), requires_grad=True)
+    outer = ad.exp(w)
+    with pytest.raises(ZeroDivisionError):
+        ad.grad(lambda x: (ad.exp(fails(x)) * 2.0).sum())(randn(3))
+    outer.sum().backward()
+    np.testing.assert_allclose(w.grad, np.exp(w.data))
+    with pytest.raises(ZeroDivisionError):
+        (fails(w) * w).sum().backward()
+    w.grad = None
+    (w * 2.0).sum().backward()
+    np.testing.assert_array_equal(w.grad, np.full(3, 2.0))
