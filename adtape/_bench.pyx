@@ -9,7 +9,8 @@ from libc.stdlib cimport malloc, free
 import numpy as np
 cimport numpy as cnp
 
-from adtape._tape cimport (Tape, TapeStruct, tape_push_f64, tape_pop_f64,
+from adtape._tape cimport (Tape, TapeStruct, TapeCursor, cursor_open, cursor_close,
+                           cursor_push_f64, cursor_pop_f64, tape_push_f64, tape_pop_f64,
                            tape_push_f64_unlocked, tape_pop_f64_unlocked)
 
 cnp.import_array()
@@ -29,13 +30,17 @@ cdef double now_ns() noexcept nogil:
     return ts.tv_sec * 1e9 + ts.tv_nsec
 
 
-def push_pop_ns(Tape tape, int64_t n, int64_t repeats=1, bint locked=True):
+def push_pop_ns(Tape tape, int64_t n, int64_t repeats=1, bint locked=True, bint cursor=False):
     """Push n float64 then pop them, ``repeats`` times, in a nogil loop.
 
-    Returns (ns per push, ns per pop).  Values are checked on the way back, so the
-    loop cannot be optimized away and a wrong pop raises.
+    ``locked``: each op takes the tape's lock (tape_push_f64) or not (the
+    _unlocked variants); ``cursor``: the whole batch goes through a TapeCursor
+    (one lock for the batch).  Returns (ns per push, ns per pop).  Values are
+    checked on the way back, so the loop cannot be optimized away and a wrong
+    pop raises.
     """
     cdef TapeStruct* t = &tape.t
+    cdef TapeCursor c
     cdef int64_t r, i
     cdef double v, push_ns = 0, pop_ns = 0, t0
     cdef int rc = 0
@@ -45,7 +50,12 @@ def push_pop_ns(Tape tape, int64_t n, int64_t repeats=1, bint locked=True):
     with nogil:
         for r in range(repeats):
             t0 = now_ns()
-            if locked:
+            if cursor:
+                cursor_open(t, &c)
+                for i in range(n):
+                    rc |= cursor_push_f64(t, &c, <double>i)
+                cursor_close(t, &c)
+            elif locked:
                 for i in range(n):
                     rc |= tape_push_f64(t, <double>i)
             else:
@@ -53,7 +63,14 @@ def push_pop_ns(Tape tape, int64_t n, int64_t repeats=1, bint locked=True):
                     rc |= tape_push_f64_unlocked(t, <double>i)
             push_ns += now_ns() - t0
             t0 = now_ns()
-            if locked:
+            if cursor:
+                cursor_open(t, &c)
+                for i in range(n - 1, -1, -1):
+                    rc |= cursor_pop_f64(t, &c, &v)
+                    if v != <double>i:
+                        bad = i
+                cursor_close(t, &c)
+            elif locked:
                 for i in range(n - 1, -1, -1):
                     rc |= tape_pop_f64(t, &v)
                     if v != <double>i:

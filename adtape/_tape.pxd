@@ -287,6 +287,73 @@ cdef inline int tape_pop_i64_unlocked(TapeStruct* t, int64_t* out) noexcept nogi
     return tape_pop_slow(t, out)
 
 
+# A cursor keeps the head window in locals for a batch of pushes and pops, so a
+# tight loop holds ``top`` in a register instead of storing it to the tape every
+# time (each op then waits on no store).  Open it, run the batch, close it: the
+# lock (if any) is held in between, and no other tape function may be called on
+# the tape while it is open, except through the cursor.
+cdef struct TapeCursor:
+    char* top
+    char* limit
+    char* fence
+
+cdef inline void cursor_open(TapeStruct* t, TapeCursor* c) noexcept nogil:
+    tape_lock(t)
+    c.top = t.top
+    c.limit = t.limit
+    c.fence = t.fence
+
+cdef inline void cursor_close(TapeStruct* t, TapeCursor* c) noexcept nogil:
+    t.top = c.top
+    tape_unlock(t)
+
+cdef inline int cursor_slow_push(TapeStruct* t, TapeCursor* c, const void* src) noexcept nogil:
+    cdef int rc
+    t.top = c.top
+    rc = tape_push_slow(t, src)
+    c.top = t.top
+    c.limit = t.limit
+    c.fence = t.fence
+    return rc
+
+cdef inline int cursor_slow_pop(TapeStruct* t, TapeCursor* c, void* dst) noexcept nogil:
+    cdef int rc
+    t.top = c.top
+    rc = tape_pop_slow(t, dst)
+    c.top = t.top
+    c.limit = t.limit
+    c.fence = t.fence
+    return rc
+
+cdef inline int cursor_push_f64(TapeStruct* t, TapeCursor* c, double v) noexcept nogil:
+    if <size_t>(c.limit - c.top) >= 8:
+        memcpy(c.top, &v, 8)
+        c.top += 8
+        return 0
+    return cursor_slow_push(t, c, &v)
+
+cdef inline int cursor_pop_f64(TapeStruct* t, TapeCursor* c, double* out) noexcept nogil:
+    if <size_t>(c.top - c.fence) >= 8:
+        c.top -= 8
+        memcpy(out, c.top, 8)
+        return 0
+    return cursor_slow_pop(t, c, out)
+
+cdef inline int cursor_push_i64(TapeStruct* t, TapeCursor* c, int64_t v) noexcept nogil:
+    if <size_t>(c.limit - c.top) >= 8:
+        memcpy(c.top, &v, 8)
+        c.top += 8
+        return 0
+    return cursor_slow_push(t, c, &v)
+
+cdef inline int cursor_pop_i64(TapeStruct* t, TapeCursor* c, int64_t* out) noexcept nogil:
+    if <size_t>(c.top - c.fence) >= 8:
+        c.top -= 8
+        memcpy(out, c.top, 8)
+        return 0
+    return cursor_slow_pop(t, c, out)
+
+
 cdef class Tape:
     cdef TapeStruct t
     cdef char sbo[2048]

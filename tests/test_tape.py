@@ -222,3 +222,18 @@ def test_no_spill_file_left_by_gc_or_exit_or_kill(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path.parent, env=env)
     assert proc.returncode == -9
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kwargs", [dict(sbo_size=1, slab_size=3),
+                                    dict(sbo_size=0, slab_size=1, memory_budget=16, spill_unit=1),
+                                    dict(slab_size=1000, memory_budget=16_000, spill_unit=8000)])
+def test_cython_cursor_batches_cross_slabs_and_spills(kwargs, tmp_path):
+    from adtape import _bench
+    with Tape(spill_dir=tmp_path, **kwargs) as tape:
+        tape.push(-1.0)
+        # push_pop_ns checks every popped value against what was pushed
+        _bench.push_pop_ns(tape, 20_000, repeats=2, locked=True, cursor=True)
+        _bench.push_pop_ns(tape, 20_000, repeats=1, locked=False, cursor=False)
+        assert len(tape) == 1 and tape.pop() == -1.0
+        if "memory_budget" in kwargs:
+            assert tape.stats["spills"] > 0 and tape.stats["reloads"] > 0
