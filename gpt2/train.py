@@ -180,6 +180,8 @@ def main(argv=None):
     from kernels import _openmp
     if not args.no_flush_denormal:
         _openmp.set_flush_denormal(True)
+    # Every step frees and reallocates the same large buffers: keep them mapped.
+    _openmp.set_malloc_retention()
     from kernels import threads
     n_threads = threads.set_num_threads(args.threads)
     if not args.no_flush_denormal:

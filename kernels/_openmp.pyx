@@ -73,3 +73,26 @@ def set_flush_denormal(bint enable, int n_threads=0):
 def flush_denormal_enabled():
     """True when FTZ and DAZ are both set in the calling thread."""
     return (_mm_getcsr() & (MXCSR_FTZ | MXCSR_DAZ)) == (MXCSR_FTZ | MXCSR_DAZ)
+
+
+cdef extern from "malloc.h" nogil:
+    int mallopt(int param, int value)
+    int M_TRIM_THRESHOLD
+    int M_MMAP_THRESHOLD
+
+
+def set_malloc_retention(long long nbytes=1 << 30):
+    """Let the C allocator keep up to ``nbytes`` of freed memory for reuse.
+
+    A training step allocates and frees the same large buffers every step; by
+    default glibc maps blocks over 32 MiB fresh each time and trims freed heap,
+    so every step faults its memory in again (microseconds per page on a VM).
+    This raises the mmap threshold and the trim threshold for the whole process
+    (same effect on every library in it, PyTorch included).  Returns True if
+    the allocator took both settings.
+    """
+    if nbytes < 0 or nbytes > 2**31 - 1:
+        raise ValueError(f"nbytes must lie in [0, 2**31 - 1], got {nbytes}")
+    mmap_threshold = min(nbytes, 256 << 20)   # glibc caps this at HEAP_MAX/2 on 64-bit
+    return bool(mallopt(M_MMAP_THRESHOLD, <int>mmap_threshold)
+                and mallopt(M_TRIM_THRESHOLD, <int>nbytes))
