@@ -250,3 +250,30 @@ class GPT2:
             layers.layernorm_backward(dres, g.ln1w[l], g.ln1b[l], a.d_ln, residual,
                                       p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l])
         layers.encoder_backward(g.wte, g.wpe, dres, inputs)
+
+
+def time_training_step(config, B, T, repeats=3, engine="tape", seed=0, **model_kwargs):
+    """Measure a full training step (zero grad, forward, backward, AdamW) on random tokens.
+
+    Returns ``{"seconds": median step time, "peak_rss": the process's peak resident
+    bytes, "tape_bytes": bytes the tape engine saved in its last forward pass (0 for
+    the manual engine)}``; one warm-up step is not timed.
+    """
+    import resource
+    import time
+
+    model = GPT2(config, seed=seed, engine=engine, **model_kwargs)
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+    y = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+    model.train_step(x, y, lr=1e-4, weight_decay=0.1)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.train_step(x, y, lr=1e-4, weight_decay=0.1)
+        times.append(time.perf_counter() - t0)
+    tape_bytes = model._tape_engine.last_forward_bytes if model._tape_engine else 0
+    model.close()
+    return {"seconds": float(np.median(times)),
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "tape_bytes": int(tape_bytes)}
