@@ -62,7 +62,8 @@ def build_parser():
     d.add_argument("--val-fraction", type=float, default=0.05)
     t = p.add_argument_group("training")
     t.add_argument("-B", "--batch-size", type=positive_int, default=8)
-    t.add_argument("-T", "--seq-len", type=positive_int, default=128)
+    t.add_argument("-T", "--seq-len", type=positive_int, default=None,
+                   help="sequence length (default: 128 or the model's block_size if smaller)")
     t.add_argument("--steps", type=positive_int, default=400)
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     t.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
@@ -204,6 +205,8 @@ def main(argv=None):
     else:
         params = None
         config = GPT2Config.preset(args.model)
+    if args.seq_len is None:
+        args.seq_len = min(128, config.block_size)
     if args.seq_len > config.block_size:
         raise SystemExit(f"error: -T {args.seq_len} exceeds the model's block_size "
                          f"{config.block_size}")

@@ -112,6 +112,11 @@ cdef inline float max_f32(const float* x, Py_ssize_t n) noexcept nogil:
 # when `writable`, writeable; otherwise it raises TypeError/ValueError naming `name`.
 cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint writable) except? NULL
 cdef int resolve_threads(object n_threads) except -1
+cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept
+
+# Elements below which a kernel runs on one thread by default.
+cdef enum:
+    PARALLEL_MIN_WORK = 65536
 
 
 cdef void encoder_forward_core(float* out, const int32_t* ids, const float* wte, const float* wpe,

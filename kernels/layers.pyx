@@ -79,6 +79,15 @@ cdef int resolve_threads(object n_threads) except -1:
     return n_threads
 
 
+cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept:
+    """One thread for small work under the default policy: waking a second thread
+    costs microseconds when the machine is idle and milliseconds when it is busy,
+    more than such a kernel takes.  An explicit n_threads is always honoured."""
+    if n_threads is None and work < PARALLEL_MIN_WORK:
+        return 1
+    return nt
+
+
 cdef int _float_type(object arr):
     # The naive twins run in float64 when given float64 arrays, float32 otherwise.
     if isinstance(arr, np.ndarray) and arr.dtype == np.float64:
@@ -251,6 +260,7 @@ def encoder_forward(out, ids, wte, wpe, *, n_threads=None):
     wte (Vp,C); wpe (maxT,C) with maxT >= T."""
     cdef int nt = resolve_threads(n_threads)
     B, T, C = _check_encoder_forward(out, ids, wte, wpe, cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, B * T * C)
     cdef float* o = _f32(out)
     cdef const int32_t* idp = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
     cdef const float* wtep = _f32(wte)
@@ -264,6 +274,7 @@ def encoder_backward(dwte, dwpe, dout, ids, *, n_threads=None):
     """dwte[ids[b, t]] += dout[b, t]; dwpe[t] += sum_b dout[b, t]."""
     cdef int nt = resolve_threads(n_threads)
     B, T, C = _check_encoder_backward(dwte, dwpe, dout, ids, cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, B * T * C)
     cdef float* dwtep = _f32(dwte)
     cdef float* dwpep = _f32(dwpe)
     cdef const float* doutp = _f32(dout)
@@ -416,6 +427,7 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, *, n_threads=None):
     inp/out (B,T,C) or (N,C); mean/rstd (B,T) or (N,) are written for backward."""
     cdef int nt = resolve_threads(n_threads)
     N, C = _check_layernorm_forward(out, mean, rstd, inp, weight, bias, cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, N * C)
     cdef float* o = _f32(out)
     cdef float* mp = _f32(mean)
     cdef float* rp = _f32(rstd)
@@ -432,6 +444,7 @@ def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *, n
     cdef int nt = resolve_threads(n_threads)
     N, C = _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
                                      cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, N * C)
     cdef float* dip = _f32(dinp)
     cdef float* dwp = _f32(dweight)
     cdef float* dbp = _f32(dbias)
@@ -557,6 +570,7 @@ def gelu_forward(out, inp, *, n_threads=None):
     """out = GELU(inp), tanh approximation; any shape."""
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_pointwise((("out", out),), (("inp", inp),), cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, n)
     cdef float* o = _f32(out)
     cdef const float* ip = _f32(inp)
     with nogil:
@@ -568,6 +582,7 @@ def gelu_backward(dinp, inp, dout, *, n_threads=None):
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_pointwise((("dinp", dinp),), (("inp", inp), ("dout", dout)),
                                          cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, n)
     cdef float* dp = _f32(dinp)
     cdef const float* ip = _f32(inp)
     cdef const float* dop = _f32(dout)
@@ -639,6 +654,7 @@ def residual_forward(out, inp1, inp2, *, n_threads=None):
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_pointwise((("out", out),), (("inp1", inp1), ("inp2", inp2)),
                                          cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, n)
     cdef float* o = _f32(out)
     cdef const float* p1 = _f32(inp1)
     cdef const float* p2 = _f32(inp2)
@@ -651,6 +667,7 @@ def residual_backward(dinp1, dinp2, dout, *, n_threads=None):
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),),
                                          cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, n)
     if dinp1 is dinp2 or cnp.PyArray_DATA(<cnp.ndarray>dinp1) == cnp.PyArray_DATA(<cnp.ndarray>dinp2):
         raise ValueError("dinp1 and dinp2 must be different arrays")
     cdef float* d1 = _f32(dinp1)

@@ -15,7 +15,7 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels.layers cimport checked_data, resolve_threads, fast_expf, sum_f32, max_f32
+from kernels.layers cimport checked_data, resolve_threads, serial_if_small, fast_expf, sum_f32, max_f32
 
 cnp.import_array()
 
@@ -142,6 +142,7 @@ def softmax_crossentropy_forward(losses, lse, logits, targets, V, *, n_threads=N
     logits (B,T,Vp) or (N,Vp) with Vp >= V; targets int32 in [0, V)."""
     cdef int nt = resolve_threads(n_threads)
     N, Vp = _check_forward(losses, lse, logits, targets, V, cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, N * Vp)
     cdef float* lp = <float*>cnp.PyArray_DATA(<cnp.ndarray>losses)
     cdef float* sp = <float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
     cdef const float* xp = <float*>cnp.PyArray_DATA(<cnp.ndarray>logits)
@@ -157,6 +158,7 @@ def softmax_crossentropy_backward(dlogits, dlosses, logits, lse, targets, V, *, 
     to 0; otherwise padded columns of dlogits are left unchanged."""
     cdef int nt = resolve_threads(n_threads)
     N, Vp, in_place = _check_backward(dlogits, dlosses, logits, lse, targets, V, cnp.NPY_FLOAT32)
+    nt = serial_if_small(nt, n_threads, N * Vp)
     cdef float* dp = <float*>cnp.PyArray_DATA(<cnp.ndarray>dlogits)
     cdef const float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>dlosses)
     cdef const float* xp = <float*>cnp.PyArray_DATA(<cnp.ndarray>logits)

@@ -15,7 +15,7 @@ from libc.string cimport memcpy, memset
 import numpy as np
 cimport numpy as cnp
 
-from kernels.layers cimport checked_data, resolve_threads
+from kernels.layers cimport checked_data, resolve_threads, serial_if_small
 
 cnp.import_array()
 
@@ -167,6 +167,7 @@ def adamw_step(params, grads, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps,
                                      weight_decay)
+    nt = serial_if_small(nt, n_threads, n)
     cdef float* pp = <float*>cnp.PyArray_DATA(<cnp.ndarray>params)
     cdef const float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>grads)
     cdef float* mp = <float*>cnp.PyArray_DATA(<cnp.ndarray>m)
@@ -182,6 +183,7 @@ def zero_grad(grads, *, n_threads=None):
     cdef int nt = resolve_threads(n_threads)
     cdef float* gp = <float*>checked_data("grads", grads, cnp.NPY_FLOAT32, None, True)
     cdef Py_ssize_t n = grads.size
+    nt = serial_if_small(nt, n_threads, n)
     with nogil:
         zero_core(gp, n, nt)
 
@@ -190,6 +192,7 @@ def grad_norm(grads, *, n_threads=None):
     """Global L2 norm of a flat float32 array, accumulated in float64."""
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_flat("grads", grads, False)
+    nt = serial_if_small(nt, n_threads, n)
     cdef const float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>grads)
     cdef double total
     with nogil:
@@ -203,6 +206,7 @@ def clip_grad_norm(grads, max_norm, *, n_threads=None):
     below 1).  Returns the norm before clipping."""
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_flat("grads", grads, True)
+    nt = serial_if_small(nt, n_threads, n)
     if not isfinite(max_norm) or max_norm < 0:
         raise ValueError(f"max_norm must be finite and >= 0, got {max_norm!r}")
     cdef float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>grads)
