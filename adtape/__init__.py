@@ -1,8 +1,13 @@
 """adtape: a layered tape for reverse-mode AD, and the AD runtime built on it.
 
-The tape (``adtape.Tape``) is a LIFO store with a small inline buffer, linked
-slabs, optional locking, a memory budget with disk spill and a prefetching I/O
-thread.  See README.md for the model and examples.
+* ``Tape``: a LIFO store with a small inline buffer, linked slabs, optional
+  locking, a memory budget with disk spill and a prefetching I/O thread.
+* Tensor mode: ``Tensor`` operators record onto an ``OpTape`` (whose values live
+  on a ``Tape``); ``loss.backward()``, ``grad``, ``value_and_grad``; custom
+  derivatives (``defvjp``, ``custom_vjp``); ``checkpoint`` and
+  ``checkpoint_loop`` (binomial schedule).  GPT-2 ops over the OpenMP kernels
+  are in ``adtape.nn``.
+* Scalar mode: ``Scalar`` variables on a ``ScalarTape`` for plain Python functions.
 """
 import os as _os
 
@@ -17,11 +22,6 @@ except ImportError as exc:  # pragma: no cover - only hit from an unbuilt source
         "another directory, or build in place with `pip install -e .`."
     ) from exc
 
-__all__ = ["Tape", "TapeMark", "TapeError", "TapeClosedError", "TapeCorruptionError",
-           "SpillError", "ThreadLocalTapes"]
-__version__ = "0.1.0"
-
-# The AD runtime (tensor mode, scalar mode, transforms, checkpointing) on the tape.
 from adtape.tensor import (Tensor, OpTape, Primitive, primitive, defvjp, defvjp_accumulate,
                            custom_vjp, no_grad, enable_grad, is_grad_enabled, current_op_tape,
                            tensor)
@@ -32,9 +32,17 @@ from adtape.functional import grad, value_and_grad
 from adtape.gradcheck import check_grads
 from adtape.checkpointing import checkpoint, checkpoint_loop, revolve_cost, revolve_schedule
 
-__all__ += ["Tensor", "OpTape", "Primitive", "primitive", "defvjp", "defvjp_accumulate",
-            "custom_vjp", "no_grad", "enable_grad", "is_grad_enabled", "current_op_tape",
-            "tensor", "add", "sub", "mul", "div", "neg", "power", "matmul", "exp", "log", "tanh",
-            "sum", "mean", "Scalar", "ScalarTape", "reshape", "transpose", "getitem", "embedding", "grad",
-            "value_and_grad", "check_grads", "checkpoint", "checkpoint_loop", "revolve_cost",
-            "revolve_schedule"]
+__all__ = [
+    # the tape
+    "Tape", "TapeMark", "TapeError", "TapeClosedError", "TapeCorruptionError", "SpillError",
+    "ThreadLocalTapes",
+    # tensor mode
+    "Tensor", "OpTape", "Primitive", "primitive", "defvjp", "defvjp_accumulate", "custom_vjp",
+    "no_grad", "enable_grad", "is_grad_enabled", "current_op_tape", "tensor",
+    "add", "sub", "mul", "div", "neg", "power", "matmul", "exp", "log", "tanh", "sum", "mean",
+    "reshape", "transpose", "getitem", "embedding",
+    # scalar mode, transforms, checking, checkpointing
+    "Scalar", "ScalarTape", "grad", "value_and_grad", "check_grads",
+    "checkpoint", "checkpoint_loop", "revolve_cost", "revolve_schedule",
+]
+__version__ = "0.1.0"
