@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _paths  # noqa: E402,F401  (import order: installed packages, source, bench/)
 
 import adtape as ad  # noqa: E402
 from adtape import nn  # noqa: E402

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _paths  # noqa: E402,F401  (import order: installed packages, source, bench/)
 
 from gpt2.perfmodel import GraphOptions, ModelSpec, ParallelConfig, Workload, estimate, load_profile, op_time, \
     step_graph  # noqa: E402

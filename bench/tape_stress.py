@@ -48,7 +48,7 @@ import numpy as np
 import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import _paths  # noqa: E402,F401  (import order: installed packages, source, bench/)
 
 from adtape import Tape, _bench, _bench_stress  # noqa: E402
 
