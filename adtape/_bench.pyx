@@ -11,7 +11,8 @@ cimport numpy as cnp
 
 from adtape._tape cimport (Tape, TapeStruct, TapeCursor, cursor_open, cursor_close,
                            cursor_push_f64, cursor_pop_f64, tape_push_f64, tape_pop_f64,
-                           tape_push_f64_unlocked, tape_pop_f64_unlocked)
+                           tape_push_f64_unlocked, tape_pop_f64_unlocked, tape_reserve,
+                           tape_commit_record, tape_lock, tape_unlock, RECORD_BYTES)
 
 cnp.import_array()
 
@@ -215,3 +216,24 @@ def per_thread_lifo(list tapes, int64_t n_ops):
     if failed:
         (<Tape>tapes[failed[0]]).check(-1)
     return errors, (t1 - t0) / 1e9
+
+
+def reserve_and_fill(Tape tape, size_t nbytes, unsigned char seed):
+    """Write a byte record straight into tape storage, as a kernel saving an
+    activation would: tape_reserve, fill byte k with (seed + k) % 251, commit."""
+    cdef TapeStruct* t = &tape.t
+    cdef unsigned char* p
+    cdef size_t k
+    cdef int rc = 0
+    with nogil:
+        tape_lock(t)
+        p = <unsigned char*>tape_reserve(t, nbytes)
+        if p == NULL:
+            rc = -1
+        else:
+            for k in range(nbytes):
+                p[k] = <unsigned char>((seed + k) % 251)
+            rc = tape_commit_record(t, nbytes, RECORD_BYTES)
+        tape_unlock(t)
+    if rc:
+        tape.check(rc)

@@ -237,3 +237,18 @@ def test_cython_cursor_batches_cross_slabs_and_spills(kwargs, tmp_path):
         assert len(tape) == 1 and tape.pop() == -1.0
         if "memory_budget" in kwargs:
             assert tape.stats["spills"] > 0 and tape.stats["reloads"] > 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(sbo_size=0, slab_size=4),
+                                    dict(slab_size=64, memory_budget=1024, spill_unit=256)])
+def test_reserve_writes_records_in_place(kwargs, tmp_path):
+    from adtape import _bench
+    sizes = [0, 1, 7, 8, 100, 5000]
+    with Tape(spill_dir=tmp_path, **kwargs) as tape:
+        for k, n in enumerate(sizes):
+            tape.push(float(k))
+            _bench.reserve_and_fill(tape, n, k)
+        for k, n in reversed(list(enumerate(sizes))):
+            assert tape.pop_bytes() == bytes((k + i) % 251 for i in range(n))
+            assert tape.pop() == float(k)
+        assert len(tape) == 0
