@@ -176,6 +176,13 @@ def plot_losses(path, rows):
 
 
 def main(argv=None):
+    """Console entry point: train, return the exit status."""
+    run(argv)
+    return 0
+
+
+def run(argv=None):
+    """Train as the command line says; returns the run's summary (also in summary.json)."""
     args = build_parser().parse_args(argv)
     # FTZ/DAZ first: threads started later (the BLAS pool) inherit this thread's MXCSR.
     from kernels import _openmp
@@ -323,4 +330,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(main())

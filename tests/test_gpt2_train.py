@@ -11,7 +11,7 @@ import adtape
 import gpt2
 from gpt2.config import GPT2Config
 from gpt2.model import GPT2
-from gpt2.train import learning_rate, main, parse_size
+from gpt2.train import learning_rate, parse_size, run
 
 
 @pytest.mark.parametrize("policy", ["layer", "binomial"])
@@ -43,7 +43,7 @@ def test_training_script_end_to_end_and_resume(tmp_path, capsys):
             "--eval-batches", "2", "--out-dir", str(out), "--sample-tokens", "20",
             "--no-progress", "--corpus-bytes", "200k", "--lr", "3e-3", "--warmup", "5",
             "--tape-budget", "64k", "--spill-dir", str(tmp_path)]
-    summary = main(args)
+    summary = run(args)
     printed = capsys.readouterr().out
     assert summary["final_loss"] < summary["first_loss"] - 0.5
     assert summary["final_val_loss"] is not None
@@ -55,7 +55,7 @@ def test_training_script_end_to_end_and_resume(tmp_path, capsys):
 
     more = list(args)
     more[more.index("--steps") + 1] = "40"
-    resumed = main(more + ["--resume", str(out / "checkpoint.bin")])
+    resumed = run(more + ["--resume", str(out / "checkpoint.bin")])
     log = (out / "log.csv").read_text().splitlines()
     assert log[1].startswith("31,")   # the resumed run starts at step 31
     assert resumed["steps"] == 40
