@@ -94,3 +94,11 @@ def test_cli_bad_input_gets_clear_errors(tmp_path):
     assert proc.returncode != 0 and "not an adtape GPT-2 checkpoint" in proc.stderr
     proc = run_cli("--model", "tiny", "--data", str(tmp_path / "missing.txt"))
     assert proc.returncode != 0 and "missing.txt" in proc.stderr
+
+
+def test_cli_success_exits_zero(tmp_path):
+    proc = run_cli("--model", "tiny", "-B", "2", "-T", "16", "--steps", "2", "--eval-interval", "0",
+                   "--corpus-bytes", "50k", "--sample-tokens", "5", "--no-progress",
+                   "--out-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    assert "loss" in proc.stdout and "----- sample -----" in proc.stdout
