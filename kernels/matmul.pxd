@@ -1,4 +1,4 @@
-# Fully connected layer on BLAS sgemm: the nogil cores other modules cimport.
+# Fully connected layer on kernels.gemm: the nogil cores other modules cimport.
 # Shapes (row-major): inp (N, C), weight (OC, C), bias (OC,) or NULL, out (N, OC).
 
 cdef void matmul_forward_c(float* out, const float* inp, const float* weight,
@@ -9,8 +9,3 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
                             const float* dout, const float* inp, const float* weight,
                             Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
                             int n_threads) noexcept nogil
-
-cdef void sgemm_rowmajor(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t Nc,
-                         Py_ssize_t K, float alpha, const float* A, Py_ssize_t lda,
-                         const float* B, Py_ssize_t ldb, float beta, float* Cm,
-                         Py_ssize_t ldc) noexcept nogil

@@ -1,22 +1,20 @@
 """Fully connected layer: ``out = inp @ weight.T + bias`` and its backward.
 
-All three products (forward, dinp, dweight) are one BLAS ``sgemm`` each, called
-from the calling thread so that BLAS uses its own pool, sized by
-``kernels.threads.set_num_threads``.  BLAS is column-major: a row-major matrix is
-the column-major view of its transpose, so the row-major product ``C = A @ B`` is
-computed as the column-major product ``C.T = B.T @ A.T`` (``sgemm_rowmajor``).
-The bias add and the dbias reduction are OpenMP loops; dbias is split by output
-channel (each thread owns a block of channels), so no atomics are needed.
+All three products (forward, dinp, dweight) go through ``kernels.gemm.gemm``:
+our OpenMP threads split the output into blocks and each calls BLAS sgemm
+single-threaded on its block, so only one thread pool runs (see kernels/gemm.pyx
+for why); the forward's bias is added to each block in the same parallel region.
+The dbias reduction is an OpenMP loop split by output channel (each thread owns
+a block of channels), so no atomics are needed.
 
 Each kernel has a ``_naive`` twin (plain serial loops, no BLAS) that also accepts
 float64, for tests and finite-difference checks.
 """
-cimport cython
 cimport numpy as cnp
 from cython cimport floating
 from cython.parallel cimport prange
-from libc.string cimport memset
-from scipy.linalg.cython_blas cimport sgemm
+
+from kernels.gemm cimport gemm
 
 import numpy as np
 
@@ -29,44 +27,13 @@ cnp.import_array()
 # accumulator live in registers/L1.
 cdef enum:
     DBIAS_BLOCK = 64
-
-
-cdef void sgemm_rowmajor(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t Nc,
-                         Py_ssize_t K, float alpha, const float* A, Py_ssize_t lda,
-                         const float* B, Py_ssize_t ldb, float beta, float* Cm,
-                         Py_ssize_t ldc) noexcept nogil:
-    # Row-major C (M, Nc) = alpha * op(A) (M, K) @ op(B) (K, Nc) + beta * C.
-    # Column-major, the same memory holds C.T = op(B).T @ op(A).T, so BLAS gets
-    # B first and the roles of M and Nc swap; a stored row-major operand is its
-    # own transpose to BLAS, hence 'N' when op is the identity.
-    cdef Py_ssize_t i, j
-    if M == 0 or Nc == 0:
-        return
-    if K == 0:
-        for i in range(M):
-            for j in range(Nc):
-                Cm[i * ldc + j] = 0.0 if beta == 0.0 else beta * Cm[i * ldc + j]
-        return
-    cdef char ta = b'T' if trans_b else b'N'
-    cdef char tb = b'T' if trans_a else b'N'
-    cdef int m = <int>Nc, n = <int>M, k = <int>K
-    cdef int la = <int>ldb, lb = <int>lda, lc = <int>ldc
-    sgemm(&ta, &tb, &m, &n, &k, &alpha, <float*>B, &la, <float*>A, &lb,
-          &beta, Cm, &lc)
+    DBIAS_PARALLEL_MIN = 65536   # below this many dout elements one thread sums dbias
 
 
 cdef void matmul_forward_c(float* out, const float* inp, const float* weight,
                            const float* bias, Py_ssize_t N, Py_ssize_t C,
                            Py_ssize_t OC, int n_threads) noexcept nogil:
-    cdef Py_ssize_t n, o
-    cdef float* row
-    sgemm_rowmajor(False, True, N, OC, C, 1.0, inp, C, weight, C, 0.0, out, OC)
-    if bias == NULL:
-        return
-    for n in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        row = out + n * OC
-        for o in range(OC):
-            row[o] = row[o] + bias[o]
+    gemm(False, True, N, OC, C, 1.0, inp, C, weight, C, 0.0, out, OC, bias, n_threads)
 
 
 cdef inline void _dbias_block(float* dbias, const float* dout, Py_ssize_t N,
@@ -92,10 +59,12 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
                             int n_threads) noexcept nogil:
     cdef Py_ssize_t blk, n_blocks, o0
     if dinp != NULL:
-        sgemm_rowmajor(False, False, N, C, OC, 1.0, dout, OC, weight, C, 1.0, dinp, C)
-    sgemm_rowmajor(True, False, OC, C, N, 1.0, dout, OC, inp, C, 1.0, dweight, C)
+        gemm(False, False, N, C, OC, 1.0, dout, OC, weight, C, 1.0, dinp, C, NULL, n_threads)
+    gemm(True, False, OC, C, N, 1.0, dout, OC, inp, C, 1.0, dweight, C, NULL, n_threads)
     if dbias == NULL:
         return
+    if N * OC < DBIAS_PARALLEL_MIN:
+        n_threads = 1
     n_blocks = (OC + DBIAS_BLOCK - 1) // DBIAS_BLOCK
     for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
         o0 = blk * DBIAS_BLOCK

@@ -2,10 +2,12 @@
 
 The count comes from, in order: an explicit ``set_num_threads(n)``, the
 ``OMP_NUM_THREADS`` environment variable, then the cores this process may run on
-(its CPU affinity, which honours cgroup/taskset limits).  ``set_num_threads``
-also sets the BLAS pool (through threadpoolctl) to the same count, so a BLAS call
-made outside a parallel region uses the same cores as our OpenMP loops and the two
-never oversubscribe the machine.
+(its CPU affinity, which honours cgroup/taskset limits).  Only our OpenMP threads
+use the cores: ``set_num_threads`` sets BLAS's own pool to one thread (through
+threadpoolctl), and the kernels split every matrix product across their OpenMP
+threads, each calling BLAS on its own block (kernels/gemm.pyx).  Two pools would
+fight over the cores: BLAS workers spin after each call while the next OpenMP
+loop waits for a core.
 """
 import os
 
@@ -38,7 +40,8 @@ def _resolve_default():
 
 
 def set_num_threads(n=None):
-    """Use ``n`` threads for OpenMP kernels and BLAS (``None``: resolve the default).
+    """Use ``n`` OpenMP threads for the kernels, BLAS single-threaded inside them
+    (``None``: resolve the default).
 
     Returns the count in force.
     """
@@ -48,9 +51,12 @@ def set_num_threads(n=None):
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"number of threads must be a positive integer, got {n!r}")
     _openmp._set_omp_threads(n)
+    # threadpoolctl limits only libraries already loaded: load SciPy's BLAS (the
+    # one the kernels call) first, or the limit would silently miss it.
+    import scipy.linalg.cython_blas  # noqa: F401
     if _blas_limits is not None:
         _blas_limits.restore_original_limits()
-    _blas_limits = threadpool_limits(limits=n, user_api="blas")
+    _blas_limits = threadpool_limits(limits=1, user_api="blas")
     _num_threads = n
     return n
 

@@ -1,0 +1,13 @@
+# Parallel row-major sgemm driven by our own OpenMP threads, each calling BLAS
+# single-threaded on its own block of the output: one thread pool in the
+# process, so BLAS threads and OpenMP threads never compete for the cores.
+
+cdef void sgemm_rowmajor(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N,
+                         Py_ssize_t K, float alpha, const float* A, Py_ssize_t lda,
+                         const float* B, Py_ssize_t ldb, float beta, float* C,
+                         Py_ssize_t ldc) noexcept nogil
+
+cdef void gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+               float alpha, const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb,
+               float beta, float* C, Py_ssize_t ldc, const float* bias,
+               int n_threads) noexcept nogil
