@@ -36,7 +36,12 @@ class TapeEngine:
         self.config = model.config
         self.checkpointing = checkpointing
         self.snapshots = snapshots
-        self.optape = OpTape(**(tape_kwargs or {}))
+        tape_kwargs = dict(tape_kwargs or {})
+        if tape_kwargs.get("memory_budget") is None:
+            # Every step refills the tape to the same size: keep all its slabs
+            # rather than free them and fault fresh memory in next step.
+            tape_kwargs.setdefault("keep_free_slabs", 1 << 30)
+        self.optape = OpTape(**tape_kwargs)
         p, g = model.params, model.grads
         self.wte = _leaf(p.wte, g.wte)
         self.wpe = _leaf(p.wpe, g.wpe)
