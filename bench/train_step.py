@@ -1,0 +1,535 @@
+"""Benchmark one GPT-2 124M training step, ours against PyTorch eager, in the same run.
+
+  python bench/train_step.py [--quick] [--threads N] [--steps 5] [--weight-decay 0.1]
+                             [--configs 1x16,4x64] [--ftz both|on|off]
+
+A step is zero grad, forward, backward and AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8,
+weight decay 0.1 unless --weight-decay), no gradient clipping, per the fairness rules of
+shared/BENCHMARKS.md: GPT-2 124M in float32, our init (``GPT2(config, seed)``) copied into
+the PyTorch model (bench/torch_gpt2.py) so both start from the same weights, the same
+fixed random batch on both sides, the same thread count n (default: all cores).
+
+Every (B, T) and FTZ setting runs in a fresh process (this script with --worker), which
+builds our model for each available engine ("tape", the default, and "manual", the
+hand-sequenced baseline) and the PyTorch one, takes one warm-up step on each, then
+interleaves their steps (order reversed every other round) and keeps the median of
+--steps timed steps.  The first pass runs both sides with flush-to-zero and
+denormals-are-zero set before any OpenMP or BLAS thread starts, the second with both
+cleared; each worker checks that the setting holds in the threads of both sides.
+
+Figures per configuration:
+- ms/step and tokens/s (B*T per step);
+- achieved GFLOP/s with FLOPs = 6*N*B*T + 6*L*B*T^2*C, N = parameters that take part
+  in matmuls (all but wpe, a lookup; wte with its V real rows, the tied LM head);
+- the share of the machine's limit: max(FLOPs / sgemm peak, bytes / memory bandwidth)
+  divided by the measured step time, with bytes = 4 * (12 * Np + B*T*(32*L*C + 5*Vp)):
+  12 passes over the Np floats of the parameter layout (forward and backward read the
+  weights, backward reads and writes the gradients, zeroing writes them, AdamW reads
+  parameters, gradients and both moments and writes three of them), the 16*C floats per
+  token and layer that backward reads (ln1, qkv, atty, residual2, ln2, fch, fch_gelu,
+  residual3) written once and read once, and the logits written, read by the loss,
+  written as their gradient and read by the two backward matmuls.  The sgemm peak
+  (scipy BLAS, the library our matmuls call, n threads) and the bandwidth (n threads of
+  NumPy copy and add) are measured at the start and the end of the run; the best counts.
+
+Prints a table, writes bench/results/train_step.json (one record per (B, T) and FTZ
+setting), bench/results/train_step_raw.json (per-step times, machine limits, skipped
+configurations and why) and bench/results/train_step.png; --quick writes
+train_step_quick*.json/.png so that a short run does not replace the full one.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
+
+RESULTS = os.path.join(ROOT, "bench", "results")
+GRID = ((1, 16), (1, 32), (2, 16), (1, 64), (4, 64), (4, 256), (8, 1024))
+QUICK_GRID = ((1, 16), (4, 64))
+ENGINES = ("tape", "manual")
+LR, BETAS, EPS = 1e-4, (0.9, 0.999), 1e-8
+TARGET_SPEEDUP = 2.0
+TAPE_OVERHEAD_LIMIT = 1.05
+# Headroom over the estimated footprint: allocator slack, Python, other processes' growth.
+MEMORY_MARGIN = 1.15
+GiB = 1 << 30
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def parse_configs(text):
+    """'1x16,4x64' -> ((1, 16), (4, 64))."""
+    configs = []
+    for item in text.split(","):
+        try:
+            b, t = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a configuration is BxT, e.g. 4x64; got {item!r}") from None
+        if b < 1 or t < 1 or t > 1024:
+            raise argparse.ArgumentTypeError(f"need B >= 1 and 1 <= T <= 1024, got {item!r}")
+        configs.append((b, t))
+    return tuple(configs)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help=f"configurations {QUICK_GRID} with 3 timed steps each")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="threads on both sides (default: all cores this process may use)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="timed steps per side and configuration (default 5, --quick 3)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--configs", type=parse_configs, default=None,
+                   help="comma-separated BxT list instead of the grid")
+    p.add_argument("--ftz", choices=("both", "on", "off"), default="both",
+                   help="flush-to-zero passes: both (on, then off), or one of them")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker", choices=("step", "limits"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--B", type=positive_int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--T", type=positive_int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ftz-on", type=int, choices=(0, 1), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+# -- formulas ---------------------------------------------------------------------
+
+def model_sizes(config):
+    """(N matmul parameters, Np floats of the parameter layout) of a GPT2Config."""
+    from gpt2.params import num_parameters
+    n_layout = num_parameters(config)
+    C = config.n_embd
+    n_matmul = n_layout - config.block_size * C - (config.padded_vocab_size - config.vocab_size) * C
+    return n_matmul, n_layout
+
+
+def step_flops(config, B, T):
+    n_matmul, _ = model_sizes(config)
+    return 6 * n_matmul * B * T + 6 * config.n_layer * B * T * T * config.n_embd
+
+
+def step_bytes(config, B, T):
+    _, n_layout = model_sizes(config)
+    per_token = 32 * config.n_layer * config.n_embd + 5 * config.padded_vocab_size
+    return 4 * (12 * n_layout + B * T * per_token)
+
+
+# -- worker: machine limits --------------------------------------------------------
+
+def measure_limits(n_threads, repeats=5):
+    """Best sgemm GFLOP/s (scipy BLAS) and best copy/add GB/s (n NumPy threads)."""
+    import threading
+
+    import numpy as np
+    from scipy.linalg import blas
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=n_threads, user_api="blas"):
+        size = 2048
+        rng = np.random.default_rng(0)
+        a = np.asfortranarray(rng.standard_normal((size, size), dtype=np.float32))
+        b = np.asfortranarray(rng.standard_normal((size, size), dtype=np.float32))
+        c = np.asfortranarray(np.zeros((size, size), dtype=np.float32))
+        blas.sgemm(1.0, a, b, c=c, overwrite_c=1)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            blas.sgemm(1.0, a, b, c=c, overwrite_c=1)
+            best = min(best, time.perf_counter() - t0)
+        sgemm_gflops = 2 * size ** 3 / best / 1e9
+
+    # 256 MiB per array: far beyond any cache.  NumPy ufuncs and copyto release the GIL,
+    # so n Python threads each streaming their own slice use n cores.
+    count = 64 << 20
+    src, other, dst = (np.ones(count, dtype=np.float32) for _ in range(3))
+    chunks = np.array_split(np.arange(count), n_threads)
+    bounds = [(int(ch[0]), int(ch[-1]) + 1) for ch in chunks if ch.size]
+
+    def run_threads(body):
+        workers = [threading.Thread(target=body, args=bound) for bound in bounds]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return time.perf_counter() - t0
+
+    def copy(lo, hi):
+        np.copyto(dst[lo:hi], src[lo:hi])
+
+    def add(lo, hi):
+        np.add(src[lo:hi], other[lo:hi], out=dst[lo:hi])
+
+    run_threads(copy)
+    run_threads(add)
+    copy_best = min(run_threads(copy) for _ in range(repeats))
+    add_best = min(run_threads(add) for _ in range(repeats))
+    copy_gbs = 2 * 4 * count / copy_best / 1e9
+    add_gbs = 3 * 4 * count / add_best / 1e9
+    return {"sgemm_gflops": sgemm_gflops, "copy_gbs": copy_gbs, "add_gbs": add_gbs,
+            "bandwidth_gbs": max(copy_gbs, add_gbs), "sgemm_size": size,
+            "stream_bytes_per_array": 4 * count}
+
+
+# -- worker: one (B, T) configuration ------------------------------------------------
+
+def memory_estimate(config, B, T, engines):
+    """Bytes the worker would touch: per side four parameter-sized arenas plus activations.
+
+    Ours: the manual engine's ActivationArena, whose size is B*(a*T + b*T^2) floats
+    (b: the attention matrices), read off two tiny arenas; the tape engine saves the
+    same activations.  PyTorch: the same minus the T x T attention matrices (its fused
+    attention keeps none) plus the log-softmax copy of the logits.
+    """
+    from gpt2.model import ActivationArena
+    _, n_layout = model_sizes(config)
+    f1 = ActivationArena(config, 1, 1).flat.size
+    f2 = ActivationArena(config, 1, 2).flat.size
+    quad = (f2 - 2 * f1) / 2
+    lin = f1 - quad
+    ours_acts = 4 * B * (lin * T + quad * T * T)
+    arenas = 4 * 4 * n_layout
+    torch_acts = ours_acts - 4 * B * quad * T * T + 4 * B * T * config.padded_vocab_size
+    return len(engines) * (arenas + ours_acts) + arenas + torch_acts
+
+
+def check_flush(ftz, torch):
+    """Whether denormals are flushed in our OpenMP threads, our BLAS threads, and PyTorch's
+    elementwise and matmul threads: each sees 1e-39 inputs, which DAZ reads as zero."""
+    import numpy as np
+    from kernels import _openmp, layers, matmul
+
+    tiny = np.full(1 << 22, 1e-39, dtype=np.float32)
+    out = np.empty_like(tiny)
+    layers.residual_forward(out, tiny, tiny)
+    rows = np.full((1024, 768), 1e-39, dtype=np.float32)
+    ones = np.ones((768, 768), dtype=np.float32)
+    prod = np.empty((1024, 768), dtype=np.float32)
+    matmul.matmul_forward(prod, rows, ones, None)
+    t_tiny = torch.from_numpy(tiny)
+    t_rows, t_ones = torch.from_numpy(rows), torch.from_numpy(ones)
+    found = {
+        "ours_main_thread": bool(_openmp.flush_denormal_enabled()),
+        "ours_openmp": _all_or_none_zero(out),
+        "ours_blas": _all_or_none_zero(prod),
+        "torch_elementwise": _all_or_none_zero((t_tiny + t_tiny).numpy()),
+        "torch_matmul": _all_or_none_zero((t_rows @ t_ones).numpy()),
+    }
+    mixed = {k: v for k, v in found.items() if v is not ftz}
+    if mixed:
+        raise RuntimeError(f"flush-to-zero was asked {'on' if ftz else 'off'} but these threads "
+                           f"disagree: {mixed} (all checks: {found})")
+    return found
+
+
+def _all_or_none_zero(arr):
+    """True when every element flushed to zero, False when none did; else a mixed state."""
+    import numpy as np
+    zeros = int(arr.size - np.count_nonzero(arr))
+    if zeros == arr.size:
+        return True
+    if zeros == 0:
+        return False
+    raise RuntimeError(f"{zeros} of {arr.size} denormal results flushed: some threads have "
+                       f"FTZ/DAZ and some not")
+
+
+def run_step_worker(args):
+    n, ftz, B, T = args.threads, bool(args.ftz_on), args.B, args.T
+    # MXCSR first: threads inherit it from the thread that creates them, and the
+    # OpenMP pool (shared with PyTorch, one libgomp), OpenBLAS and MKL start later.
+    from kernels import _openmp
+    _openmp.set_flush_denormal(ftz, n)
+    # As gpt2.train does: keep freed memory mapped, for both sides (process-wide).
+    _openmp.set_malloc_retention()
+    import torch
+    import torch_gpt2
+    torch_gpt2.configure_torch(n, ftz)
+    import importlib.util
+
+    import numpy as np
+    import psutil
+    from gpt2.config import GPT2Config
+    from gpt2.model import GPT2
+    from kernels import threads
+    threads.set_num_threads(n)
+    _openmp.set_flush_denormal(ftz, n)
+
+    config = GPT2Config.preset("gpt2")
+    engines = [e for e in ENGINES
+               if e != "tape" or importlib.util.find_spec("gpt2.tape_engine") is not None]
+    result = {"B": B, "T": T, "ftz": ftz, "threads": n, "engines": engines}
+    need = memory_estimate(config, B, T, engines)
+    available = psutil.virtual_memory().available
+    result["memory_estimate_bytes"] = int(need)
+    if need * MEMORY_MARGIN > available:
+        result["skipped"] = (f"needs about {need / GiB:.1f} GiB ({len(engines)} engine(s) of ours "
+                             f"+ PyTorch, x{MEMORY_MARGIN} margin), {available / GiB:.1f} GiB "
+                             f"available")
+        return result
+    result["flush_check_before"] = check_flush(ftz, torch)
+
+    tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, (B, T + 1),
+                                                       dtype=np.int64)
+    inputs = np.ascontiguousarray(tokens[:, :-1], dtype=np.int32)
+    targets = np.ascontiguousarray(tokens[:, 1:], dtype=np.int32)
+    t_inputs = torch_gpt2.as_index_tensor(inputs, "inputs")
+    t_targets = torch_gpt2.as_index_tensor(targets, "targets")
+
+    models = {e: GPT2(config, seed=args.seed, engine=e) for e in engines}
+    first = models[engines[0]]
+    t_model = torch_gpt2.build_model(config, first.params)
+    t_opt = torch_gpt2.make_adamw(t_model, lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=args.weight_decay)
+
+    steps = {e: (lambda m=models[e]: m.train_step(inputs, targets, LR,
+                                                  weight_decay=args.weight_decay,
+                                                  grad_clip=None)[0])
+             for e in engines}
+    steps["torch"] = lambda: torch_gpt2.train_step(t_model, t_opt, t_inputs, t_targets)
+    sides = engines + ["torch"]
+
+    warm_loss = {s: steps[s]() for s in sides}
+    for s in sides:
+        if abs(warm_loss[s] - warm_loss["torch"]) > 1e-3 * abs(warm_loss["torch"]):
+            raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
+                               f"PyTorch's ({warm_loss['torch']:.6f}): the two sides do not "
+                               f"compute the same step")
+    times = {s: [] for s in sides}
+    losses = {s: [] for s in sides}
+    for r in range(args.steps):
+        for s in (sides if r % 2 == 0 else sides[::-1]):
+            t0 = time.perf_counter()
+            losses[s].append(steps[s]())
+            times[s].append(time.perf_counter() - t0)
+    result["flush_check_after"] = check_flush(ftz, torch)
+    result["warmup_loss"] = warm_loss
+    result["loss"] = losses
+    result["seconds"] = times
+    result["peak_rss_bytes"] = int(psutil.Process().memory_info().rss)
+    for m in models.values():
+        m.close()
+    return result
+
+
+# -- driver ---------------------------------------------------------------------------
+
+def run_worker(kind, args, extra, timeout=3600):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind,
+               "--threads", str(args.threads), "--steps", str(args.steps),
+               "--weight-decay", repr(args.weight_decay), "--seed", str(args.seed),
+               "--result-file", path, *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"worker {' '.join(extra) or kind} failed with exit code "
+                               f"{proc.returncode}")
+        with open(path) as f:
+            return json.load(f)
+
+
+def summarize(raw, config, limits):
+    """The record of one measured configuration (times in ms, medians of the timed steps)."""
+    B, T = raw["B"], raw["T"]
+    med = {s: 1e3 * statistics.median(v) for s, v in raw["seconds"].items()}
+    ours_engine = "tape" if "tape" in med else "manual"
+    flops = step_flops(config, B, T)
+    bytes_moved = step_bytes(config, B, T)
+    floor_s = max(flops / (limits["sgemm_gflops"] * 1e9),
+                  bytes_moved / (limits["bandwidth_gbs"] * 1e9))
+    bound = ("compute" if flops / limits["sgemm_gflops"] >= bytes_moved / limits["bandwidth_gbs"]
+             else "memory")
+
+    def paired_ratio(num, den):
+        return statistics.median(a / b for a, b in zip(raw["seconds"][num], raw["seconds"][den]))
+
+    rec = {
+        "B": B, "T": T, "ftz": raw["ftz"], "threads": raw["threads"],
+        "ours_engine": ours_engine,
+        "ours_ms": med[ours_engine], "torch_ms": med["torch"],
+        "manual_ms": med.get("manual"), "tape_ms": med.get("tape"),
+        "speedup": med["torch"] / med[ours_engine],
+        "speedup_paired": paired_ratio("torch", ours_engine),
+        "tape_over_manual": (med["tape"] / med["manual"]) if "tape" in med else None,
+        "tokens_per_s": B * T / (med[ours_engine] / 1e3),
+        "torch_tokens_per_s": B * T / (med["torch"] / 1e3),
+        "gflops": flops / (med[ours_engine] / 1e3) / 1e9,
+        "torch_gflops": flops / (med["torch"] / 1e3) / 1e9,
+        "share": floor_s / (med[ours_engine] / 1e3),
+        "torch_share": floor_s / (med["torch"] / 1e3),
+        "bound": bound, "flops": flops, "bytes": bytes_moved,
+        "steps": len(raw["seconds"]["torch"]),
+    }
+    if "manual" in med and ours_engine != "manual":
+        rec["manual_speedup"] = med["torch"] / med["manual"]
+    return rec
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(records, skipped):
+    head = (f"{'B':>2} {'T':>5} {'FTZ':>3} {'ours ms':>9} {'manual ms':>9} {'torch ms':>9} "
+            f"{'speedup':>7} {'tape/man':>8} {'tok/s':>7} {'GFLOP/s':>7} {'torchGF':>7} "
+            f"{'share':>6} {'t.share':>7} bound")
+    print(head)
+    print("-" * len(head))
+    for r in records:
+        print(f"{r['B']:>2} {r['T']:>5} {'on' if r['ftz'] else 'off':>3} {r['ours_ms']:>9.1f} "
+              f"{fmt(r['manual_ms'], '9.1f'):>9} {r['torch_ms']:>9.1f} {r['speedup']:>6.2f}x "
+              f"{fmt(r['tape_over_manual'], '8.3f'):>8} {r['tokens_per_s']:>7.0f} "
+              f"{r['gflops']:>7.1f} {r['torch_gflops']:>7.1f} {100 * r['share']:>5.1f}% "
+              f"{100 * r['torch_share']:>6.1f}% {r['bound']}")
+    for s in skipped:
+        print(f"{s['B']:>2} {s['T']:>5} {'on' if s['ftz'] else 'off':>3} skipped: {s['skipped']}")
+
+
+def plot(records, path, threads, limits):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    settings = [f for f in (True, False) if any(r["ftz"] is f for r in records)]
+    fig, axes = plt.subplots(2, len(settings), figsize=(7 * len(settings), 8), squeeze=False)
+    for col, ftz in enumerate(settings):
+        recs = [r for r in records if r["ftz"] is ftz]
+        labels = [f"({r['B']},{r['T']})" for r in recs]
+        x = np.arange(len(recs))
+        series = [("PyTorch eager", [r["torch_ms"] for r in recs], "tab:gray")]
+        if any(r["tape_ms"] is not None for r in recs):
+            series.append(("ours: tape", [r["tape_ms"] or np.nan for r in recs], "tab:blue"))
+        series.append(("ours: manual", [r["manual_ms"] or np.nan for r in recs], "tab:orange"))
+        width = 0.8 / len(series)
+        ax = axes[0, col]
+        for i, (name, values, color) in enumerate(series):
+            ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=name, color=color)
+        ax.set_yscale("log")
+        ax.set_xticks(x, labels)
+        ax.set_ylabel("ms per training step (median)")
+        ax.set_title(f"GPT-2 124M step, FTZ/DAZ {'on' if ftz else 'off'}, {threads} threads")
+        ax.legend()
+        ax = axes[1, col]
+        ax.bar(x, [r["speedup"] for r in recs], 0.6, color="tab:green",
+               label=f"PyTorch time / ours ({recs[0]['ours_engine'] if recs else ''})")
+        ax.axhline(TARGET_SPEEDUP, color="tab:red", linestyle="--", label="target 2x")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        for xi, r in zip(x, recs):
+            ax.annotate(f"{r['speedup']:.2f}x", (xi, r["speedup"]), ha="center", va="bottom")
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("(B, T)")
+        ax.set_ylabel("speedup over PyTorch")
+        ax.legend()
+    fig.suptitle(f"sgemm peak {limits['sgemm_gflops']:.0f} GFLOP/s, memory bandwidth "
+                 f"{limits['bandwidth_gbs']:.1f} GB/s (measured in this run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.threads is None:
+        args.threads = len(os.sched_getaffinity(0))
+    if args.steps is None:
+        args.steps = 3 if args.quick else 5
+    if args.worker is not None:
+        if args.worker == "limits":
+            result = measure_limits(args.threads)
+        else:
+            result = run_step_worker(args)
+        with open(args.result_file, "w") as f:
+            json.dump(result, f)
+        return
+
+    from gpt2.config import GPT2Config
+    config = GPT2Config.preset("gpt2")
+    grid = args.configs or (QUICK_GRID if args.quick else GRID)
+    ftz_passes = {"both": (True, False), "on": (True,), "off": (False,)}[args.ftz]
+    started = time.time()
+    print(f"GPT-2 124M training step, {args.threads} threads, {args.steps} timed steps, "
+          f"weight decay {args.weight_decay}", flush=True)
+    limits_runs = [run_worker("limits", args, [])]
+    raws, records, skipped = [], [], []
+    for ftz in ftz_passes:
+        for B, T in grid:
+            t0 = time.time()
+            raw = run_worker("step", args, ["--B", str(B), "--T", str(T),
+                                            "--ftz-on", str(int(ftz))])
+            raws.append(raw)
+            if "skipped" in raw:
+                skipped.append({"B": B, "T": T, "ftz": ftz, "skipped": raw["skipped"]})
+                print(f"  ({B},{T}) FTZ {'on' if ftz else 'off'}: skipped, {raw['skipped']}",
+                      flush=True)
+                continue
+            med = {s: 1e3 * statistics.median(v) for s, v in raw["seconds"].items()}
+            print(f"  ({B},{T}) FTZ {'on' if ftz else 'off'}: "
+                  + ", ".join(f"{s} {v:.1f} ms" for s, v in med.items())
+                  + f"  [{time.time() - t0:.0f} s]", flush=True)
+    limits_runs.append(run_worker("limits", args, []))
+    limits = {"sgemm_gflops": max(r["sgemm_gflops"] for r in limits_runs),
+              "bandwidth_gbs": max(r["bandwidth_gbs"] for r in limits_runs)}
+    for raw in raws:
+        if "skipped" not in raw:
+            rec = summarize(raw, config, limits)
+            rec.update(limits)
+            records.append(rec)
+    print()
+    print_table(records, skipped)
+    n_matmul, n_layout = model_sizes(config)
+    print(f"\nN = {n_matmul:,} matmul parameters ({n_layout:,} floats in the layout); "
+          f"FLOPs = 6*N*B*T + 6*L*B*T^2*C; bytes = 4*(12*Np + B*T*(32*L*C + 5*Vp))")
+    print(f"limits (best of start/end): sgemm {limits['sgemm_gflops']:.1f} GFLOP/s, "
+          f"bandwidth {limits['bandwidth_gbs']:.1f} GB/s; runs: "
+          + "; ".join(f"sgemm {r['sgemm_gflops']:.1f}, copy {r['copy_gbs']:.1f}, "
+                      f"add {r['add_gbs']:.1f} GB/s" for r in limits_runs))
+    for ftz in ftz_passes:
+        recs = [r for r in records if r["ftz"] is ftz]
+        if not recs:
+            continue
+        engine = recs[0]["ours_engine"]
+        met = [r for r in recs if r["speedup"] >= TARGET_SPEEDUP]
+        print(f"FTZ {'on' if ftz else 'off'}: ours ({engine}) >= {TARGET_SPEEDUP}x PyTorch on "
+              f"{len(met)} of {len(recs)} configurations; speedups "
+              f"{min(r['speedup'] for r in recs):.2f}x to {max(r['speedup'] for r in recs):.2f}x")
+        ratios = [r["tape_over_manual"] for r in recs if r["tape_over_manual"] is not None]
+        if ratios:
+            print(f"  tape / manual step time: {min(ratios):.3f} to {max(ratios):.3f} "
+                  f"(limit {TAPE_OVERHEAD_LIMIT}); within on "
+                  f"{sum(x <= TAPE_OVERHEAD_LIMIT for x in ratios)} of {len(ratios)}")
+        else:
+            print("  tape engine not available (gpt2/tape_engine.py missing): ours = manual")
+    print(f"total {time.time() - started:.0f} s")
+
+    stem = "train_step_quick" if args.quick else "train_step"
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    meta = {"threads": args.threads, "weight_decay": args.weight_decay, "lr": LR,
+            "betas": BETAS, "eps": EPS, "steps": args.steps, "seed": args.seed,
+            "n_matmul_params": n_matmul, "n_layout_floats": n_layout,
+            "flops_formula": "6*N*B*T + 6*L*B*T^2*C",
+            "bytes_formula": "4*(12*Np + B*T*(32*L*C + 5*Vp))",
+            "limits": limits, "limits_runs": limits_runs, "skipped": skipped, "workers": raws}
+    with open(os.path.join(RESULTS, f"{stem}_raw.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    plot(records, os.path.join(RESULTS, f"{stem}.png"), args.threads, limits)
+    print(f"wrote bench/results/{stem}.json, {stem}_raw.json, {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
