@@ -1189,7 +1189,8 @@ cdef class Tape:
     ----------
     dtype : float64 (default), float32 or int64 - the type of scalar entries.
     sbo_size : elements kept inline in the Tape object (no heap allocation).
-    slab_size : elements per heap slab (default: 2 MiB worth, one huge page).
+    slab_size : elements per heap slab (default: 2 MiB worth, one huge page; with
+        a memory_budget at most budget / 32, down to 64 KiB).
     memory_budget : bytes of heap slabs kept in memory; past it the oldest slabs
         are written to a spill file.  None: no limit.
     spill_dir : directory of the spill file (default: the system temp dir).
@@ -1221,7 +1222,7 @@ cdef class Tape:
             raise ValueError(f"sbo_size={sbo_size} exceeds the inline buffer "
                              f"({MAX_SBO_BYTES // itemsize} elements of {dt})")
         if slab_size is None:
-            slab_size = (2 << 20) // itemsize
+            slab_size = _default_slab_bytes(memory_budget) // itemsize
         slab_size = _count("slab_size", slab_size)
         if slab_size == 0:
             raise ValueError("slab_size must be at least 1")
@@ -1654,6 +1655,16 @@ cdef class Tape:
             while self.t.io_busy or self.t.queue_head != NULL:
                 pthread_cond_wait(&self.t.done_cv, &self.t.io_mu)
             pthread_mutex_unlock(&self.t.io_mu)
+
+
+def _default_slab_bytes(memory_budget):
+    """2 MiB (one huge page); with a budget, at most budget / 32 (a power of two,
+    64 KiB to 2 MiB), so the one slab that may stand above the budget stays small."""
+    size = 2 << 20
+    if memory_budget is not None and isinstance(memory_budget, (int, np.integer)):
+        while size > (64 << 10) and size > memory_budget // 32:
+            size //= 2
+    return size
 
 
 def _count(name, value):
