@@ -13,13 +13,15 @@ pthreads build) is not reentrant from an OpenMP team.  Measured here, sgemm
 calls made from inside prange at T=1024 printed "Detect OpenMP Loop and this
 application may hang" and took 40 s instead of 0.1 s; staying under its
 single-thread size threshold would rely on an undocumented constant.  So each
-task runs its own small blocked GEMM (packed 4x16 register tiles, the
-BLIS/GotoBLAS layout) written with GCC vector extensions, not intrinsics.
-GCC's ``target_clones`` builds that code twice, for x86-64-v3 (AVX2+FMA) and
-for the baseline, and picks one at load time, so the module stays portable
-while using the FMA units that PyTorch uses; other compilers get the baseline.
-Work per query block of 64 rows stays in L2, and the masked upper triangle is
-skipped block-wise (only the diagonal 64x64 blocks do wasted work), which halves
+task runs its own small GEMM: a 4x16 register tile (eight 8-lane FMA
+accumulators) over B operands packed into 16-column slivers, with K and V packed
+once per head and reused by every query block, and A read in place (with a head
+size of 64 there is too little reuse to repay packing it).  The code uses GCC
+vector extensions, not intrinsics; GCC's ``target_clones`` builds it twice, for
+x86-64-v3 (AVX2+FMA) and for the baseline, and picks one at load time, so the
+module stays portable while using the FMA units that PyTorch uses (other
+compilers get the baseline build).  Queries go in blocks of 64 rows whose scores
+stay in L2, and key blocks past the diagonal are never computed, which halves
 the FLOPs of a dense T x T product.  The softmax uses an eight-lane exp
 (Cody-Waite range reduction + Cephes' polynomial, about 1 ulp).
 
@@ -40,6 +42,9 @@ import numpy as np
 from kernels.matmul import check_array, resolve_threads
 
 cnp.import_array()
+
+# B*T*T*C (about the multiply-adds of one pass) below which attention runs on one thread.
+ATTN_PARALLEL_MIN_WORK = 1 << 22
 
 cdef extern from *:
     """
@@ -397,6 +402,14 @@ def _attention_shapes(qkv, n_head):
     return B, T, C, int(n_head)
 
 
+def _threads_for(n_threads, B, T, C):
+    """The default thread count, but one thread for work too small to repay waking
+    a second one (a parallel region costs milliseconds on a busy machine)."""
+    if n_threads is None and B * T * T * C < ATTN_PARALLEL_MIN_WORK:
+        return 1
+    return resolve_threads(n_threads)
+
+
 def attention_forward(out, att, qkv, n_head, *, n_threads=None):
     """Causal attention: out (B, T, C) and att (B, n_head, T, T) probabilities
     from qkv (B, T, 3C), both overwritten."""
@@ -405,7 +418,7 @@ def attention_forward(out, att, qkv, n_head, *, n_threads=None):
     check_array(qkv, "qkv", (B, T, 3 * C))
     check_array(out, "out", (B, T, C), writable=True)
     check_array(att, "att", (B, NH, T, T), writable=True)
-    cdef int nt = resolve_threads(n_threads)
+    cdef int nt = _threads_for(n_threads, B, T, C)
     cdef float* out_p = <float*>cnp.PyArray_DATA(out)
     cdef float* att_p = <float*>cnp.PyArray_DATA(att)
     cdef float* qkv_p = <float*>cnp.PyArray_DATA(qkv)
@@ -422,7 +435,7 @@ def attention_backward(dqkv, dout, qkv, att, n_head, *, n_threads=None):
     check_array(dout, "dout", (B, T, C))
     check_array(att, "att", (B, NH, T, T))
     check_array(dqkv, "dqkv", (B, T, 3 * C), writable=True)
-    cdef int nt = resolve_threads(n_threads)
+    cdef int nt = _threads_for(n_threads, B, T, C)
     cdef float* dqkv_p = <float*>cnp.PyArray_DATA(dqkv)
     cdef float* dout_p = <float*>cnp.PyArray_DATA(dout)
     cdef float* att_p = <float*>cnp.PyArray_DATA(att)

@@ -1,0 +1,371 @@
+"""Every kernel against the same operation in PyTorch, at GPT-2 124M shapes.
+
+For each kernel and (B, T) the two sides run interleaved (ours, torch, ours, ...)
+after a warm-up, with the same thread count, and the median of the repetitions is
+reported with the achieved GFLOP/s (matmuls, attention) or GB/s (everything else)
+and its share of this machine's limits, measured in the same run: the sgemm peak
+(a large square product through kernels.matmul's BLAS path) and the memory
+bandwidth (a large triad in PyTorch with the same threads, or a NumPy copy,
+whichever is faster).  Writes bench/results/kernels.json and kernels.png.
+
+    python bench/kernels.py [--quick] [--threads N] [--reps R]
+"""
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
+
+from kernels import attention, layers, loss, matmul, optim, threads  # noqa: E402
+
+C, NH, V, VP, MAXT, L = 768, 12, 50257, 50304, 1024, 12
+N_PARAMS = VP * C + MAXT * C + L * (12 * C * C + 13 * C) + 2 * C  # GPT-2 124M, padded vocab
+RESULTS = REPO / "bench" / "results"
+
+
+def median_ms(samples):
+    return statistics.median(samples) * 1e3
+
+
+def race(ours, theirs, reps, setup=None):
+    """Interleaved timings (ours, torch) in ms, after one warm-up of each.
+    ``setup(side)`` runs untimed before every call (e.g. a fresh autograd graph)."""
+    times = {"ours": [], "torch": []}
+    for rep in range(reps + 1):
+        for side, fn in (("ours", ours), ("torch", theirs)):
+            arg = setup(side) if setup else None
+            t0 = time.perf_counter()
+            fn(arg)
+            dt = time.perf_counter() - t0
+            if rep:
+                times[side].append(dt)
+    return median_ms(times["ours"]), median_ms(times["torch"])
+
+
+def measure_limits(reps, quick):
+    """sgemm peak (GFLOP/s) through our BLAS path and memory bandwidth (GB/s)."""
+    n = 1024 if quick else 2048
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), np.float32)
+    ts = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        matmul.matmul_forward(c, a, b, None)
+        if rep:
+            ts.append(time.perf_counter() - t0)
+    peak = 2 * n ** 3 / statistics.median(ts) / 1e9
+    size = (16 if quick else 64) * 2 ** 20
+    x, y, z = (torch.rand(size) for _ in range(3))
+    xn, yn = x.numpy(), y.numpy()
+    triad, copy = [], []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        torch.add(x, y, alpha=1.5, out=z)
+        t1 = time.perf_counter()
+        np.copyto(yn, xn)
+        t2 = time.perf_counter()
+        if rep:
+            triad.append(t1 - t0)
+            copy.append(t2 - t1)
+    bw_triad = 3 * 4 * size / statistics.median(triad) / 1e9
+    bw_copy = 2 * 4 * size / statistics.median(copy) / 1e9
+    return {"sgemm_peak_gflops": peak, "sgemm_n": n, "bandwidth_gbps": max(bw_triad, bw_copy),
+            "triad_gbps": bw_triad, "copy_gbps": bw_copy, "stream_floats": size}
+
+
+def t(a):
+    return torch.from_numpy(a)
+
+
+def matmul_cases(B, T, rng, include_lm_head):
+    shapes = [("qkv", 3 * C, C, True), ("attproj", C, C, True), ("fc", 4 * C, C, True),
+              ("fcproj", C, 4 * C, True)]
+    if include_lm_head:
+        shapes.append(("lm_head", VP, C, False))
+    for name, OC, IC, has_bias in shapes:
+        inp = rng.standard_normal((B, T, IC), dtype=np.float32)
+        w = rng.standard_normal((OC, IC), dtype=np.float32) * 0.02
+        bias = rng.standard_normal(OC, dtype=np.float32) if has_bias else None
+        out = np.empty((B, T, OC), np.float32)
+        dout = rng.standard_normal((B, T, OC), dtype=np.float32)
+        dinp, dw = np.zeros_like(inp), np.zeros_like(w)
+        db = np.zeros(OC, np.float32) if has_bias else None
+        ti, tw, tb, to, tdo = t(inp), t(w), None if bias is None else t(bias), t(out), t(dout)
+        tdi, tdw, tdb = torch.zeros_like(ti), torch.zeros_like(tw), torch.zeros(OC)
+        N = B * T
+        flops = 2 * N * IC * OC
+
+        def torch_bwd(_, tdo=tdo, ti=ti, tw=tw, tdi=tdi, tdw=tdw, tdb=tdb, has_bias=has_bias,
+                      N=N, IC=IC, OC=OC):
+            g = tdo.view(N, OC)
+            tdi.view(N, IC).addmm_(g, tw)
+            tdw.addmm_(g.t(), ti.view(N, IC))
+            if has_bias:
+                tdb.add_(g.sum(0))
+
+        def torch_fwd(_, ti=ti, tw=tw, tb=tb, to=to, N=N, IC=IC, OC=OC):
+            if tb is None:
+                torch.mm(ti.view(N, IC), tw.t(), out=to.view(N, OC))
+            else:
+                torch.addmm(tb, ti.view(N, IC), tw.t(), out=to.view(N, OC))
+
+        yield (f"matmul_forward[{name}]", "flops", flops,
+               lambda _, out=out, inp=inp, w=w, bias=bias: matmul.matmul_forward(out, inp, w, bias),
+               torch_fwd, None)
+        yield (f"matmul_backward[{name}]", "flops", 2 * flops,
+               lambda _, a=(dinp, dw, db, dout, inp, w): matmul.matmul_backward(*a),
+               torch_bwd, None)
+
+
+def attention_cases(B, T, rng):
+    qkv = rng.standard_normal((B, T, 3 * C), dtype=np.float32)
+    dout = rng.standard_normal((B, T, C), dtype=np.float32)
+    out = np.empty((B, T, C), np.float32)
+    att = np.empty((B, NH, T, T), np.float32)
+    dqkv = np.zeros_like(qkv)
+    hs = C // NH
+    causal_flops = 2 * B * NH * (T * (T + 1) // 2) * hs
+    tq = t(qkv)
+    tdout = t(dout).view(B, T, NH, hs).transpose(1, 2)
+
+    def split(x):
+        return (p.view(B, T, NH, hs).transpose(1, 2) for p in x.split(C, dim=2))
+
+    def torch_fwd(_):
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(*split(tq), is_causal=True)
+
+    def graph(side):
+        if side == "ours":
+            return None
+        x = tq.detach().requires_grad_()
+        return F.scaled_dot_product_attention(*split(x), is_causal=True)
+
+    attention.attention_forward(out, att, qkv, NH)
+    yield ("attention_forward", "flops", 2 * causal_flops,
+           lambda _: attention.attention_forward(out, att, qkv, NH), torch_fwd, None)
+    yield ("attention_backward", "flops", 4 * causal_flops,
+           lambda _: attention.attention_backward(dqkv, dout, qkv, att, NH),
+           lambda o: o.backward(tdout), graph)
+
+
+def elementwise_cases(B, T, rng):
+    N = B * T
+    f4 = 4
+    # encoder
+    ids = rng.integers(0, V, (B, T), dtype=np.int32)
+    wte = rng.standard_normal((VP, C), dtype=np.float32)
+    wpe = rng.standard_normal((MAXT, C), dtype=np.float32)
+    enc = np.empty((B, T, C), np.float32)
+    dwte, dwpe = np.zeros_like(wte), np.zeros_like(wpe)
+    denc = rng.standard_normal((B, T, C), dtype=np.float32)
+    tids, twte, twpe, tenc = t(ids).long(), t(wte), t(wpe), t(enc)
+    tdwte, tdwpe, tdenc = torch.zeros_like(twte), torch.zeros_like(twpe), t(denc)
+    yield ("encoder_forward", "bytes", 3 * N * C * f4,
+           lambda _: layers.encoder_forward(enc, ids, wte, wpe),
+           lambda _: torch.add(twte[tids], twpe[:T], out=tenc), None)
+    yield ("encoder_backward", "bytes", 5 * N * C * f4,
+           lambda _: layers.encoder_backward(dwte, dwpe, denc, ids),
+           lambda _: (tdwte.index_add_(0, tids.view(-1), tdenc.view(N, C)),
+                      tdwpe[:T].add_(tdenc.sum(0))), None)
+    # layernorm
+    x = rng.standard_normal((B, T, C), dtype=np.float32)
+    w = rng.standard_normal(C, dtype=np.float32)
+    bvec = rng.standard_normal(C, dtype=np.float32)
+    y = np.empty_like(x)
+    mean, rstd = np.empty((B, T), np.float32), np.empty((B, T), np.float32)
+    dy = rng.standard_normal((B, T, C), dtype=np.float32)
+    dx, dw, db = np.zeros_like(x), np.zeros_like(w), np.zeros_like(bvec)
+    tx, tw, tb, tdy = t(x), t(w), t(bvec), t(dy)
+    _, tmean, trstd = torch.ops.aten.native_layer_norm(tx, [C], tw, tb, 1e-5)
+    layers.layernorm_forward(y, mean, rstd, x, w, bvec)
+    yield ("layernorm_forward", "bytes", 2 * N * C * f4,
+           lambda _: layers.layernorm_forward(y, mean, rstd, x, w, bvec),
+           lambda _: torch.ops.aten.native_layer_norm(tx, [C], tw, tb, 1e-5), None)
+    yield ("layernorm_backward", "bytes", 4 * N * C * f4,
+           lambda _: layers.layernorm_backward(dx, dw, db, dy, x, w, mean, rstd),
+           lambda _: torch.ops.aten.native_layer_norm_backward(
+               tdy, tx, [C], tmean, trstd, tw, tb, [True, True, True]), None)
+    # gelu on the (B, T, 4C) MLP activation
+    h = rng.standard_normal((B, T, 4 * C), dtype=np.float32)
+    gh = np.empty_like(h)
+    dgh = rng.standard_normal(h.shape, dtype=np.float32)
+    dh = np.zeros_like(h)
+    th, tgh, tdgh = t(h), t(gh), t(dgh)
+    yield ("gelu_forward", "bytes", 2 * N * 4 * C * f4,
+           lambda _: layers.gelu_forward(gh, h),
+           lambda _: torch.ops.aten.gelu.out(th, approximate="tanh", out=tgh), None)
+    yield ("gelu_backward", "bytes", 4 * N * 4 * C * f4,
+           lambda _: layers.gelu_backward(dh, h, dgh),
+           lambda _: torch.ops.aten.gelu_backward(tdgh, th, approximate="tanh"), None)
+    # residual
+    r1, r2 = (rng.standard_normal((B, T, C), dtype=np.float32) for _ in range(2))
+    ro = np.empty_like(r1)
+    d1, d2 = np.zeros_like(r1), np.zeros_like(r1)
+    tr1, tr2, tro, td1, td2 = t(r1), t(r2), t(ro), torch.zeros_like(t(r1)), torch.zeros_like(t(r1))
+    yield ("residual_forward", "bytes", 3 * N * C * f4,
+           lambda _: layers.residual_forward(ro, r1, r2),
+           lambda _: torch.add(tr1, tr2, out=tro), None)
+    yield ("residual_backward", "bytes", 5 * N * C * f4,
+           lambda _: layers.residual_backward(d1, d2, dy),
+           lambda _: (td1.add_(tdy), td2.add_(tdy)), None)
+    # softmax + cross-entropy over the padded vocabulary
+    logits = rng.standard_normal((B, T, VP), dtype=np.float32)
+    targets = rng.integers(0, V, (B, T), dtype=np.int32)
+    losses, lse = np.empty((B, T), np.float32), np.empty((B, T), np.float32)
+    dlosses = np.full((B, T), 1.0 / N, np.float32)
+    dlogits = np.zeros_like(logits)
+    tl = t(logits).view(N, VP)[:, :V]
+    tt = t(targets).long().view(N)
+    tdl = t(dlosses).view(N)
+    loss.softmax_crossentropy_forward(losses, lse, logits, targets, V)
+
+    def ce_graph(side):
+        if side == "ours":
+            return None
+        x = tl.detach().requires_grad_()
+        return F.cross_entropy(x, tt, reduction="none")
+
+    yield ("softmax_crossentropy_forward", "bytes", N * VP * f4,
+           lambda _: loss.softmax_crossentropy_forward(losses, lse, logits, targets, V),
+           lambda _: F.cross_entropy(tl, tt, reduction="none"), None)
+    yield ("softmax_crossentropy_backward", "bytes", 3 * N * VP * f4,
+           lambda _: loss.softmax_crossentropy_backward(dlogits, dlosses, logits, lse, targets, V),
+           lambda o: o.backward(tdl), ce_graph)
+
+
+def optimizer_cases(rng):
+    n = N_PARAMS
+    params = (rng.standard_normal(n, dtype=np.float32) * 0.02)
+    grads = rng.standard_normal(n, dtype=np.float32) * 1e-3
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    tp = torch.nn.Parameter(t(params.copy()))
+    tp.grad = t(grads.copy())
+    opt = torch.optim.AdamW([tp], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    step = [0]
+
+    def ours_adamw(_):
+        step[0] += 1
+        optim.adamw_step(params, grads, m, v, step[0], 1e-4, weight_decay=0.1)
+
+    f4 = 4
+    yield ("adamw_step", "bytes", 7 * n * f4, ours_adamw, lambda _: opt.step(), None)
+    yield ("zero_grad", "bytes", n * f4, lambda _: optim.zero_grad(m),
+           lambda _: tp.grad.zero_(), None)
+    yield ("grad_norm", "bytes", n * f4, lambda _: optim.grad_norm(grads),
+           lambda _: torch.linalg.vector_norm(tp.grad), None)
+    yield ("clip_grad_norm", "bytes", 3 * n * f4, lambda _: optim.clip_grad_norm(grads, 1e9),
+           lambda _: torch.nn.utils.clip_grad_norm_([tp], 1e9), None)
+
+
+def run(args):
+    n = args.threads or threads.available_cores()
+    torch.set_num_threads(n)
+    threads.set_num_threads(n)
+    limits = measure_limits(args.reps, args.quick)
+    print(f"threads {n}; sgemm peak {limits['sgemm_peak_gflops']:.1f} GFLOP/s "
+          f"(n={limits['sgemm_n']}); memory bandwidth {limits['bandwidth_gbps']:.1f} GB/s "
+          f"(triad {limits['triad_gbps']:.1f}, copy {limits['copy_gbps']:.1f})")
+    configs = [(4, 64)] if args.quick else [(4, 64), (8, 1024)]
+    records = []
+    header = (f"{'kernel':34s} {'shape':>15s} {'ours ms':>9s} {'torch ms':>9s} {'ratio':>6s} "
+              f"{'rate':>14s} {'share':>6s}")
+    print(header)
+    print("-" * len(header))
+
+    def record(name, shape, kind, amount, ours_ms, torch_ms):
+        rate = amount / (ours_ms * 1e-3) / 1e9
+        limit = limits["sgemm_peak_gflops"] if kind == "flops" else limits["bandwidth_gbps"]
+        rec = {"kernel": name, "shape": shape, "threads": n, "ours_ms": ours_ms,
+               "torch_ms": torch_ms, "ratio": torch_ms / ours_ms,
+               "share": rate / limit}
+        rec["gflops" if kind == "flops" else "gbps"] = rate
+        rec["torch_" + ("gflops" if kind == "flops" else "gbps")] = amount / (torch_ms * 1e-3) / 1e9
+        records.append(rec)
+        unit = "GFLOP/s" if kind == "flops" else "GB/s"
+        print(f"{name:34s} {shape:>15s} {ours_ms:9.3f} {torch_ms:9.3f} {rec['ratio']:6.2f} "
+              f"{rate:8.1f} {unit:>5s} {rec['share']:6.0%}", flush=True)
+
+    for B, T in configs:
+        rng = np.random.default_rng(B * 10000 + T)
+        shape = f"B={B},T={T}"
+        cases = [matmul_cases(B, T, rng, include_lm_head=(T <= 64 or args.lm_head)),
+                 attention_cases(B, T, rng), elementwise_cases(B, T, rng)]
+        for group in cases:
+            for name, kind, amount, ours, theirs, setup in group:
+                ours_ms, torch_ms = race(ours, theirs, args.reps, setup)
+                record(name, shape, kind, amount, ours_ms, torch_ms)
+    for name, kind, amount, ours, theirs, setup in optimizer_cases(np.random.default_rng(1)):
+        ours_ms, torch_ms = race(ours, theirs, args.reps, setup)
+        record(name, f"n={N_PARAMS}", kind, amount, ours_ms, torch_ms)
+    return n, limits, records
+
+
+def plot(records, n, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(11, 3.2 + 0.28 * len(records)),
+                             squeeze=False)
+    for ax, shape in zip(axes[:, 0], shapes):
+        rows = [r for r in records if r["shape"] == shape]
+        names = [r["kernel"] for r in rows]
+        ratios = [r["ratio"] for r in rows]
+        colors = ["tab:green" if x >= 1 else "tab:red" for x in ratios]
+        ax.barh(names, ratios, color=colors)
+        ax.axvline(1.0, color="black", lw=1)
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_title(f"{shape}: PyTorch time / our time ({n} threads; > 1 means ours is faster)")
+        for i, r in enumerate(rows):
+            ax.text(r["ratio"], i, f" {r['ratio']:.2f}x, {r['share']:.0%} of limit",
+                    va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="B=4,T=64 only, small limit probes")
+    parser.add_argument("--threads", type=int, default=None, help="threads for both sides "
+                        "(default: all available cores)")
+    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per side (>= 5)")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="also time the (V, C) LM-head matmul at B=8,T=1024 (minutes)")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/kernels"
+                        "[_quick].json; the PNG goes beside it)")
+    args = parser.parse_args(argv)
+    if args.reps < 5:
+        parser.error("--reps must be at least 5 (median of >= 5)")
+    n, limits, records = run(args)
+    out = pathlib.Path(args.out) if args.out else \
+        RESULTS / ("kernels_quick.json" if args.quick else "kernels.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"threads": n, "torch": torch.__version__, "numpy": np.__version__,
+            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            **limits}
+    for r in records:
+        r["limits"] = meta
+    out.write_text(json.dumps(records, indent=1))
+    plot(records, n, out.with_suffix(".png"))
+    met = [r for r in records if r["ratio"] >= 1]
+    print(f"\n{len(met)}/{len(records)} kernels at least as fast as PyTorch; wrote {out} and "
+          f"{out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
