@@ -3,7 +3,7 @@
   python -m gpt2.perfmodel.calibrate [--threads N] [--output PATH] [--quick]
 
 Measures, at the model's real shapes (GPT-2 124M at a few (B, T); --quick: the tiny
-preset): float32 sgemm throughput through numpy's BLAS for the forward product and both
+preset): float32 sgemm throughput through the kernels' gemm for the forward product and both
 backward products, the peak on a large square sgemm, memory bandwidth by array size,
 the fixed cost of one kernel call and of one tape record, our kernels' throughput by op
 class (attention, layernorm, GELU, residual, embedding, loss, optimizer: whichever are
@@ -46,39 +46,36 @@ def _median_times(tasks, repeats, warmup=1):
 
 def _set_threads(n):
     """Use ``n`` threads (None: the default); returns (count in force, previous count)."""
-    try:
-        from kernels import threads
-    except ImportError:
-        from threadpoolctl import threadpool_info, threadpool_limits
-        previous = max((p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"), default=1)
-        n = n or (len(os.sched_getaffinity(0)))
-        threadpool_limits(limits=n, user_api="blas")
-        return n, previous
+    from kernels import threads
     previous = threads.get_num_threads()
     return threads.set_num_threads(n), previous
 
 
 def measure_peak(size, repeats):
+    """sgemm throughput of a large square product through the kernels' own path
+    (kernels.gemm: our OpenMP threads, BLAS single-threaded on each block)."""
+    from kernels.gemm import gemm_rowmajor
     rng = np.random.default_rng(0)
     a = rng.standard_normal((size, size), dtype=np.float32)
     b = rng.standard_normal((size, size), dtype=np.float32)
     c = np.empty_like(a)
-    t = _median_times({"peak": lambda: np.matmul(a, b.T, out=c)}, repeats)["peak"]
+    t = _median_times({"peak": lambda: gemm_rowmajor(c, a, b, trans_b=True)}, repeats)["peak"]
     return 2.0 * size ** 3 / t
 
 
 def _gemm_task(variant, rows, fan_in, fan_out, rng):
+    from kernels.gemm import gemm_rowmajor
     inp = rng.standard_normal((rows, fan_in), dtype=np.float32)
     weight = rng.standard_normal((fan_out, fan_in), dtype=np.float32)
     dout = rng.standard_normal((rows, fan_out), dtype=np.float32)
     if variant == "fwd":
         out = np.empty((rows, fan_out), np.float32)
-        return lambda: np.matmul(inp, weight.T, out=out)
+        return lambda: gemm_rowmajor(out, inp, weight, trans_b=True)
     if variant == "bwd_input":
         dinp = np.empty((rows, fan_in), np.float32)
-        return lambda: np.matmul(dout, weight, out=dinp)
+        return lambda: gemm_rowmajor(dinp, dout, weight)
     dweight = np.empty((fan_out, fan_in), np.float32)
-    return lambda: np.matmul(dout.T, inp, out=dweight)
+    return lambda: gemm_rowmajor(dweight, dout, inp, trans_a=True)
 
 
 def matmul_shapes(spec, configs):
