@@ -182,19 +182,28 @@ def main(argv=None):
 
 
 def run(argv=None):
-    """Train as the command line says; returns the run's summary (also in summary.json)."""
+    """Train as the command line says; returns the run's summary (also in summary.json).
+
+    Flush-to-zero is set for the run (unless --no-flush-denormal) and the previous
+    floating-point mode is restored afterwards, in this thread and the OpenMP pool.
+    """
     args = build_parser().parse_args(argv)
-    # FTZ/DAZ first: threads started later (the BLAS pool) inherit this thread's MXCSR.
-    from kernels import _openmp
-    if not args.no_flush_denormal:
-        _openmp.set_flush_denormal(True)
+    from kernels import _openmp, threads
+    ftz_before = _openmp.flush_denormal_enabled()
+    # FTZ/DAZ first: threads started later inherit this thread's MXCSR.
+    _openmp.set_flush_denormal(not args.no_flush_denormal)
     # Every step frees and reallocates the same large buffers: keep them mapped.
     _openmp.set_malloc_retention()
-    from kernels import threads
     n_threads = threads.set_num_threads(args.threads)
-    if not args.no_flush_denormal:
-        _openmp.set_flush_denormal(True, n_threads)
+    _openmp.set_flush_denormal(not args.no_flush_denormal, n_threads)
+    try:
+        return _train(args, n_threads)
+    finally:
+        _openmp.set_flush_denormal(ftz_before, n_threads)
 
+
+def _train(args, n_threads):
+    """The training run proper, with threads and floating-point mode already set."""
     import numpy as np
     from tqdm import tqdm
 

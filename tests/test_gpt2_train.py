@@ -43,7 +43,10 @@ def test_training_script_end_to_end_and_resume(tmp_path, capsys):
             "--eval-batches", "2", "--out-dir", str(out), "--sample-tokens", "20",
             "--no-progress", "--corpus-bytes", "200k", "--lr", "3e-3", "--warmup", "5",
             "--tape-budget", "64k", "--spill-dir", str(tmp_path)]
+    from kernels import _openmp
+    ftz_before = _openmp.flush_denormal_enabled()
     summary = run(args)
+    assert _openmp.flush_denormal_enabled() == ftz_before  # the FP mode is restored
     printed = capsys.readouterr().out
     assert summary["final_loss"] < summary["first_loss"] - 0.5
     assert summary["final_val_loss"] is not None
