@@ -44,7 +44,7 @@ def run(budget, spill_dir):
     roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(roots))
     out = subprocess.run([sys.executable, "-c", RUN.format(spill_dir=str(spill_dir)), str(budget)],
-                         capture_output=True, text=True, env=env, check=True)
+                         capture_output=True, text=True, env=env, check=True, cwd=spill_dir)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

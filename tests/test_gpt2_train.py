@@ -75,32 +75,34 @@ def test_schedule_and_sizes():
     assert parse_size("64k") == 65536 and parse_size("2G") == 2 << 30 and parse_size("100") == 100
 
 
-def run_cli(*args):
+def run_cli(cwd, *args):
+    """``python -m gpt2.train`` run from ``cwd``: never from the source tree, whose
+    unbuilt packages ``-m`` would put first on sys.path."""
     roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(roots))
     return subprocess.run([sys.executable, "-m", "gpt2.train", *args], capture_output=True,
-                          text=True, env=env)
+                          text=True, env=env, cwd=cwd)
 
 
 def test_cli_bad_input_gets_clear_errors(tmp_path):
-    proc = run_cli("--model", "tiny", "-T", "65", "--out-dir", str(tmp_path))
+    proc = run_cli(tmp_path, "--model", "tiny", "-T", "65", "--out-dir", str(tmp_path))
     assert proc.returncode != 0 and "block_size" in proc.stderr
-    proc = run_cli("--model", "nano", "--out-dir", str(tmp_path))
+    proc = run_cli(tmp_path, "--model", "nano", "--out-dir", str(tmp_path))
     assert proc.returncode != 0 and "unknown GPT-2 preset" in proc.stderr
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    proc = run_cli("--model", "tiny", "--data", str(empty), "--out-dir", str(tmp_path))
+    proc = run_cli(tmp_path, "--model", "tiny", "--data", str(empty), "--out-dir", str(tmp_path))
     assert proc.returncode != 0 and "empty" in proc.stderr
     bad = tmp_path / "bad.bin"
     bad.write_bytes(b"\0" * 100)
-    proc = run_cli("--model", "tiny", "--resume", str(bad), "--out-dir", str(tmp_path))
+    proc = run_cli(tmp_path, "--model", "tiny", "--resume", str(bad), "--out-dir", str(tmp_path))
     assert proc.returncode != 0 and "not an adtape GPT-2 checkpoint" in proc.stderr
-    proc = run_cli("--model", "tiny", "--data", str(tmp_path / "missing.txt"))
+    proc = run_cli(tmp_path, "--model", "tiny", "--data", str(tmp_path / "missing.txt"))
     assert proc.returncode != 0 and "missing.txt" in proc.stderr
 
 
 def test_cli_success_exits_zero(tmp_path):
-    proc = run_cli("--model", "tiny", "-B", "2", "-T", "16", "--steps", "2", "--eval-interval", "0",
+    proc = run_cli(tmp_path, "--model", "tiny", "-B", "2", "-T", "16", "--steps", "2", "--eval-interval", "0",
                    "--corpus-bytes", "50k", "--sample-tokens", "5", "--no-progress",
                    "--out-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
