@@ -64,7 +64,7 @@ def build_parser():
     t.add_argument("-B", "--batch-size", type=positive_int, default=8)
     t.add_argument("-T", "--seq-len", type=positive_int, default=None,
                    help="sequence length (default: 128 or the model's block_size if smaller)")
-    t.add_argument("--steps", type=positive_int, default=400)
+    t.add_argument("--steps", type=positive_int, default=1500)
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     t.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
     t.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
@@ -86,7 +86,7 @@ def build_parser():
     mem.add_argument("--snapshots", type=positive_int, default=2,
                      help="snapshots for --checkpointing binomial")
     o = p.add_argument_group("evaluation and output")
-    o.add_argument("--eval-interval", type=int, default=100)
+    o.add_argument("--eval-interval", type=int, default=250)
     o.add_argument("--eval-batches", type=positive_int, default=8)
     o.add_argument("--out-dir", default="gpt2_run", help="log, plot and checkpoints go here")
     o.add_argument("--checkpoint-interval", type=int, default=0,
