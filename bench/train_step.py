@@ -297,9 +297,6 @@ def run_step_worker(args):
                              f"available")
         return result
     result["flush_check_before"] = check_flush(ftz, torch)
-    # Limits again here, in this configuration's conditions: on a shared machine a
-    # measurement taken while others run reads low, and the best of the run counts.
-    result["limits"] = measure_limits(n, repeats=3)
 
     tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, (B, T + 1),
                                                        dtype=np.int64)
@@ -335,6 +332,11 @@ def run_step_worker(args):
             losses[s].append(steps[s]())
             times[s].append(time.perf_counter() - t0)
     result["flush_check_after"] = check_flush(ftz, torch)
+    # Limits again here, in this configuration's conditions (on a shared machine a
+    # measurement taken while others run reads low; the best of the run counts).
+    # After the timed steps: its large buffers and PyTorch's sgemm threads must not
+    # disturb them.
+    result["limits"] = measure_limits(n, repeats=3)
     result["warmup_loss"] = warm_loss
     result["loss"] = losses
     result["seconds"] = times
