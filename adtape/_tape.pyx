@@ -689,8 +689,7 @@ cdef int tape_grow(TapeStruct* t, size_t need) noexcept nogil:
 cdef int move_down(TapeStruct* t) noexcept nogil:
     """Make the slab below the head the head, reading it back if spilled (tape lock held).
 
-    The old head stays linked above until trim_above, so a failed multi-slab
-    read can be undone by restore_window.
+    The old head stays linked above until the caller's trim_above releases it.
     """
     cdef Slab* below = t.head.prev
     cdef int rc
@@ -720,10 +719,6 @@ cdef inline void trim_above(TapeStruct* t) noexcept nogil:
         s = nxt
     pthread_mutex_unlock(&t.io_mu)
 
-
-cdef inline void restore_window(TapeStruct* t, Slab* s, char* top) noexcept nogil:
-    """Undo a partial read: s is still linked and resident."""
-    set_window(t, s, <size_t>(top - s.data))
 
 
 # ---------------------------------------------------------------------------
