@@ -64,7 +64,8 @@ for pyx in sorted(glob.glob("adtape/*.pyx") + glob.glob("kernels/*.pyx")):
     module = pyx[:-4].replace(os.sep, ".")
     extensions.append(Extension(
         module, [pyx],
-        include_dirs=[numpy.get_include()],
+        include_dirs=[numpy.get_include(), "kernels"],
+        depends=glob.glob("kernels/*.h"),
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=compile_args + omp_compile,
         extra_link_args=omp_link + ["-lpthread"],

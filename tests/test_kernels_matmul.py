@@ -172,3 +172,47 @@ def test_bad_inputs_raise_clear_errors():
         matmul_forward(out, inp, weight, bias, n_threads=0)
     with pytest.raises(TypeError, match="inp"):
         matmul_forward_naive(out, inp.astype(np.int32), weight, bias)
+
+
+# ---------------------------------------------------------------- skinny products
+# kernels.gemm routes products with few rows (M <= SKINNY_MAX_M) to its own kernels;
+# check them against BLAS (the same call with the routing off) on awkward sizes.
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 32])
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_skinny_gemm_matches_blas(M, trans_b):
+    from kernels import gemm
+    rng = np.random.default_rng(M)
+    for N, K in ((1, 1), (3, 8), (25, 7), (47, 9), (100, 131), (769, 300)):
+        a = rng.standard_normal((M, K)).astype(np.float32)
+        b = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
+        c0 = rng.standard_normal((M, N)).astype(np.float32)
+        bias = rng.standard_normal(N).astype(np.float32)
+        for alpha, beta, with_bias in ((1.0, 0.0, True), (1.0, 1.0, False), (0.5, 1.0, True)):
+            for n_threads in (1, 2):
+                got = gemm.gemm_rowmajor(c0.copy(), a, b, bias if with_bias else None,
+                                         trans_b=trans_b, alpha=alpha, beta=beta,
+                                         n_threads=n_threads)
+                previous = gemm.set_skinny_max_m(0)
+                try:
+                    want = gemm.gemm_rowmajor(c0.copy(), a, b, bias if with_bias else None,
+                                              trans_b=trans_b, alpha=alpha, beta=beta,
+                                              n_threads=n_threads)
+                finally:
+                    gemm.set_skinny_max_m(previous)
+                assert rel_err(got, want) < 1e-5, (N, K, alpha, beta, n_threads)
+
+
+def test_skinny_gpt2_shapes_against_torch():
+    # B*T = 16 rows through every GPT-2 124M product, forward and input gradient.
+    rng = np.random.default_rng(8)
+    for C, OC in ((768, 2304), (768, 768), (768, 3072), (3072, 768)):
+        inp, weight, bias, dout = make(rng, (1, 16), C, OC)
+        out = np.empty((1, 16, OC), np.float32)
+        matmul_forward(out, inp, weight, bias)
+        x = torch.from_numpy(inp).requires_grad_()
+        y = torch.nn.functional.linear(x, torch.from_numpy(weight), torch.from_numpy(bias))
+        y.backward(torch.from_numpy(dout))
+        assert rel_err(out, y.detach().numpy()) < 1e-5
+        dinp, _, _ = grads_of(matmul_backward, inp, weight, dout, 0.0)
+        assert rel_err(dinp, x.grad.numpy()) < 1e-5
