@@ -81,6 +81,7 @@ class GPT2:
         init_gpt2_(self.params, seed)
         self.grads = ParamArena(config)
         self.grads.zero_()
+        self._grads_zero = True      # known to be all zeros (skip the next zero_grad)
         self.adam_m = ParamArena(config)
         self.adam_m.zero_()
         self.adam_v = ParamArena(config)
@@ -146,6 +147,7 @@ class GPT2:
     def loss_and_grad(self, inputs, targets):
         """Mean cross-entropy loss; its gradient is accumulated into ``self.grads``."""
         inputs, targets = self.check_batch(inputs, targets)
+        self._grads_zero = False
         if self.engine == "manual":
             B, T = inputs.shape
             a = self._activations(B, T)
@@ -160,23 +162,36 @@ class GPT2:
 
     def zero_grad(self):
         optim.zero_grad(self.grads.flat)
+        self._grads_zero = True
 
     def clip_grad_norm(self, max_norm):
         """Scale gradients to global norm ``max_norm`` at most; returns the norm before."""
         return optim.clip_grad_norm(self.grads.flat, max_norm)
 
-    def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
-        """One AdamW update of every parameter (PyTorch semantics, decay on all of them)."""
+    def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                   zero_grads=False):
+        """One AdamW update of every parameter (PyTorch semantics, decay on all of them).
+
+        ``zero_grads=True`` clears the gradients in the same pass over memory
+        (cheaper than a separate ``zero_grad`` before the next backward)."""
         self.adam_step += 1
         optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat,
-                         self.adam_step, lr, beta1, beta2, eps, weight_decay)
+                         self.adam_step, lr, beta1, beta2, eps, weight_decay,
+                         zero_grads=zero_grads)
+        if zero_grads:
+            self._grads_zero = True
 
     def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None):
-        """Zero grads, forward, backward, (clip), AdamW. Returns (loss, grad norm or None)."""
-        self.zero_grad()
+        """Zero grads, forward, backward, (clip), AdamW. Returns (loss, grad norm or None).
+
+        The zeroing is fused into the previous step's AdamW pass, so after a
+        ``train_step`` ``self.grads`` holds zeros, not this step's gradient; call
+        ``loss_and_grad`` and ``adamw_step`` separately to inspect gradients."""
+        if not self._grads_zero:
+            self.zero_grad()
         loss = self.loss_and_grad(inputs, targets)
         norm = self.clip_grad_norm(grad_clip) if grad_clip else None
-        self.adamw_step(lr, weight_decay=weight_decay)
+        self.adamw_step(lr, weight_decay=weight_decay, zero_grads=True)
         return loss, norm
 
     def close(self):

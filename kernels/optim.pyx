@@ -9,8 +9,7 @@ twin with the same signature.
 from cython.parallel cimport prange
 from libc.math cimport sqrt, sqrtf, pow, isfinite
 from libc.stdlib cimport malloc, free
-from libc.stdint cimport uint32_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memset
 
 import numpy as np
 cimport numpy as cnp
@@ -30,36 +29,53 @@ cdef inline Py_ssize_t _span(Py_ssize_t k, Py_ssize_t n) noexcept nogil:
     return min(<Py_ssize_t>CHUNK, n - k * CHUNK)
 
 
-cdef inline float _sqrt_vectorizable(float v) noexcept nogil:
-    # sqrt(v) for v >= 0 within about 1 ulp (v denormal: only roughly, far below AdamW's
-    # eps).  libm's sqrtf keeps a scalar errno path for negative inputs, so without
-    # -fno-math-errno a loop calling it does not vectorize: Newton steps from the
-    # bit-trick 1/sqrt estimate instead, then one Newton step on the square root itself.
-    cdef uint32_t bits
-    cdef float y, s
-    memcpy(&bits, &v, 4)
-    bits = <uint32_t>0x5f3759df - (bits >> 1)
-    memcpy(&y, &bits, 4)
-    y = y * (<float>1.5 - <float>0.5 * v * y * y)
-    y = y * (<float>1.5 - <float>0.5 * v * y * y)
-    s = v * y
-    return s + <float>0.5 * y * (v - s * s)
+cdef extern from "simd.h":
+    pass
+
+cdef extern from *:
+    """
+    /* One AdamW span, compiled for AVX2+FMA and for the baseline (target_clones);
+       the build's -fno-math-errno lets sqrtf become one vector instruction (the
+       correctly rounded square root either way).  With
+       zero_grads the gradient is cleared in the same pass, which saves the
+       separate zeroing pass over the gradient arena before the next backward. */
+    ADT_MULTIVERSION
+    static void adamw_span(float* restrict p, float* restrict g, float* restrict m,
+                           float* restrict v, ptrdiff_t n, float decay, float w1, float beta2,
+                           float w2, float neg_step_size, float bc2_sqrt, float eps,
+                           int zero_grads) {
+        if (zero_grads) {
+            for (ptrdiff_t i = 0; i < n; i++) {
+                float gi = g[i];
+                float pi = p[i] * decay;
+                float mi = m[i] + w1 * (gi - m[i]);
+                float vi = v[i] * beta2 + w2 * gi * gi;
+                m[i] = mi;
+                v[i] = vi;
+                p[i] = pi + neg_step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+                g[i] = 0.0f;
+            }
+        } else {
+            for (ptrdiff_t i = 0; i < n; i++) {
+                float gi = g[i];
+                float pi = p[i] * decay;
+                float mi = m[i] + w1 * (gi - m[i]);
+                float vi = v[i] * beta2 + w2 * gi * gi;
+                m[i] = mi;
+                v[i] = vi;
+                p[i] = pi + neg_step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+            }
+        }
+    }
+    """
+    void adamw_span(float* p, float* g, float* m, float* v, Py_ssize_t n, float decay,
+                    float w1, float beta2, float w2, float neg_step_size, float bc2_sqrt,
+                    float eps, int zero_grads) nogil
 
 
-cdef void _adamw_span(float* p, const float* g, float* m, float* v, Py_ssize_t n, float decay,
-                      float w1, float beta2, float w2, float neg_step_size, float bc2_sqrt,
-                      float eps) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(n):
-        p[i] = p[i] * decay
-        m[i] = m[i] + w1 * (g[i] - m[i])
-        v[i] = v[i] * beta2 + w2 * g[i] * g[i]
-        p[i] = p[i] + neg_step_size * (m[i] / (_sqrt_vectorizable(v[i]) / bc2_sqrt + eps))
-
-
-cdef void adamw_core(float* params, const float* grads, float* m, float* v, Py_ssize_t n,
+cdef void adamw_core(float* params, float* grads, float* m, float* v, Py_ssize_t n,
                      int step, double lr, double beta1, double beta2, double eps,
-                     double weight_decay, int n_threads) noexcept nogil:
+                     double weight_decay, bint zero_grads, int n_threads) noexcept nogil:
     # The same float32 operations as torch: p *= 1 - lr*wd; m.lerp_(g, 1 - beta1);
     # v = v*beta2 + (1 - beta2)*g*g; p += -lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
     cdef float decay = <float>(1.0 - lr * weight_decay)
@@ -69,8 +85,9 @@ cdef void adamw_core(float* params, const float* grads, float* m, float* v, Py_s
     cdef float bc2_sqrt = <float>sqrt(1.0 - pow(beta2, step))
     cdef Py_ssize_t k
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        _adamw_span(params + k * CHUNK, grads + k * CHUNK, m + k * CHUNK, v + k * CHUNK,
-                    _span(k, n), decay, w1, <float>beta2, w2, neg_step_size, bc2_sqrt, <float>eps)
+        adamw_span(params + k * CHUNK, grads + k * CHUNK, m + k * CHUNK, v + k * CHUNK,
+                   _span(k, n), decay, w1, <float>beta2, w2, neg_step_size, bc2_sqrt,
+                   <float>eps, zero_grads)
 
 
 cdef void zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil:
@@ -161,21 +178,25 @@ cdef _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay
 
 
 def adamw_step(params, grads, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
-               weight_decay=0.0, *, n_threads=None):
+               weight_decay=0.0, *, bint zero_grads=False, n_threads=None):
     """One AdamW update in place of params, m (first moment) and v (second moment).
-    All four are flat float32 arrays of equal length; step >= 1 is this update's number."""
+    All four are flat float32 arrays of equal length; step >= 1 is this update's number.
+    ``zero_grads=True`` also sets grads to zero in the same pass (grads must then be
+    writable), ready for the next backward to accumulate into."""
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps,
                                      weight_decay)
+    if zero_grads:
+        checked_data("grads", grads, cnp.NPY_FLOAT32, (n,), True)
     nt = serial_if_small(nt, n_threads, n)
     cdef float* pp = <float*>cnp.PyArray_DATA(<cnp.ndarray>params)
-    cdef const float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>grads)
+    cdef float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>grads)
     cdef float* mp = <float*>cnp.PyArray_DATA(<cnp.ndarray>m)
     cdef float* vp = <float*>cnp.PyArray_DATA(<cnp.ndarray>v)
     cdef int s = step
     cdef double lr_ = lr, b1 = beta1, b2 = beta2, eps_ = eps, wd = weight_decay
     with nogil:
-        adamw_core(pp, gp, mp, vp, n, s, lr_, b1, b2, eps_, wd, nt)
+        adamw_core(pp, gp, mp, vp, n, s, lr_, b1, b2, eps_, wd, zero_grads, nt)
 
 
 def zero_grad(grads, *, n_threads=None):
@@ -221,10 +242,12 @@ def clip_grad_norm(grads, max_norm, *, n_threads=None):
 
 
 def adamw_step_naive(params, grads, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
-                     weight_decay=0.0, *, n_threads=None):
+                     weight_decay=0.0, *, zero_grads=False, n_threads=None):
     """Serial twin of adamw_step."""
     resolve_threads(n_threads)
     _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay)
+    if zero_grads:
+        checked_data("grads", grads, cnp.NPY_FLOAT32, None, True)
     cdef float[::1] p = params, mm = m, vv = v
     cdef const float[::1] g = grads
     cdef Py_ssize_t i
@@ -236,6 +259,8 @@ def adamw_step_naive(params, grads, m, v, step, lr, beta1=0.9, beta2=0.999, eps=
         mm[i] = <float>beta1 * mm[i] + <float>(1.0 - beta1) * g[i]
         vv[i] = <float>beta2 * vv[i] + <float>(1.0 - beta2) * g[i] * g[i]
         p[i] -= step_size * mm[i] / (sqrtf(vv[i]) / bc2_sqrt + <float>eps)
+    if zero_grads:
+        grads[...] = 0
 
 
 def zero_grad_naive(grads, *, n_threads=None):
