@@ -28,7 +28,7 @@ cdef extern from "simd.h":
 
 cdef extern from *:
     """
-    /* Products with few rows (M <= SKINNY_MAX_M: a forward or input-gradient
+    /* Products with few rows (M <= SKINNY_MAX_M = 64: a forward or input-gradient
        product at small B*T) stream the weight matrix once without packing it.
        BLAS packs both operands first, and at 16 rows every packed weight element
        is used only 16 times, so packing costs about as much as the arithmetic:
@@ -189,7 +189,7 @@ cdef extern from *:
                         Py_ssize_t ldb, int accumulate, float* C, Py_ssize_t ldc) nogil
 
 # Products with at most this many rows (and no transposed A) use the skinny kernels.
-SKINNY_MAX_M = 32
+SKINNY_MAX_M = 64
 cdef Py_ssize_t _skinny_max_m = SKINNY_MAX_M
 
 

@@ -178,7 +178,7 @@ def test_bad_inputs_raise_clear_errors():
 # kernels.gemm routes products with few rows (M <= SKINNY_MAX_M) to its own kernels;
 # check them against BLAS (the same call with the routing off) on awkward sizes.
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 32])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 32, 33, 64])
 @pytest.mark.parametrize("trans_b", [True, False])
 def test_skinny_gemm_matches_blas(M, trans_b):
     from kernels import gemm
