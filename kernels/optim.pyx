@@ -91,9 +91,16 @@ cdef void adamw_core(float* params, float* grads, float* m, float* v, Py_ssize_t
 
 
 cdef void zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil:
-    cdef Py_ssize_t k
-    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        memset(buf + k * CHUNK, 0, _span(k, n) * sizeof(float))
+    # One contiguous piece per thread (whole cache lines), one memset each: on large
+    # pieces glibc switches to stores that bypass the cache and skip reading the
+    # lines first, which 64 KiB pieces never reach.
+    cdef Py_ssize_t per = ((n + n_threads - 1) // n_threads + 15) // 16 * 16
+    cdef Py_ssize_t t, lo
+    for t in prange(n_threads, schedule='static', chunksize=1, nogil=True,
+                    num_threads=n_threads):
+        lo = t * per
+        if lo < n:
+            memset(buf + lo, 0, min(per, n - lo) * sizeof(float))
 
 
 cdef void _scale_span(float* buf, float factor, Py_ssize_t n) noexcept nogil:

@@ -43,14 +43,15 @@ ADT_INLINE float adt_hsum(adt_v8 v) {
     return a + b;
 }
 
-/* exp(x) in eight lanes, within about 1 ulp: Cody-Waite reduction x = n ln2 + r,
-   Cephes' degree-6 polynomial for exp(r), 2^n built in the exponent bits.  Inputs
-   are clamped to [-87, 88] (beyond, float32 exp under- or overflows anyway). */
+/* exp(x) in eight lanes for x <= 88.3 (callers clamp larger inputs), within 2 ulp,
+   like kernels.layers' fast_expf: Cody-Waite reduction x = n ln2 + r, Cephes'
+   degree-6 polynomial for exp(r), 2^n built in the exponent bits.  Exactly 0 below
+   -87.3 (no denormals downstream); one compare serves both selects. */
 ADT_INLINE adt_v8 adt_exp8(adt_v8 x) {
-    x = adt_max(x, adt_splat(-87.0f));
-    x = adt_min(x, adt_splat(88.0f));
-    adt_v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    adt_v8 r = x - n * 0.693359375f;
+    adt_v8i under = x < adt_splat(-87.3f);
+    adt_v8 xc = adt_select(under, adt_splat(-87.3f), x);
+    adt_v8 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    adt_v8 r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     adt_v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -59,7 +60,7 @@ ADT_INLINE adt_v8 adt_exp8(adt_v8 x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     adt_v8i e = (__builtin_convertvector(n, adt_v8i) + 127) << 23;
-    return p * (adt_v8)e;
+    return adt_select(under, adt_splat(0.0f), p * (adt_v8)e);
 }
 
 #endif
