@@ -33,6 +33,9 @@ cdef extern from *:
     const double GELU_K "ADTAPE_GELU_K"
     const double GELU_A "ADTAPE_GELU_A"
 
+cdef extern from "simd.h":
+    pass
+
 cdef extern from *:
     # Pointers that alias no other argument: gcc's runtime alias checks give up on
     # loops with many pointers (more than 10 pairs) and leave them scalar.
@@ -185,20 +188,6 @@ cdef inline float* _f32(arr):
 # ---------------------------------------------------------------------------
 # Vectorizable row helpers (see sum_f32 in layers.pxd for the accumulator layout)
 
-cdef inline float _sum_sq_dev(const float* x, float m, Py_ssize_t n) noexcept nogil:
-    cdef float acc[SUM_LANES]
-    cdef Py_ssize_t i = 0, j
-    for j in range(SUM_LANES):
-        acc[j] = 0
-    while i + SUM_LANES <= n:
-        for j in range(SUM_LANES):
-            acc[j] = acc[j] + (x[i + j] - m) * (x[i + j] - m)
-        i = i + SUM_LANES
-    for j in range(n - i):
-        acc[j] = acc[j] + (x[i + j] - m) * (x[i + j] - m)
-    return halving_sum(acc, SUM_LANES)
-
-
 cdef inline void _add_rows(float* out, const float* a, const float* b, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(n):
@@ -226,33 +215,29 @@ cdef void encoder_forward_core(float* out, const int32_t* ids, const float* wte,
         _add_rows(out + r * C, wte + <Py_ssize_t>ids[r] * C, wpe + (r % T) * C, C)
 
 
-cdef void _encoder_dwte_slice(float* dwte, const float* dout, const int32_t* ids, Py_ssize_t N,
-                              Py_ssize_t C, Py_ssize_t c0, Py_ssize_t c1) noexcept nogil:
-    # One thread owns channels [c0, c1) of every row of dwte, so repeated ids
-    # need no atomics, and each element is summed in row order.
+cdef void _encoder_backward_slice(float* dwte, float* dwpe, const float* dout,
+                                  const int32_t* ids, Py_ssize_t N, Py_ssize_t T, Py_ssize_t C,
+                                  Py_ssize_t c0, Py_ssize_t c1) noexcept nogil:
+    # One thread owns channels [c0, c1) of every row of dwte and dwpe, so repeated ids
+    # need no atomics, each element is summed in row order whatever the thread count,
+    # and dout is read once for both.
     cdef Py_ssize_t r
+    cdef const float* d
     for r in range(N):
-        _accumulate(dwte + <Py_ssize_t>ids[r] * C + c0, dout + r * C + c0, c1 - c0)
-
-
-cdef void _encoder_dwpe_row(float* dwpe_t, const float* dout, Py_ssize_t t, Py_ssize_t B,
-                            Py_ssize_t T, Py_ssize_t C) noexcept nogil:
-    cdef Py_ssize_t b
-    for b in range(B):
-        _accumulate(dwpe_t, dout + (b * T + t) * C, C)
+        d = dout + r * C + c0
+        _accumulate(dwte + <Py_ssize_t>ids[r] * C + c0, d, c1 - c0)
+        _accumulate(dwpe + (r % T) * C + c0, d, c1 - c0)
 
 
 cdef void encoder_backward_core(float* dwte, float* dwpe, const float* dout, const int32_t* ids,
                                 Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, int n_threads) noexcept nogil:
-    cdef Py_ssize_t s, t, c0, c1
+    cdef Py_ssize_t s, c0, c1
     cdef Py_ssize_t width = _slice_width(C, n_threads)
     cdef Py_ssize_t n_slices = (C + width - 1) // width
     for s in prange(n_slices, schedule='static', nogil=True, num_threads=n_threads):
         c0 = s * width
         c1 = min(C, c0 + width)
-        _encoder_dwte_slice(dwte, dout, ids, B * T, C, c0, c1)
-    for t in prange(T, schedule='static', nogil=True, num_threads=n_threads):
-        _encoder_dwpe_row(dwpe + t * C, dout, t, B, T, C)
+        _encoder_backward_slice(dwte, dwpe, dout, ids, B * T, T, C, c0, c1)
 
 
 def encoder_forward(out, ids, wte, wpe, *, n_threads=None):
@@ -320,69 +305,123 @@ def encoder_backward_naive(dwte, dwpe, dout, ids, *, n_threads=None):
 # ---------------------------------------------------------------------------
 # layernorm
 
-cdef inline void _layernorm_row(float* out, float* mean, float* rstd, const float* x,
-                                const float* weight, const float* bias, Py_ssize_t C) noexcept nogil:
-    cdef float m = sum_f32(x, C) / C
-    # Two passes over the row (it sits in L1) avoid E[x^2] - E[x]^2 cancellation.
-    cdef float s = <float>1.0 / sqrtf(_sum_sq_dev(x, m, C) / C + <float>LAYERNORM_EPS)
-    cdef Py_ssize_t i
-    for i in range(C):
-        out[i] = (x[i] - m) * s * weight[i] + bias[i]
-    mean[0] = m
-    rstd[0] = s
+cdef extern from *:
+    """
+    /* Layernorm rows in eight-lane vectors (AVX2+FMA clone where the CPU has it).
+       Sums run in eight lanes plus a scalar tail, combined pairwise. */
+    ADT_INLINE float ln_sum(const float* x, ptrdiff_t C) {
+        adt_v8 a = {0}, b = {0};
+        ptrdiff_t i = 0;
+        for (; i + 16 <= C; i += 16) { a += adt_load(x + i); b += adt_load(x + i + 8); }
+        for (; i + 8 <= C; i += 8) a += adt_load(x + i);
+        float t = 0.0f;
+        for (; i < C; i++) t += x[i];
+        return adt_hsum(a + b) + t;
+    }
+
+    ADT_INLINE float ln_sum_sq_dev(const float* x, float m, ptrdiff_t C) {
+        adt_v8 a = {0}, b = {0}, mv = adt_splat(m);
+        ptrdiff_t i = 0;
+        for (; i + 16 <= C; i += 16) {
+            adt_v8 d0 = adt_load(x + i) - mv, d1 = adt_load(x + i + 8) - mv;
+            a += d0 * d0; b += d1 * d1;
+        }
+        for (; i + 8 <= C; i += 8) { adt_v8 d = adt_load(x + i) - mv; a += d * d; }
+        float t = 0.0f;
+        for (; i < C; i++) t += (x[i] - m) * (x[i] - m);
+        return adt_hsum(a + b) + t;
+    }
+
+    /* Rows r0..r1: two passes over each row (it sits in L1) avoid the cancellation
+       of E[x^2] - E[x]^2. */
+    ADT_MULTIVERSION
+    static void ln_forward_rows(float* out, float* mean, float* rstd, const float* inp,
+                                const float* weight, const float* bias, ptrdiff_t r0,
+                                ptrdiff_t r1, ptrdiff_t C) {
+        for (ptrdiff_t r = r0; r < r1; r++) {
+            const float* x = inp + r * C;
+            float* y = out + r * C;
+            float m = ln_sum(x, C) / C;
+            float s = 1.0f / sqrtf(ln_sum_sq_dev(x, m, C) / C + (float)ADTAPE_LAYERNORM_EPS);
+            adt_v8 mv = adt_splat(m), sv = adt_splat(s);
+            ptrdiff_t i = 0;
+            for (; i + 8 <= C; i += 8)
+                adt_store(y + i, (adt_load(x + i) - mv) * sv * adt_load(weight + i)
+                                 + adt_load(bias + i));
+            for (; i < C; i++) y[i] = (x[i] - m) * s * weight[i] + bias[i];
+            mean[r] = m;
+            rstd[r] = s;
+        }
+    }
+
+    /* Rows r0..r1 of the backward: dinp += ..., and this block's partial sums
+       part_w[c] = sum norm * dout, part_b[c] = sum dout (overwritten). */
+    ADT_MULTIVERSION
+    static void ln_backward_rows(float* dinp, float* part_w, float* part_b, const float* dout,
+                                 const float* inp, const float* weight, const float* mean,
+                                 const float* rstd, ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t C) {
+        memset(part_w, 0, C * sizeof(float));
+        memset(part_b, 0, C * sizeof(float));
+        for (ptrdiff_t r = r0; r < r1; r++) {
+            const float* x = inp + r * C;
+            const float* d = dout + r * C;
+            float* dx = dinp + r * C;
+            float m = mean[r], s = rstd[r];
+            adt_v8 mv = adt_splat(m), sv = adt_splat(s);
+            adt_v8 ag = {0}, agx = {0};
+            ptrdiff_t i = 0;
+            for (; i + 8 <= C; i += 8) {
+                adt_v8 g = adt_load(weight + i) * adt_load(d + i);
+                ag += g;
+                agx += g * (adt_load(x + i) - mv);
+            }
+            float tg = 0.0f, tgx = 0.0f;
+            for (; i < C; i++) {
+                float g = weight[i] * d[i];
+                tg += g;
+                tgx += g * (x[i] - m);
+            }
+            /* dinp = rstd * (g - mean(g) - norm * mean(g * norm)), norm = (x - mean) * rstd */
+            float mean_g = (adt_hsum(ag) + tg) / C;
+            float mean_gn = (adt_hsum(agx) + tgx) * s / C;
+            adt_v8 mg = adt_splat(mean_g), mgn = adt_splat(mean_gn);
+            for (i = 0; i + 8 <= C; i += 8) {
+                adt_v8 dv = adt_load(d + i);
+                adt_v8 norm = (adt_load(x + i) - mv) * sv;
+                adt_store(part_w + i, adt_load(part_w + i) + norm * dv);
+                adt_store(part_b + i, adt_load(part_b + i) + dv);
+                adt_store(dx + i, adt_load(dx + i)
+                                  + (adt_load(weight + i) * dv - mg - norm * mgn) * sv);
+            }
+            for (; i < C; i++) {
+                float norm = (x[i] - m) * s;
+                part_w[i] += norm * d[i];
+                part_b[i] += d[i];
+                dx[i] += (weight[i] * d[i] - mean_g - norm * mean_gn) * s;
+            }
+        }
+    }
+    """
+    void ln_forward_rows(float* out, float* mean, float* rstd, const float* inp,
+                         const float* weight, const float* bias, Py_ssize_t r0, Py_ssize_t r1,
+                         Py_ssize_t C) nogil
+    void ln_backward_rows(float* dinp, float* part_w, float* part_b, const float* dout,
+                          const float* inp, const float* weight, const float* mean,
+                          const float* rstd, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t C) nogil
+
+
+cdef enum:
+    # Rows per parallel task of layernorm's forward.
+    LAYERNORM_ROWS_PER_TASK = 16
 
 
 cdef void layernorm_forward_core(float* out, float* mean, float* rstd, const float* inp,
                                  const float* weight, const float* bias,
                                  Py_ssize_t N, Py_ssize_t C, int n_threads) noexcept nogil:
-    cdef Py_ssize_t r
-    for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        _layernorm_row(out + r * C, mean + r, rstd + r, inp + r * C, weight, bias, C)
-
-
-cdef inline void _layernorm_backward_row(float_r dinp, float_r dweight, float_r dbias,
-                                         cfloat_r dout, cfloat_r x, cfloat_r weight,
-                                         float m, float s, Py_ssize_t C) noexcept nogil:
-    cdef float acc_g[SUM_LANES]
-    cdef float acc_gx[SUM_LANES]
-    cdef Py_ssize_t i = 0, j
-    cdef float g
-    for j in range(SUM_LANES):
-        acc_g[j] = 0
-        acc_gx[j] = 0
-    while i + SUM_LANES <= C:
-        for j in range(SUM_LANES):
-            g = weight[i + j] * dout[i + j]
-            acc_g[j] = acc_g[j] + g
-            acc_gx[j] = acc_gx[j] + g * (x[i + j] - m)
-        i = i + SUM_LANES
-    for j in range(C - i):
-        g = weight[i + j] * dout[i + j]
-        acc_g[j] = acc_g[j] + g
-        acc_gx[j] = acc_gx[j] + g * (x[i + j] - m)
-    cdef float sum_g = halving_sum(acc_g, SUM_LANES)
-    cdef float sum_gx = halving_sum(acc_gx, SUM_LANES)
-    # dinp = rstd * (g - mean(g) - norm * mean(g * norm)), norm = (x - mean) * rstd
-    cdef float mean_g = sum_g / C
-    cdef float mean_gn = sum_gx * s / C
-    cdef float norm
-    for i in range(C):
-        norm = (x[i] - m) * s
-        dweight[i] = dweight[i] + norm * dout[i]
-        dbias[i] = dbias[i] + dout[i]
-        dinp[i] = dinp[i] + (weight[i] * dout[i] - mean_g - norm * mean_gn) * s
-
-
-cdef void _layernorm_backward_block(float* dinp, float* part_w, float* part_b, const float* dout,
-                                    const float* inp, const float* weight, const float* mean,
-                                    const float* rstd, Py_ssize_t r0, Py_ssize_t r1,
-                                    Py_ssize_t C) noexcept nogil:
-    cdef Py_ssize_t r
-    memset(part_w, 0, C * sizeof(float))
-    memset(part_b, 0, C * sizeof(float))
-    for r in range(r0, r1):
-        _layernorm_backward_row(dinp + r * C, part_w, part_b, dout + r * C, inp + r * C,
-                                weight, mean[r], rstd[r], C)
+    cdef Py_ssize_t k, n_tasks = (N + LAYERNORM_ROWS_PER_TASK - 1) // LAYERNORM_ROWS_PER_TASK
+    for k in prange(n_tasks, schedule='static', nogil=True, num_threads=n_threads):
+        ln_forward_rows(out, mean, rstd, inp, weight, bias, k * LAYERNORM_ROWS_PER_TASK,
+                        min(N, (k + 1) * LAYERNORM_ROWS_PER_TASK), C)
 
 
 cdef void _reduce_blocks(float* dst, float* parts, Py_ssize_t n_blocks, Py_ssize_t C,
@@ -400,7 +439,10 @@ cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, cons
                                  int n_threads) except -1 nogil:
     if N == 0:
         return 0
-    cdef Py_ssize_t n_blocks = min(N, <Py_ssize_t>LAYERNORM_ROW_BLOCKS)
+    # A count set by N alone (never by the thread count, so results do not depend on
+    # it): up to LAYERNORM_ROW_BLOCKS, at least 64 rows each, so that zeroing and
+    # summing the partial rows stays small next to the rows themselves.
+    cdef Py_ssize_t n_blocks = max(<Py_ssize_t>1, min(N // 64, <Py_ssize_t>LAYERNORM_ROW_BLOCKS))
     # Partial dweight sums, one row per block, then partial dbias sums.
     cdef float* parts = <float*>malloc(2 * n_blocks * C * sizeof(float))
     if parts == NULL:
@@ -409,8 +451,8 @@ cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, cons
     cdef float* parts_b = parts + n_blocks * C
     cdef Py_ssize_t blk, s, c0, c1
     for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
-        _layernorm_backward_block(dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
-                                  mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C)
+        ln_backward_rows(dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
+                         mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C)
     cdef Py_ssize_t width = _slice_width(C, n_threads)
     cdef Py_ssize_t n_slices = (C + width - 1) // width
     for s in prange(n_slices, schedule='static', nogil=True, num_threads=n_threads):
@@ -522,9 +564,6 @@ def layernorm_backward_naive(dinp, dweight, dbias, dout, inp, weight, mean, rstd
 # ---------------------------------------------------------------------------
 # GELU, tanh approximation.  0.5 * (1 + tanh(u)) == 1 / (1 + exp(-2u)), which needs one
 # exp and no cancellation near tanh(u) = -1.
-
-cdef extern from "simd.h":
-    pass
 
 cdef extern from *:
     """
