@@ -4,7 +4,11 @@ The forward kernels write into freshly allocated outputs; the backward kernels
 accumulate (+=), so these ops register accumulating rules
 (``defvjp_accumulate``): the sweep hands them the gradient buffers (a leaf's
 ``.grad``, e.g. a view into a gradient arena, or a running buffer of an
-intermediate) and nothing is allocated or copied per gradient.  Everything is
+intermediate) and nothing is allocated or copied per gradient.  The rules are
+registered with ``overwrite=True``: a buffer that holds no gradient yet (a new
+intermediate's, or a leaf's after ``zero_grad(deferred=True)``) is handed over
+uninitialised and the kernel writes it (its ``overwrite`` flag) rather than
+adding into zeros, which saves zeroing it and reading it back.  Everything is
 float32; the kernels check shapes and dtypes and name the offending argument.
 """
 import numpy as np
@@ -46,9 +50,10 @@ def _contiguous(g):
         g, dtype=np.float32)
 
 
-def _or_scratch(dest, like):
-    # A kernel that always writes every gradient gets a throwaway buffer for unneeded ones.
-    return dest if dest is not None else np.zeros_like(like)
+def _or_scratch(dest, fresh, like):
+    # A kernel that always writes every gradient gets a throwaway buffer for unneeded
+    # ones, which it overwrites: -> (buffer, overwrite flag).
+    return (dest, fresh) if dest is not None else (np.empty_like(like), True)
 
 
 def encoder(ids, wte, wpe):
@@ -62,9 +67,10 @@ def encoder(ids, wte, wpe):
     return _constant(out)
 
 
-def _encoder_bwd(g, dests, ids, wte, wpe):
-    _layers.encoder_backward(_or_scratch(dests[1], wte), _or_scratch(dests[2], wpe),
-                             _contiguous(g), ids)
+def _encoder_bwd(g, dests, fresh, ids, wte, wpe):
+    dwte, ow_wte = _or_scratch(dests[1], fresh[1], wte)
+    dwpe, ow_wpe = _or_scratch(dests[2], fresh[2], wpe)
+    _layers.encoder_backward(dwte, dwpe, _contiguous(g), ids, overwrite=(ow_wte, ow_wpe))
 
 
 def layernorm(x, weight, bias):
@@ -80,10 +86,12 @@ def layernorm(x, weight, bias):
     return _constant(out)
 
 
-def _layernorm_bwd(g, dests, x, weight, mean, rstd):
-    _layers.layernorm_backward(_or_scratch(dests[0], x), _or_scratch(dests[1], weight),
-                               _or_scratch(dests[2], weight), _contiguous(g), x, weight,
-                               mean, rstd)
+def _layernorm_bwd(g, dests, fresh, x, weight, mean, rstd):
+    dx, ow_x = _or_scratch(dests[0], fresh[0], x)
+    dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
+    db, ow_b = _or_scratch(dests[2], fresh[2], weight)
+    _layers.layernorm_backward(dx, dw, db, _contiguous(g), x, weight, mean, rstd,
+                               overwrite=(ow_x, ow_w, ow_b))
 
 
 def gelu(x):
@@ -96,8 +104,8 @@ def gelu(x):
     return _constant(out)
 
 
-def _gelu_bwd(g, dests, x):
-    _layers.gelu_backward(dests[0], x, _contiguous(g))
+def _gelu_bwd(g, dests, fresh, x):
+    _layers.gelu_backward(dests[0], x, _contiguous(g), overwrite=fresh[0])
 
 
 def residual(x, y):
@@ -111,15 +119,18 @@ def residual(x, y):
     return _constant(out)
 
 
-def _residual_bwd(g, dests):
+def _residual_bwd(g, dests, fresh):
     g = _contiguous(g)
     dx, dy = dests
     if dx is not None and dy is not None and dx is not dy:
-        _layers.residual_backward(dx, dy, g)
+        _layers.residual_backward(dx, dy, g, overwrite=(fresh[0], fresh[1]))
         return
-    for d in dests:
+    for d, f in zip(dests, fresh):     # x + x: the first write, then the add
         if d is not None:
-            d += g
+            if f:
+                d[...] = g
+            else:
+                d += g
 
 
 def linear(x, weight, bias=None):
@@ -134,9 +145,10 @@ def linear(x, weight, bias=None):
     return _constant(out)
 
 
-def _linear_bwd(g, dests, x, weight):
-    _matmul.matmul_backward(dests[0], _or_scratch(dests[1], weight), dests[2],
-                            _contiguous(g), x, weight)
+def _linear_bwd(g, dests, fresh, x, weight):
+    dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
+    _matmul.matmul_backward(dests[0], dw, dests[2], _contiguous(g), x, weight,
+                            overwrite=(fresh[0], ow_w, fresh[2]))
 
 
 def attention(qkv, n_head):
@@ -154,8 +166,9 @@ def attention(qkv, n_head):
     return _constant(out)
 
 
-def _attention_bwd(g, dests, qkv, att, n_head):
-    _attention.attention_backward(dests[0], _contiguous(g), qkv, att, n_head)
+def _attention_bwd(g, dests, fresh, qkv, att, n_head):
+    _attention.attention_backward(dests[0], _contiguous(g), qkv, att, n_head,
+                                  overwrite=fresh[0])
 
 
 def softmax_cross_entropy(logits, targets, V=None):
@@ -184,10 +197,10 @@ def _softmax_cross_entropy_vjp(g, logits, lse, targets, V):
     return logits
 
 
-defvjp_accumulate(ENCODER, _encoder_bwd)
-defvjp_accumulate(LAYERNORM, _layernorm_bwd)
-defvjp_accumulate(GELU, _gelu_bwd)
-defvjp_accumulate(RESIDUAL, _residual_bwd)
-defvjp_accumulate(LINEAR, _linear_bwd)
-defvjp_accumulate(ATTENTION, _attention_bwd)
+defvjp_accumulate(ENCODER, _encoder_bwd, overwrite=True)
+defvjp_accumulate(LAYERNORM, _layernorm_bwd, overwrite=True)
+defvjp_accumulate(GELU, _gelu_bwd, overwrite=True)
+defvjp_accumulate(RESIDUAL, _residual_bwd, overwrite=True)
+defvjp_accumulate(LINEAR, _linear_bwd, overwrite=True)
+defvjp_accumulate(ATTENTION, _attention_bwd, overwrite=True)
 defvjp(SOFTMAX_CROSS_ENTROPY, _softmax_cross_entropy_vjp, None)

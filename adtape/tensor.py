@@ -16,6 +16,7 @@ their pushes and calls the primitive's rule.  Rules come from a registry
 """
 import contextlib
 import functools
+import weakref
 
 import numpy as np
 
@@ -49,8 +50,12 @@ class Primitive:
     tuple of gradients; or an accumulating ``bwd(g, dests, *res, **kw)`` that
     adds (+=) into preallocated gradient buffers (the kernel ops use it: their
     backward kernels accumulate in place, so nothing is allocated per step).
+    An accumulating rule registered with ``overwrite=True`` is called as
+    ``bwd(g, dests, fresh, *res, **kw)`` and must write (not add) ``dests[i]``
+    where ``fresh[i]``: that buffer holds no gradient yet, only garbage.
     """
-    __slots__ = ("name", "argnames", "fwd", "vjps", "bwd", "bwd_acc", "__weakref__")
+    __slots__ = ("name", "argnames", "fwd", "vjps", "bwd", "bwd_acc", "bwd_overwrite",
+                 "__weakref__")
 
     def __init__(self, name, argnames, fwd=None):
         self.name = name
@@ -59,6 +64,7 @@ class Primitive:
         self.vjps = None
         self.bwd = None
         self.bwd_acc = None
+        self.bwd_overwrite = False
 
     def __repr__(self):
         return f"<adtape primitive {self.name}({', '.join(self.argnames)})>"
@@ -127,15 +133,25 @@ def defvjp(prim, *pullbacks):
                          f"got {len(pullbacks)} pullbacks")
     prim.vjps = tuple(pullbacks) + (None,) * (len(prim.argnames) - len(pullbacks))
     prim.bwd = prim.bwd_acc = None
+    prim.bwd_overwrite = False
     return prim
 
 
-def defvjp_accumulate(prim, bwd):
+def defvjp_accumulate(prim, bwd, overwrite=False):
     """Register ``bwd(g, dests, *res, **kw)`` that adds each input's gradient into
-    ``dests[i]`` (a zero-initialised or running buffer; ``None`` if not needed)."""
+    ``dests[i]`` (a zero-initialised or running buffer; ``None`` if not needed).
+
+    With ``overwrite=True`` the rule is ``bwd(g, dests, fresh, *res, **kw)``: where
+    ``fresh[i]`` is true, ``dests[i]`` holds no gradient yet (a new ``np.empty``
+    buffer, or a leaf's ``.grad`` after ``zero_grad(deferred=True)``) and the rule
+    writes its result there instead of adding it, which saves zeroing the buffer
+    and reading it back.  Destinations are handed out in argument order, so when
+    two of them are one buffer only the first is fresh: write that one first.
+    """
     if not isinstance(prim, Primitive):
         raise TypeError(f"defvjp_accumulate needs an adtape Primitive, got {type(prim).__name__}")
     prim.bwd_acc = bwd
+    prim.bwd_overwrite = bool(overwrite)
     prim.vjps = prim.bwd = None
     return prim
 
@@ -155,6 +171,7 @@ class custom_vjp:
         self.prim.fwd = fwd
         self.prim.bwd = bwd
         self.prim.vjps = self.prim.bwd_acc = None
+        self.prim.bwd_overwrite = False
         return self
 
     def __call__(self, *args, **kwargs):
@@ -390,8 +407,20 @@ class Tensor:
         """The same array as a constant (no gradient flows through it)."""
         return _constant(self.data)
 
-    def zero_grad(self):
-        if self.grad is not None:
+    def zero_grad(self, deferred=False):
+        """Reset ``.grad`` to zero.
+
+        ``deferred=True`` does no pass over memory now: the gradient counts as zero
+        and the next backward that reaches this leaf writes over ``.grad`` instead of
+        adding to it (until then ``.grad`` keeps its old values).  A training step
+        that zeroes a large gradient arena every step saves that pass and the read
+        of the zeros in the backward kernels."""
+        if self.grad is None:
+            return
+        if deferred:
+            _deferred_zero.add(self)
+        else:
+            _deferred_zero.discard(self)
             self.grad[...] = 0
 
     # -- the reverse pass ----------------------------------------------------
@@ -419,6 +448,8 @@ class Tensor:
         if self._is_leaf:
             if self.grad is None:
                 self.grad = seed.copy()
+            elif _take_deferred(self):
+                self.grad[...] = seed
             else:
                 self.grad += seed
             return
@@ -579,6 +610,21 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
                         grads[ref] = r
                     else:
                         _accumulate(grads, owned, leaves, ref, r, shapes[j])
+            elif prim.bwd_overwrite:
+                dests = []
+                fresh = []
+                for j, ref in enumerate(refs):
+                    if ref is None:
+                        dests.append(None)
+                        fresh.append(False)
+                    else:
+                        d, f = _dest_fresh(grads, owned, leaves, ref, shapes[j], g.dtype)
+                        dests.append(d)
+                        fresh.append(f)
+                if kwargs:
+                    prim.bwd_acc(g, dests, fresh, *res, **kwargs)
+                else:
+                    prim.bwd_acc(g, dests, fresh, *res)
             elif prim.bwd_acc is not None:
                 dests = [None if ref is None else _dest(grads, owned, leaves, ref, shapes[j], g.dtype)
                          for j, ref in enumerate(refs)]
@@ -650,6 +696,8 @@ def _accumulate(grads, owned, leaves, ref, r, shape):
         lg = leaf.grad
         if lg is None:
             leaf.grad = np.array(r, dtype=leaf.data.dtype, copy=True)
+        elif _deferred_zero and _take_deferred(leaf):
+            lg[...] = r
         else:
             lg += r
 
@@ -670,7 +718,54 @@ def _dest(grads, owned, leaves, ref, shape, dtype):
     leaf = leaves[~ref]
     if leaf.grad is None:
         leaf.grad = np.zeros(leaf.data.shape, leaf.data.dtype)
+    elif _deferred_zero and _take_deferred(leaf):
+        leaf.grad[...] = 0
     return leaf.grad
+
+
+def _dest_fresh(grads, owned, leaves, ref, shape, dtype):
+    """``(buffer, fresh)`` for an overwriting rule: like ``_dest``, but a buffer that
+    holds no gradient yet comes back uninitialised with ``fresh`` true."""
+    if ref >= 0:
+        cur = grads[ref]
+        if cur is None:
+            cur = np.empty(shape, dtype)
+            grads[ref] = cur
+            owned[ref] = 1
+            return cur, True
+        if not owned[ref]:
+            cur = np.array(cur, dtype=dtype, copy=True)
+            grads[ref] = cur
+            owned[ref] = 1
+        return cur, False
+    leaf = leaves[~ref]
+    if leaf.grad is None:
+        leaf.grad = np.empty(leaf.data.shape, leaf.data.dtype)
+        return leaf.grad, True
+    if _deferred_zero and _take_deferred(leaf):
+        return leaf.grad, True
+    return leaf.grad, False
+
+
+# Leaves whose gradient counts as zero until the next backward writes it
+# (Tensor.zero_grad(deferred=True)).
+_deferred_zero = weakref.WeakSet()
+
+
+def _take_deferred(leaf):
+    """True (once) if ``leaf``'s gradient awaited a deferred zero."""
+    if leaf in _deferred_zero:
+        _deferred_zero.discard(leaf)
+        return True
+    return False
+
+
+def apply_deferred_zero(tensors):
+    """Zero now the ``.grad`` of every tensor in ``tensors`` still awaiting a deferred
+    zero (one no backward reached), so that its ``.grad`` reads as zeros."""
+    for t in tensors:
+        if _deferred_zero and _take_deferred(t):
+            t.grad[...] = 0
 
 
 def _install_default():

@@ -26,7 +26,8 @@ class ActivationArena:
     """Every activation and activation gradient of one (B, T) forward/backward, in one allocation.
 
     Forward buffers are overwritten every step.  The gradient buffers hold one
-    layer at a time and are zeroed before each backward kernel adds into them.
+    layer at a time; the first backward kernel into each writes it (its
+    ``overwrite`` flag), so none is zeroed.
     """
 
     def __init__(self, config, B, T):
@@ -81,7 +82,10 @@ class GPT2:
         init_gpt2_(self.params, seed)
         self.grads = ParamArena(config)
         self.grads.zero_()
-        self._grads_zero = True      # known to be all zeros (skip the next zero_grad)
+        # False: self.grads holds gradients the next backward adds to.  True: they
+        # count as zero (zero_grad, or a train_step's deferred zeroing) and the next
+        # backward writes over them instead - no pass over memory to zero them.
+        self._grads_fresh = True
         self.adam_m = ParamArena(config)
         self.adam_m.zero_()
         self.adam_v = ParamArena(config)
@@ -147,51 +151,53 @@ class GPT2:
     def loss_and_grad(self, inputs, targets):
         """Mean cross-entropy loss; its gradient is accumulated into ``self.grads``."""
         inputs, targets = self.check_batch(inputs, targets)
-        self._grads_zero = False
+        fresh, self._grads_fresh = self._grads_fresh, False
         if self.engine == "manual":
             B, T = inputs.shape
             a = self._activations(B, T)
             self._forward_manual(a, inputs, targets)
-            self._backward_manual(a, inputs, targets)
+            try:
+                self._backward_manual(a, inputs, targets, fresh)
+            except BaseException:
+                if fresh:       # part-written: make them zeros plus what was added
+                    self.zero_grad()
+                    self._grads_fresh = False
+                raise
             return float(a.losses.mean())
         if self._tape_engine is None:
             from gpt2.tape_engine import TapeEngine
             self._tape_engine = TapeEngine(self, self.tape_kwargs, self.checkpointing,
                                            self.snapshots)
-        return self._tape_engine.loss_and_grad(inputs, targets)
+        return self._tape_engine.loss_and_grad(inputs, targets, fresh)
 
-    def zero_grad(self):
-        optim.zero_grad(self.grads.flat)
-        self._grads_zero = True
+    def zero_grad(self, deferred=False):
+        """Zero the gradients; ``deferred=True`` only marks them as zero, and the next
+        backward writes over them instead of adding to them (no pass over memory;
+        ``self.grads`` keeps its old values until then)."""
+        if not deferred:
+            optim.zero_grad(self.grads.flat)
+        self._grads_fresh = True
 
     def clip_grad_norm(self, max_norm):
         """Scale gradients to global norm ``max_norm`` at most; returns the norm before."""
         return optim.clip_grad_norm(self.grads.flat, max_norm)
 
-    def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                   zero_grads=False):
-        """One AdamW update of every parameter (PyTorch semantics, decay on all of them).
-
-        ``zero_grads=True`` clears the gradients in the same pass over memory
-        (cheaper than a separate ``zero_grad`` before the next backward)."""
+    def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
+        """One AdamW update of every parameter (PyTorch semantics, decay on all of them)."""
         self.adam_step += 1
         optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat,
-                         self.adam_step, lr, beta1, beta2, eps, weight_decay,
-                         zero_grads=zero_grads)
-        if zero_grads:
-            self._grads_zero = True
+                         self.adam_step, lr, beta1, beta2, eps, weight_decay)
 
     def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None):
         """Zero grads, forward, backward, (clip), AdamW. Returns (loss, grad norm or None).
 
-        The zeroing is fused into the previous step's AdamW pass, so after a
-        ``train_step`` ``self.grads`` holds zeros, not this step's gradient; call
-        ``loss_and_grad`` and ``adamw_step`` separately to inspect gradients."""
-        if not self._grads_zero:
-            self.zero_grad()
+        The zeroing is deferred (``zero_grad(deferred=True)``): the backward kernels
+        write the gradients instead of adding them into zeros, which saves two passes
+        over the gradient arena.  After the step ``self.grads`` holds its gradient."""
+        self.zero_grad(deferred=True)
         loss = self.loss_and_grad(inputs, targets)
         norm = self.clip_grad_norm(grad_clip) if grad_clip else None
-        self.adamw_step(lr, weight_decay=weight_decay, zero_grads=True)
+        self.adamw_step(lr, weight_decay=weight_decay)
         return loss, norm
 
     def close(self):
@@ -226,45 +232,46 @@ class GPT2:
             loss_kernels.softmax_crossentropy_forward(a.losses, a.lse, a.logits, targets,
                                                       cfg.vocab_size)
 
-    def _backward_manual(self, a, inputs, targets):
+    def _backward_manual(self, a, inputs, targets, fresh=False):
+        # fresh: the parameter gradients count as zero, so each one's first write
+        # overwrites it.  Activation gradients are always written first, then added to.
         p, g, cfg = self.params, self.grads, self.config
         B, T = inputs.shape
         NH = cfg.n_head
-        a.d_residual.fill(0.0)
-        a.d_ln.fill(0.0)
         a.d_losses.fill(1.0 / (B * T))
         # dlogits overwrite the logits in place: they are not needed afterwards.
         loss_kernels.softmax_crossentropy_backward(a.logits, a.d_losses, a.logits, a.lse,
                                                    targets, cfg.vocab_size)
         dres = a.d_residual
-        matmul.matmul_backward(a.d_ln, g.wte, None, a.logits, a.lnf, p.wte)
+        matmul.matmul_backward(a.d_ln, g.wte, None, a.logits, a.lnf, p.wte,
+                               overwrite=(True, fresh, False))
         last = a.residual3[cfg.n_layer - 1] if cfg.n_layer else a.encoded
         layers.layernorm_backward(dres, g.lnfw, g.lnfb, a.d_ln, last, p.lnfw,
-                                  a.lnf_mean, a.lnf_rstd)
+                                  a.lnf_mean, a.lnf_rstd, overwrite=(True, fresh, fresh))
         for l in reversed(range(cfg.n_layer)):
             residual = a.residual3[l - 1] if l > 0 else a.encoded
             # residual3 = residual2 + fcproj: dres is the gradient of fcproj, and
             # layernorm-2's backward adds into it to make the gradient of residual2.
-            a.d_fch_gelu.fill(0.0)
             matmul.matmul_backward(a.d_fch_gelu, g.fcprojw[l], g.fcprojb[l], dres,
-                                   a.fch_gelu[l], p.fcprojw[l])
-            a.d_fch.fill(0.0)
-            layers.gelu_backward(a.d_fch, a.fch[l], a.d_fch_gelu)
-            a.d_ln.fill(0.0)
-            matmul.matmul_backward(a.d_ln, g.fcw[l], g.fcb[l], a.d_fch, a.ln2[l], p.fcw[l])
+                                   a.fch_gelu[l], p.fcprojw[l], overwrite=(True, fresh, fresh))
+            layers.gelu_backward(a.d_fch, a.fch[l], a.d_fch_gelu, overwrite=True)
+            matmul.matmul_backward(a.d_ln, g.fcw[l], g.fcb[l], a.d_fch, a.ln2[l], p.fcw[l],
+                                   overwrite=(True, fresh, fresh))
             layers.layernorm_backward(dres, g.ln2w[l], g.ln2b[l], a.d_ln, a.residual2[l],
-                                      p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l])
+                                      p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],
+                                      overwrite=(False, fresh, fresh))
             # residual2 = residual + attproj: the same again for the attention half.
-            a.d_atty.fill(0.0)
             matmul.matmul_backward(a.d_atty, g.attprojw[l], g.attprojb[l], dres,
-                                   a.atty[l], p.attprojw[l])
-            a.d_qkv.fill(0.0)
-            attention.attention_backward(a.d_qkv, a.d_atty, a.qkv[l], a.att[l], NH)
-            a.d_ln.fill(0.0)
-            matmul.matmul_backward(a.d_ln, g.qkvw[l], g.qkvb[l], a.d_qkv, a.ln1[l], p.qkvw[l])
+                                   a.atty[l], p.attprojw[l], overwrite=(True, fresh, fresh))
+            attention.attention_backward(a.d_qkv, a.d_atty, a.qkv[l], a.att[l], NH,
+                                         overwrite=True)
+            matmul.matmul_backward(a.d_ln, g.qkvw[l], g.qkvb[l], a.d_qkv, a.ln1[l], p.qkvw[l],
+                                   overwrite=(True, fresh, fresh))
             layers.layernorm_backward(dres, g.ln1w[l], g.ln1b[l], a.d_ln, residual,
-                                      p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l])
-        layers.encoder_backward(g.wte, g.wpe, dres, inputs)
+                                      p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
+                                      overwrite=(False, fresh, fresh))
+        # wte already holds the LM head's gradient: the lookup adds to it.
+        layers.encoder_backward(g.wte, g.wpe, dres, inputs, overwrite=(False, fresh))
 
 
 def time_training_step(config, B, T, repeats=3, engine="tape", seed=0, **model_kwargs):

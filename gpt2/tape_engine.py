@@ -16,7 +16,7 @@ import functools
 
 from adtape import nn
 from adtape.checkpointing import checkpoint, checkpoint_loop
-from adtape.tensor import OpTape, Tensor
+from adtape.tensor import OpTape, Tensor, apply_deferred_zero
 
 PER_LAYER = ("ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
              "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb")
@@ -79,12 +79,30 @@ class TapeEngine:
         losses = nn.softmax_cross_entropy(logits, targets, cfg.vocab_size)
         return losses.mean()
 
-    def loss_and_grad(self, inputs, targets):
-        with self.optape:
-            loss = self.forward_loss(inputs, targets)
-        self.last_forward_bytes = self.optape.tape.nbytes
-        loss.backward()
+    def loss_and_grad(self, inputs, targets, fresh=False):
+        """The mean loss; its gradient is added into the leaves' ``.grad`` (written over
+        them when ``fresh``: they count as zero)."""
+        leaves = self.leaves()
+        if fresh:
+            for leaf in leaves:
+                leaf.zero_grad(deferred=True)
+        try:
+            with self.optape:
+                loss = self.forward_loss(inputs, targets)
+            self.last_forward_bytes = self.optape.tape.nbytes
+            loss.backward()
+        finally:
+            # Any leaf the sweep did not reach (or all, if it failed) reads as zeros.
+            apply_deferred_zero(leaves)
         return float(loss.data)
+
+    def leaves(self):
+        """Every parameter leaf, in arena order."""
+        out = [self.wte, self.wpe]
+        for layer in self.layers:
+            out.extend(layer[name] for name in PER_LAYER)
+        out.extend((self.lnfw, self.lnfb))
+        return out
 
     def close(self):
         self.optape.close()

@@ -39,7 +39,9 @@ from kernels._openmp cimport omp_get_thread_num_safe
 
 import numpy as np
 
+from kernels.layers import overwrite_flags
 from kernels.matmul import check_array, resolve_threads
+from kernels.optim import zero_grad
 
 cnp.import_array()
 
@@ -426,9 +428,11 @@ def attention_forward(out, att, qkv, n_head, *, n_threads=None):
         attention_forward_c(out_p, att_p, qkv_p, B, T, C, NH, nt)
 
 
-def attention_backward(dqkv, dout, qkv, att, n_head, *, n_threads=None):
+def attention_backward(dqkv, dout, qkv, att, n_head, *, overwrite=False, n_threads=None):
     """Accumulate into dqkv (B, T, 3C) the gradient of attention_forward's out,
-    given dout (B, T, C), the forward's qkv and its saved att."""
+    given dout (B, T, C), the forward's qkv and its saved att (``overwrite``: dqkv
+    is set instead, whatever it held)."""
+    ow, = overwrite_flags(overwrite, ("dqkv",))
     cdef Py_ssize_t B, T, C, NH
     B, T, C, NH = _attention_shapes(qkv, n_head)
     check_array(qkv, "qkv", (B, T, 3 * C))
@@ -440,6 +444,9 @@ def attention_backward(dqkv, dout, qkv, att, n_head, *, n_threads=None):
     cdef float* dout_p = <float*>cnp.PyArray_DATA(dout)
     cdef float* att_p = <float*>cnp.PyArray_DATA(att)
     cdef float* qkv_p = <float*>cnp.PyArray_DATA(qkv)
+    if ow:
+        # The per-head kernels add into their slices of dqkv: start them from zero.
+        zero_grad(dqkv, n_threads=n_threads)
     with nogil:
         attention_backward_c(dqkv_p, dout_p, qkv_p, att_p, B, T, C, NH, nt)
 
@@ -526,8 +533,9 @@ def attention_forward_naive(out, att, qkv, n_head, *, n_threads=None):
         _forward_naive[double](out, att, qkv, NH)
 
 
-def attention_backward_naive(dqkv, dout, qkv, att, n_head, *, n_threads=None):
+def attention_backward_naive(dqkv, dout, qkv, att, n_head, *, overwrite=False, n_threads=None):
     """Plain-loop twin of ``attention_backward`` (serial; float32 or float64)."""
+    ow, = overwrite_flags(overwrite, ("dqkv",))
     B, T, C, NH = _attention_shapes(qkv, n_head)
     dt = _naive_dtype(qkv)
     check_array(qkv, "qkv", (B, T, 3 * C), dt)
@@ -535,6 +543,8 @@ def attention_backward_naive(dqkv, dout, qkv, att, n_head, *, n_threads=None):
     check_array(att, "att", (B, NH, T, T), dt)
     check_array(dqkv, "dqkv", (B, T, 3 * C), dt, writable=True)
     resolve_threads(n_threads)
+    if ow:
+        dqkv[...] = 0
     if dt[0] == np.float32:
         _backward_naive[float](dqkv, dout, qkv, att, NH)
     else:

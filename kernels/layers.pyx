@@ -181,6 +181,27 @@ cdef Py_ssize_t _check_pointwise(outputs, inputs, int ft) except -1:
     return first.size
 
 
+def overwrite_flags(overwrite, names):
+    """``overwrite`` for outputs ``names`` as a tuple of bools.
+
+    A backward kernel adds its result into each gradient output, unless that output
+    is flagged: then it writes the result over it (the buffer may hold anything, e.g.
+    ``np.empty``), which saves zeroing it first and reading it back."""
+    if isinstance(overwrite, (bool, np.bool_)):
+        return (bool(overwrite),) * len(names)
+    flags = tuple(overwrite)
+    if len(flags) != len(names) or not all(isinstance(f, (bool, np.bool_)) for f in flags):
+        raise ValueError(f"overwrite must be a bool or {len(names)} bools (for "
+                         f"{', '.join(names)}), got {overwrite!r}")
+    return tuple(bool(f) for f in flags)
+
+
+cdef void _zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
+        memset(buf + k * CHUNK, 0, min(<Py_ssize_t>CHUNK, n - k * CHUNK) * sizeof(float))
+
+
 cdef inline float* _f32(arr):
     return <float*>cnp.PyArray_DATA(<cnp.ndarray>arr)
 
@@ -230,8 +251,15 @@ cdef void _encoder_backward_slice(float* dwte, float* dwpe, const float* dout,
 
 
 cdef void encoder_backward_core(float* dwte, float* dwpe, const float* dout, const int32_t* ids,
-                                Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, int n_threads) noexcept nogil:
+                                Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, int n_threads,
+                                Py_ssize_t wte_rows, Py_ssize_t wpe_rows, bint ow_wte,
+                                bint ow_wpe) noexcept nogil:
+    # ow_wte / ow_wpe: zero that whole table first (it is scattered into).
     cdef Py_ssize_t s, c0, c1
+    if ow_wte:
+        _zero_core(dwte, wte_rows * C, n_threads)
+    if ow_wpe:
+        _zero_core(dwpe, wpe_rows * C, n_threads)
     cdef Py_ssize_t width = _slice_width(C, n_threads)
     cdef Py_ssize_t n_slices = (C + width - 1) // width
     for s in prange(n_slices, schedule='static', nogil=True, num_threads=n_threads):
@@ -255,10 +283,14 @@ def encoder_forward(out, ids, wte, wpe, *, n_threads=None):
         encoder_forward_core(o, idp, wtep, wpep, b, t, c, nt)
 
 
-def encoder_backward(dwte, dwpe, dout, ids, *, n_threads=None):
-    """dwte[ids[b, t]] += dout[b, t]; dwpe[t] += sum_b dout[b, t]."""
+def encoder_backward(dwte, dwpe, dout, ids, *, overwrite=False, n_threads=None):
+    """dwte[ids[b, t]] += dout[b, t]; dwpe[t] += sum_b dout[b, t].
+    ``overwrite`` (bool, or one per table): that table is set, not added to."""
     cdef int nt = resolve_threads(n_threads)
+    cdef bint ow_wte, ow_wpe
+    ow_wte, ow_wpe = overwrite_flags(overwrite, ("dwte", "dwpe"))
     B, T, C = _check_encoder_backward(dwte, dwpe, dout, ids, cnp.NPY_FLOAT32)
+    cdef Py_ssize_t wte_rows = dwte.shape[0], wpe_rows = dwpe.shape[0]
     nt = serial_if_small(nt, n_threads, B * T * C)
     cdef float* dwtep = _f32(dwte)
     cdef float* dwpep = _f32(dwpe)
@@ -266,7 +298,8 @@ def encoder_backward(dwte, dwpe, dout, ids, *, n_threads=None):
     cdef const int32_t* idp = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
     cdef Py_ssize_t b = B, t = T, c = C
     with nogil:
-        encoder_backward_core(dwtep, dwpep, doutp, idp, b, t, c, nt)
+        encoder_backward_core(dwtep, dwpep, doutp, idp, b, t, c, nt, wte_rows, wpe_rows, ow_wte,
+                              ow_wpe)
 
 
 def _encoder_forward_naive(floating[:, :, ::1] out, const int32_t[:, ::1] ids,
@@ -295,10 +328,14 @@ def encoder_forward_naive(out, ids, wte, wpe, *, n_threads=None):
     _encoder_forward_naive(out, ids, wte, wpe)
 
 
-def encoder_backward_naive(dwte, dwpe, dout, ids, *, n_threads=None):
+def encoder_backward_naive(dwte, dwpe, dout, ids, *, overwrite=False, n_threads=None):
     """Serial twin of encoder_backward (float32 or float64)."""
     resolve_threads(n_threads)
+    flags = overwrite_flags(overwrite, ("dwte", "dwpe"))
     _check_encoder_backward(dwte, dwpe, dout, ids, _float_type(dout))
+    for arr, flag in zip((dwte, dwpe), flags):
+        if flag:
+            arr[...] = 0
     _encoder_backward_naive(dwte, dwpe, dout, ids)
 
 
@@ -354,12 +391,13 @@ cdef extern from *:
         }
     }
 
-    /* Rows r0..r1 of the backward: dinp += ..., and this block's partial sums
-       part_w[c] = sum norm * dout, part_b[c] = sum dout (overwritten). */
+    /* Rows r0..r1 of the backward: dinp += ... (= when ow_dinp), and this block's
+       partial sums part_w[c] = sum norm * dout, part_b[c] = sum dout (overwritten). */
     ADT_MULTIVERSION
     static void ln_backward_rows(float* dinp, float* part_w, float* part_b, const float* dout,
                                  const float* inp, const float* weight, const float* mean,
-                                 const float* rstd, ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t C) {
+                                 const float* rstd, ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t C,
+                                 int ow_dinp) {
         memset(part_w, 0, C * sizeof(float));
         memset(part_b, 0, C * sizeof(float));
         for (ptrdiff_t r = r0; r < r1; r++) {
@@ -390,14 +428,15 @@ cdef extern from *:
                 adt_v8 norm = (adt_load(x + i) - mv) * sv;
                 adt_store(part_w + i, adt_load(part_w + i) + norm * dv);
                 adt_store(part_b + i, adt_load(part_b + i) + dv);
-                adt_store(dx + i, adt_load(dx + i)
-                                  + (adt_load(weight + i) * dv - mg - norm * mgn) * sv);
+                adt_v8 r = (adt_load(weight + i) * dv - mg - norm * mgn) * sv;
+                adt_store(dx + i, ow_dinp ? r : adt_load(dx + i) + r);
             }
             for (; i < C; i++) {
                 float norm = (x[i] - m) * s;
                 part_w[i] += norm * d[i];
                 part_b[i] += d[i];
-                dx[i] += (weight[i] * d[i] - mean_g - norm * mean_gn) * s;
+                float r = (weight[i] * d[i] - mean_g - norm * mean_gn) * s;
+                dx[i] = ow_dinp ? r : dx[i] + r;
             }
         }
     }
@@ -407,7 +446,8 @@ cdef extern from *:
                          Py_ssize_t C) nogil
     void ln_backward_rows(float* dinp, float* part_w, float* part_b, const float* dout,
                           const float* inp, const float* weight, const float* mean,
-                          const float* rstd, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t C) nogil
+                          const float* rstd, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t C,
+                          int ow_dinp) nogil
 
 
 cdef enum:
@@ -425,19 +465,28 @@ cdef void layernorm_forward_core(float* out, float* mean, float* rstd, const flo
 
 
 cdef void _reduce_blocks(float* dst, float* parts, Py_ssize_t n_blocks, Py_ssize_t C,
-                         Py_ssize_t c0, Py_ssize_t c1) noexcept nogil:
-    # dst[c] += sum over blocks of parts[block, c], blocks in order, for c in [c0, c1).
+                         Py_ssize_t c0, Py_ssize_t c1, bint overwrite) noexcept nogil:
+    # dst[c] += (= when overwrite) the sum over blocks of parts[block, c], blocks in
+    # order, for c in [c0, c1).
     cdef Py_ssize_t blk
     for blk in range(1, n_blocks):
         _accumulate(parts + c0, parts + blk * C + c0, c1 - c0)
-    _accumulate(dst + c0, parts + c0, c1 - c0)
+    if overwrite:
+        memcpy(dst + c0, parts + c0, (c1 - c0) * sizeof(float))
+    else:
+        _accumulate(dst + c0, parts + c0, c1 - c0)
 
 
 cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, const float* dout,
                                  const float* inp, const float* weight, const float* mean,
                                  const float* rstd, Py_ssize_t N, Py_ssize_t C,
-                                 int n_threads) except -1 nogil:
+                                 int n_threads, bint ow_dinp, bint ow_dweight,
+                                 bint ow_dbias) except -1 nogil:
     if N == 0:
+        if ow_dweight:
+            memset(dweight, 0, C * sizeof(float))
+        if ow_dbias:
+            memset(dbias, 0, C * sizeof(float))
         return 0
     # A count set by N alone (never by the thread count, so results do not depend on
     # it): up to LAYERNORM_ROW_BLOCKS, at least 64 rows each, so that zeroing and
@@ -452,14 +501,14 @@ cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, cons
     cdef Py_ssize_t blk, s, c0, c1
     for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
         ln_backward_rows(dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
-                         mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C)
+                         mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C, ow_dinp)
     cdef Py_ssize_t width = _slice_width(C, n_threads)
     cdef Py_ssize_t n_slices = (C + width - 1) // width
     for s in prange(n_slices, schedule='static', nogil=True, num_threads=n_threads):
         c0 = s * width
         c1 = min(C, c0 + width)
-        _reduce_blocks(dweight, parts, n_blocks, C, c0, c1)
-        _reduce_blocks(dbias, parts_b, n_blocks, C, c0, c1)
+        _reduce_blocks(dweight, parts, n_blocks, C, c0, c1, ow_dweight)
+        _reduce_blocks(dbias, parts_b, n_blocks, C, c0, c1, ow_dbias)
     free(parts)
     return 0
 
@@ -481,9 +530,13 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, *, n_threads=None):
         layernorm_forward_core(o, mp, rp, ip, wp, bp, n, c, nt)
 
 
-def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *, n_threads=None):
-    """Adds layernorm's gradients into dinp, dweight and dbias."""
+def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *,
+                       overwrite=False, n_threads=None):
+    """Adds layernorm's gradients into dinp, dweight and dbias (``overwrite``, a bool or
+    one per output: that output is set instead)."""
     cdef int nt = resolve_threads(n_threads)
+    cdef bint ow_i, ow_w, ow_b
+    ow_i, ow_w, ow_b = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     N, C = _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
                                      cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, N * C)
@@ -497,7 +550,7 @@ def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *, n
     cdef const float* rp = _f32(rstd)
     cdef Py_ssize_t n = N, c = C
     with nogil:
-        layernorm_backward_core(dip, dwp, dbp, dop, ip, wp, mp, rp, n, c, nt)
+        layernorm_backward_core(dip, dwp, dbp, dop, ip, wp, mp, rp, n, c, nt, ow_i, ow_w, ow_b)
 
 
 def _layernorm_forward_naive(floating[:, ::1] out, floating[::1] mean, floating[::1] rstd,
@@ -552,11 +605,16 @@ def layernorm_forward_naive(out, mean, rstd, inp, weight, bias, *, n_threads=Non
                              inp.reshape(N, C), weight, bias)
 
 
-def layernorm_backward_naive(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *, n_threads=None):
+def layernorm_backward_naive(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *,
+                             overwrite=False, n_threads=None):
     """Serial twin of layernorm_backward (float32 or float64)."""
     resolve_threads(n_threads)
+    flags = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     N, C = _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
                                      _float_type(inp))
+    for arr, flag in zip((dinp, dweight, dbias), flags):
+        if flag:
+            arr[...] = 0
     _layernorm_backward_naive(dinp.reshape(N, C), dweight, dbias, dout.reshape(N, C),
                               inp.reshape(N, C), weight, mean.reshape(N), rstd.reshape(N))
 
@@ -614,24 +672,29 @@ cdef extern from *:
 
     ADT_MULTIVERSION
     static void gelu_backward_span(float* dinp, const float* inp, const float* dout,
-                                   ptrdiff_t n) {
+                                   ptrdiff_t n, int overwrite) {
         ptrdiff_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            adt_store(dinp + i, adt_load(dinp + i)
-                                + gelu_backward8(adt_load(inp + i), adt_load(dout + i)));
+        if (overwrite)
+            for (; i + 8 <= n; i += 8)
+                adt_store(dinp + i, gelu_backward8(adt_load(inp + i), adt_load(dout + i)));
+        else
+            for (; i + 8 <= n; i += 8)
+                adt_store(dinp + i, adt_load(dinp + i)
+                                    + gelu_backward8(adt_load(inp + i), adt_load(dout + i)));
         if (i < n) {
             float x[8] = {0}, d[8] = {0}, y[8];
             memcpy(x, inp + i, (n - i) * sizeof(float));
             memcpy(d, dout + i, (n - i) * sizeof(float));
             adt_store(y, gelu_backward8(adt_load(x), adt_load(d)));
-            for (ptrdiff_t j = 0; j < n - i; j++) dinp[i + j] += y[j];
+            for (ptrdiff_t j = 0; j < n - i; j++) dinp[i + j] = overwrite ? y[j] : dinp[i + j] + y[j];
         }
     }
     """
     void _gelu_forward_span "gelu_forward_span" (float* out, const float* inp,
                                                  Py_ssize_t n) nogil
     void _gelu_backward_span "gelu_backward_span" (float* dinp, const float* inp,
-                                                   const float* dout, Py_ssize_t n) nogil
+                                                   const float* dout, Py_ssize_t n,
+                                                   int overwrite) nogil
 
 
 cdef void gelu_forward_core(float* out, const float* inp, Py_ssize_t n, int n_threads) noexcept nogil:
@@ -641,11 +704,11 @@ cdef void gelu_forward_core(float* out, const float* inp, Py_ssize_t n, int n_th
 
 
 cdef void gelu_backward_core(float* dinp, const float* inp, const float* dout, Py_ssize_t n,
-                             int n_threads) noexcept nogil:
+                             int n_threads, bint overwrite) noexcept nogil:
     cdef Py_ssize_t k
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
         _gelu_backward_span(dinp + k * CHUNK, inp + k * CHUNK, dout + k * CHUNK,
-                            min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+                            min(<Py_ssize_t>CHUNK, n - k * CHUNK), overwrite)
 
 
 def gelu_forward(out, inp, *, n_threads=None):
@@ -659,9 +722,11 @@ def gelu_forward(out, inp, *, n_threads=None):
         gelu_forward_core(o, ip, n, nt)
 
 
-def gelu_backward(dinp, inp, dout, *, n_threads=None):
-    """dinp += GELU'(inp) * dout."""
+def gelu_backward(dinp, inp, dout, *, overwrite=False, n_threads=None):
+    """dinp += GELU'(inp) * dout (``overwrite``: dinp = ...)."""
     cdef int nt = resolve_threads(n_threads)
+    cdef bint ow
+    ow, = overwrite_flags(overwrite, ("dinp",))
     cdef Py_ssize_t n = _check_pointwise((("dinp", dinp),), (("inp", inp), ("dout", dout)),
                                          cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, n)
@@ -669,7 +734,7 @@ def gelu_backward(dinp, inp, dout, *, n_threads=None):
     cdef const float* ip = _f32(inp)
     cdef const float* dop = _f32(dout)
     with nogil:
-        gelu_backward_core(dp, ip, dop, n, nt)
+        gelu_backward_core(dp, ip, dop, n, nt, ow)
 
 
 def _gelu_forward_naive(floating[::1] out, const floating[::1] inp):
@@ -697,10 +762,13 @@ def gelu_forward_naive(out, inp, *, n_threads=None):
     _gelu_forward_naive(out.reshape(-1), inp.reshape(-1))
 
 
-def gelu_backward_naive(dinp, inp, dout, *, n_threads=None):
+def gelu_backward_naive(dinp, inp, dout, *, overwrite=False, n_threads=None):
     """Serial twin of gelu_backward, written with tanh (float32 or float64)."""
     resolve_threads(n_threads)
+    ow, = overwrite_flags(overwrite, ("dinp",))
     _check_pointwise((("dinp", dinp),), (("inp", inp), ("dout", dout)), _float_type(inp))
+    if ow:
+        dinp[...] = 0
     _gelu_backward_naive(dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1))
 
 
@@ -715,20 +783,21 @@ cdef void residual_forward_core(float* out, const float* inp1, const float* inp2
                   min(<Py_ssize_t>CHUNK, n - k * CHUNK))
 
 
-cdef void _residual_backward_span(float* dinp1, float* dinp2, const float* dout,
-                                  Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(n):
-        dinp1[i] = dinp1[i] + dout[i]
-        dinp2[i] = dinp2[i] + dout[i]
+cdef void _residual_backward_one(float* dinp, const float* dout, Py_ssize_t n,
+                                 bint overwrite) noexcept nogil:
+    if overwrite:
+        memcpy(dinp, dout, n * sizeof(float))
+    else:
+        _accumulate(dinp, dout, n)
 
 
 cdef void residual_backward_core(float* dinp1, float* dinp2, const float* dout, Py_ssize_t n,
-                                 int n_threads) noexcept nogil:
-    cdef Py_ssize_t k
+                                 int n_threads, bint ow1, bint ow2) noexcept nogil:
+    cdef Py_ssize_t k, m
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        _residual_backward_span(dinp1 + k * CHUNK, dinp2 + k * CHUNK, dout + k * CHUNK,
-                                min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+        m = min(<Py_ssize_t>CHUNK, n - k * CHUNK)
+        _residual_backward_one(dinp1 + k * CHUNK, dout + k * CHUNK, m, ow1)
+        _residual_backward_one(dinp2 + k * CHUNK, dout + k * CHUNK, m, ow2)
 
 
 def residual_forward(out, inp1, inp2, *, n_threads=None):
@@ -744,9 +813,11 @@ def residual_forward(out, inp1, inp2, *, n_threads=None):
         residual_forward_core(o, p1, p2, n, nt)
 
 
-def residual_backward(dinp1, dinp2, dout, *, n_threads=None):
-    """dinp1 += dout; dinp2 += dout."""
+def residual_backward(dinp1, dinp2, dout, *, overwrite=False, n_threads=None):
+    """dinp1 += dout; dinp2 += dout (``overwrite``, a bool or one per output: =)."""
     cdef int nt = resolve_threads(n_threads)
+    cdef bint ow1, ow2
+    ow1, ow2 = overwrite_flags(overwrite, ("dinp1", "dinp2"))
     cdef Py_ssize_t n = _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),),
                                          cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, n)
@@ -756,7 +827,7 @@ def residual_backward(dinp1, dinp2, dout, *, n_threads=None):
     cdef float* d2 = _f32(dinp2)
     cdef const float* dop = _f32(dout)
     with nogil:
-        residual_backward_core(d1, d2, dop, n, nt)
+        residual_backward_core(d1, d2, dop, n, nt, ow1, ow2)
 
 
 def _residual_forward_naive(floating[::1] out, const floating[::1] inp1, const floating[::1] inp2):
@@ -779,10 +850,14 @@ def residual_forward_naive(out, inp1, inp2, *, n_threads=None):
     _residual_forward_naive(out.reshape(-1), inp1.reshape(-1), inp2.reshape(-1))
 
 
-def residual_backward_naive(dinp1, dinp2, dout, *, n_threads=None):
+def residual_backward_naive(dinp1, dinp2, dout, *, overwrite=False, n_threads=None):
     """Serial twin of residual_backward (float32 or float64)."""
     resolve_threads(n_threads)
+    flags = overwrite_flags(overwrite, ("dinp1", "dinp2"))
     _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),), _float_type(dout))
     if dinp1 is dinp2:
         raise ValueError("dinp1 and dinp2 must be different arrays")
+    for arr, flag in zip((dinp1, dinp2), flags):
+        if flag:
+            arr[...] = 0
     _residual_backward_naive(dinp1.reshape(-1), dinp2.reshape(-1), dout.reshape(-1))

@@ -19,6 +19,7 @@ from kernels.gemm cimport gemm
 import numpy as np
 
 from kernels import threads
+from kernels.layers import overwrite_flags
 
 cnp.import_array()
 
@@ -37,7 +38,8 @@ cdef void matmul_forward_c(float* out, const float* inp, const float* weight,
 
 
 cdef inline void _dbias_block(float* dbias, const float* dout, Py_ssize_t N,
-                              Py_ssize_t OC, Py_ssize_t o0, Py_ssize_t width) noexcept nogil:
+                              Py_ssize_t OC, Py_ssize_t o0, Py_ssize_t width,
+                              bint overwrite) noexcept nogil:
     # float64 accumulation: N is B*T (8192 for GPT-2 at T=1024), long enough for
     # a float32 running sum to lose digits.
     cdef double acc[DBIAS_BLOCK]
@@ -50,17 +52,22 @@ cdef inline void _dbias_block(float* dbias, const float* dout, Py_ssize_t N,
         for j in range(width):
             acc[j] += row[j]
     for j in range(width):
-        dbias[o0 + j] += <float>acc[j]
+        dbias[o0 + j] = <float>acc[j] if overwrite else dbias[o0 + j] + <float>acc[j]
 
 
 cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
                             const float* dout, const float* inp, const float* weight,
                             Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
-                            int n_threads) noexcept nogil:
+                            int n_threads, bint ow_dinp, bint ow_dweight,
+                            bint ow_dbias) noexcept nogil:
+    # ow_*: write that gradient instead of adding into it (beta 0: its old contents
+    # are never read, which also saves zeroing it beforehand).
     cdef Py_ssize_t blk, n_blocks, o0
     if dinp != NULL:
-        gemm(False, False, N, C, OC, 1.0, dout, OC, weight, C, 1.0, dinp, C, NULL, n_threads)
-    gemm(True, False, OC, C, N, 1.0, dout, OC, inp, C, 1.0, dweight, C, NULL, n_threads)
+        gemm(False, False, N, C, OC, 1.0, dout, OC, weight, C, 0.0 if ow_dinp else 1.0,
+             dinp, C, NULL, n_threads)
+    gemm(True, False, OC, C, N, 1.0, dout, OC, inp, C, 0.0 if ow_dweight else 1.0,
+         dweight, C, NULL, n_threads)
     if dbias == NULL:
         return
     if N * OC < DBIAS_PARALLEL_MIN:
@@ -68,7 +75,7 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
     n_blocks = (OC + DBIAS_BLOCK - 1) // DBIAS_BLOCK
     for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
         o0 = blk * DBIAS_BLOCK
-        _dbias_block(dbias, dout, N, OC, o0, min(<Py_ssize_t>DBIAS_BLOCK, OC - o0))
+        _dbias_block(dbias, dout, N, OC, o0, min(<Py_ssize_t>DBIAS_BLOCK, OC - o0), ow_dbias)
 
 
 # ---------------------------------------------------------------- Python boundary
@@ -144,11 +151,16 @@ def matmul_forward(out, inp, weight, bias, *, n_threads=None):
         matmul_forward_c(out_p, inp_p, w_p, b_p, N, C, OC, nt)
 
 
-def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, n_threads=None):
+def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
+                    n_threads=None):
     """Accumulate the gradients of ``out = inp @ weight.T + bias``:
     dinp += dout @ weight (skipped when dinp is None), dweight += dout.T @ inp,
-    dbias += dout summed over rows (skipped when dbias is None)."""
+    dbias += dout summed over rows (skipped when dbias is None).
+    ``overwrite`` (a bool, or one each for dinp, dweight, dbias): that gradient is
+    set instead, its old contents never read."""
     cdef Py_ssize_t N, C, OC
+    cdef bint ow_i, ow_w, ow_b
+    ow_i, ow_w, ow_b = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     lead, N, C, OC = _matmul_shapes(inp, weight)
     check_array(inp, "inp", lead + (C,))
     check_array(weight, "weight", (OC, C))
@@ -166,7 +178,8 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, n_threads=None):
     cdef float* inp_p = _ptr(inp)
     cdef float* w_p = _ptr(weight)
     with nogil:
-        matmul_backward_c(dinp_p, dw_p, db_p, dout_p, inp_p, w_p, N, C, OC, nt)
+        matmul_backward_c(dinp_p, dw_p, db_p, dout_p, inp_p, w_p, N, C, OC, nt, ow_i, ow_w,
+                          ow_b)
 
 
 # ---------------------------------------------------------------- naive twins
@@ -228,8 +241,10 @@ def matmul_forward_naive(out, inp, weight, bias, *, n_threads=None):
                                bias_or_dummy, bias is not None)
 
 
-def matmul_backward_naive(dinp, dweight, dbias, dout, inp, weight, *, n_threads=None):
+def matmul_backward_naive(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
+                          n_threads=None):
     """Plain-loop twin of ``matmul_backward`` (serial; float32 or float64)."""
+    flags = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     lead, N, C, OC = _matmul_shapes(inp, weight)
     dt = _naive_dtype(inp)
     check_array(inp, "inp", lead + (C,), dt)
@@ -241,6 +256,9 @@ def matmul_backward_naive(dinp, dweight, dbias, dout, inp, weight, *, n_threads=
     if dbias is not None:
         check_array(dbias, "dbias", (OC,), dt, writable=True)
     resolve_threads(n_threads)
+    for arr, flag in zip((dinp, dweight, dbias), flags):
+        if flag and arr is not None:
+            arr[...] = 0
     dummy = np.zeros(1, dt[0])
     dinp2 = dinp.reshape(N, C) if dinp is not None else np.zeros((1, 1), dt[0])
     dbias1 = dbias if dbias is not None else dummy

@@ -153,7 +153,7 @@ RSS_PROGRAM = textwrap.dedent("""
             time.sleep(0.001)
     with ad.OpTape(memory_budget=budget, spill_dir=sys.argv[2]) as t:
         base = proc.memory_info().rss
-        thread = threading.Thread(target=sample)
+        thread = threading.Thread(target=sample, daemon=True)
         thread.start()
         x = ad.Tensor(x0, requires_grad=True)
         w = ad.Tensor(W, requires_grad=True)

@@ -29,7 +29,7 @@ def sample():
     while not done.is_set():
         peak = max(peak, proc.memory_info().rss)
         time.sleep(0.001)
-sampler = threading.Thread(target=sample)
+sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
 losses = [model.train_step(x, y, lr=1e-3, weight_decay=0.1)[0] for _ in range(3)]
 done.set()
@@ -44,7 +44,8 @@ def run(budget, spill_dir):
     roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(roots))
     out = subprocess.run([sys.executable, "-c", RUN.format(spill_dir=str(spill_dir)), str(budget)],
-                         capture_output=True, text=True, env=env, check=True, cwd=spill_dir)
+                         capture_output=True, text=True, env=env, check=True, cwd=spill_dir,
+                         timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
