@@ -249,12 +249,14 @@ def test_hf_conv1d_weights_act_like_our_linear_layers(tmp_path):
     path = tmp_path / "m.safetensors"
     export_hf_gpt2(path, params)
     st = SafetensorsFile(path)
-    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
-    np.testing.assert_allclose(x @ st.read("h.1.attn.c_attn.weight") + st.read("h.1.attn.c_attn.bias"),
-                               x @ params.qkvw[1].T + params.qkvb[1], rtol=1e-6)
-    h = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
-    np.testing.assert_allclose(h @ st.read("h.0.mlp.c_proj.weight"), h @ params.fcprojw[0].T,
-                               rtol=1e-6)
+    # In float64 so that the two BLAS summation orders agree to rounding.
+    f64 = lambda a: np.asarray(a, dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((3, 16))
+    np.testing.assert_allclose(x @ f64(st.read("h.1.attn.c_attn.weight")) + f64(st.read("h.1.attn.c_attn.bias")),
+                               x @ f64(params.qkvw[1]).T + f64(params.qkvb[1]), rtol=1e-12, atol=1e-12)
+    h = np.random.default_rng(1).standard_normal((3, 64))
+    np.testing.assert_allclose(h @ f64(st.read("h.0.mlp.c_proj.weight")), h @ f64(params.fcprojw[0]).T,
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_hf_import_prefix_buffers_tied_head_and_half_precision(tmp_path):
