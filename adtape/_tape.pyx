@@ -25,6 +25,8 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset, strncpy, strerror
+
+from kernels._openmp cimport par_memcpy
 from posix.types cimport off_t
 
 import atexit
@@ -736,7 +738,7 @@ cdef int write_bytes(TapeStruct* t, const char* src, size_t n) noexcept nogil:
             continue
         c = room if room < n else n
         if src != NULL:
-            memcpy(t.top, src, c)
+            par_memcpy(t.top, src, c)
             src += c
         else:
             memset(t.top, 0, c)
@@ -764,7 +766,7 @@ cdef int read_bytes(TapeStruct* t, char* dst, size_t n, size_t* done) noexcept n
         t.top -= c
         n -= c
         if dst != NULL:
-            memcpy(dst + n, t.top, c)
+            par_memcpy(dst + n, t.top, c)
         done[0] += c
     return 0
 

@@ -4,3 +4,4 @@
 cdef int omp_get_max_threads_safe() noexcept nogil
 cdef int omp_get_thread_num_safe() noexcept nogil
 cdef void omp_set_num_threads_safe(int n) noexcept nogil
+cdef void par_memcpy(char* dst, const char* src, size_t n) noexcept nogil

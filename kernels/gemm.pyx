@@ -28,157 +28,99 @@ cdef extern from "simd.h":
 
 cdef extern from *:
     """
-    /* Products with few rows (M <= SKINNY_MAX_M = 64: a forward or input-gradient
-       product at small B*T) stream the weight matrix once without packing it.
-       BLAS packs both operands first, and at 16 rows every packed weight element
-       is used only 16 times, so packing costs about as much as the arithmetic:
-       OpenBLAS reached 67 GFLOP/s here, a third of this machine's sgemm peak. */
+    /* The skinny kernels (kernels/skinny.h) in eight lanes, as target clones, and
+       in sixteen for CPUs with AVX-512; the entry points below pick one. */
+    #define SK_SUFFIX v8
+    #define SK_VT adt_v8
+    #define SK_W 8
+    #define SK_LOAD(p) adt_load(p)
+    #define SK_STORE(p, v) adt_store(p, v)
+    #define SK_HSUM(v) adt_hsum(v)
+    #define SK_ATTR ADT_MULTIVERSION
+    #include "skinny.h"
+    #undef SK_SUFFIX
+    #undef SK_VT
+    #undef SK_W
+    #undef SK_LOAD
+    #undef SK_STORE
+    #undef SK_HSUM
+    #undef SK_ATTR
+    #if ADT_HAVE_V4
+    #define SK_SUFFIX v16
+    #define SK_VT adt_v16
+    #define SK_W 16
+    #define SK_LOAD(p) adt_load16(p)
+    #define SK_STORE(p, v) adt_store16(p, v)
+    #define SK_HSUM(v) adt_hsum16(v)
+    #define SK_ATTR ADT_TARGET_V4
+    #include "skinny.h"
+    #undef SK_SUFFIX
+    #undef SK_VT
+    #undef SK_W
+    #undef SK_LOAD
+    #undef SK_STORE
+    #undef SK_HSUM
+    #undef SK_ATTR
+    static int sk_narrow = 0;     /* set_skinny_lanes(8): the eight-lane kernels anyway */
+    #define SK_WIDE (!sk_narrow && adt_cpu_v4())
+    static int skinny_set_narrow(int narrow) { int old = sk_narrow; sk_narrow = narrow; return old; }
+    #else
+    static int skinny_set_narrow(int narrow) { (void)narrow; return 1; }
+    #define SK_WIDE 0
+    #endif
 
-    /* C[i, j] (+)= alpha * sum_p A[i, p] B[j, p]  for i < M, j0 <= j < j1:
-       4 rows of A against 3 rows of B, eight lanes along p, a horizontal sum
-       per output at the end.  Rows past the edge repeat the last valid row:
-       computed, never stored. */
-    ADT_MULTIVERSION
+    /* The most rows skinny_nt takes (up to m): with sixteen lanes its 4 x 3 tiles
+       read A from L2 faster than L1 serves them past 24 rows, and BLAS is faster
+       there (measured on a Xeon with AVX-512: 24% slower at 32 rows, 67% at 64). */
+    static ptrdiff_t skinny_nt_limit(ptrdiff_t m) {
+        return SK_WIDE && m > 24 ? 24 : m;
+    }
+
+    /* C[i, j] (+)= alpha * sum_p A[i, p] B[j, p]  for i < M, j0 <= j < j1. */
     static void skinny_nt(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
                           const float* A, ptrdiff_t lda, const float* B, ptrdiff_t ldb,
                           int accumulate, float* C, ptrdiff_t ldc) {
-        ptrdiff_t K8 = K & ~(ptrdiff_t)7;
-        for (ptrdiff_t j = j0; j < j1; j += 3) {
-            ptrdiff_t nr = j1 - j < 3 ? j1 - j : 3;
-            const float* b[3] = {B + j * ldb, B + (j + (nr > 1)) * ldb,
-                                 B + (j + (nr > 2 ? 2 : nr - 1)) * ldb};
-            for (ptrdiff_t i = 0; i < M; i += 4) {
-                ptrdiff_t mr = M - i < 4 ? M - i : 4;
-                const float* a[4] = {A + i * lda, A + (i + (mr > 1)) * lda,
-                                     A + (i + (mr > 2 ? 2 : mr - 1)) * lda,
-                                     A + (i + (mr > 3 ? 3 : mr - 1)) * lda};
-                /* While the 4-row blocks of A run over these rows of B (from L1),
-                   fetch the next rows of B, one per block, ahead of the streamer. */
-                const float* pf = B + (j + 3 + (i / 4) % 3) * ldb;
-                adt_v8 c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
-                adt_v8 c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
-                for (ptrdiff_t p = 0; p < K8; p += 8) {
-                    __builtin_prefetch(pf + p);
-                    adt_v8 b0 = adt_load(b[0] + p), b1 = adt_load(b[1] + p);
-                    adt_v8 b2 = adt_load(b[2] + p);
-                    adt_v8 x = adt_load(a[0] + p);
-                    c00 += x * b0; c01 += x * b1; c02 += x * b2;
-                    x = adt_load(a[1] + p);
-                    c10 += x * b0; c11 += x * b1; c12 += x * b2;
-                    x = adt_load(a[2] + p);
-                    c20 += x * b0; c21 += x * b1; c22 += x * b2;
-                    x = adt_load(a[3] + p);
-                    c30 += x * b0; c31 += x * b1; c32 += x * b2;
-                }
-                float s[4][3] = {
-                    {adt_hsum(c00), adt_hsum(c01), adt_hsum(c02)},
-                    {adt_hsum(c10), adt_hsum(c11), adt_hsum(c12)},
-                    {adt_hsum(c20), adt_hsum(c21), adt_hsum(c22)},
-                    {adt_hsum(c30), adt_hsum(c31), adt_hsum(c32)}};
-                for (ptrdiff_t p = K8; p < K; p++)
-                    for (int r = 0; r < 4; r++)
-                        for (int c = 0; c < 3; c++)
-                            s[r][c] += a[r][p] * b[c][p];
-                for (ptrdiff_t r = 0; r < mr; r++) {
-                    float* row = C + (i + r) * ldc + j;
-                    for (ptrdiff_t c = 0; c < nr; c++)
-                        row[c] = accumulate ? row[c] + alpha * s[r][c] : alpha * s[r][c];
-                }
-            }
+    #if ADT_HAVE_V4
+        if (SK_WIDE) {
+            skinny_nt_v16(M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc);
+            return;
         }
+    #endif
+        skinny_nt_v8(M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc);
     }
 
-    #define SKINNY_NN_KC 128
-    /* Floats from one strip of the panel to the next: one cache line more than
-       the strip, so the strips do not all map to the same L1 sets. */
-    #define SKINNY_NN_STRIP (24 * SKINNY_NN_KC + 16)
-
-    /* C[i, j] (+)= alpha * sum_p A[i, p] B[p, j]  for i < M, j0 <= j < j1:
-       4 rows of C by 24 columns (three 8-lane vectors) held in registers while p
-       runs over a depth block of 256 rows of B (16 KiB of a 24-column strip,
-       reused from L1 by every row block).  Columns past the last full strip
-       take a scalar loop. */
-    ADT_MULTIVERSION
-    static void skinny_nn(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
-                          const float* A, ptrdiff_t lda, const float* B, ptrdiff_t ldb,
-                          int accumulate, float* C, ptrdiff_t ldc, float* panel) {
-        ptrdiff_t nfull = (j1 - j0) / 24 * 24, jfull = j0 + nfull;
-        for (ptrdiff_t p0 = 0; p0 < K; p0 += SKINNY_NN_KC) {
-            ptrdiff_t kc = K - p0 < SKINNY_NN_KC ? K - p0 : SKINNY_NN_KC;
-            int acc = accumulate || p0 > 0;
-            /* Copy the depth block, row by row (sequential reads the prefetchers
-               follow), into 24-column strips, each contiguous: read in place, a
-               strip's rows (a multiple of 1 KiB apart in GPT-2's weights) would
-               fall into a few L1 sets and evict each other between row blocks. */
-            for (ptrdiff_t p = 0; p < kc; p++) {
-                const float* src = B + (p0 + p) * ldb + j0;
-                for (ptrdiff_t s = 0; s < nfull; s += 24) {
-                    float* dst = panel + s / 24 * SKINNY_NN_STRIP + 24 * p;
-                    adt_store(dst, adt_load(src + s));
-                    adt_store(dst + 8, adt_load(src + s + 8));
-                    adt_store(dst + 16, adt_load(src + s + 16));
-                }
-            }
-            for (ptrdiff_t j = j0; j < jfull; j += 24) {
-                for (ptrdiff_t i = 0; i < M; i += 4) {
-                    ptrdiff_t mr = M - i < 4 ? M - i : 4;
-                    const float* a0 = A + i * lda + p0;
-                    const float* a1 = A + (i + (mr > 1)) * lda + p0;
-                    const float* a2 = A + (i + (mr > 2 ? 2 : mr - 1)) * lda + p0;
-                    const float* a3 = A + (i + (mr > 3 ? 3 : mr - 1)) * lda + p0;
-                    const float* bp = panel + (j - j0) / 24 * SKINNY_NN_STRIP;
-                    /* The first row block also fetches this strip's rows of the next
-                       depth block, so the copy above finds them in cache (the others
-                       prefetch their own panel rows: harmless, and no branch). */
-                    int ahead = i == 0 && p0 + kc < K;
-                    const float* pf = ahead ? B + (p0 + kc) * ldb + j : bp;
-                    ptrdiff_t pf_step = ahead ? ldb : 24;
-                    adt_v8 c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
-                    adt_v8 c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
-                    for (ptrdiff_t p = 0; p < kc; p++, bp += 24, pf += pf_step) {
-                        __builtin_prefetch(pf);
-                        __builtin_prefetch(pf + 23);
-                        adt_v8 b0 = adt_load(bp), b1 = adt_load(bp + 8), b2 = adt_load(bp + 16);
-                        /* scalar * vector: gcc broadcasts with one vbroadcastss */
-                        float x = a0[p];
-                        c00 += x * b0; c01 += x * b1; c02 += x * b2;
-                        x = a1[p];
-                        c10 += x * b0; c11 += x * b1; c12 += x * b2;
-                        x = a2[p];
-                        c20 += x * b0; c21 += x * b1; c22 += x * b2;
-                        x = a3[p];
-                        c30 += x * b0; c31 += x * b1; c32 += x * b2;
-                    }
-                    adt_v8 t[4][3] = {{c00, c01, c02}, {c10, c11, c12},
-                                      {c20, c21, c22}, {c30, c31, c32}};
-                    for (ptrdiff_t r = 0; r < mr; r++) {
-                        float* row = C + (i + r) * ldc + j;
-                        for (int v = 0; v < 3; v++)
-                            adt_store(row + 8 * v, acc ? adt_load(row + 8 * v) + alpha * t[r][v]
-                                                       : alpha * t[r][v]);
-                    }
-                }
-            }
-            for (ptrdiff_t i = 0; i < M; i++)
-                for (ptrdiff_t j = jfull; j < j1; j++) {
-                    float s = 0.0f;
-                    for (ptrdiff_t p = p0; p < p0 + kc; p++) s += A[i * lda + p] * B[p * ldb + j];
-                    C[i * ldc + j] = acc ? C[i * ldc + j] + alpha * s : alpha * s;
-                }
-        }
-    }
-
-    /* skinny_nn with its panel on the heap; returns -1 (nothing written) when
-       malloc fails, so the caller can fall back to BLAS. */
+    /* C[i, j] (+)= alpha * sum_p A[i, p] B[p, j]  for i < M, j0 <= j < j1, with the
+       kernel's panel on the heap; returns -1 (nothing written) when malloc fails,
+       so the caller can fall back to BLAS. */
     static int skinny_nn_alloc(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K,
                                float alpha, const float* A, ptrdiff_t lda, const float* B,
                                ptrdiff_t ldb, int accumulate, float* C, ptrdiff_t ldc) {
-        size_t n = (size_t)SKINNY_NN_STRIP * (size_t)((j1 - j0) / 24 + 1);
+        int wide = SK_WIDE;
+        size_t cols = wide ? 48 : 24;
+        size_t n = (cols * SKINNY_NN_KC + 16) * (size_t)((j1 - j0) / cols + 1);
         float* panel = (float*)aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
         if (panel == NULL) return -1;
-        skinny_nn(M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc, panel);
+    #if ADT_HAVE_V4
+        if (wide)
+            skinny_nn_v16(M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc, panel);
+        else
+    #endif
+            skinny_nn_v8(M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc, panel);
         free(panel);
         return 0;
+    }
+
+    /* C[i, j] (+)= alpha * sum_p A[p, i] B[p, j]  for i0 <= i < i1, j0 <= j < j1. */
+    static void skinny_tn(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K,
+                          float alpha, const float* A, ptrdiff_t lda, const float* B,
+                          ptrdiff_t ldb, int accumulate, float* C, ptrdiff_t ldc) {
+    #if ADT_HAVE_V4
+        if (SK_WIDE) {
+            skinny_tn_v16(i0, i1, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc);
+            return;
+        }
+    #endif
+        skinny_tn_v8(i0, i1, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc);
     }
     """
     void skinny_nt(Py_ssize_t M, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t K, float alpha,
@@ -187,6 +129,12 @@ cdef extern from *:
     int skinny_nn_alloc(Py_ssize_t M, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t K,
                         float alpha, const float* A, Py_ssize_t lda, const float* B,
                         Py_ssize_t ldb, int accumulate, float* C, Py_ssize_t ldc) nogil
+    Py_ssize_t skinny_nt_limit(Py_ssize_t m) nogil
+    int skinny_set_narrow(int narrow) nogil
+    int adt_cpu_v4() nogil
+    void skinny_tn(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t K,
+                   float alpha, const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb,
+                   int accumulate, float* C, Py_ssize_t ldc) nogil
 
 # Products with at most this many rows (and no transposed A) use the skinny kernels.
 SKINNY_MAX_M = 64
@@ -200,6 +148,27 @@ def set_skinny_max_m(Py_ssize_t m):
     global _skinny_max_m
     old = _skinny_max_m
     _skinny_max_m = m
+    return old
+
+
+def skinny_lanes():
+    """Vector lanes of the skinny kernels on this CPU: 16 with AVX-512, else 8."""
+    cdef int narrow = skinny_set_narrow(1)
+    skinny_set_narrow(narrow)
+    return 8 if narrow or not adt_cpu_v4() else 16
+
+
+def set_skinny_lanes(int lanes):
+    """Run the skinny kernels in ``lanes`` (8, or 16 where the CPU has AVX-512).
+
+    For tests and benchmarks, so that both widths are checked on a machine with
+    both; not thread-safe against running kernels.  Returns the previous width."""
+    if lanes not in (8, 16):
+        raise ValueError(f"lanes must be 8 or 16, got {lanes!r}")
+    if lanes == 16 and not adt_cpu_v4():
+        raise ValueError("16 lanes need a CPU with AVX-512 (x86-64-v4)")
+    old = skinny_lanes()
+    skinny_set_narrow(lanes == 8)
     return old
 
 
@@ -228,13 +197,30 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
                  float alpha, const float* A, Py_ssize_t lda, const float* B,
                  Py_ssize_t ldb, float beta, float* C, Py_ssize_t ldc, const float* bias,
                  bint by_columns, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
-    cdef Py_ssize_t i, j
+    cdef Py_ssize_t i, j, r0, r1, c0, c1
     cdef float* row
     if hi <= lo:
         return
+    if trans_a and not trans_b and K <= _skinny_max_m and (beta == 0.0 or beta == 1.0):
+        # A small-depth transposed product (dW at few tokens): rows or columns lo:hi.
+        if by_columns:
+            skinny_tn(0, M, lo, hi, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
+        else:
+            skinny_tn(lo, hi, 0, N, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
+        if bias != NULL:
+            r0 = 0 if by_columns else lo
+            r1 = M if by_columns else hi
+            c0 = lo if by_columns else 0
+            c1 = hi if by_columns else N
+            for i in range(r0, r1):
+                row = C + i * ldc
+                for j in range(c0, c1):
+                    row[j] = row[j] + bias[j]
+        return
     if (by_columns and not trans_a and M <= _skinny_max_m and (beta == 0.0 or beta == 1.0)
-            and (trans_b or skinny_nn_alloc(M, lo, hi, K, alpha, A, lda, B, ldb, beta == 1.0,
-                                            C, ldc) == 0)):
+            and ((trans_b and M <= skinny_nt_limit(_skinny_max_m))
+                 or (not trans_b and skinny_nn_alloc(M, lo, hi, K, alpha, A, lda, B, ldb,
+                                                     beta == 1.0, C, ldc) == 0))):
         if trans_b:
             skinny_nt(M, lo, hi, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
         if bias != NULL:

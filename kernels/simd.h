@@ -63,4 +63,33 @@ ADT_INLINE adt_v8 adt_exp8(adt_v8 x) {
     return adt_select(under, adt_splat(0.0f), p * (adt_v8)e);
 }
 
+/* Sixteen lanes for the AVX-512 paths (x86-64-v4): functions marked ADT_TARGET_V4
+   are compiled for it alone and called only when adt_cpu_v4() says the CPU has it;
+   elsewhere the eight-lane versions run.  ADT_HAVE_V4 is 0 where the compiler
+   cannot build such functions. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define ADT_HAVE_V4 1
+#define ADT_TARGET_V4 __attribute__((target("arch=x86-64-v4")))
+ADT_INLINE int adt_cpu_v4(void) {
+    static int has = -1;
+    if (has < 0) has = __builtin_cpu_supports("x86-64-v4") ? 1 : 0;   /* benign race */
+    return has;
+}
+#else
+#define ADT_HAVE_V4 0
+#define ADT_TARGET_V4
+ADT_INLINE int adt_cpu_v4(void) { return 0; }
+#endif
+typedef float adt_v16 __attribute__((vector_size(64)));
+typedef float adt_v16u __attribute__((vector_size(64), aligned(4)));
+
+ADT_INLINE adt_v16 adt_load16(const float* p) { return *(const adt_v16u*)p; }
+ADT_INLINE void adt_store16(float* p, adt_v16 v) { *(adt_v16u*)p = v; }
+/* Sum of the sixteen lanes: the two halves added, then adt_hsum. */
+ADT_INLINE float adt_hsum16(adt_v16 v) {
+    adt_v8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    adt_v8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return adt_hsum(lo + hi);
+}
+
 #endif

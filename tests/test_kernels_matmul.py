@@ -178,33 +178,65 @@ def test_bad_inputs_raise_clear_errors():
 # kernels.gemm routes products with few rows (M <= SKINNY_MAX_M) to its own kernels;
 # check them against BLAS (the same call with the routing off) on awkward sizes.
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 32, 33, 64])
-@pytest.mark.parametrize("trans_b", [True, False])
-def test_skinny_gemm_matches_blas(M, trans_b):
+def _skinny_lanes():
     from kernels import gemm
+    return [8, 16] if gemm.skinny_lanes() == 16 else [8]
+
+
+@pytest.mark.parametrize("lanes", _skinny_lanes())
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 24, 25, 31, 32, 33, 64])
+@pytest.mark.parametrize("layout", ["nt", "nn", "tn"])
+def test_skinny_gemm_matches_blas(M, layout, lanes):
+    # nt, nn: M rows of C; tn: depth M (C = A^T B with A (M, rows)), the weight
+    # gradient at M tokens.  Each in eight lanes and, where the CPU has AVX-512, 16.
+    from kernels import gemm
+    trans_a, trans_b = layout == "tn", layout == "nt"
     rng = np.random.default_rng(M)
-    for N, K in ((1, 1), (3, 8), (25, 7), (47, 9), (100, 131), (769, 300)):
-        a = rng.standard_normal((M, K)).astype(np.float32)
-        b = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
-        c0 = rng.standard_normal((M, N)).astype(np.float32)
-        bias = rng.standard_normal(N).astype(np.float32)
-        for alpha, beta, with_bias in ((1.0, 0.0, True), (1.0, 1.0, False), (0.5, 1.0, True)):
-            for n_threads in (1, 2):
-                got = gemm.gemm_rowmajor(c0.copy(), a, b, bias if with_bias else None,
-                                         trans_b=trans_b, alpha=alpha, beta=beta,
-                                         n_threads=n_threads)
-                previous = gemm.set_skinny_max_m(0)
-                try:
-                    want = gemm.gemm_rowmajor(c0.copy(), a, b, bias if with_bias else None,
-                                              trans_b=trans_b, alpha=alpha, beta=beta,
-                                              n_threads=n_threads)
-                finally:
-                    gemm.set_skinny_max_m(previous)
-                assert rel_err(got, want) < 1e-5, (N, K, alpha, beta, n_threads)
+    old_lanes = gemm.set_skinny_lanes(lanes)
+    try:
+        for N, other in ((1, 1), (3, 8), (25, 7), (47, 9), (100, 131), (769, 300)):
+            rows, K = (other, M) if trans_a else (M, other)
+            a = rng.standard_normal((K, rows) if trans_a else (rows, K)).astype(np.float32)
+            b = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
+            c0 = rng.standard_normal((rows, N)).astype(np.float32)
+            bias = rng.standard_normal(N).astype(np.float32)
+            for alpha, beta, with_bias in ((1.0, 0.0, True), (1.0, 1.0, False), (0.5, 1.0, True)):
+                for n_threads in (1, 2):
+                    call = dict(trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta,
+                                n_threads=n_threads)
+                    got = gemm.gemm_rowmajor(c0.copy(), a, b, bias if with_bias else None, **call)
+                    previous = gemm.set_skinny_max_m(0)
+                    try:
+                        want = gemm.gemm_rowmajor(c0.copy(), a, b, bias if with_bias else None,
+                                                  **call)
+                    finally:
+                        gemm.set_skinny_max_m(previous)
+                    assert rel_err(got, want) < 1e-5, (N, K, alpha, beta, n_threads)
+    finally:
+        gemm.set_skinny_lanes(old_lanes)
 
 
-def test_skinny_gpt2_shapes_against_torch():
-    # B*T = 16 rows through every GPT-2 124M product, forward and input gradient.
+def test_skinny_lanes_setting():
+    from kernels import gemm
+    with pytest.raises(ValueError, match="lanes"):
+        gemm.set_skinny_lanes(4)
+    if gemm.skinny_lanes() == 8:
+        with pytest.raises(ValueError, match="AVX-512"):
+            gemm.set_skinny_lanes(16)
+
+
+@pytest.mark.parametrize("lanes", _skinny_lanes())
+def test_skinny_gpt2_shapes_against_torch(lanes):
+    # B*T = 16 rows through every GPT-2 124M product: forward and both gradients.
+    from kernels import gemm
+    old_lanes = gemm.set_skinny_lanes(lanes)
+    try:
+        _check_gpt2_shapes_against_torch()
+    finally:
+        gemm.set_skinny_lanes(old_lanes)
+
+
+def _check_gpt2_shapes_against_torch():
     rng = np.random.default_rng(8)
     for C, OC in ((768, 2304), (768, 768), (768, 3072), (3072, 768)):
         inp, weight, bias, dout = make(rng, (1, 16), C, OC)
@@ -214,5 +246,7 @@ def test_skinny_gpt2_shapes_against_torch():
         y = torch.nn.functional.linear(x, torch.from_numpy(weight), torch.from_numpy(bias))
         y.backward(torch.from_numpy(dout))
         assert rel_err(out, y.detach().numpy()) < 1e-5
-        dinp, _, _ = grads_of(matmul_backward, inp, weight, dout, 0.0)
+        dinp, dweight, _ = grads_of(matmul_backward, inp, weight, dout, 0.0)
         assert rel_err(dinp, x.grad.numpy()) < 1e-5
+        dw_torch = torch.from_numpy(dout).reshape(-1, OC).T @ torch.from_numpy(inp).reshape(-1, C)
+        assert rel_err(dweight, dw_torch.numpy()) < 1e-5

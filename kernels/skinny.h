@@ -1,0 +1,232 @@
+/* The skinny products, a template: kernels/gemm.pyx includes this file once per
+ * vector width (no include guard), after defining
+ *   SK_SUFFIX  appended to each function's name (v8, v16)
+ *   SK_VT      the vector type (adt_v8, adt_v16), SK_W its lanes
+ *   SK_LOAD(p), SK_STORE(p, v), SK_HSUM(v)  unaligned load and store, lane sum
+ *   SK_ATTR    the functions' target attribute (target_clones for eight lanes,
+ *              x86-64-v4 for sixteen)
+ *
+ * Products with few rows (M <= SKINNY_MAX_M = 64: a forward, input-gradient or
+ * weight-gradient product at small B*T) stream the weight matrix once without
+ * packing it.  BLAS packs both operands first, and at 16 rows every packed weight
+ * element is used only 16 times, so packing costs about as much as the
+ * arithmetic (OpenBLAS reached a third of the sgemm peak there); for the weight
+ * gradient at beta 0 it also writes C with zeros before the product.
+ */
+#define SK_CAT2(a, b) a##_##b
+#define SK_CAT(a, b) SK_CAT2(a, b)
+#define SK_NAME(base) SK_CAT(base, SK_SUFFIX)
+#define SK_COLS (3 * SK_W)
+#ifndef SKINNY_NN_KC
+#define SKINNY_NN_KC 128
+#endif
+/* Floats from one strip of skinny_nn's panel to the next: one cache line more than
+   the strip, so the strips do not all map to the same L1 sets. */
+#define SK_STRIP (SK_COLS * SKINNY_NN_KC + 16)
+
+/* C[i, j] (+)= alpha * sum_p A[i, p] B[j, p]  for i < M, j0 <= j < j1:
+   4 rows of A against 3 rows of B, SK_W lanes along p, a horizontal sum
+   per output at the end.  Rows past the edge repeat the last valid row:
+   computed, never stored. */
+SK_ATTR
+static void SK_NAME(skinny_nt)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
+                      const float* A, ptrdiff_t lda, const float* B, ptrdiff_t ldb,
+                      int accumulate, float* C, ptrdiff_t ldc) {
+    ptrdiff_t K8 = K & ~(ptrdiff_t)(SK_W - 1);
+    for (ptrdiff_t j = j0; j < j1; j += 3) {
+        ptrdiff_t nr = j1 - j < 3 ? j1 - j : 3;
+        const float* b[3] = {B + j * ldb, B + (j + (nr > 1)) * ldb,
+                             B + (j + (nr > 2 ? 2 : nr - 1)) * ldb};
+        for (ptrdiff_t i = 0; i < M; i += 4) {
+            ptrdiff_t mr = M - i < 4 ? M - i : 4;
+            const float* a[4] = {A + i * lda, A + (i + (mr > 1)) * lda,
+                                 A + (i + (mr > 2 ? 2 : mr - 1)) * lda,
+                                 A + (i + (mr > 3 ? 3 : mr - 1)) * lda};
+            /* While the 4-row blocks of A run over these rows of B (from L1),
+               fetch the next rows of B, one per block, ahead of the streamer. */
+            const float* pf = B + (j + 3 + (i / 4) % 3) * ldb;
+            SK_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
+            SK_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+            for (ptrdiff_t p = 0; p < K8; p += SK_W) {
+                __builtin_prefetch(pf + p);
+                SK_VT b0 = SK_LOAD(b[0] + p), b1 = SK_LOAD(b[1] + p);
+                SK_VT b2 = SK_LOAD(b[2] + p);
+                SK_VT x = SK_LOAD(a[0] + p);
+                c00 += x * b0; c01 += x * b1; c02 += x * b2;
+                x = SK_LOAD(a[1] + p);
+                c10 += x * b0; c11 += x * b1; c12 += x * b2;
+                x = SK_LOAD(a[2] + p);
+                c20 += x * b0; c21 += x * b1; c22 += x * b2;
+                x = SK_LOAD(a[3] + p);
+                c30 += x * b0; c31 += x * b1; c32 += x * b2;
+            }
+            float s[4][3] = {
+                {SK_HSUM(c00), SK_HSUM(c01), SK_HSUM(c02)},
+                {SK_HSUM(c10), SK_HSUM(c11), SK_HSUM(c12)},
+                {SK_HSUM(c20), SK_HSUM(c21), SK_HSUM(c22)},
+                {SK_HSUM(c30), SK_HSUM(c31), SK_HSUM(c32)}};
+            for (ptrdiff_t p = K8; p < K; p++)
+                for (int r = 0; r < 4; r++)
+                    for (int c = 0; c < 3; c++)
+                        s[r][c] += a[r][p] * b[c][p];
+            for (ptrdiff_t r = 0; r < mr; r++) {
+                float* row = C + (i + r) * ldc + j;
+                for (ptrdiff_t c = 0; c < nr; c++)
+                    row[c] = accumulate ? row[c] + alpha * s[r][c] : alpha * s[r][c];
+            }
+        }
+    }
+}
+
+
+/* C[i, j] (+)= alpha * sum_p A[i, p] B[p, j]  for i < M, j0 <= j < j1:
+   4 rows of C by SK_COLS = 3 SK_W columns (three vectors) held in registers while p
+   runs over a depth block of SKINNY_NN_KC rows of B (12 or 24 KiB of a strip,
+   reused from L1 by every row block).  Columns past the last full strip
+   take a scalar loop. */
+SK_ATTR
+static void SK_NAME(skinny_nn)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
+                      const float* A, ptrdiff_t lda, const float* B, ptrdiff_t ldb,
+                      int accumulate, float* C, ptrdiff_t ldc, float* panel) {
+    ptrdiff_t nfull = (j1 - j0) / SK_COLS * SK_COLS, jfull = j0 + nfull;
+    for (ptrdiff_t p0 = 0; p0 < K; p0 += SKINNY_NN_KC) {
+        ptrdiff_t kc = K - p0 < SKINNY_NN_KC ? K - p0 : SKINNY_NN_KC;
+        int acc = accumulate || p0 > 0;
+        /* Copy the depth block, row by row (sequential reads the prefetchers
+           follow), into SK_COLS-column strips, each contiguous: read in place, a
+           strip's rows (a multiple of 1 KiB apart in GPT-2's weights) would
+           fall into a few L1 sets and evict each other between row blocks. */
+        for (ptrdiff_t p = 0; p < kc; p++) {
+            const float* src = B + (p0 + p) * ldb + j0;
+            for (ptrdiff_t s = 0; s < nfull; s += SK_COLS) {
+                float* dst = panel + s / SK_COLS * SK_STRIP + SK_COLS * p;
+                SK_STORE(dst, SK_LOAD(src + s));
+                SK_STORE(dst + SK_W, SK_LOAD(src + s + SK_W));
+                SK_STORE(dst + 2 * SK_W, SK_LOAD(src + s + 2 * SK_W));
+            }
+        }
+        for (ptrdiff_t j = j0; j < jfull; j += SK_COLS) {
+            for (ptrdiff_t i = 0; i < M; i += 4) {
+                ptrdiff_t mr = M - i < 4 ? M - i : 4;
+                const float* a0 = A + i * lda + p0;
+                const float* a1 = A + (i + (mr > 1)) * lda + p0;
+                const float* a2 = A + (i + (mr > 2 ? 2 : mr - 1)) * lda + p0;
+                const float* a3 = A + (i + (mr > 3 ? 3 : mr - 1)) * lda + p0;
+                const float* bp = panel + (j - j0) / SK_COLS * SK_STRIP;
+                /* The first row block also fetches this strip's rows of the next
+                   depth block, so the copy above finds them in cache (the others
+                   prefetch their own panel rows: harmless, and no branch). */
+                int ahead = i == 0 && p0 + kc < K;
+                const float* pf = ahead ? B + (p0 + kc) * ldb + j : bp;
+                ptrdiff_t pf_step = ahead ? ldb : SK_COLS;
+                SK_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
+                SK_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+                for (ptrdiff_t p = 0; p < kc; p++, bp += SK_COLS, pf += pf_step) {
+                    __builtin_prefetch(pf);
+                    __builtin_prefetch(pf + SK_COLS / 2);
+                    __builtin_prefetch(pf + SK_COLS - 1);
+                    SK_VT b0 = SK_LOAD(bp), b1 = SK_LOAD(bp + SK_W), b2 = SK_LOAD(bp + 2 * SK_W);
+                    /* scalar * vector: gcc broadcasts with one vbroadcastss */
+                    float x = a0[p];
+                    c00 += x * b0; c01 += x * b1; c02 += x * b2;
+                    x = a1[p];
+                    c10 += x * b0; c11 += x * b1; c12 += x * b2;
+                    x = a2[p];
+                    c20 += x * b0; c21 += x * b1; c22 += x * b2;
+                    x = a3[p];
+                    c30 += x * b0; c31 += x * b1; c32 += x * b2;
+                }
+                SK_VT t[4][3] = {{c00, c01, c02}, {c10, c11, c12},
+                                  {c20, c21, c22}, {c30, c31, c32}};
+                for (ptrdiff_t r = 0; r < mr; r++) {
+                    float* row = C + (i + r) * ldc + j;
+                    for (int v = 0; v < 3; v++)
+                        SK_STORE(row + SK_W * v, acc ? SK_LOAD(row + SK_W * v) + alpha * t[r][v]
+                                                   : alpha * t[r][v]);
+                }
+            }
+        }
+        for (ptrdiff_t i = 0; i < M; i++)
+            for (ptrdiff_t j = jfull; j < j1; j++) {
+                float s = 0.0f;
+                for (ptrdiff_t p = p0; p < p0 + kc; p++) s += A[i * lda + p] * B[p * ldb + j];
+                C[i * ldc + j] = acc ? C[i * ldc + j] + alpha * s : alpha * s;
+            }
+    }
+}
+
+
+/* C[i, j] (+)= alpha * sum_p A[p, i] B[p, j]  for i0 <= i < i1, j0 <= j < j1: a
+   transposed-A product of small depth K (the weight gradient dW = dout^T x at few
+   tokens).  Each block of 4 rows of C is written once, 3 vectors wide at a time,
+   from 12 accumulators over p; the K rows of B stay in L2, A's 4 columns in L1.
+   Rows past the edge repeat the last valid row: computed, never stored. */
+SK_ATTR
+static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff_t j1,
+                               ptrdiff_t K, float alpha, const float* A, ptrdiff_t lda,
+                               const float* B, ptrdiff_t ldb, int accumulate, float* C,
+                               ptrdiff_t ldc) {
+    const ptrdiff_t W = SK_W;
+    ptrdiff_t j3 = j0 + (j1 - j0) / (3 * W) * (3 * W);
+    ptrdiff_t j1v = j0 + (j1 - j0) / W * W;
+    for (ptrdiff_t i = i0; i < i1; i += 4) {
+        ptrdiff_t mr = i1 - i < 4 ? i1 - i : 4;
+        const float* a0 = A + i;
+        const float* a1 = A + i + (mr > 1);
+        const float* a2 = A + i + (mr > 2 ? 2 : mr - 1);
+        const float* a3 = A + i + (mr > 3 ? 3 : mr - 1);
+        for (ptrdiff_t j = j0; j < j3; j += 3 * W) {
+            SK_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
+            SK_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+            const float* bp = B + j;
+            for (ptrdiff_t p = 0; p < K; p++, bp += ldb) {
+                SK_VT b0 = SK_LOAD(bp), b1 = SK_LOAD(bp + W), b2 = SK_LOAD(bp + 2 * W);
+                ptrdiff_t o = p * lda;
+                float x = a0[o];
+                c00 += x * b0; c01 += x * b1; c02 += x * b2;
+                x = a1[o];
+                c10 += x * b0; c11 += x * b1; c12 += x * b2;
+                x = a2[o];
+                c20 += x * b0; c21 += x * b1; c22 += x * b2;
+                x = a3[o];
+                c30 += x * b0; c31 += x * b1; c32 += x * b2;
+            }
+            SK_VT t[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22},
+                             {c30, c31, c32}};
+            for (ptrdiff_t r = 0; r < mr; r++) {
+                float* row = C + (i + r) * ldc + j;
+                for (int v = 0; v < 3; v++)
+                    SK_STORE(row + v * W, accumulate ? SK_LOAD(row + v * W) + alpha * t[r][v]
+                                                     : alpha * t[r][v]);
+            }
+        }
+        for (ptrdiff_t j = j3; j < j1v; j += W) {
+            SK_VT c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+            const float* bp = B + j;
+            for (ptrdiff_t p = 0; p < K; p++, bp += ldb) {
+                SK_VT b0 = SK_LOAD(bp);
+                ptrdiff_t o = p * lda;
+                c0 += a0[o] * b0; c1 += a1[o] * b0; c2 += a2[o] * b0; c3 += a3[o] * b0;
+            }
+            SK_VT t[4] = {c0, c1, c2, c3};
+            for (ptrdiff_t r = 0; r < mr; r++) {
+                float* row = C + (i + r) * ldc + j;
+                SK_STORE(row, accumulate ? SK_LOAD(row) + alpha * t[r] : alpha * t[r]);
+            }
+        }
+        for (ptrdiff_t r = 0; r < mr; r++) {
+            float* row = C + (i + r) * ldc;
+            for (ptrdiff_t j = j1v; j < j1; j++) {
+                float s = 0.0f;
+                for (ptrdiff_t p = 0; p < K; p++) s += A[p * lda + i + r] * B[p * ldb + j];
+                row[j] = accumulate ? row[j] + alpha * s : alpha * s;
+            }
+        }
+    }
+}
+
+#undef SK_CAT2
+#undef SK_CAT
+#undef SK_NAME
+#undef SK_COLS
+#undef SK_STRIP
