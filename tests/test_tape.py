@@ -85,6 +85,29 @@ def test_records_arrays_and_bytes_interleave_with_scalars():
         assert len(tape) == 0
 
 
+@pytest.mark.parametrize("slab_size", [None, 1 << 20])
+def test_large_records_copy_in_parallel_exactly(slab_size):
+    # Records of 1 MiB and more are copied by one thread per core (par_memcpy):
+    # odd lengths, records across slab boundaries, into fresh arrays and into out=.
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8)
+              for n in ((1 << 20) + 13, 3 * (1 << 20) + 4097, (1 << 20) - 1, 5 * (1 << 20) + 1)]
+    arrays.append(rng.standard_normal((1031, 517)).astype(np.float32))
+    with Tape(np.float64, slab_size=slab_size) as t:
+        for a in arrays:
+            t.push(1.5)
+            t.push_array(a)
+        for a in reversed(arrays):
+            if a.dtype == np.uint8:
+                np.testing.assert_array_equal(t.pop_array(), a)
+            else:
+                out = np.empty_like(a)
+                assert t.pop_array(out=out) is out
+                np.testing.assert_array_equal(out, a)
+            assert t.pop() == 1.5
+        assert len(t) == 0
+
+
 def test_pop_array_into_out_checks_it():
     with Tape() as tape:
         tape.push_array(np.arange(6.0).reshape(2, 3))
