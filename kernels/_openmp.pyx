@@ -1,5 +1,7 @@
 """The OpenMP shim: thread-count queries with serial fallbacks when OpenMP is absent."""
 
+from libc.string cimport memcpy
+
 IF ADTAPE_OPENMP:
     cimport openmp
     from cython.parallel cimport prange
@@ -20,9 +22,6 @@ cdef void omp_set_num_threads_safe(int n) noexcept nogil:
     IF ADTAPE_OPENMP:
         openmp.omp_set_num_threads(n)
 
-
-cdef extern from "string.h" nogil:
-    void* memcpy(void* dst, const void* src, size_t n)
 
 DEF PAR_COPY_MIN = 1 << 20      # below this one thread copies faster than a team starts
 DEF COPY_ALIGN = 4096

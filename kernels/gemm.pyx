@@ -38,13 +38,6 @@ cdef extern from *:
     #define SK_HSUM(v) adt_hsum(v)
     #define SK_ATTR ADT_MULTIVERSION
     #include "skinny.h"
-    #undef SK_SUFFIX
-    #undef SK_VT
-    #undef SK_W
-    #undef SK_LOAD
-    #undef SK_STORE
-    #undef SK_HSUM
-    #undef SK_ATTR
     #if ADT_HAVE_V4
     #define SK_SUFFIX v16
     #define SK_VT adt_v16
@@ -54,20 +47,14 @@ cdef extern from *:
     #define SK_HSUM(v) adt_hsum16(v)
     #define SK_ATTR ADT_TARGET_V4
     #include "skinny.h"
-    #undef SK_SUFFIX
-    #undef SK_VT
-    #undef SK_W
-    #undef SK_LOAD
-    #undef SK_STORE
-    #undef SK_HSUM
-    #undef SK_ATTR
     static int sk_narrow = 0;     /* set_skinny_lanes(8): the eight-lane kernels anyway */
     #define SK_WIDE (!sk_narrow && adt_cpu_v4())
-    static int skinny_set_narrow(int narrow) { int old = sk_narrow; sk_narrow = narrow; return old; }
+    static void skinny_set_narrow(int narrow) { sk_narrow = narrow; }
     #else
-    static int skinny_set_narrow(int narrow) { (void)narrow; return 1; }
+    static void skinny_set_narrow(int narrow) { (void)narrow; }
     #define SK_WIDE 0
     #endif
+    static int skinny_wide(void) { return SK_WIDE; }
 
     /* The most rows skinny_nt takes (up to m): with sixteen lanes its 4 x 3 tiles
        read A from L2 faster than L1 serves them past 24 rows, and BLAS is faster
@@ -130,7 +117,8 @@ cdef extern from *:
                         float alpha, const float* A, Py_ssize_t lda, const float* B,
                         Py_ssize_t ldb, int accumulate, float* C, Py_ssize_t ldc) nogil
     Py_ssize_t skinny_nt_limit(Py_ssize_t m) nogil
-    int skinny_set_narrow(int narrow) nogil
+    void skinny_set_narrow(int narrow) nogil
+    int skinny_wide() nogil
     int adt_cpu_v4() nogil
     void skinny_tn(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t K,
                    float alpha, const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb,
@@ -153,9 +141,7 @@ def set_skinny_max_m(Py_ssize_t m):
 
 def skinny_lanes():
     """Vector lanes of the skinny kernels on this CPU: 16 with AVX-512, else 8."""
-    cdef int narrow = skinny_set_narrow(1)
-    skinny_set_narrow(narrow)
-    return 8 if narrow or not adt_cpu_v4() else 16
+    return 16 if skinny_wide() else 8
 
 
 def set_skinny_lanes(int lanes):
@@ -197,57 +183,37 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
                  float alpha, const float* A, Py_ssize_t lda, const float* B,
                  Py_ssize_t ldb, float beta, float* C, Py_ssize_t ldc, const float* bias,
                  bint by_columns, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
-    cdef Py_ssize_t i, j, r0, r1, c0, c1
+    # This block of C: columns lo:hi of every row, or rows lo:hi of every column.
+    cdef Py_ssize_t r0 = 0 if by_columns else lo, r1 = M if by_columns else hi
+    cdef Py_ssize_t c0 = lo if by_columns else 0, c1 = hi if by_columns else N
+    cdef Py_ssize_t i, j
     cdef float* row
+    cdef bint simple_beta = beta == 0.0 or beta == 1.0
     if hi <= lo:
         return
-    if trans_a and not trans_b and K <= _skinny_max_m and (beta == 0.0 or beta == 1.0):
-        # A small-depth transposed product (dW at few tokens): rows or columns lo:hi.
-        if by_columns:
-            skinny_tn(0, M, lo, hi, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
-        else:
-            skinny_tn(lo, hi, 0, N, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
-        if bias != NULL:
-            r0 = 0 if by_columns else lo
-            r1 = M if by_columns else hi
-            c0 = lo if by_columns else 0
-            c1 = hi if by_columns else N
-            for i in range(r0, r1):
-                row = C + i * ldc
-                for j in range(c0, c1):
-                    row[j] = row[j] + bias[j]
-        return
-    if (by_columns and not trans_a and M <= _skinny_max_m and (beta == 0.0 or beta == 1.0)
+    if trans_a and not trans_b and K <= _skinny_max_m and simple_beta:
+        # A small-depth transposed product (dW at few tokens).
+        skinny_tn(r0, r1, c0, c1, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
+    elif (by_columns and not trans_a and M <= _skinny_max_m and simple_beta
             and ((trans_b and M <= skinny_nt_limit(_skinny_max_m))
                  or (not trans_b and skinny_nn_alloc(M, lo, hi, K, alpha, A, lda, B, ldb,
                                                      beta == 1.0, C, ldc) == 0))):
         if trans_b:
             skinny_nt(M, lo, hi, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
-        if bias != NULL:
-            for i in range(M):
-                row = C + i * ldc
-                for j in range(lo, hi):
-                    row[j] = row[j] + bias[j]
-        return
-    if by_columns:
+    elif by_columns:
         # Columns lo:hi of C come from columns lo:hi of op(B).
         sgemm_rowmajor(trans_a, trans_b, M, hi - lo, K, alpha, A, lda,
                        B + (lo * ldb if trans_b else lo), ldb, beta, C + lo, ldc)
-        if bias != NULL:
-            for i in range(M):
-                row = C + i * ldc
-                for j in range(lo, hi):
-                    row[j] = row[j] + bias[j]
     else:
         # Rows lo:hi of C come from rows lo:hi of op(A).
         sgemm_rowmajor(trans_a, trans_b, hi - lo, N, K, alpha,
                        A + (lo if trans_a else lo * lda), lda, B, ldb, beta,
                        C + lo * ldc, ldc)
-        if bias != NULL:
-            for i in range(lo, hi):
-                row = C + i * ldc
-                for j in range(N):
-                    row[j] = row[j] + bias[j]
+    if bias != NULL:
+        for i in range(r0, r1):
+            row = C + i * ldc
+            for j in range(c0, c1):
+                row[j] = row[j] + bias[j]
 
 
 cdef void gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,

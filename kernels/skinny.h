@@ -1,5 +1,5 @@
 /* The skinny products, a template: kernels/gemm.pyx includes this file once per
- * vector width (no include guard), after defining
+ * vector width (no include guard, and it undefines these at its end), after defining
  *   SK_SUFFIX  appended to each function's name (v8, v16)
  *   SK_VT      the vector type (adt_v8, adt_v16), SK_W its lanes
  *   SK_LOAD(p), SK_STORE(p, v), SK_HSUM(v)  unaligned load and store, lane sum
@@ -23,6 +23,26 @@
 /* Floats from one strip of skinny_nn's panel to the next: one cache line more than
    the strip, so the strips do not all map to the same L1 sets. */
 #define SK_STRIP (SK_COLS * SKINNY_NN_KC + 16)
+
+/* The 4 x 3-vector tile of skinny_nn and skinny_tn: twelve accumulators cRV
+   (row R, vector V), updated with one scalar per row against b0, b1, b2. */
+#define SK_TILE_ZERO \
+    SK_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0}; \
+    SK_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0}
+#define SK_TILE_FMA(x0, x1, x2, x3) do { \
+    float x_ = (x0); c00 += x_ * b0; c01 += x_ * b1; c02 += x_ * b2; \
+    x_ = (x1); c10 += x_ * b0; c11 += x_ * b1; c12 += x_ * b2; \
+    x_ = (x2); c20 += x_ * b0; c21 += x_ * b1; c22 += x_ * b2; \
+    x_ = (x3); c30 += x_ * b0; c31 += x_ * b1; c32 += x_ * b2; } while (0)
+/* C[r, 0:SK_COLS] (+)= alpha * tile row r, for the first mr rows from c. */
+#define SK_TILE_STORE(c, ldc, mr, acc, alpha) do { \
+    SK_VT t_[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}}; \
+    for (ptrdiff_t r_ = 0; r_ < (mr); r_++) { \
+        float* row_ = (c) + r_ * (ldc); \
+        for (int v_ = 0; v_ < 3; v_++) \
+            SK_STORE(row_ + SK_W * v_, (acc) ? SK_LOAD(row_ + SK_W * v_) + (alpha) * t_[r_][v_] \
+                                             : (alpha) * t_[r_][v_]); \
+    } } while (0)
 
 /* C[i, j] (+)= alpha * sum_p A[i, p] B[j, p]  for i < M, j0 <= j < j1:
    4 rows of A against 3 rows of B, SK_W lanes along p, a horizontal sum
@@ -119,31 +139,16 @@ static void SK_NAME(skinny_nn)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_
                 int ahead = i == 0 && p0 + kc < K;
                 const float* pf = ahead ? B + (p0 + kc) * ldb + j : bp;
                 ptrdiff_t pf_step = ahead ? ldb : SK_COLS;
-                SK_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
-                SK_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+                SK_TILE_ZERO;
                 for (ptrdiff_t p = 0; p < kc; p++, bp += SK_COLS, pf += pf_step) {
                     __builtin_prefetch(pf);
                     __builtin_prefetch(pf + SK_COLS / 2);
                     __builtin_prefetch(pf + SK_COLS - 1);
                     SK_VT b0 = SK_LOAD(bp), b1 = SK_LOAD(bp + SK_W), b2 = SK_LOAD(bp + 2 * SK_W);
                     /* scalar * vector: gcc broadcasts with one vbroadcastss */
-                    float x = a0[p];
-                    c00 += x * b0; c01 += x * b1; c02 += x * b2;
-                    x = a1[p];
-                    c10 += x * b0; c11 += x * b1; c12 += x * b2;
-                    x = a2[p];
-                    c20 += x * b0; c21 += x * b1; c22 += x * b2;
-                    x = a3[p];
-                    c30 += x * b0; c31 += x * b1; c32 += x * b2;
+                    SK_TILE_FMA(a0[p], a1[p], a2[p], a3[p]);
                 }
-                SK_VT t[4][3] = {{c00, c01, c02}, {c10, c11, c12},
-                                  {c20, c21, c22}, {c30, c31, c32}};
-                for (ptrdiff_t r = 0; r < mr; r++) {
-                    float* row = C + (i + r) * ldc + j;
-                    for (int v = 0; v < 3; v++)
-                        SK_STORE(row + SK_W * v, acc ? SK_LOAD(row + SK_W * v) + alpha * t[r][v]
-                                                   : alpha * t[r][v]);
-                }
+                SK_TILE_STORE(C + i * ldc + j, ldc, mr, acc, alpha);
             }
         }
         for (ptrdiff_t i = 0; i < M; i++)
@@ -176,29 +181,14 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
         const float* a2 = A + i + (mr > 2 ? 2 : mr - 1);
         const float* a3 = A + i + (mr > 3 ? 3 : mr - 1);
         for (ptrdiff_t j = j0; j < j3; j += 3 * W) {
-            SK_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
-            SK_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+            SK_TILE_ZERO;
             const float* bp = B + j;
             for (ptrdiff_t p = 0; p < K; p++, bp += ldb) {
                 SK_VT b0 = SK_LOAD(bp), b1 = SK_LOAD(bp + W), b2 = SK_LOAD(bp + 2 * W);
                 ptrdiff_t o = p * lda;
-                float x = a0[o];
-                c00 += x * b0; c01 += x * b1; c02 += x * b2;
-                x = a1[o];
-                c10 += x * b0; c11 += x * b1; c12 += x * b2;
-                x = a2[o];
-                c20 += x * b0; c21 += x * b1; c22 += x * b2;
-                x = a3[o];
-                c30 += x * b0; c31 += x * b1; c32 += x * b2;
+                SK_TILE_FMA(a0[o], a1[o], a2[o], a3[o]);
             }
-            SK_VT t[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22},
-                             {c30, c31, c32}};
-            for (ptrdiff_t r = 0; r < mr; r++) {
-                float* row = C + (i + r) * ldc + j;
-                for (int v = 0; v < 3; v++)
-                    SK_STORE(row + v * W, accumulate ? SK_LOAD(row + v * W) + alpha * t[r][v]
-                                                     : alpha * t[r][v]);
-            }
+            SK_TILE_STORE(C + i * ldc + j, ldc, mr, accumulate, alpha);
         }
         for (ptrdiff_t j = j3; j < j1v; j += W) {
             SK_VT c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
@@ -230,3 +220,13 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
 #undef SK_NAME
 #undef SK_COLS
 #undef SK_STRIP
+#undef SK_TILE_ZERO
+#undef SK_TILE_FMA
+#undef SK_TILE_STORE
+#undef SK_SUFFIX
+#undef SK_VT
+#undef SK_W
+#undef SK_LOAD
+#undef SK_STORE
+#undef SK_HSUM
+#undef SK_ATTR
