@@ -5,8 +5,8 @@ after a warm-up, with the same thread count, and the median of the repetitions i
 reported with the achieved GFLOP/s (matmuls, attention) or GB/s (everything else)
 and its share of this machine's limits, measured in the same run: the sgemm peak
 (a large square product through kernels.matmul's BLAS path) and the memory
-bandwidth (a large triad in PyTorch with the same threads, or a NumPy copy,
-whichever is faster).  Writes bench/results/kernels.json and kernels.png.
+bandwidth (the fastest of a large triad and a large in-place update in PyTorch with the
+same threads, and a NumPy copy).  Writes bench/results/kernels.json and kernels.png.
 
     python bench/kernels.py [--quick] [--threads N] [--reps R]
 """
@@ -69,20 +69,29 @@ def measure_limits(reps, quick):
     size = (16 if quick else 64) * 2 ** 20
     x, y, z = (torch.rand(size) for _ in range(3))
     xn, yn = x.numpy(), y.numpy()
-    triad, copy = [], []
+    # Three probes, the best counts: the triad writes a third array, whose
+    # write-allocate read is traffic it does not count; the NumPy copy runs on one
+    # thread; the in-place update (x += 1.5 y, as AdamW updates its state) reads and
+    # writes the same array, so all of its three streams are real traffic.
+    triad, copy, update = [], [], []
     for rep in range(reps + 1):
         t0 = time.perf_counter()
         torch.add(x, y, alpha=1.5, out=z)
         t1 = time.perf_counter()
         np.copyto(yn, xn)
         t2 = time.perf_counter()
+        x.add_(y, alpha=1.5)
+        t3 = time.perf_counter()
         if rep:
             triad.append(t1 - t0)
             copy.append(t2 - t1)
+            update.append(t3 - t2)
     bw_triad = 3 * 4 * size / statistics.median(triad) / 1e9
     bw_copy = 2 * 4 * size / statistics.median(copy) / 1e9
-    return {"sgemm_peak_gflops": peak, "sgemm_n": n, "bandwidth_gbps": max(bw_triad, bw_copy),
-            "triad_gbps": bw_triad, "copy_gbps": bw_copy, "stream_floats": size}
+    bw_update = 3 * 4 * size / statistics.median(update) / 1e9
+    return {"sgemm_peak_gflops": peak, "sgemm_n": n,
+            "bandwidth_gbps": max(bw_triad, bw_copy, bw_update), "triad_gbps": bw_triad,
+            "copy_gbps": bw_copy, "update_gbps": bw_update, "stream_floats": size}
 
 
 def t(a):
@@ -277,7 +286,8 @@ def run(args):
     limits = measure_limits(args.reps, args.quick)
     print(f"threads {n}; sgemm peak {limits['sgemm_peak_gflops']:.1f} GFLOP/s "
           f"(n={limits['sgemm_n']}); memory bandwidth {limits['bandwidth_gbps']:.1f} GB/s "
-          f"(triad {limits['triad_gbps']:.1f}, copy {limits['copy_gbps']:.1f})")
+          f"(triad {limits['triad_gbps']:.1f}, copy {limits['copy_gbps']:.1f}, "
+          f"in-place update {limits['update_gbps']:.1f})")
     configs = [(4, 64)] if args.quick else [(4, 64), (8, 1024)]
     records = []
     header = (f"{'kernel':34s} {'shape':>15s} {'ours ms':>9s} {'torch ms':>9s} {'ratio':>6s} "
