@@ -4,4 +4,11 @@ Every kernel works on C-contiguous float32 NumPy arrays, writes outputs first,
 then reads inputs, then takes sizes (llm.c's convention).  Backward kernels
 accumulate (+=) into gradient buffers.  ``kernels.threads`` resolves the thread
 count once and keeps BLAS and OpenMP from oversubscribing the cores.
+
+The element-wise and row kernels (layers, loss, attention) run in sixteen lanes
+where the CPU has AVX-512 and in eight otherwise; ``set_vector_lanes(8)`` forces
+eight for all of them (tests check both widths on one machine) and
+``vector_lanes()`` says which is in force.  The small matrix products of
+``kernels.gemm`` have their own switch, ``gemm.set_skinny_lanes``.
 """
+from kernels.layers import set_vector_lanes, vector_lanes  # noqa: F401

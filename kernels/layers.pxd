@@ -114,6 +114,10 @@ cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint wri
 cdef int resolve_threads(object n_threads) except -1
 cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept
 
+# Whether the element-wise and row kernels (layers, loss, attention) run their
+# sixteen-lane AVX-512 paths: the CPU has them and set_vector_lanes(8) is not in force.
+cdef bint lanes_wide() noexcept nogil
+
 # Elements below which a kernel runs on one thread by default.
 cdef enum:
     PARALLEL_MIN_WORK = 65536

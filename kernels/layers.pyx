@@ -34,7 +34,87 @@ cdef extern from *:
     const double GELU_A "ADTAPE_GELU_A"
 
 cdef extern from "simd.h":
-    pass
+    int adt_cpu_v4() nogil
+
+cdef extern from *:
+    """
+    /* GELU and layernorm rows (kernels/layers_lanes.h) in eight lanes, as target
+       clones, and in sixteen for CPUs with AVX-512; each entry point takes the width
+       from its caller (lanes_wide()). */
+    #define ADT_W 8
+    #include "layers_lanes.h"
+    #undef ADT_W
+    #if ADT_HAVE_V4
+    #define ADT_W 16
+    #include "layers_lanes.h"
+    #undef ADT_W
+    #endif
+
+    static void gelu_forward_span(int wide, float* out, const float* inp, ptrdiff_t n) {
+        ADT_LANES_CALL(wide, gelu_forward_span, (out, inp, n));
+    }
+    static void gelu_backward_span(int wide, float* dinp, const float* inp, const float* dout,
+                                   ptrdiff_t n, int overwrite) {
+        ADT_LANES_CALL(wide, gelu_backward_span, (dinp, inp, dout, n, overwrite));
+    }
+    static void ln_forward_rows(int wide, float* out, float* mean, float* rstd,
+                                const float* inp, const float* weight, const float* bias,
+                                ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t C) {
+        ADT_LANES_CALL(wide, ln_forward_rows, (out, mean, rstd, inp, weight, bias, r0, r1, C));
+    }
+    static void ln_backward_rows(int wide, float* dinp, float* part_w, float* part_b,
+                                 const float* dout, const float* inp, const float* weight,
+                                 const float* mean, const float* rstd, ptrdiff_t r0,
+                                 ptrdiff_t r1, ptrdiff_t C, int ow_dinp) {
+        ADT_LANES_CALL(wide, ln_backward_rows, (dinp, part_w, part_b, dout, inp, weight,
+                                                 mean, rstd, r0, r1, C, ow_dinp));
+    }
+    """
+    void _gelu_forward_span "gelu_forward_span" (bint wide, float* out, const float* inp,
+                                                 Py_ssize_t n) nogil
+    void _gelu_backward_span "gelu_backward_span" (bint wide, float* dinp, const float* inp,
+                                                   const float* dout, Py_ssize_t n,
+                                                   int overwrite) nogil
+    void ln_forward_rows(bint wide, float* out, float* mean, float* rstd, const float* inp,
+                         const float* weight, const float* bias, Py_ssize_t r0, Py_ssize_t r1,
+                         Py_ssize_t C) nogil
+    void ln_backward_rows(bint wide, float* dinp, float* part_w, float* part_b,
+                          const float* dout, const float* inp, const float* weight,
+                          const float* mean, const float* rstd, Py_ssize_t r0, Py_ssize_t r1,
+                          Py_ssize_t C, int ow_dinp) nogil
+
+
+# ---------------------------------------------------------------------------
+# Vector width of the element-wise and row kernels (here, kernels.loss and
+# kernels.attention): sixteen lanes where the CPU has AVX-512 (x86-64-v4), eight
+# otherwise; set_vector_lanes(8) forces eight, so tests check both on one machine.
+
+cdef bint _narrow = False
+
+
+cdef bint lanes_wide() noexcept nogil:
+    return not _narrow and adt_cpu_v4()
+
+
+def vector_lanes():
+    """Vector lanes of the layers, loss and attention kernels: 16 on a CPU with
+    AVX-512 (unless set_vector_lanes(8)), else 8."""
+    return 16 if lanes_wide() else 8
+
+
+def set_vector_lanes(lanes):
+    """Run the layers, loss and attention kernels in ``lanes`` (8, or 16 where the CPU
+    has AVX-512).  Returns the previous width.
+
+    For tests and benchmarks; not thread-safe against running kernels."""
+    global _narrow
+    if isinstance(lanes, bool) or lanes not in (8, 16):
+        raise ValueError(f"lanes must be 8 or 16, got {lanes!r}")
+    if lanes == 16 and not adt_cpu_v4():
+        raise ValueError("16 lanes need a CPU with AVX-512 (x86-64-v4)")
+    old = vector_lanes()
+    _narrow = lanes == 8
+    return old
 
 cdef extern from *:
     # Pointers that alias no other argument: gcc's runtime alias checks give up on
@@ -361,114 +441,6 @@ def encoder_backward_naive(dwte, dwpe, dout, ids, *, overwrite=False, n_threads=
 # ---------------------------------------------------------------------------
 # layernorm
 
-cdef extern from *:
-    """
-    /* Layernorm rows in eight-lane vectors (AVX2+FMA clone where the CPU has it).
-       Sums run in eight lanes plus a scalar tail, combined pairwise. */
-    ADT_INLINE float ln_sum(const float* x, ptrdiff_t C) {
-        adt_v8 a = {0}, b = {0};
-        ptrdiff_t i = 0;
-        for (; i + 16 <= C; i += 16) { a += adt_load(x + i); b += adt_load(x + i + 8); }
-        for (; i + 8 <= C; i += 8) a += adt_load(x + i);
-        float t = 0.0f;
-        for (; i < C; i++) t += x[i];
-        return adt_hsum(a + b) + t;
-    }
-
-    ADT_INLINE float ln_sum_sq_dev(const float* x, float m, ptrdiff_t C) {
-        adt_v8 a = {0}, b = {0}, mv = adt_splat(m);
-        ptrdiff_t i = 0;
-        for (; i + 16 <= C; i += 16) {
-            adt_v8 d0 = adt_load(x + i) - mv, d1 = adt_load(x + i + 8) - mv;
-            a += d0 * d0; b += d1 * d1;
-        }
-        for (; i + 8 <= C; i += 8) { adt_v8 d = adt_load(x + i) - mv; a += d * d; }
-        float t = 0.0f;
-        for (; i < C; i++) t += (x[i] - m) * (x[i] - m);
-        return adt_hsum(a + b) + t;
-    }
-
-    /* Rows r0..r1: two passes over each row (it sits in L1) avoid the cancellation
-       of E[x^2] - E[x]^2. */
-    ADT_MULTIVERSION
-    static void ln_forward_rows(float* out, float* mean, float* rstd, const float* inp,
-                                const float* weight, const float* bias, ptrdiff_t r0,
-                                ptrdiff_t r1, ptrdiff_t C) {
-        for (ptrdiff_t r = r0; r < r1; r++) {
-            const float* x = inp + r * C;
-            float* y = out + r * C;
-            float m = ln_sum(x, C) / C;
-            float s = 1.0f / sqrtf(ln_sum_sq_dev(x, m, C) / C + (float)ADTAPE_LAYERNORM_EPS);
-            adt_v8 mv = adt_splat(m), sv = adt_splat(s);
-            ptrdiff_t i = 0;
-            for (; i + 8 <= C; i += 8)
-                adt_store(y + i, (adt_load(x + i) - mv) * sv * adt_load(weight + i)
-                                 + adt_load(bias + i));
-            for (; i < C; i++) y[i] = (x[i] - m) * s * weight[i] + bias[i];
-            mean[r] = m;
-            rstd[r] = s;
-        }
-    }
-
-    /* Rows r0..r1 of the backward: dinp += ... (= when ow_dinp), and this block's
-       partial sums part_w[c] = sum norm * dout, part_b[c] = sum dout (overwritten). */
-    ADT_MULTIVERSION
-    static void ln_backward_rows(float* dinp, float* part_w, float* part_b, const float* dout,
-                                 const float* inp, const float* weight, const float* mean,
-                                 const float* rstd, ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t C,
-                                 int ow_dinp) {
-        memset(part_w, 0, C * sizeof(float));
-        memset(part_b, 0, C * sizeof(float));
-        for (ptrdiff_t r = r0; r < r1; r++) {
-            const float* x = inp + r * C;
-            const float* d = dout + r * C;
-            float* dx = dinp + r * C;
-            float m = mean[r], s = rstd[r];
-            adt_v8 mv = adt_splat(m), sv = adt_splat(s);
-            adt_v8 ag = {0}, agx = {0};
-            ptrdiff_t i = 0;
-            for (; i + 8 <= C; i += 8) {
-                adt_v8 g = adt_load(weight + i) * adt_load(d + i);
-                ag += g;
-                agx += g * (adt_load(x + i) - mv);
-            }
-            float tg = 0.0f, tgx = 0.0f;
-            for (; i < C; i++) {
-                float g = weight[i] * d[i];
-                tg += g;
-                tgx += g * (x[i] - m);
-            }
-            /* dinp = rstd * (g - mean(g) - norm * mean(g * norm)), norm = (x - mean) * rstd */
-            float mean_g = (adt_hsum(ag) + tg) / C;
-            float mean_gn = (adt_hsum(agx) + tgx) * s / C;
-            adt_v8 mg = adt_splat(mean_g), mgn = adt_splat(mean_gn);
-            for (i = 0; i + 8 <= C; i += 8) {
-                adt_v8 dv = adt_load(d + i);
-                adt_v8 norm = (adt_load(x + i) - mv) * sv;
-                adt_store(part_w + i, adt_load(part_w + i) + norm * dv);
-                adt_store(part_b + i, adt_load(part_b + i) + dv);
-                adt_v8 r = (adt_load(weight + i) * dv - mg - norm * mgn) * sv;
-                adt_store(dx + i, ow_dinp ? r : adt_load(dx + i) + r);
-            }
-            for (; i < C; i++) {
-                float norm = (x[i] - m) * s;
-                part_w[i] += norm * d[i];
-                part_b[i] += d[i];
-                float r = (weight[i] * d[i] - mean_g - norm * mean_gn) * s;
-                dx[i] = ow_dinp ? r : dx[i] + r;
-            }
-        }
-    }
-    """
-    void ln_forward_rows(float* out, float* mean, float* rstd, const float* inp,
-                         const float* weight, const float* bias, Py_ssize_t r0, Py_ssize_t r1,
-                         Py_ssize_t C) nogil
-    void ln_backward_rows(float* dinp, float* part_w, float* part_b, const float* dout,
-                          const float* inp, const float* weight, const float* mean,
-                          const float* rstd, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t C,
-                          int ow_dinp) nogil
-
-
 cdef enum:
     # Rows per parallel task of layernorm's forward.
     LAYERNORM_ROWS_PER_TASK = 16
@@ -478,8 +450,9 @@ cdef void layernorm_forward_core(float* out, float* mean, float* rstd, const flo
                                  const float* weight, const float* bias,
                                  Py_ssize_t N, Py_ssize_t C, int n_threads) noexcept nogil:
     cdef Py_ssize_t k, n_tasks = (N + LAYERNORM_ROWS_PER_TASK - 1) // LAYERNORM_ROWS_PER_TASK
+    cdef bint wide = lanes_wide()
     for k in prange(n_tasks, schedule='static', nogil=True, num_threads=n_threads):
-        ln_forward_rows(out, mean, rstd, inp, weight, bias, k * LAYERNORM_ROWS_PER_TASK,
+        ln_forward_rows(wide, out, mean, rstd, inp, weight, bias, k * LAYERNORM_ROWS_PER_TASK,
                         min(N, (k + 1) * LAYERNORM_ROWS_PER_TASK), C)
 
 
@@ -518,8 +491,9 @@ cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, cons
             raise MemoryError(f"layernorm_backward: cannot allocate {2 * n_blocks * C} floats")
     cdef float* parts_b = parts + n_blocks * C
     cdef Py_ssize_t blk, s, c0, c1
+    cdef bint wide = lanes_wide()
     for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
-        ln_backward_rows(dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
+        ln_backward_rows(wide, dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
                          mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C, ow_dinp)
     cdef Py_ssize_t width = _slice_width(C, n_threads)
     cdef Py_ssize_t n_slices = (C + width - 1) // width
@@ -639,94 +613,21 @@ def layernorm_backward_naive(dinp, dweight, dbias, dout, inp, weight, mean, rstd
 
 
 # ---------------------------------------------------------------------------
-# GELU, tanh approximation.  0.5 * (1 + tanh(u)) == 1 / (1 + exp(-2u)), which needs one
-# exp and no cancellation near tanh(u) = -1.
-
-cdef extern from *:
-    """
-    /* s = 1 / (1 + exp(z)), z = -2u, in eight lanes; *e receives exp(z).  Beyond
-       z = 80, s is set to 0 rather than left as a value that turns denormal
-       downstream. */
-    ADT_INLINE adt_v8 gelu_sigmoid8(adt_v8 x, adt_v8* e) {
-        const float k2 = (float)(-2.0 * ADTAPE_GELU_K), a = (float)ADTAPE_GELU_A;
-        adt_v8 z = k2 * (x + a * x * x * x);
-        adt_v8i big = z > adt_splat(80.0f);
-        *e = adt_exp8(adt_min(z, adt_splat(80.0f)));
-        adt_v8 s = 1.0f / (1.0f + *e);
-        return adt_select(big, adt_splat(0.0f), s);
-    }
-
-    ADT_INLINE adt_v8 gelu_forward8(adt_v8 x) {
-        /* x s = x / (1 + exp(z)): one division, no separate reciprocal */
-        const float k2 = (float)(-2.0 * ADTAPE_GELU_K), a = (float)ADTAPE_GELU_A;
-        adt_v8 z = k2 * (x + a * x * x * x);
-        adt_v8i big = z > adt_splat(80.0f);
-        adt_v8 y = x / (1.0f + adt_exp8(adt_min(z, adt_splat(80.0f))));
-        return adt_select(big, adt_splat(0.0f), y);
-    }
-
-    /* d/dx [x s] = s + x s (1 - s) 2u', with 1 - s = e s.  Beyond |x| = 20 the result
-       is exactly 1 or 0 in float32; clamping there keeps x^2 from overflowing. */
-    ADT_INLINE adt_v8 gelu_backward8(adt_v8 x, adt_v8 d) {
-        const float k2 = (float)(2.0 * ADTAPE_GELU_K), a3 = (float)(3.0 * ADTAPE_GELU_A);
-        x = adt_max(adt_min(x, adt_splat(20.0f)), adt_splat(-20.0f));
-        adt_v8 e, s = gelu_sigmoid8(x, &e);
-        adt_v8 du = k2 * (1.0f + a3 * x * x);
-        return s * (1.0f + x * du * e * s) * d;
-    }
-
-    /* Spans in whole vectors, the tail through a zero-padded one; compiled for
-       AVX2+FMA and for the baseline (target_clones). */
-    ADT_MULTIVERSION
-    static void gelu_forward_span(float* out, const float* inp, ptrdiff_t n) {
-        ptrdiff_t i = 0;
-        for (; i + 8 <= n; i += 8) adt_store(out + i, gelu_forward8(adt_load(inp + i)));
-        if (i < n) {
-            float x[8] = {0}, y[8];
-            memcpy(x, inp + i, (n - i) * sizeof(float));
-            adt_store(y, gelu_forward8(adt_load(x)));
-            memcpy(out + i, y, (n - i) * sizeof(float));
-        }
-    }
-
-    ADT_MULTIVERSION
-    static void gelu_backward_span(float* dinp, const float* inp, const float* dout,
-                                   ptrdiff_t n, int overwrite) {
-        ptrdiff_t i = 0;
-        if (overwrite)
-            for (; i + 8 <= n; i += 8)
-                adt_store(dinp + i, gelu_backward8(adt_load(inp + i), adt_load(dout + i)));
-        else
-            for (; i + 8 <= n; i += 8)
-                adt_store(dinp + i, adt_load(dinp + i)
-                                    + gelu_backward8(adt_load(inp + i), adt_load(dout + i)));
-        if (i < n) {
-            float x[8] = {0}, d[8] = {0}, y[8];
-            memcpy(x, inp + i, (n - i) * sizeof(float));
-            memcpy(d, dout + i, (n - i) * sizeof(float));
-            adt_store(y, gelu_backward8(adt_load(x), adt_load(d)));
-            for (ptrdiff_t j = 0; j < n - i; j++) dinp[i + j] = overwrite ? y[j] : dinp[i + j] + y[j];
-        }
-    }
-    """
-    void _gelu_forward_span "gelu_forward_span" (float* out, const float* inp,
-                                                 Py_ssize_t n) nogil
-    void _gelu_backward_span "gelu_backward_span" (float* dinp, const float* inp,
-                                                   const float* dout, Py_ssize_t n,
-                                                   int overwrite) nogil
-
+# GELU, tanh approximation (the vector code is in kernels/layers_lanes.h)
 
 cdef void gelu_forward_core(float* out, const float* inp, Py_ssize_t n, int n_threads) noexcept nogil:
     cdef Py_ssize_t k
+    cdef bint wide = lanes_wide()
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        _gelu_forward_span(out + k * CHUNK, inp + k * CHUNK, min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+        _gelu_forward_span(wide, out + k * CHUNK, inp + k * CHUNK, min(<Py_ssize_t>CHUNK, n - k * CHUNK))
 
 
 cdef void gelu_backward_core(float* dinp, const float* inp, const float* dout, Py_ssize_t n,
                              int n_threads, bint overwrite) noexcept nogil:
     cdef Py_ssize_t k
+    cdef bint wide = lanes_wide()
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        _gelu_backward_span(dinp + k * CHUNK, inp + k * CHUNK, dout + k * CHUNK,
+        _gelu_backward_span(wide, dinp + k * CHUNK, inp + k * CHUNK, dout + k * CHUNK,
                             min(<Py_ssize_t>CHUNK, n - k * CHUNK), overwrite)
 
 

@@ -3,9 +3,10 @@
 The forward reads each row of logits once (an online max and sum of exponentials over
 L1-sized chunks) and saves the row's log-sum-exp; the backward turns it straight into
 the softmax gradient, optionally in place over the logits so the (B,T,Vp) buffer is not
-needed twice.  Columns V..Vp-1 (vocabulary padding) are ignored.  Rows run in eight-lane
-vectors (kernels/simd.h, AVX2+FMA where the CPU has it); the serial ``_naive`` twins use libm's exp
-and also accept float64, for the finite-difference tests.
+needed twice.  Columns V..Vp-1 (vocabulary padding) are ignored.  Rows run in sixteen-lane
+vectors where the CPU has AVX-512, else in eight (AVX2+FMA where the CPU has it; see
+kernels/loss_lanes.h and kernels.set_vector_lanes); the serial ``_naive`` twins use libm's
+exp and also accept float64, for the finite-difference tests.
 """
 from cython.parallel cimport prange
 from libc.math cimport logf, exp, log, INFINITY
@@ -15,7 +16,7 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels.layers cimport checked_data, resolve_threads, serial_if_small
+from kernels.layers cimport checked_data, lanes_wide, resolve_threads, serial_if_small
 
 cnp.import_array()
 
@@ -29,82 +30,35 @@ cdef extern from *:
        chunk (the exponentials after its max) comes from L1. */
     #define CE_CHUNK 1024
 
-    /* log(sum(exp(x - max))) of one row, storing the max: the loss is then
-       (max - x[target]) + that, which keeps its precision when the logits are large.
-       Eight lanes, compiled for AVX2+FMA and for the baseline (target_clones). */
-    ADT_MULTIVERSION
-    static float ce_row_logsumexp(const float* x, ptrdiff_t V, float* row_max) {
-        float m = -INFINITY;
-        adt_v8 s = {0};
-        for (ptrdiff_t c0 = 0; c0 < V; c0 += CE_CHUNK) {
-            ptrdiff_t n = V - c0 < CE_CHUNK ? V - c0 : CE_CHUNK, i;
-            const float* xc = x + c0;
-            /* four running maxima: one would wait on its own compare-and-blend */
-            adt_v8 mv = adt_splat(xc[0]), mv1 = mv, mv2 = mv, mv3 = mv;
-            for (i = 0; i + 32 <= n; i += 32) {
-                mv = adt_max(mv, adt_load(xc + i));
-                mv1 = adt_max(mv1, adt_load(xc + i + 8));
-                mv2 = adt_max(mv2, adt_load(xc + i + 16));
-                mv3 = adt_max(mv3, adt_load(xc + i + 24));
-            }
-            mv = adt_max(adt_max(mv, mv1), adt_max(mv2, mv3));
-            for (; i + 8 <= n; i += 8) mv = adt_max(mv, adt_load(xc + i));
-            float cm = mv[0];
-            for (int l = 1; l < 8; l++) cm = mv[l] > cm ? mv[l] : cm;
-            for (; i < n; i++) cm = xc[i] > cm ? xc[i] : cm;
-            if (cm > m) {
-                s = s * adt_exp8(adt_splat(m - cm));
-                m = cm;
-            }
-            adt_v8 mm = adt_splat(m), s2 = {0};
-            for (i = 0; i + 16 <= n; i += 16) {
-                s += adt_exp8(adt_load(xc + i) - mm);
-                s2 += adt_exp8(adt_load(xc + i + 8) - mm);
-            }
-            s += s2;
-            for (; i + 8 <= n; i += 8) s += adt_exp8(adt_load(xc + i) - mm);
-            if (i < n) {
-                float t[8];
-                for (int l = 0; l < 8; l++) t[l] = i + l < n ? xc[i + l] : -INFINITY;
-                s += adt_exp8(adt_load(t) - mm);
-            }
-        }
-        *row_max = m;
-        return logf(adt_hsum(s));
-    }
+    /* The rows (kernels/loss_lanes.h) in eight lanes, as target clones, and in
+       sixteen for CPUs with AVX-512; each entry point takes the width from its
+       caller (kernels.layers' lanes_wide()). */
+    #define ADT_W 8
+    #include "loss_lanes.h"
+    #undef ADT_W
+    #if ADT_HAVE_V4
+    #define ADT_W 16
+    #include "loss_lanes.h"
+    #undef ADT_W
+    #endif
 
-    /* d[0:V] (+)= exp(x - lse) * g (accumulate, or overwrite when in place, where
-       d == x), then the padding d[V:Vp] = 0 when in place. */
-    ADT_MULTIVERSION
-    static void ce_row_backward(float* d, const float* x, float lse, float g, ptrdiff_t V,
-                                ptrdiff_t Vp, int inplace) {
-        ptrdiff_t i = 0;
-        adt_v8 l = adt_splat(lse);
-        if (inplace) {
-            for (; i + 8 <= V; i += 8) adt_store(d + i, adt_exp8(adt_load(x + i) - l) * g);
-        } else {
-            for (; i + 8 <= V; i += 8)
-                adt_store(d + i, adt_load(d + i) + adt_exp8(adt_load(x + i) - l) * g);
-        }
-        if (i < V) {
-            float t[8] = {0};
-            memcpy(t, x + i, (V - i) * sizeof(float));
-            adt_store(t, adt_exp8(adt_load(t) - l) * g);
-            for (ptrdiff_t j = 0; j < V - i; j++) d[i + j] = inplace ? t[j] : d[i + j] + t[j];
-        }
-        if (inplace)
-            for (i = V; i < Vp; i++) d[i] = 0.0f;
+    static float ce_row_logsumexp(int wide, const float* x, ptrdiff_t V, float* row_max) {
+        return ADT_LANES_CALL(wide, ce_row_logsumexp, (x, V, row_max));
+    }
+    static void ce_row_backward(int wide, float* d, const float* x, float lse, float g,
+                                ptrdiff_t V, ptrdiff_t Vp, int inplace) {
+        ADT_LANES_CALL(wide, ce_row_backward, (d, x, lse, g, V, Vp, inplace));
     }
     """
-    float ce_row_logsumexp(const float* x, Py_ssize_t V, float* row_max) nogil
-    void ce_row_backward(float* d, const float* x, float lse, float g, Py_ssize_t V,
+    float ce_row_logsumexp(bint wide, const float* x, Py_ssize_t V, float* row_max) nogil
+    void ce_row_backward(bint wide, float* d, const float* x, float lse, float g, Py_ssize_t V,
                          Py_ssize_t Vp, int inplace) nogil
 
 
-cdef void _row_forward(float* loss, float* lse, const float* x, int32_t target,
+cdef void _row_forward(bint wide, float* loss, float* lse, const float* x, int32_t target,
                        Py_ssize_t V) noexcept nogil:
     cdef float m
-    cdef float log_sum = ce_row_logsumexp(x, V, &m)
+    cdef float log_sum = ce_row_logsumexp(wide, x, V, &m)
     lse[0] = m + log_sum
     loss[0] = (m - x[target]) + log_sum
 
@@ -113,8 +67,9 @@ cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const flo
                                             const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
                                             Py_ssize_t Vp, int n_threads) noexcept nogil:
     cdef Py_ssize_t r
+    cdef bint wide = lanes_wide()
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        _row_forward(losses + r, lse + r, logits + r * Vp, targets[r], V)
+        _row_forward(wide, losses + r, lse + r, logits + r * Vp, targets[r], V)
 
 
 cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosses,
@@ -122,8 +77,9 @@ cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosse
                                              const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
                                              Py_ssize_t Vp, int n_threads) noexcept nogil:
     cdef Py_ssize_t r
+    cdef bint wide = lanes_wide()
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        ce_row_backward(dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 0)
+        ce_row_backward(wide, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 0)
         dlogits[r * Vp + targets[r]] -= dlosses[r]
 
 
@@ -132,8 +88,9 @@ cdef void softmax_crossentropy_backward_inplace_core(float* logits, const float*
                                                      Py_ssize_t N, Py_ssize_t V, Py_ssize_t Vp,
                                                      int n_threads) noexcept nogil:
     cdef Py_ssize_t r
+    cdef bint wide = lanes_wide()
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        ce_row_backward(logits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 1)
+        ce_row_backward(wide, logits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 1)
         logits[r * Vp + targets[r]] -= dlosses[r]
 
 

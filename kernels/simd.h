@@ -1,4 +1,4 @@
-/* Eight-lane float helpers shared by the kernels (GCC vector extensions).
+/* Eight- and sixteen-lane float helpers shared by the kernels (GCC vector extensions).
  *
  * Functions marked ADT_MULTIVERSION are compiled twice by GCC's target_clones, for
  * x86-64-v3 (AVX2 + FMA) and for the baseline, and the loader picks one per machine:
@@ -24,17 +24,49 @@
 typedef float adt_v8 __attribute__((vector_size(32)));
 typedef float adt_v8u __attribute__((vector_size(32), aligned(4)));
 typedef int adt_v8i __attribute__((vector_size(32)));
+typedef float adt_v16 __attribute__((vector_size(64)));
+typedef float adt_v16u __attribute__((vector_size(64), aligned(4)));
+typedef int adt_v16i __attribute__((vector_size(64)));
 
-ADT_INLINE adt_v8 adt_load(const float* p) { return *(const adt_v8u*)p; }
-ADT_INLINE void adt_store(float* p, adt_v8 v) { *(adt_v8u*)p = v; }
-ADT_INLINE adt_v8 adt_splat(float x) { adt_v8 v = {x, x, x, x, x, x, x, x}; return v; }
-
-/* Lane-wise select, max and min (GCC's C front end has no vector ?:). */
-ADT_INLINE adt_v8 adt_select(adt_v8i mask, adt_v8 a, adt_v8 b) {
-    return (adt_v8)(((adt_v8i)a & mask) | ((adt_v8i)b & ~mask));
-}
-ADT_INLINE adt_v8 adt_max(adt_v8 a, adt_v8 b) { return adt_select(a > b, a, b); }
-ADT_INLINE adt_v8 adt_min(adt_v8 a, adt_v8 b) { return adt_select(a < b, a, b); }
+/* The operations of one width, defined once for both: S is the suffix of their
+   names (empty for eight lanes: adt_load, adt_exp; 16: adt_load16, adt_exp16), VT,
+   VU and VI the vector, unaligned vector and int vector types.
+     load, store  unaligned
+     splat        every lane x
+     select       mask ? a : b lane-wise (GCC's C front end has no vector ?:)
+     max, min     lane-wise
+     exp          exp(x) for x <= 88.3 (callers clamp larger inputs), within 2 ulp,
+                  like kernels.layers' fast_expf: Cody-Waite reduction x = n ln2 + r,
+                  Cephes' degree-6 polynomial for exp(r), 2^n built in the exponent
+                  bits.  Exactly 0 below -87.3 (no denormals downstream); one compare
+                  serves both selects. */
+#define ADT_LANE_OPS(S, VT, VU, VI) \
+    ADT_INLINE VT adt_load##S(const float* p) { return *(const VU*)p; } \
+    ADT_INLINE void adt_store##S(float* p, VT v) { *(VU*)p = v; } \
+    ADT_INLINE VT adt_splat##S(float x) { VT v = {0}; return v + x; } \
+    ADT_INLINE VT adt_select##S(VI mask, VT a, VT b) { \
+        return (VT)(((VI)a & mask) | ((VI)b & ~mask)); \
+    } \
+    ADT_INLINE VT adt_max##S(VT a, VT b) { return adt_select##S(a > b, a, b); } \
+    ADT_INLINE VT adt_min##S(VT a, VT b) { return adt_select##S(a < b, a, b); } \
+    ADT_INLINE VT adt_exp##S(VT x) { \
+        VI under = x < adt_splat##S(-87.3f); \
+        VT xc = adt_select##S(under, adt_splat##S(-87.3f), x); \
+        VT n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f; \
+        VT r = xc - n * 0.693359375f; \
+        r = r + n * 2.12194440e-4f; \
+        VT p = r * 1.9875691500e-4f + 1.3981999507e-3f; \
+        p = p * r + 8.3334519073e-3f; \
+        p = p * r + 4.1665795894e-2f; \
+        p = p * r + 1.6666665459e-1f; \
+        p = p * r + 5.0000001201e-1f; \
+        p = p * r * r + r + 1.0f; \
+        VI e = (__builtin_convertvector(n, VI) + 127) << 23; \
+        return adt_select##S(under, adt_splat##S(0.0f), p * (VT)e); \
+    }
+ADT_LANE_OPS(, adt_v8, adt_v8u, adt_v8i)
+ADT_LANE_OPS(16, adt_v16, adt_v16u, adt_v16i)
+#undef ADT_LANE_OPS
 
 /* Sum of the eight lanes, pairwise (the same order on every path). */
 ADT_INLINE float adt_hsum(adt_v8 v) {
@@ -42,26 +74,17 @@ ADT_INLINE float adt_hsum(adt_v8 v) {
     float b = (v[1] + v[5]) + (v[3] + v[7]);
     return a + b;
 }
-
-/* exp(x) in eight lanes for x <= 88.3 (callers clamp larger inputs), within 2 ulp,
-   like kernels.layers' fast_expf: Cody-Waite reduction x = n ln2 + r, Cephes'
-   degree-6 polynomial for exp(r), 2^n built in the exponent bits.  Exactly 0 below
-   -87.3 (no denormals downstream); one compare serves both selects. */
-ADT_INLINE adt_v8 adt_exp8(adt_v8 x) {
-    adt_v8i under = x < adt_splat(-87.3f);
-    adt_v8 xc = adt_select(under, adt_splat(-87.3f), x);
-    adt_v8 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    adt_v8 r = xc - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    adt_v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    adt_v8i e = (__builtin_convertvector(n, adt_v8i) + 127) << 23;
-    return adt_select(under, adt_splat(0.0f), p * (adt_v8)e);
+/* Sum of the sixteen lanes: the two halves added, then adt_hsum. */
+ADT_INLINE float adt_hsum16(adt_v16 v) {
+    adt_v8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    adt_v8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return adt_hsum(lo + hi);
 }
+
+/* a / b.  Eight lanes divide; sixteen multiply by AVX-512's 14-bit reciprocal
+   estimate refined by one Newton step (within 2 ulp for normal b whose reciprocal is
+   normal), a third of the cost of a 512-bit division. */
+ADT_INLINE adt_v8 adt_divide(adt_v8 a, adt_v8 b) { return a / b; }
 
 /* Sixteen lanes for the AVX-512 paths (x86-64-v4): functions marked ADT_TARGET_V4
    are compiled for it alone and called only when adt_cpu_v4() says the CPU has it;
@@ -75,21 +98,46 @@ ADT_INLINE int adt_cpu_v4(void) {
     if (has < 0) has = __builtin_cpu_supports("x86-64-v4") ? 1 : 0;   /* benign race */
     return has;
 }
+ADT_TARGET_V4 ADT_INLINE adt_v16 adt_divide16(adt_v16 a, adt_v16 b) {
+    adt_v16 r = __builtin_ia32_rcp14ps512_mask(b, b, (unsigned short)-1);
+    r = r + r * (1.0f - b * r);
+    return a * r;
+}
 #else
 #define ADT_HAVE_V4 0
 #define ADT_TARGET_V4
 ADT_INLINE int adt_cpu_v4(void) { return 0; }
+ADT_INLINE adt_v16 adt_divide16(adt_v16 a, adt_v16 b) { return a / b; }
 #endif
-typedef float adt_v16 __attribute__((vector_size(64)));
-typedef float adt_v16u __attribute__((vector_size(64), aligned(4)));
 
-ADT_INLINE adt_v16 adt_load16(const float* p) { return *(const adt_v16u*)p; }
-ADT_INLINE void adt_store16(float* p, adt_v16 v) { *(adt_v16u*)p = v; }
-/* Sum of the sixteen lanes: the two halves added, then adt_hsum. */
-ADT_INLINE float adt_hsum16(adt_v16 v) {
-    adt_v8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-    adt_v8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    return adt_hsum(lo + hi);
-}
+/* Code written once for both widths: a template header that a module includes once
+   per width (no include guard), after defining ADT_W to 8 or 16 (and undefining it
+   before the next), like kernels/skinny.h.  There
+     ADT_VT, ADT_VI     are the vector and int vector types, ADT_W their lanes,
+     ADT_V(op)          the operation op of that width (ADT_V(exp): adt_exp, adt_exp16),
+     ADT_LANES_FN(f)    the function f of that width (f_v8, f_v16),
+     ADT_LANES_ATTR     its target (target_clones for eight lanes, x86-64-v4 for 16),
+     ADT_LANES_INLINE   the attributes of an inline helper of that width.
+   The sixteen-lane instance exists only #if ADT_HAVE_V4; ADT_LANES_CALL(wide, f,
+   (args)) calls f_v16 where wide is true, else f_v8. */
+#define ADT_CAT2(a, b) a##b
+#define ADT_CAT(a, b) ADT_CAT2(a, b)
+#define ADT_VT ADT_CAT(adt_v, ADT_W)
+#define ADT_VI ADT_CAT(ADT_VT, i)
+#define ADT_V(op) ADT_CAT(ADT_V_, ADT_W)(op)
+#define ADT_V_8(op) adt_##op
+#define ADT_V_16(op) adt_##op##16
+#define ADT_LANES_FN(f) ADT_CAT(f##_v, ADT_W)
+#define ADT_LANES_ATTR ADT_CAT(ADT_LANES_ATTR_, ADT_W)
+#define ADT_LANES_ATTR_8 ADT_MULTIVERSION
+#define ADT_LANES_ATTR_16 ADT_TARGET_V4
+#define ADT_LANES_INLINE ADT_CAT(ADT_LANES_INLINE_, ADT_W)
+#define ADT_LANES_INLINE_8 ADT_INLINE
+#define ADT_LANES_INLINE_16 ADT_TARGET_V4 ADT_INLINE
+#if ADT_HAVE_V4
+#define ADT_LANES_CALL(wide, f, args) ((wide) ? f##_v16 args : f##_v8 args)
+#else
+#define ADT_LANES_CALL(wide, f, args) (f##_v8 args)
+#endif
 
 #endif

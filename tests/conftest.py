@@ -8,6 +8,8 @@ import importlib.util
 import pathlib
 import sys
 
+import pytest
+
 _ORACLE = pathlib.Path(__file__).resolve().parent.parent / "bench" / "torch_gpt2.py"
 
 if "torch_gpt2" not in sys.modules:
@@ -15,3 +17,18 @@ if "torch_gpt2" not in sys.modules:
     _module = importlib.util.module_from_spec(_spec)
     sys.modules["torch_gpt2"] = _module
     _spec.loader.exec_module(_module)
+
+
+def _lane_widths():
+    from kernels import layers
+    return [8, 16] if layers.vector_lanes() == 16 else [8]
+
+
+@pytest.fixture(params=_lane_widths(), ids=lambda lanes: f"{lanes}lanes")
+def vector_lanes(request):
+    """Runs a test with the layers, loss and attention kernels in eight lanes and, where
+    the CPU has AVX-512, again in sixteen (kernels.set_vector_lanes)."""
+    import kernels
+    old = kernels.set_vector_lanes(request.param)
+    yield request.param
+    kernels.set_vector_lanes(old)

@@ -6,9 +6,11 @@ import torch.nn.functional as F
 
 from kernels import layers
 
-# (B, T, C): T=1, C=1, C not a multiple of 8 or of the 64 accumulator lanes,
-# B*T not a multiple of any unroll or block count, and one GPT-2 width.
-SHAPES = [(1, 1, 1), (1, 1, 5), (2, 3, 7), (3, 5, 67), (1, 37, 130), (2, 11, 768)]
+# (B, T, C): T=1, C=1, C not a multiple of 8 or of the 64 accumulator lanes, C with
+# every kind of 16-lane tail (one vector and 8 more, 32 and 15 more), B*T not a
+# multiple of any unroll or block count, and one GPT-2 width.
+SHAPES = [(1, 1, 1), (1, 1, 5), (2, 3, 7), (1, 4, 24), (2, 3, 47), (3, 5, 67), (1, 37, 130),
+          (2, 11, 768)]
 
 
 def rand(rng, *shape, scale=1.0):
@@ -142,7 +144,7 @@ def layernorm_arrays(rng, B, T, C):
 
 
 @pytest.mark.parametrize("B,T,C", SHAPES)
-def test_layernorm_matches_naive_and_torch(B, T, C):
+def test_layernorm_matches_naive_and_torch(B, T, C, vector_lanes):
     rng = np.random.default_rng(5)
     x, w, b = layernorm_arrays(rng, B, T, C)
     out, mean, rstd = np.empty_like(x), np.empty((B, T), np.float32), np.empty((B, T), np.float32)
@@ -235,8 +237,11 @@ def test_layernorm_rejects_bad_arguments():
 # ---------------------------------------------------------------------------
 # GELU
 
-@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5, 67), (2, 3, 16387)])
-def test_gelu_matches_naive_and_torch(shape):
+# Sizes with every tail: under one vector of 8 or 16, one vector and 1 or 15 more,
+# and chunks of 16384 with 18 left over.
+@pytest.mark.parametrize("shape", [(1,), (7,), (9,), (15,), (17,), (31,), (3, 5, 67),
+                                   (2, 3, 16387)])
+def test_gelu_matches_naive_and_torch(shape, vector_lanes):
     rng = np.random.default_rng(9)
     x = rand(rng, *shape, scale=3.0)
     if x.size >= 4:
@@ -265,15 +270,16 @@ def test_gelu_matches_naive_and_torch(shape):
     close(dinp, dinp_n, 1e-5)
 
 
-def test_gelu_extremes_are_finite_and_exact_zero_far_left():
-    x = np.array([-1e30, -500.0, -50.0, 0.0, 50.0, 1e30, 3e38], np.float32)
+def test_gelu_extremes_are_finite_and_exact_zero_far_left(vector_lanes):
+    # Twice over, so that both the whole vectors and the tail see them.
+    x = np.tile(np.array([-1e30, -500.0, -50.0, 0.0, 50.0, 1e30, 3e38], np.float32), 2)
     out, dinp = np.empty_like(x), np.zeros_like(x)
     layers.gelu_forward(out, x)
     layers.gelu_backward(dinp, x, np.ones_like(x))
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(dinp))
-    np.testing.assert_array_equal(out[:3], 0.0)
-    np.testing.assert_array_equal(out[3:], x[3:])
-    np.testing.assert_array_equal(dinp, [0, 0, 0, 0.5, 1, 1, 1])
+    np.testing.assert_array_equal(out.reshape(2, 7)[:, :3], 0.0)
+    np.testing.assert_array_equal(out.reshape(2, 7)[:, 3:], x.reshape(2, 7)[:, 3:])
+    np.testing.assert_array_equal(dinp, [0, 0, 0, 0.5, 1, 1, 1] * 2)
 
 
 def test_gelu_backward_finite_differences():
@@ -339,9 +345,26 @@ def test_residual_finite_differences_and_errors():
 
 
 # ---------------------------------------------------------------------------
-# threads
+# vector width and threads
 
-def test_one_and_two_threads_give_identical_results():
+def test_vector_lanes_setting():
+    import kernels
+    for bad in (4, 32, True, "16"):
+        with pytest.raises(ValueError, match="lanes must be 8 or 16"):
+            kernels.set_vector_lanes(bad)
+    if kernels.vector_lanes() == 8:
+        with pytest.raises(ValueError, match="AVX-512"):
+            kernels.set_vector_lanes(16)
+        return
+    assert kernels.set_vector_lanes(8) == 16
+    try:
+        assert kernels.vector_lanes() == layers.vector_lanes() == 8
+    finally:
+        assert kernels.set_vector_lanes(16) == 8
+    assert kernels.vector_lanes() == 16
+
+
+def test_one_and_two_threads_give_identical_results(vector_lanes):
     rng = np.random.default_rng(13)
     B, T, C = 3, 37, 200
     x, w, b = layernorm_arrays(rng, B, T, C)

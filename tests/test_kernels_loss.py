@@ -6,10 +6,11 @@ import torch.nn.functional as F
 
 from kernels import loss
 
-# (B, T, V, Vp): T=1, V=1, V not a multiple of 8 with padding, a vocabulary spanning
-# several chunks of the online log-sum-exp, and GPT-2's padded vocabulary.
-CASES = [(1, 1, 1, 1), (1, 1, 5, 8), (2, 3, 13, 16), (3, 5, 1000, 1003), (1, 3, 2500, 2560),
-         (1, 2, 50257, 50304)]
+# (B, T, V, Vp): T=1, V=1, V not a multiple of 8 with padding, V with every kind of
+# 16-lane tail (one vector and 1, 8 or 15 more), a vocabulary spanning several chunks
+# of the online log-sum-exp, and GPT-2's padded vocabulary.
+CASES = [(1, 1, 1, 1), (1, 1, 5, 8), (2, 3, 13, 16), (1, 2, 17, 17), (2, 1, 24, 32),
+         (1, 3, 31, 40), (3, 5, 1000, 1003), (1, 3, 2500, 2560), (1, 2, 50257, 50304)]
 
 
 def close(actual, expected, rtol, scale=0.0):
@@ -36,7 +37,7 @@ def run_forward(fn, logits, targets, V):
 
 
 @pytest.mark.parametrize("B,T,V,Vp", CASES)
-def test_matches_naive_and_torch(B, T, V, Vp):
+def test_matches_naive_and_torch(B, T, V, Vp, vector_lanes):
     rng = np.random.default_rng(1)
     logits, targets = make_case(rng, B, T, V, Vp)
     losses, lse = run_forward(loss.softmax_crossentropy_forward, logits, targets, V)
@@ -73,7 +74,7 @@ def test_matches_naive_and_torch(B, T, V, Vp):
     close(in_place, in_place_n, 1e-5, scale)
 
 
-def test_rows_layout_and_extreme_logits():
+def test_rows_layout_and_extreme_logits(vector_lanes):
     rng = np.random.default_rng(2)
     logits, targets = make_case(rng, 1, 4, 300, 304)
     logits[0, 0, :300] = -1e30          # all equal, hugely negative
@@ -114,7 +115,7 @@ def test_backward_finite_differences():
     np.testing.assert_array_equal(grad[..., V:], 0.0)
 
 
-def test_one_and_two_threads_give_identical_results():
+def test_one_and_two_threads_give_identical_results(vector_lanes):
     rng = np.random.default_rng(4)
     logits, targets = make_case(rng, 3, 7, 3001, 3008)
     dlosses = np.full((3, 7), 1 / 21, np.float32)

@@ -1,0 +1,177 @@
+/* GELU and layernorm rows of kernels/layers.pyx, a template over the vector width:
+ * layers.pyx includes it once per width after defining ADT_W (see the end of
+ * kernels/simd.h), giving gelu_forward_span_v8 and _v16, and so on.
+ */
+
+/* GELU, tanh approximation: 0.5 (1 + tanh(u)) == 1 / (1 + exp(z)), z = -2u, which
+   needs one exp and no cancellation near tanh(u) = -1.  Beyond z = 80 the result is
+   set to 0 rather than left as a value that turns denormal downstream. */
+ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_z)(ADT_VT x) {
+    const float k2 = (float)(-2.0 * ADTAPE_GELU_K), a = (float)ADTAPE_GELU_A;
+    return k2 * (x + a * x * x * x);
+}
+
+ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_forward)(ADT_VT x) {
+    /* x s = x / (1 + exp(z)), no separate reciprocal */
+    ADT_VT z = ADT_LANES_FN(gelu_z)(x);
+    ADT_VI big = z > ADT_V(splat)(80.0f);
+    ADT_VT y = ADT_V(divide)(x, 1.0f + ADT_V(exp)(ADT_V(min)(z, ADT_V(splat)(80.0f))));
+    return ADT_V(select)(big, ADT_V(splat)(0.0f), y);
+}
+
+/* d/dx [x s] = s + x s (1 - s) 2u', with 1 - s = e s, e = exp(z).  Beyond |x| = 20
+   the result is exactly 1 or 0 in float32; clamping there keeps x^2 from
+   overflowing. */
+ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_backward)(ADT_VT x, ADT_VT d) {
+    const float k2 = (float)(2.0 * ADTAPE_GELU_K), a3 = (float)(3.0 * ADTAPE_GELU_A);
+    x = ADT_V(max)(ADT_V(min)(x, ADT_V(splat)(20.0f)), ADT_V(splat)(-20.0f));
+    ADT_VT z = ADT_LANES_FN(gelu_z)(x);
+    ADT_VI big = z > ADT_V(splat)(80.0f);
+    ADT_VT e = ADT_V(exp)(ADT_V(min)(z, ADT_V(splat)(80.0f)));
+    ADT_VT s = ADT_V(select)(big, ADT_V(splat)(0.0f),
+                             ADT_V(divide)(ADT_V(splat)(1.0f), 1.0f + e));
+    ADT_VT du = k2 * (1.0f + a3 * x * x);
+    return s * (1.0f + x * du * e * s) * d;
+}
+
+/* Spans in whole vectors, the tail through a zero-padded one. */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(gelu_forward_span)(float* out, const float* inp, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+    for (; i + ADT_W <= n; i += ADT_W)
+        ADT_V(store)(out + i, ADT_LANES_FN(gelu_forward)(ADT_V(load)(inp + i)));
+    if (i < n) {
+        float x[ADT_W] = {0}, y[ADT_W];
+        memcpy(x, inp + i, (n - i) * sizeof(float));
+        ADT_V(store)(y, ADT_LANES_FN(gelu_forward)(ADT_V(load)(x)));
+        memcpy(out + i, y, (n - i) * sizeof(float));
+    }
+}
+
+ADT_LANES_ATTR
+static void ADT_LANES_FN(gelu_backward_span)(float* dinp, const float* inp, const float* dout,
+                                             ptrdiff_t n, int overwrite) {
+    ptrdiff_t i = 0;
+    if (overwrite)
+        for (; i + ADT_W <= n; i += ADT_W)
+            ADT_V(store)(dinp + i, ADT_LANES_FN(gelu_backward)(ADT_V(load)(inp + i),
+                                                               ADT_V(load)(dout + i)));
+    else
+        for (; i + ADT_W <= n; i += ADT_W)
+            ADT_V(store)(dinp + i, ADT_V(load)(dinp + i)
+                                   + ADT_LANES_FN(gelu_backward)(ADT_V(load)(inp + i),
+                                                                 ADT_V(load)(dout + i)));
+    if (i < n) {
+        float x[ADT_W] = {0}, d[ADT_W] = {0}, y[ADT_W];
+        memcpy(x, inp + i, (n - i) * sizeof(float));
+        memcpy(d, dout + i, (n - i) * sizeof(float));
+        ADT_V(store)(y, ADT_LANES_FN(gelu_backward)(ADT_V(load)(x), ADT_V(load)(d)));
+        for (ptrdiff_t j = 0; j < n - i; j++) dinp[i + j] = overwrite ? y[j] : dinp[i + j] + y[j];
+    }
+}
+
+/* Layernorm rows.  Sums run in two vectors plus a scalar tail, combined pairwise. */
+ADT_LANES_INLINE float ADT_LANES_FN(ln_sum)(const float* x, ptrdiff_t C) {
+    ADT_VT a = {0}, b = {0};
+    ptrdiff_t i = 0;
+    for (; i + 2 * ADT_W <= C; i += 2 * ADT_W) {
+        a += ADT_V(load)(x + i);
+        b += ADT_V(load)(x + i + ADT_W);
+    }
+    for (; i + ADT_W <= C; i += ADT_W) a += ADT_V(load)(x + i);
+    float t = 0.0f;
+    for (; i < C; i++) t += x[i];
+    return ADT_V(hsum)(a + b) + t;
+}
+
+ADT_LANES_INLINE float ADT_LANES_FN(ln_sum_sq_dev)(const float* x, float m, ptrdiff_t C) {
+    ADT_VT a = {0}, b = {0}, mv = ADT_V(splat)(m);
+    ptrdiff_t i = 0;
+    for (; i + 2 * ADT_W <= C; i += 2 * ADT_W) {
+        ADT_VT d0 = ADT_V(load)(x + i) - mv, d1 = ADT_V(load)(x + i + ADT_W) - mv;
+        a += d0 * d0;
+        b += d1 * d1;
+    }
+    for (; i + ADT_W <= C; i += ADT_W) {
+        ADT_VT d = ADT_V(load)(x + i) - mv;
+        a += d * d;
+    }
+    float t = 0.0f;
+    for (; i < C; i++) t += (x[i] - m) * (x[i] - m);
+    return ADT_V(hsum)(a + b) + t;
+}
+
+/* Rows r0..r1: two passes over each row (it sits in L1) avoid the cancellation of
+   E[x^2] - E[x]^2. */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(ln_forward_rows)(float* out, float* mean, float* rstd,
+                                          const float* inp, const float* weight,
+                                          const float* bias, ptrdiff_t r0, ptrdiff_t r1,
+                                          ptrdiff_t C) {
+    for (ptrdiff_t r = r0; r < r1; r++) {
+        const float* x = inp + r * C;
+        float* y = out + r * C;
+        float m = ADT_LANES_FN(ln_sum)(x, C) / C;
+        float s = 1.0f / sqrtf(ADT_LANES_FN(ln_sum_sq_dev)(x, m, C) / C
+                               + (float)ADTAPE_LAYERNORM_EPS);
+        ADT_VT mv = ADT_V(splat)(m), sv = ADT_V(splat)(s);
+        ptrdiff_t i = 0;
+        for (; i + ADT_W <= C; i += ADT_W)
+            ADT_V(store)(y + i, (ADT_V(load)(x + i) - mv) * sv * ADT_V(load)(weight + i)
+                                + ADT_V(load)(bias + i));
+        for (; i < C; i++) y[i] = (x[i] - m) * s * weight[i] + bias[i];
+        mean[r] = m;
+        rstd[r] = s;
+    }
+}
+
+/* Rows r0..r1 of the backward: dinp += ... (= when ow_dinp), and this block's partial
+   sums part_w[c] = sum norm * dout, part_b[c] = sum dout (overwritten). */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(ln_backward_rows)(float* dinp, float* part_w, float* part_b,
+                                           const float* dout, const float* inp,
+                                           const float* weight, const float* mean,
+                                           const float* rstd, ptrdiff_t r0, ptrdiff_t r1,
+                                           ptrdiff_t C, int ow_dinp) {
+    memset(part_w, 0, C * sizeof(float));
+    memset(part_b, 0, C * sizeof(float));
+    for (ptrdiff_t r = r0; r < r1; r++) {
+        const float* x = inp + r * C;
+        const float* d = dout + r * C;
+        float* dx = dinp + r * C;
+        float m = mean[r], s = rstd[r];
+        ADT_VT mv = ADT_V(splat)(m), sv = ADT_V(splat)(s);
+        ADT_VT ag = {0}, agx = {0};
+        ptrdiff_t i = 0;
+        for (; i + ADT_W <= C; i += ADT_W) {
+            ADT_VT g = ADT_V(load)(weight + i) * ADT_V(load)(d + i);
+            ag += g;
+            agx += g * (ADT_V(load)(x + i) - mv);
+        }
+        float tg = 0.0f, tgx = 0.0f;
+        for (; i < C; i++) {
+            float g = weight[i] * d[i];
+            tg += g;
+            tgx += g * (x[i] - m);
+        }
+        /* dinp = rstd * (g - mean(g) - norm * mean(g * norm)), norm = (x - mean) * rstd */
+        float mean_g = (ADT_V(hsum)(ag) + tg) / C;
+        float mean_gn = (ADT_V(hsum)(agx) + tgx) * s / C;
+        ADT_VT mg = ADT_V(splat)(mean_g), mgn = ADT_V(splat)(mean_gn);
+        for (i = 0; i + ADT_W <= C; i += ADT_W) {
+            ADT_VT dv = ADT_V(load)(d + i);
+            ADT_VT norm = (ADT_V(load)(x + i) - mv) * sv;
+            ADT_V(store)(part_w + i, ADT_V(load)(part_w + i) + norm * dv);
+            ADT_V(store)(part_b + i, ADT_V(load)(part_b + i) + dv);
+            ADT_VT r = (ADT_V(load)(weight + i) * dv - mg - norm * mgn) * sv;
+            ADT_V(store)(dx + i, ow_dinp ? r : ADT_V(load)(dx + i) + r);
+        }
+        for (; i < C; i++) {
+            float norm = (x[i] - m) * s;
+            part_w[i] += norm * d[i];
+            part_b[i] += d[i];
+            float r = (weight[i] * d[i] - mean_g - norm * mean_gn) * s;
+            dx[i] = ow_dinp ? r : dx[i] + r;
+        }
+    }
+}

@@ -1,0 +1,71 @@
+/* The rows of kernels/loss.pyx, a template over the vector width: loss.pyx includes
+ * it once per width after defining ADT_W (see the end of kernels/simd.h), giving
+ * ce_row_logsumexp_v8 and _v16, and so on.
+ */
+
+/* log(sum(exp(x - max))) of one row, storing the max: the loss is then
+   (max - x[target]) + that, which keeps its precision when the logits are large. */
+ADT_LANES_ATTR
+static float ADT_LANES_FN(ce_row_logsumexp)(const float* x, ptrdiff_t V, float* row_max) {
+    float m = -INFINITY;
+    ADT_VT s = {0};
+    for (ptrdiff_t c0 = 0; c0 < V; c0 += CE_CHUNK) {
+        ptrdiff_t n = V - c0 < CE_CHUNK ? V - c0 : CE_CHUNK, i;
+        const float* xc = x + c0;
+        /* four running maxima: one would wait on its own compare-and-blend */
+        ADT_VT mv = ADT_V(splat)(xc[0]), mv1 = mv, mv2 = mv, mv3 = mv;
+        for (i = 0; i + 4 * ADT_W <= n; i += 4 * ADT_W) {
+            mv = ADT_V(max)(mv, ADT_V(load)(xc + i));
+            mv1 = ADT_V(max)(mv1, ADT_V(load)(xc + i + ADT_W));
+            mv2 = ADT_V(max)(mv2, ADT_V(load)(xc + i + 2 * ADT_W));
+            mv3 = ADT_V(max)(mv3, ADT_V(load)(xc + i + 3 * ADT_W));
+        }
+        mv = ADT_V(max)(ADT_V(max)(mv, mv1), ADT_V(max)(mv2, mv3));
+        for (; i + ADT_W <= n; i += ADT_W) mv = ADT_V(max)(mv, ADT_V(load)(xc + i));
+        float cm = mv[0];
+        for (int l = 1; l < ADT_W; l++) cm = mv[l] > cm ? mv[l] : cm;
+        for (; i < n; i++) cm = xc[i] > cm ? xc[i] : cm;
+        if (cm > m) {
+            s = s * ADT_V(exp)(ADT_V(splat)(m - cm));
+            m = cm;
+        }
+        ADT_VT mm = ADT_V(splat)(m), s2 = {0};
+        for (i = 0; i + 2 * ADT_W <= n; i += 2 * ADT_W) {
+            s += ADT_V(exp)(ADT_V(load)(xc + i) - mm);
+            s2 += ADT_V(exp)(ADT_V(load)(xc + i + ADT_W) - mm);
+        }
+        s += s2;
+        for (; i + ADT_W <= n; i += ADT_W) s += ADT_V(exp)(ADT_V(load)(xc + i) - mm);
+        if (i < n) {
+            float t[ADT_W];
+            for (int l = 0; l < ADT_W; l++) t[l] = i + l < n ? xc[i + l] : -INFINITY;
+            s += ADT_V(exp)(ADT_V(load)(t) - mm);
+        }
+    }
+    *row_max = m;
+    return logf(ADT_V(hsum)(s));
+}
+
+/* d[0:V] (+)= exp(x - lse) * g (accumulate, or overwrite when in place, where d == x),
+   then the padding d[V:Vp] = 0 when in place. */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(ce_row_backward)(float* d, const float* x, float lse, float g,
+                                          ptrdiff_t V, ptrdiff_t Vp, int inplace) {
+    ptrdiff_t i = 0;
+    ADT_VT l = ADT_V(splat)(lse);
+    if (inplace) {
+        for (; i + ADT_W <= V; i += ADT_W)
+            ADT_V(store)(d + i, ADT_V(exp)(ADT_V(load)(x + i) - l) * g);
+    } else {
+        for (; i + ADT_W <= V; i += ADT_W)
+            ADT_V(store)(d + i, ADT_V(load)(d + i) + ADT_V(exp)(ADT_V(load)(x + i) - l) * g);
+    }
+    if (i < V) {
+        float t[ADT_W] = {0};
+        memcpy(t, x + i, (V - i) * sizeof(float));
+        ADT_V(store)(t, ADT_V(exp)(ADT_V(load)(t) - l) * g);
+        for (ptrdiff_t j = 0; j < V - i; j++) d[i + j] = inplace ? t[j] : d[i + j] + t[j];
+    }
+    if (inplace)
+        for (i = V; i < Vp; i++) d[i] = 0.0f;
+}
