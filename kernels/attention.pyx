@@ -13,17 +13,20 @@ pthreads build) is not reentrant from an OpenMP team.  Measured here, sgemm
 calls made from inside prange at T=1024 printed "Detect OpenMP Loop and this
 application may hang" and took 40 s instead of 0.1 s; staying under its
 single-thread size threshold would rely on an undocumented constant.  So each
-task runs its own small GEMM: a 4x16 register tile (eight 8-lane FMA
-accumulators) over B operands packed into 16-column slivers, with K and V packed
-once per head and reused by every query block, and A read in place (with a head
-size of 64 there is too little reuse to repay packing it).  The code uses GCC
-vector extensions, not intrinsics; GCC's ``target_clones`` builds it twice, for
-x86-64-v3 (AVX2+FMA) and for the baseline, and picks one at load time, so the
-module stays portable while using the FMA units that PyTorch uses (other
+task runs its own small GEMM (kernels/attention_lanes.h): a register tile of 4
+rows by two vectors (eight FMA accumulators) over B operands packed into slivers
+two vectors wide, with K and V packed once per head and reused by every query
+block, and A read in place (with a head size of 64 there is too little reuse to
+repay packing it).  The code uses GCC vector extensions, not intrinsics, written
+once for two widths: sixteen lanes (a 4 x 32 tile) where the CPU has AVX-512, and
+eight (4 x 16) otherwise, built by ``target_clones`` for x86-64-v3 (AVX2+FMA) and
+for the baseline, so the module stays portable while using the FMA units that
+PyTorch uses (``kernels.set_vector_lanes`` picks the width for tests; other
 compilers get the baseline build).  Queries go in blocks of 64 rows whose scores
 stay in L2, and key blocks past the diagonal are never computed, which halves
-the FLOPs of a dense T x T product.  The softmax uses an eight-lane exp
-(Cody-Waite range reduction + Cephes' polynomial, about 1 ulp).
+the FLOPs of a dense T x T product.  The softmax uses kernels/simd.h's vector exp
+(Cody-Waite range reduction + Cephes' polynomial, within 2 ulp, exactly 0 far
+below the row max).
 
 Each kernel has a ``_naive`` twin (plain serial loops, float32 or float64) used
 by the tests and for finite-difference checks.
@@ -36,6 +39,7 @@ from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
 
 from kernels._openmp cimport omp_get_thread_num_safe
+from kernels.layers cimport lanes_wide
 
 import numpy as np
 
@@ -48,281 +52,57 @@ cnp.import_array()
 # B*T*T*C (about the multiply-adds of one pass) below which attention runs on one thread.
 ATTN_PARALLEL_MIN_WORK = 1 << 22
 
+cdef extern from "simd.h":
+    pass
+
 cdef extern from *:
     """
-    #include <stddef.h>
-    #include <string.h>
-
-    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-    #define ATTN_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
-    #else
-    #define ATTN_MULTIVERSION
-    #endif
-    #define ATTN_INLINE static inline __attribute__((always_inline))
-
-    /* Register tile MR x NR and depth block KC of the GEMM below. */
+    /* Depth block KC and query block BQ of the GEMM in kernels/attention_lanes.h. */
     #define ATTN_MR 4
-    #define ATTN_NR 16
     #define ATTN_KC 256
     #define ATTN_BQ 64
+    static inline ptrdiff_t attn_kcs(ptrdiff_t K) { return K < ATTN_KC ? K : ATTN_KC; }
 
-    #pragma GCC diagnostic ignored "-Wpsabi"
-    typedef float attn_v8 __attribute__((vector_size(32)));
-    typedef float attn_v8u __attribute__((vector_size(32), aligned(4)));
+    /* The per-head kernels in eight lanes, as target clones, and in sixteen for CPUs
+       with AVX-512; each entry point takes the width from its caller
+       (kernels.layers' lanes_wide()). */
+    #define ADT_W 8
+    #include "attention_lanes.h"
+    #undef ADT_W
+    #if ADT_HAVE_V4
+    #define ADT_W 16
+    #include "attention_lanes.h"
+    #undef ADT_W
+    #endif
 
-    /* Packed B: op(B) (K, N) cut into depth blocks of kcs = min(KC, K) rows and
-       NR-column slivers, zero-padded; element (p, j) of block kb, sliver s lives at
-       kb*kcs*npad + s*NR*kcs + (p % kcs)*NR + j % NR, npad = N rounded up to NR.
-       Any leading (K', N') corner of a packed matrix is itself a valid packed
-       operand with the same kcs and npad, so K and V are packed once per head and
-       reused by every causal block. */
-    ATTN_INLINE ptrdiff_t attn_npad(ptrdiff_t N) { return (N + ATTN_NR - 1) / ATTN_NR * ATTN_NR; }
-    ATTN_INLINE ptrdiff_t attn_kcs(ptrdiff_t K) { return K < ATTN_KC ? K : ATTN_KC; }
-
-    ATTN_INLINE void attn_pack_b(float* restrict pb, const float* B, ptrdiff_t ldb, int tb,
-                                 ptrdiff_t K, ptrdiff_t N) {
-        ptrdiff_t kcs = attn_kcs(K), npad = attn_npad(N);
-        for (ptrdiff_t k0 = 0; k0 < K; k0 += kcs) {
-            ptrdiff_t kc = K - k0 < kcs ? K - k0 : kcs;
-            float* blk = pb + (k0 / kcs) * kcs * npad;
-            for (ptrdiff_t j0 = 0; j0 < npad; j0 += ATTN_NR) {
-                float* dst = blk + j0 * kcs;
-                ptrdiff_t nr = N - j0 < ATTN_NR ? N - j0 : ATTN_NR;
-                if (tb) {
-                    for (ptrdiff_t j = 0; j < ATTN_NR; j++) {
-                        const float* src = B + (j0 + j) * ldb + k0;
-                        if (j < nr)
-                            for (ptrdiff_t p = 0; p < kc; p++) dst[p * ATTN_NR + j] = src[p];
-                        else
-                            for (ptrdiff_t p = 0; p < kc; p++) dst[p * ATTN_NR + j] = 0.0f;
-                    }
-                } else if (nr == ATTN_NR) {
-                    for (ptrdiff_t p = 0; p < kc; p++)
-                        memcpy(dst + p * ATTN_NR, B + (k0 + p) * ldb + j0, ATTN_NR * sizeof(float));
-                } else {
-                    for (ptrdiff_t p = 0; p < kc; p++) {
-                        const float* src = B + (k0 + p) * ldb + j0;
-                        for (ptrdiff_t j = 0; j < ATTN_NR; j++)
-                            dst[p * ATTN_NR + j] = j < nr ? src[j] : 0.0f;
-                    }
-                }
-            }
-        }
-    }
-
-    /* C tile (mr, nr) (+)= alpha * A tile (mr, kc) @ packed B sliver (kc, NR);
-       A element (i, p) at a[i*rs + p*cs], read in place (no packing: with
-       hs = 64 columns there is too little reuse to repay it). */
-    ATTN_INLINE void attn_ukernel(ptrdiff_t kc, const float* a, ptrdiff_t rs, ptrdiff_t cs,
-                                  const float* restrict b, float* c, ptrdiff_t ldc,
-                                  ptrdiff_t mr, ptrdiff_t nr, float alpha, int accumulate) {
-        /* rows past mr repeat the last valid row: computed, never stored */
-        const float* a0 = a;
-        const float* a1 = a + (mr > 1 ? 1 : 0) * rs;
-        const float* a2 = a + (mr > 2 ? 2 : mr - 1) * rs;
-        const float* a3 = a + (mr > 3 ? 3 : mr - 1) * rs;
-        attn_v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0};
-        attn_v8 c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
-        for (ptrdiff_t p = 0; p < kc; p++) {
-            attn_v8 b0 = *(const attn_v8*)(b + p * ATTN_NR);
-            attn_v8 b1 = *(const attn_v8*)(b + p * ATTN_NR + 8);
-            ptrdiff_t o = p * cs;
-            c00 += a0[o] * b0; c01 += a0[o] * b1;
-            c10 += a1[o] * b0; c11 += a1[o] * b1;
-            c20 += a2[o] * b0; c21 += a2[o] * b1;
-            c30 += a3[o] * b0; c31 += a3[o] * b1;
-        }
-        attn_v8 acc[ATTN_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
-        if (mr == ATTN_MR && nr == ATTN_NR) {
-            for (int i = 0; i < ATTN_MR; i++) {
-                attn_v8u* row = (attn_v8u*)(c + i * ldc);
-                if (accumulate) {
-                    row[0] += alpha * acc[i][0];
-                    row[1] += alpha * acc[i][1];
-                } else {
-                    row[0] = alpha * acc[i][0];
-                    row[1] = alpha * acc[i][1];
-                }
-            }
-            return;
-        }
-        for (ptrdiff_t i = 0; i < mr; i++) {
-            float tile[ATTN_NR];
-            memcpy(tile, &acc[i][0], sizeof(tile));
-            for (ptrdiff_t j = 0; j < nr; j++)
-                c[i * ldc + j] = (accumulate ? c[i * ldc + j] : 0.0f) + alpha * tile[j];
-        }
-    }
-
-    /* Single-threaded row-major C (M, N) (+)= alpha op(A) (M, K) @ B (K, N), B
-       packed by attn_pack_b with (kcs, npad); op(A)(i, p) at a[i*rs + p*cs]. */
-    ATTN_INLINE void attn_gemm(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
-                               const float* A, ptrdiff_t rs, ptrdiff_t cs,
-                               const float* pb, ptrdiff_t kcs, ptrdiff_t npad,
-                               int accumulate, float* Cm, ptrdiff_t ldc) {
-        for (ptrdiff_t k0 = 0; k0 < K; k0 += kcs) {
-            ptrdiff_t kc = K - k0 < kcs ? K - k0 : kcs;
-            const float* blk = pb + (k0 / kcs) * kcs * npad;
-            int acc = accumulate || k0 > 0;
-            for (ptrdiff_t j0 = 0; j0 < N; j0 += ATTN_NR)
-                for (ptrdiff_t i0 = 0; i0 < M; i0 += ATTN_MR)
-                    attn_ukernel(kc, A + i0 * rs + k0 * cs, rs, cs, blk + j0 * kcs,
-                                 Cm + i0 * ldc + j0, ldc,
-                                 M - i0 < ATTN_MR ? M - i0 : ATTN_MR,
-                                 N - j0 < ATTN_NR ? N - j0 : ATTN_NR, alpha, acc);
-        }
-    }
-
-    typedef int attn_v8i __attribute__((vector_size(32)));
-
-    /* exp(x) for x <= 0 (softmax after subtracting the row max), eight lanes:
-       Cody-Waite reduction x = n ln2 + r, Cephes' degree-6 polynomial for
-       exp(r), 2^n built in the exponent bits.  Inputs below -87 are clamped
-       (their exp is < 2e-38, below float32's normal range). */
-    ATTN_INLINE attn_v8 attn_exp8(attn_v8 x) {
-        const attn_v8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-        attn_v8i below = x < lo;
-        x = (attn_v8)(((attn_v8i)x & ~below) | ((attn_v8i)lo & below));
-        attn_v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-        attn_v8 r = x - n * 0.693359375f;
-        r = r + n * 2.12194440e-4f;
-        attn_v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * r * r + r + 1.0f;
-        attn_v8i e = (__builtin_convertvector(n, attn_v8i) + 127) << 23;
-        return p * (attn_v8)e;
-    }
-
-    /* Sums and maxima in eight partial lanes: without -ffast-math GCC may not
-       reorder a float reduction, so a plain loop would stay scalar. */
-    ATTN_INLINE float attn_dot(const float* x, const float* y, ptrdiff_t n) {
-        attn_v8 acc = {0};
-        ptrdiff_t j = 0;
-        for (; j + 8 <= n; j += 8) acc += *(const attn_v8u*)(x + j) * *(const attn_v8u*)(y + j);
-        float s = 0.0f;
-        for (; j < n; j++) s += x[j] * y[j];
-        for (int l = 0; l < 8; l++) s += acc[l];
-        return s;
-    }
-
-    /* Softmax of row[0..n) in place. */
-    ATTN_INLINE void attn_softmax_row(float* row, ptrdiff_t n) {
-        float lanes[8];
-        for (int l = 0; l < 8; l++) lanes[l] = row[0];
-        ptrdiff_t j = 0;
-        for (; j + 8 <= n; j += 8)
-            for (int l = 0; l < 8; l++) lanes[l] = row[j + l] > lanes[l] ? row[j + l] : lanes[l];
-        float mx = lanes[0];
-        for (int l = 1; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
-        for (; j < n; j++) mx = row[j] > mx ? row[j] : mx;
-        attn_v8 sum = {0};
-        for (j = 0; j + 8 <= n; j += 8) {
-            attn_v8u* chunk = (attn_v8u*)(row + j);
-            attn_v8 e = attn_exp8(*chunk - mx);
-            *chunk = e;
-            sum += e;
-        }
-        if (j < n) {
-            attn_v8 tail = {0};
-            for (ptrdiff_t t = j; t < n; t++) tail[t - j] = row[t] - mx;
-            tail = attn_exp8(tail);
-            for (ptrdiff_t t = j; t < n; t++) {
-                row[t] = tail[t - j];
-                sum[t - j] += tail[t - j];
-            }
-        }
-        float total = 0.0f;
-        for (int l = 0; l < 8; l++) total += sum[l];
-        float inv = 1.0f / total;
-        for (j = 0; j < n; j++) row[j] *= inv;
-    }
-
-    /* Floats of per-thread scratch: packed operands of (T, hs) and, for the
-       backward, the (BQ, T) score-gradient block. */
+    /* Floats of per-thread scratch: packed operands of (T, hs), padded for the
+       widest tile (32 columns), and, for the backward, the (BQ, T) score-gradient
+       block. */
     static ptrdiff_t attn_pack_floats(ptrdiff_t T, ptrdiff_t hs) {
-        ptrdiff_t a = attn_npad(T) * hs, b = attn_npad(hs) * T;
+        ptrdiff_t a = (T + 31) / 32 * 32 * hs, b = (hs + 31) / 32 * 32 * T;
         return (a > b ? a : b) + 16;
     }
 
-    /* One (batch, head): qkv and out point at this batch's (T, 3C) / (T, C) rows,
-       att at this head's (T, T) matrix; pk, pv are attn_pack_floats scratch. */
-    ATTN_MULTIVERSION
-    static void attn_head_forward(float* out, float* att, const float* qkv, ptrdiff_t T,
-                                  ptrdiff_t C, ptrdiff_t hs, ptrdiff_t h, float scale,
-                                  float* pk, float* pv) {
-        ptrdiff_t C3 = 3 * C;
-        const float* q = qkv + h * hs;
-        attn_pack_b(pk, qkv + C + h * hs, C3, 1, hs, T);      /* K^T (hs, T) */
-        attn_pack_b(pv, qkv + 2 * C + h * hs, C3, 0, T, hs);  /* V (T, hs) */
-        for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
-            ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
-            ptrdiff_t kend = i0 + rows;
-            attn_gemm(rows, kend, hs, scale, q + i0 * C3, C3, 1, pk, attn_kcs(hs),
-                      attn_npad(T), 0, att + i0 * T, T);
-            for (ptrdiff_t i = i0; i < kend; i++) {
-                float* row = att + i * T;
-                attn_softmax_row(row, i + 1);
-                memset(row + i + 1, 0, (size_t)(T - i - 1) * sizeof(float));
-            }
-            attn_gemm(rows, hs, kend, 1.0f, att + i0 * T, T, 1, pv, attn_kcs(T),
-                      attn_npad(hs), 0, out + i0 * C + h * hs, C);
-        }
+    static void attn_head_forward(int wide, float* out, float* att, const float* qkv,
+                                  ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs, ptrdiff_t h,
+                                  float scale, float* pk, float* pv) {
+        ADT_LANES_CALL(wide, attn_head_forward, (out, att, qkv, T, C, hs, h, scale, pk, pv));
     }
-
-    /* One (batch, head), accumulating into dqkv; pvt, pk, psmall are
-       attn_pack_floats scratch, dscore is (BQ, T). */
-    ATTN_MULTIVERSION
-    static void attn_head_backward(float* dqkv, const float* dout, const float* qkv,
+    static void attn_head_backward(int wide, float* dqkv, const float* dout, const float* qkv,
                                    const float* att, ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs,
                                    ptrdiff_t h, float scale, float* pvt, float* pk,
                                    float* psmall, float* dscore) {
-        ptrdiff_t C3 = 3 * C;
-        const float* q = qkv + h * hs;
-        float* dq = dqkv + h * hs;
-        float* dk = dqkv + C + h * hs;
-        float* dv = dqkv + 2 * C + h * hs;
-        const float* dO = dout + h * hs;
-        ptrdiff_t ks = attn_kcs(hs);
-        attn_pack_b(pvt, qkv + 2 * C + h * hs, C3, 1, hs, T);  /* V^T (hs, T) */
-        attn_pack_b(pk, qkv + C + h * hs, C3, 0, T, hs);       /* K (T, hs) */
-        for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
-            ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
-            ptrdiff_t kend = i0 + rows;
-            const float* p_blk = att + i0 * T;
-            /* dP = dO V^T ; dV += P^T dO */
-            attn_gemm(rows, kend, hs, 1.0f, dO + i0 * C, C, 1, pvt, ks, attn_npad(T), 0,
-                      dscore, kend);
-            attn_pack_b(psmall, dO + i0 * C, C, 0, rows, hs);
-            attn_gemm(kend, hs, rows, 1.0f, p_blk, 1, T, psmall, attn_kcs(rows),
-                      attn_npad(hs), 1, dv, C3);
-            /* dS = P * (dP - sum_j P dP) * scale, zero above the diagonal */
-            for (ptrdiff_t i = 0; i < rows; i++) {
-                const float* p = p_blk + i * T;
-                float* ds = dscore + i * kend;
-                ptrdiff_t n = i0 + i + 1;
-                float dot = attn_dot(p, ds, n);
-                for (ptrdiff_t j = 0; j < n; j++) ds[j] = p[j] * (ds[j] - dot) * scale;
-                for (ptrdiff_t j = n; j < kend; j++) ds[j] = 0.0f;
-            }
-            /* dQ += dS K ; dK += dS^T Q */
-            attn_gemm(rows, hs, kend, 1.0f, dscore, kend, 1, pk, attn_kcs(T), attn_npad(hs), 1,
-                      dq + i0 * C3, C3);
-            attn_pack_b(psmall, q + i0 * C3, C3, 0, rows, hs);
-            attn_gemm(kend, hs, rows, 1.0f, dscore, 1, kend, psmall, attn_kcs(rows),
-                      attn_npad(hs), 1, dk, C3);
-        }
+        ADT_LANES_CALL(wide, attn_head_backward, (dqkv, dout, qkv, att, T, C, hs, h, scale,
+                                                  pvt, pk, psmall, dscore));
     }
     """
     enum:
         ATTN_BQ
     Py_ssize_t attn_pack_floats(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
-    void attn_head_forward(float* out, float* att, const float* qkv, Py_ssize_t T,
+    void attn_head_forward(bint wide, float* out, float* att, const float* qkv, Py_ssize_t T,
                            Py_ssize_t C, Py_ssize_t hs, Py_ssize_t h, float scale,
                            float* pk, float* pv) noexcept nogil
-    void attn_head_backward(float* dqkv, const float* dout, const float* qkv,
+    void attn_head_backward(bint wide, float* dqkv, const float* dout, const float* qkv,
                             const float* att, Py_ssize_t T, Py_ssize_t C, Py_ssize_t hs,
                             Py_ssize_t h, float scale, float* pvt, float* pk,
                             float* psmall, float* dscore) noexcept nogil
@@ -355,11 +135,12 @@ cdef int attention_forward_c(float* out, float* att, const float* qkv,
     cdef float* work
     cdef Scratch s
     cdef Py_ssize_t pack = attn_pack_floats(T, hs)
+    cdef bint wide = lanes_wide()
     _scratch_alloc(&s, n_threads, 2 * pack)
     for bh in prange(B * NH, schedule='static', nogil=True, num_threads=n_threads):
         b = bh // NH
         work = s.base + omp_get_thread_num_safe() * s.per_thread
-        attn_head_forward(out + b * T * C, att + bh * T * T, qkv + b * T * 3 * C,
+        attn_head_forward(wide, out + b * T * C, att + bh * T * T, qkv + b * T * 3 * C,
                           T, C, hs, bh % NH, scale, work, work + pack)
     free(s.raw)
     return 0
@@ -374,11 +155,12 @@ cdef int attention_backward_c(float* dqkv, const float* dout, const float* qkv,
     cdef float* work
     cdef Scratch s
     cdef Py_ssize_t pack = attn_pack_floats(T, hs)
+    cdef bint wide = lanes_wide()
     _scratch_alloc(&s, n_threads, 3 * pack + ATTN_BQ * T)
     for bh in prange(B * NH, schedule='static', nogil=True, num_threads=n_threads):
         b = bh // NH
         work = s.base + omp_get_thread_num_safe() * s.per_thread
-        attn_head_backward(dqkv + b * T * 3 * C, dout + b * T * C, qkv + b * T * 3 * C,
+        attn_head_backward(wide, dqkv + b * T * 3 * C, dout + b * T * C, qkv + b * T * 3 * C,
                            att + bh * T * T, T, C, hs, bh % NH, scale, work, work + pack,
                            work + 2 * pack, work + 3 * pack)
     free(s.raw)

@@ -9,9 +9,10 @@ from kernels.attention import (attention_backward, attention_backward_naive,
                                attention_forward, attention_forward_naive)
 
 # (B, T, C, n_head): GPT-2 head size, T = 1, odd T across the 64-row block and the
-# 16-wide register tile, C not a multiple of 8, head size 1.
+# 16- and 32-wide register tiles, C not a multiple of 8, head sizes 1 and 47 (32 + 15:
+# every kind of 16-lane tail in the softmax, dot and tile rows).
 SHAPES = [(2, 64, 128, 2), (1, 1, 24, 2), (3, 5, 30, 3), (1, 67, 20, 4), (2, 130, 64, 1),
-          (1, 17, 3, 3)]
+          (1, 17, 3, 3), (1, 49, 94, 2), (2, 33, 47, 1)]
 
 
 def rel_err(actual, expected):
@@ -56,7 +57,7 @@ def torch_attention(qkv, dout, NH):
 
 
 @pytest.mark.parametrize("B,T,C,NH", SHAPES)
-def test_matches_naive_and_torch(B, T, C, NH):
+def test_matches_naive_and_torch(B, T, C, NH, vector_lanes):
     rng = np.random.default_rng(1)
     qkv, dout = make(rng, B, T, C)
     out, att = run_forward(attention_forward, qkv, NH)
@@ -73,7 +74,7 @@ def test_matches_naive_and_torch(B, T, C, NH):
     assert rel_err(dqkv, dqkv_torch) < 1e-4
 
 
-def test_gpt2_shape_against_torch():
+def test_gpt2_shape_against_torch(vector_lanes):
     rng = np.random.default_rng(2)
     qkv, dout = make(rng, 2, 256, 768)
     out, att = run_forward(attention_forward, qkv, 12)
@@ -82,7 +83,7 @@ def test_gpt2_shape_against_torch():
     assert rel_err(run_backward(attention_backward, dout, qkv, att, 12), dqkv_torch) < 1e-4
 
 
-def test_large_scores_stay_finite():
+def test_large_scores_stay_finite(vector_lanes):
     # Scores of several hundred: the softmax must subtract the row max.
     rng = np.random.default_rng(3)
     qkv, dout = make(rng, 1, 40, 32)
@@ -120,7 +121,7 @@ def test_backward_formula_by_finite_differences_float64():
     np.testing.assert_allclose(dqkv, numeric, rtol=1e-6, atol=1e-8)
 
 
-def test_backward_accumulates():
+def test_backward_accumulates(vector_lanes):
     rng = np.random.default_rng(5)
     qkv, dout = make(rng, 2, 33, 40)
     _, att = run_forward(attention_forward, qkv, 4)
@@ -132,7 +133,7 @@ def test_backward_accumulates():
     assert rel_err(twice, 2 * fresh) < 1e-6
 
 
-def test_one_and_two_threads_agree():
+def test_one_and_two_threads_agree(vector_lanes):
     rng = np.random.default_rng(6)
     qkv, dout = make(rng, 3, 70, 48)
     results = []
