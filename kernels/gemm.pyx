@@ -56,6 +56,20 @@ cdef extern from *:
     #endif
     static int skinny_wide(void) { return SK_WIDE; }
 
+    /* The packed sixteen-lane GEMM (kernels/sgemm.h) for one block, in place of
+       BLAS: returns -1 (nothing written) where it cannot run. */
+    #include "sgemm.h"
+    static int packed_gemm(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
+                           float alpha, const float* A, ptrdiff_t lda, const float* B,
+                           ptrdiff_t ldb, float beta, float* C, ptrdiff_t ldc) {
+    #if ADT_HAVE_V4
+        if (SK_WIDE && K > 0)
+            return sg_gemm(M, N, K, alpha, A, trans_a ? 1 : lda, trans_a ? lda : 1,
+                           B, trans_b ? 1 : ldb, trans_b ? ldb : 1, beta, C, ldc);
+    #endif
+        return -1;
+    }
+
     /* The most rows skinny_nt takes (up to m): with sixteen lanes its 4 x 3 tiles
        read A from L2 faster than L1 serves them past 24 rows, and BLAS is faster
        there (measured on a Xeon with AVX-512: 24% slower at 32 rows, 67% at 64). */
@@ -119,6 +133,9 @@ cdef extern from *:
     Py_ssize_t skinny_nt_limit(Py_ssize_t m) nogil
     void skinny_set_narrow(int narrow) nogil
     int skinny_wide() nogil
+    int packed_gemm(int trans_a, int trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                    float alpha, const float* A, Py_ssize_t lda, const float* B,
+                    Py_ssize_t ldb, float beta, float* C, Py_ssize_t ldc) nogil
     int adt_cpu_v4() nogil
     void skinny_tn(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t K,
                    float alpha, const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb,
@@ -158,6 +175,41 @@ def set_skinny_lanes(int lanes):
     return old
 
 
+# Which products go to the packed sixteen-lane GEMM (kernels/sgemm.h) instead of
+# BLAS or the skinny kernels, on CPUs with AVX-512: 0 none, 1 where it was measured
+# faster, 2 all (for tests).  Measured on a 2-core Xeon with AVX-512 against
+# OpenBLAS 0.3.31 (SkylakeX kernels), GPT-2 124M shapes, interleaved runs: it wins
+# on the input gradient dout @ W (no transposition) from 33 to 384 rows, split by
+# columns: e.g. 1.2 vs 1.6 ms (BLAS) at 64 x 2304 x 768, 30 vs 34 ms (skinny) for
+# the lm_head's at 64 rows, 3.7 vs 4.0 ms at 256 x 2304 x 768, 83 vs 96 ms for the
+# lm_head's at 256 rows.  It ties at 512 rows, and BLAS is faster past 1024 rows
+# (29 vs 27 ms at 2048 x 2304 x 768) and on the forward and weight-gradient products.
+cdef int _packed_mode = 1
+cdef enum:
+    PACKED_MIN_M = 33
+    PACKED_MAX_M = 384
+
+
+cdef inline bint _use_packed(bint trans_a, bint trans_b, Py_ssize_t M,
+                             bint by_columns) noexcept nogil:
+    if _packed_mode == 2:
+        return True
+    return (_packed_mode == 1 and not trans_a and not trans_b and by_columns
+            and PACKED_MIN_M <= M <= PACKED_MAX_M)
+
+
+def set_packed_gemm(int mode):
+    """Route large products to the packed AVX-512 GEMM: 0 never (BLAS), 1 where it
+    was measured faster than BLAS, 2 always.  For tests and benchmarks; returns the
+    previous mode.  Without AVX-512 every mode means BLAS."""
+    global _packed_mode
+    if mode not in (0, 1, 2):
+        raise ValueError(f"mode must be 0, 1 or 2, got {mode!r}")
+    old = _packed_mode
+    _packed_mode = mode
+    return old
+
+
 cdef void sgemm_rowmajor(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N,
                          Py_ssize_t K, float alpha, const float* A, Py_ssize_t lda,
                          const float* B, Py_ssize_t ldb, float beta, float* C,
@@ -191,7 +243,15 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
     cdef bint simple_beta = beta == 0.0 or beta == 1.0
     if hi <= lo:
         return
-    if trans_a and not trans_b and K <= _skinny_max_m and simple_beta:
+    if _use_packed(trans_a, trans_b, M, by_columns) and (
+            packed_gemm(trans_a, trans_b, M, hi - lo, K, alpha, A, lda,
+                        B + (lo * ldb if trans_b else lo), ldb, beta, C + lo, ldc) == 0
+            if by_columns else
+            packed_gemm(trans_a, trans_b, hi - lo, N, K, alpha,
+                        A + (lo if trans_a else lo * lda), lda, B, ldb, beta,
+                        C + lo * ldc, ldc) == 0):
+        pass
+    elif trans_a and not trans_b and K <= _skinny_max_m and simple_beta:
         # A small-depth transposed product (dW at few tokens).
         skinny_tn(r0, r1, c0, c1, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
     elif (by_columns and not trans_a and M <= _skinny_max_m and simple_beta

@@ -250,3 +250,49 @@ def _check_gpt2_shapes_against_torch():
         assert rel_err(dinp, x.grad.numpy()) < 1e-5
         dw_torch = torch.from_numpy(dout).reshape(-1, OC).T @ torch.from_numpy(inp).reshape(-1, C)
         assert rel_err(dweight, dw_torch.numpy()) < 1e-5
+
+
+# ---------------------------------------------------------------- packed GEMM
+# On CPUs with AVX-512, kernels.gemm computes some large products with its own packed
+# GEMM (kernels/sgemm.h) instead of BLAS; set_packed_gemm(2) routes every product
+# there.  Checked against float64 on sizes that cross each blocking edge: rows past
+# a multiple of the 12-row tile and of the 96-row block, columns past the 32-column
+# panel and the 1024-column block of each thread, depths past the 256-deep block.
+
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("M,N,K", [(65, 33, 1), (97, 31, 385), (130, 1, 200), (200, 2100, 70),
+                                   (77, 300, 800)])
+def test_packed_gemm_matches_float64(layout, M, N, K):
+    from kernels import gemm
+    trans_a, trans_b = layout[0] == "t", layout[1] == "t"
+    rng = np.random.default_rng(M * N + K)
+    a = rng.standard_normal((K, M) if trans_a else (M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    a64 = (a.T if trans_a else a).astype(np.float64)
+    b64 = (b.T if trans_b else b).astype(np.float64)
+    old_mode, old_m = gemm.set_packed_gemm(2), gemm.set_skinny_max_m(0)
+    try:
+        for alpha, beta, with_bias in ((1.0, 0.0, False), (1.0, 1.0, True), (0.5, -2.0, False)):
+            for n_threads in (1, 2):
+                c = c0.copy()
+                if beta == 0.0:
+                    c[...] = np.nan            # beta 0: C's old contents are never read
+                gemm.gemm_rowmajor(c, a, b, bias if with_bias else None, trans_a=trans_a,
+                                   trans_b=trans_b, alpha=alpha, beta=beta, n_threads=n_threads)
+                want = alpha * (a64 @ b64) + beta * c0 + (bias if with_bias else 0.0)
+                # float32 rounding grows with the sum of the terms' magnitudes
+                size = abs(alpha) * (np.abs(a64) @ np.abs(b64)) + abs(beta * c0) + 1.0
+                assert (np.abs(c - want) / size).max() < 1e-6, (alpha, beta, n_threads)
+    finally:
+        gemm.set_packed_gemm(old_mode)
+        gemm.set_skinny_max_m(old_m)
+
+
+def test_packed_gemm_setting():
+    from kernels import gemm
+    with pytest.raises(ValueError, match="mode"):
+        gemm.set_packed_gemm(3)
+    old = gemm.set_packed_gemm(0)
+    assert gemm.set_packed_gemm(old) == 0

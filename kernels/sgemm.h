@@ -1,0 +1,195 @@
+/* A packed single-precision GEMM in sixteen lanes (AVX-512), for the products
+ * where OpenBLAS is weakest on such machines.
+ *
+ * Row-major C (M x N) = alpha op(A) op(B) + beta C, one thread; kernels/gemm.pyx
+ * splits the output between threads and routes here only what was measured faster
+ * (see its _use_packed).  OpenBLAS 0.3.31's SkylakeX kernels reach about 110
+ * GFLOP/s per core on the input gradient dout @ W at GPT-2 shapes, where they reach
+ * 140 on the forward x @ W^T; this one packs both operands in the usual way
+ * (Goto, BLIS):
+ *
+ *   for each block of SG_NC columns:
+ *     for each block of SG_KC depths:    pack op(B)[depths, columns] into panels
+ *       for each block of SG_MC rows:    pack op(A)[rows, depths] into panels
+ *         for each SG_NR-column panel:   (its SG_KC x SG_NR floats stay in L1)
+ *           for each SG_MR-row panel:    the micro-kernel, an SG_MR x SG_NR tile of C
+ *
+ * An A panel holds SG_MR floats per depth, a B panel SG_NR floats (two vectors) per
+ * depth; the micro-kernel keeps its SG_MR x 2 vector accumulators in registers and
+ * does one broadcast of A and two FMAs per row and depth (about 175 GFLOP/s per
+ * core with its operands in L1).  Panels past the edges of A and B are padded
+ * with zeros, and the tiles there go through a small buffer.
+ *
+ * op(A)[i, k] = A[i * a_rs + k * a_cs] and op(B)[k, j] = B[k * b_rs + j * b_cs], so
+ * one routine serves every transposition.
+ */
+#ifndef ADTAPE_KERNELS_SGEMM_H
+#define ADTAPE_KERNELS_SGEMM_H
+
+#include "simd.h"
+
+#if ADT_HAVE_V4
+
+#define SG_MR 12
+#define SG_NR 32
+#define SG_KC 256
+#define SG_MC 96
+#define SG_NC 1024
+
+/* Pack op(A)[i0:i0+mc, k0:k0+kc] (times alpha) as panels of SG_MR rows: for each
+   depth the panel's SG_MR values; rows past mc are zero. */
+ADT_TARGET_V4
+static void sg_pack_a(ptrdiff_t mc, ptrdiff_t kc, float alpha, const float* A, ptrdiff_t a_rs,
+                      ptrdiff_t a_cs, float* restrict pa) {
+    for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
+        ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
+        const float* a = A + i * a_rs;
+        if (a_cs == 1) {
+            /* rows contiguous along the depth: read each row in turn */
+            for (ptrdiff_t r = 0; r < mr; r++) {
+                const float* ar = a + r * a_rs;
+                for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = alpha * ar[k];
+            }
+        } else {
+            for (ptrdiff_t k = 0; k < kc; k++)
+                for (ptrdiff_t r = 0; r < mr; r++) pa[k * SG_MR + r] = alpha * a[k * a_cs + r * a_rs];
+        }
+        for (ptrdiff_t r = mr; r < SG_MR; r++)
+            for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = 0.0f;
+        pa += kc * SG_MR;
+    }
+}
+
+/* Pack op(B)[k0:k0+kc, 0:n] as panels of SG_NR columns: for each depth the panel's
+   SG_NR values; columns past n are zero. */
+ADT_TARGET_V4
+static void sg_pack_b(ptrdiff_t kc, ptrdiff_t n, const float* B, ptrdiff_t b_rs, ptrdiff_t b_cs,
+                      float* restrict pb) {
+    ptrdiff_t j = 0;
+    if (b_cs == 1 && n >= SG_NR) {
+        /* rows along the columns: each row once across all full panels */
+        ptrdiff_t nf = n / SG_NR * SG_NR;
+        for (ptrdiff_t k = 0; k < kc; k++) {
+            const float* bk = B + k * b_rs;
+            for (ptrdiff_t jj = 0; jj < nf; jj += SG_NR) {
+                adt_store16(pb + jj * kc + k * SG_NR, adt_load16(bk + jj));
+                adt_store16(pb + jj * kc + k * SG_NR + 16, adt_load16(bk + jj + 16));
+            }
+        }
+        pb += nf * kc;
+        j = nf;
+    }
+    for (; j < n; j += SG_NR) {
+        ptrdiff_t nr = n - j < SG_NR ? n - j : SG_NR;
+        const float* b = B + j * b_cs;
+        if (b_cs == 1) {
+            for (ptrdiff_t k = 0; k < kc; k++) {
+                for (ptrdiff_t c = 0; c < nr; c++) pb[k * SG_NR + c] = b[k * b_rs + c];
+                for (ptrdiff_t c = nr; c < SG_NR; c++) pb[k * SG_NR + c] = 0.0f;
+            }
+        } else {
+            /* columns contiguous along the depth: read each column in turn */
+            for (ptrdiff_t c = 0; c < nr; c++) {
+                const float* bc = b + c * b_cs;
+                for (ptrdiff_t k = 0; k < kc; k++) pb[k * SG_NR + c] = bc[k * b_rs];
+            }
+            for (ptrdiff_t c = nr; c < SG_NR; c++)
+                for (ptrdiff_t k = 0; k < kc; k++) pb[k * SG_NR + c] = 0.0f;
+        }
+        pb += kc * SG_NR;
+    }
+}
+
+/* The SG_MR x SG_NR tile: C[0:mr, 0:nr] = acc + beta C (beta 0: C not read).  Not
+   inlined: inside sg_gemm's loops GCC kept a B vector on the stack (a load more
+   per FMA pair) and ran 30% slower. */
+ADT_TARGET_V4
+static __attribute__((noinline))
+void sg_micro(ptrdiff_t kc, const float* restrict pa, const float* restrict pb, float* c,
+              ptrdiff_t ldc, float beta, ptrdiff_t mr, ptrdiff_t nr) {
+    adt_v16 acc[SG_MR][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < SG_MR; r++) { acc[r][0] = (adt_v16){0}; acc[r][1] = (adt_v16){0}; }
+    for (ptrdiff_t k = 0; k < kc; k++) {
+        adt_v16 b0 = *(const adt_v16*)(pb), b1 = *(const adt_v16*)(pb + 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < SG_MR; r++) {
+            float x = pa[r];
+            acc[r][0] += x * b0;
+            acc[r][1] += x * b1;
+        }
+        pa += SG_MR;
+        pb += SG_NR;
+    }
+    if (mr == SG_MR && nr == SG_NR) {
+#pragma GCC unroll 16
+        for (int r = 0; r < SG_MR; r++) {
+            float* row = c + r * ldc;
+            if (beta == 0.0f) {
+                adt_store16(row, acc[r][0]);
+                adt_store16(row + 16, acc[r][1]);
+            } else if (beta == 1.0f) {
+                adt_store16(row, adt_load16(row) + acc[r][0]);
+                adt_store16(row + 16, adt_load16(row + 16) + acc[r][1]);
+            } else {
+                adt_store16(row, beta * adt_load16(row) + acc[r][0]);
+                adt_store16(row + 16, beta * adt_load16(row + 16) + acc[r][1]);
+            }
+        }
+    } else {
+        float t[SG_MR][SG_NR] __attribute__((aligned(64)));
+        for (int r = 0; r < SG_MR; r++) {
+            *(adt_v16*)t[r] = acc[r][0];
+            *(adt_v16*)(t[r] + 16) = acc[r][1];
+        }
+        for (ptrdiff_t r = 0; r < mr; r++)
+            for (ptrdiff_t j = 0; j < nr; j++)
+                c[r * ldc + j] = beta == 0.0f ? t[r][j] : t[r][j] + beta * c[r * ldc + j];
+    }
+}
+
+/* Packing space: SG_NC x SG_KC floats of B panels, then SG_MC x SG_KC of A panels,
+   one buffer per thread, allocated on its first product and kept. */
+#define SG_B_FLOATS ((size_t)SG_NC * SG_KC)
+#define SG_BUF_FLOATS (SG_B_FLOATS + (size_t)((SG_MC + SG_MR - 1) / SG_MR) * SG_MR * SG_KC)
+static __thread float* sg_buf = NULL;
+
+/* C = alpha op(A) op(B) + beta C over M x N x K (K > 0).  Returns -1, having
+   written nothing, when the packing buffer cannot be allocated. */
+ADT_TARGET_V4
+static int sg_gemm(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
+                   const float* A, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                   const float* B, ptrdiff_t b_rs, ptrdiff_t b_cs,
+                   float beta, float* C, ptrdiff_t ldc) {
+    if (sg_buf == NULL) {
+        sg_buf = (float*)aligned_alloc(64, SG_BUF_FLOATS * sizeof(float));
+        if (sg_buf == NULL) return -1;
+    }
+    float* pb = sg_buf;
+    float* pa = sg_buf + SG_B_FLOATS;
+    for (ptrdiff_t j0 = 0; j0 < N; j0 += SG_NC) {
+        ptrdiff_t nc = N - j0 < SG_NC ? N - j0 : SG_NC;
+        for (ptrdiff_t k0 = 0; k0 < K; k0 += SG_KC) {
+            ptrdiff_t kc = K - k0 < SG_KC ? K - k0 : SG_KC;
+            float bt = k0 == 0 ? beta : 1.0f;
+            sg_pack_b(kc, nc, B + k0 * b_rs + j0 * b_cs, b_rs, b_cs, pb);
+            for (ptrdiff_t i0 = 0; i0 < M; i0 += SG_MC) {
+                ptrdiff_t mc = M - i0 < SG_MC ? M - i0 : SG_MC;
+                sg_pack_a(mc, kc, alpha, A + i0 * a_rs + k0 * a_cs, a_rs, a_cs, pa);
+                for (ptrdiff_t j = 0; j < nc; j += SG_NR) {
+                    ptrdiff_t nr = nc - j < SG_NR ? nc - j : SG_NR;
+                    const float* pbj = pb + (j / SG_NR) * SG_NR * kc;
+                    for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
+                        ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
+                        sg_micro(kc, pa + (i / SG_MR) * SG_MR * kc, pbj,
+                                 C + (i0 + i) * ldc + j0 + j, ldc, bt, mr, nr);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+#endif /* ADT_HAVE_V4 */
+#endif
