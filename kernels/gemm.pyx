@@ -178,15 +178,17 @@ def set_skinny_lanes(int lanes):
 # Which products go to the packed sixteen-lane GEMM (kernels/sgemm.h) instead of
 # BLAS or the skinny kernels, on CPUs with AVX-512: 0 none, 1 where it was measured
 # faster, 2 all (for tests).  Measured on a 2-core Xeon with AVX-512 against
-# OpenBLAS 0.3.31 (SkylakeX kernels), GPT-2 124M shapes, interleaved runs: it wins
-# on the input gradient dout @ W (no transposition) from 33 to 384 rows, split by
-# columns: e.g. 1.2 vs 1.6 ms (BLAS) at 64 x 2304 x 768, 30 vs 34 ms (skinny) for
-# the lm_head's at 64 rows, 3.7 vs 4.0 ms at 256 x 2304 x 768, 83 vs 96 ms for the
-# lm_head's at 256 rows.  It ties at 512 rows, and BLAS is faster past 1024 rows
-# (29 vs 27 ms at 2048 x 2304 x 768) and on the forward and weight-gradient products.
+# OpenBLAS 0.3.31 (SkylakeX kernels) and the skinny kernels, GPT-2 124M shapes,
+# interleaved runs: it wins on the input gradient dout @ W (no transposition) from
+# 16 to 384 rows, split by columns, e.g. across 12 layers' weights from memory
+# 9.5 vs 10.4 ms (skinny) and 21 ms (BLAS) at 24 x 2304 x 768, 17 vs 21 ms (skinny)
+# for the lm_head's at 24 rows, 3.7 vs 4.0 ms (BLAS) at 256 x 2304 x 768, 83 vs
+# 96 ms for the lm_head's at 256 rows.  The skinny kernel stays faster at 8 rows,
+# it ties at 512 rows, BLAS is faster past 1024 rows (29 vs 27 ms at 2048 x 2304 x
+# 768), and on the forward and weight-gradient products.
 cdef int _packed_mode = 1
 cdef enum:
-    PACKED_MIN_M = 33
+    PACKED_MIN_M = 16
     PACKED_MAX_M = 384
 
 

@@ -30,7 +30,7 @@
 
 #if ADT_HAVE_V4
 
-#define SG_MR 12
+#define SG_MR 8
 #define SG_NR 32
 #define SG_KC 256
 #define SG_MC 96
