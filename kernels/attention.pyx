@@ -13,20 +13,24 @@ pthreads build) is not reentrant from an OpenMP team.  Measured here, sgemm
 calls made from inside prange at T=1024 printed "Detect OpenMP Loop and this
 application may hang" and took 40 s instead of 0.1 s; staying under its
 single-thread size threshold would rely on an undocumented constant.  So each
-task runs its own small GEMM (kernels/attention_lanes.h): a register tile of 4
-rows by two vectors (eight FMA accumulators) over B operands packed into slivers
-two vectors wide, with K and V packed once per head and reused by every query
-block, and A read in place (with a head size of 64 there is too little reuse to
-repay packing it).  The code uses GCC vector extensions, not intrinsics, written
-once for two widths: sixteen lanes (a 4 x 32 tile) where the CPU has AVX-512, and
-eight (4 x 16) otherwise, built by ``target_clones`` for x86-64-v3 (AVX2+FMA) and
-for the baseline, so the module stays portable while using the FMA units that
-PyTorch uses (``kernels.set_vector_lanes`` picks the width for tests; other
-compilers get the baseline build).  Queries go in blocks of 64 rows whose scores
-stay in L2, and key blocks past the diagonal are never computed, which halves
-the FLOPs of a dense T x T product.  The softmax uses kernels/simd.h's vector exp
-(Cody-Waite range reduction + Cephes' polynomial, within 2 ulp, exactly 0 far
-below the row max).
+task runs its own small GEMM (kernels/attention_lanes.h): a register tile of
+rows by two vectors of columns over B operands packed into slivers two vectors
+wide, with K and V packed once per head and reused by every query block, and A
+read in place (with a head size of 64 there is too little reuse to repay packing
+it).  The code uses GCC vector extensions, not intrinsics, written once for two
+widths: sixteen lanes (an 8 x 32 tile, sixteen accumulators) where the CPU has
+AVX-512, and eight (4 x 16) otherwise, built by ``target_clones`` for x86-64-v3
+(AVX2+FMA) and for the baseline, so the module stays portable while using the FMA
+units that PyTorch uses (``kernels.set_vector_lanes`` picks the width for tests;
+other compilers get the baseline build).  Queries go in blocks of 64 rows, and key
+blocks past the diagonal are never computed, which halves the FLOPs of a dense
+T x T product.  The forward keeps a block's scores in per-thread scratch (in L2),
+takes the softmax and the product with V there, and writes att with non-temporal
+stores: att (400 MB at GPT-2's B=8, T=1024) is not read again until the backward,
+and plain stores would first fetch every line they overwrite (that and its zeros
+above the diagonal were a fifth of the forward's time).  The softmax uses
+kernels/simd.h's vector exp (Cody-Waite range reduction + Cephes' polynomial,
+within 2 ulp, exactly 0 far below the row max).
 
 Each kernel has a ``_naive`` twin (plain serial loops, float32 or float64) used
 by the tests and for finite-difference checks.
@@ -57,11 +61,16 @@ cdef extern from "simd.h":
 
 cdef extern from *:
     """
+    #if defined(__SSE__)
+    #include <immintrin.h>   /* the non-temporal stores of the forward's att */
+    #endif
     /* Depth block KC and query block BQ of the GEMM in kernels/attention_lanes.h. */
-    #define ATTN_MR 4
     #define ATTN_KC 256
     #define ATTN_BQ 64
     static inline ptrdiff_t attn_kcs(ptrdiff_t K) { return K < ATTN_KC ? K : ATTN_KC; }
+    /* Row stride of the forward's (BQ, T) score block: whole slivers of the widest
+       tile (32 columns) and one more vector of zeros for the softmax to read. */
+    static inline ptrdiff_t attn_score_ld(ptrdiff_t T) { return (T + 31) / 32 * 32 + 16; }
 
     /* The per-head kernels in eight lanes, as target clones, and in sixteen for CPUs
        with AVX-512; each entry point takes the width from its caller
@@ -75,18 +84,23 @@ cdef extern from *:
     #undef ADT_W
     #endif
 
-    /* Floats of per-thread scratch: packed operands of (T, hs), padded for the
-       widest tile (32 columns), and, for the backward, the (BQ, T) score-gradient
-       block. */
+    /* Floats of a (K, N) operand packed by attn_pack_b for the widest tile (32
+       columns): its last depth block is laid out as a whole one. */
+    static ptrdiff_t attn_packed_floats(ptrdiff_t K, ptrdiff_t N) {
+        ptrdiff_t kcs = attn_kcs(K);
+        return (K + kcs - 1) / kcs * kcs * ((N + 31) / 32 * 32);
+    }
+    /* Floats of each per-thread scratch panel: a packed (hs, T) or (T, hs) operand. */
     static ptrdiff_t attn_pack_floats(ptrdiff_t T, ptrdiff_t hs) {
-        ptrdiff_t a = (T + 31) / 32 * 32 * hs, b = (hs + 31) / 32 * 32 * T;
+        ptrdiff_t a = attn_packed_floats(hs, T), b = attn_packed_floats(T, hs);
         return (a > b ? a : b) + 16;
     }
 
     static void attn_head_forward(int wide, float* out, float* att, const float* qkv,
                                   ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs, ptrdiff_t h,
-                                  float scale, float* pk, float* pv) {
-        ADT_LANES_CALL(wide, attn_head_forward, (out, att, qkv, T, C, hs, h, scale, pk, pv));
+                                  float scale, float* pk, float* pv, float* scores) {
+        ADT_LANES_CALL(wide, attn_head_forward, (out, att, qkv, T, C, hs, h, scale, pk, pv,
+                                                 scores));
     }
     static void attn_head_backward(int wide, float* dqkv, const float* dout, const float* qkv,
                                    const float* att, ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs,
@@ -99,9 +113,10 @@ cdef extern from *:
     enum:
         ATTN_BQ
     Py_ssize_t attn_pack_floats(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
+    Py_ssize_t attn_score_ld(Py_ssize_t T) noexcept nogil
     void attn_head_forward(bint wide, float* out, float* att, const float* qkv, Py_ssize_t T,
                            Py_ssize_t C, Py_ssize_t hs, Py_ssize_t h, float scale,
-                           float* pk, float* pv) noexcept nogil
+                           float* pk, float* pv, float* scores) noexcept nogil
     void attn_head_backward(bint wide, float* dqkv, const float* dout, const float* qkv,
                             const float* att, Py_ssize_t T, Py_ssize_t C, Py_ssize_t hs,
                             Py_ssize_t h, float scale, float* pvt, float* pk,
@@ -136,12 +151,12 @@ cdef int attention_forward_c(float* out, float* att, const float* qkv,
     cdef Scratch s
     cdef Py_ssize_t pack = attn_pack_floats(T, hs)
     cdef bint wide = lanes_wide()
-    _scratch_alloc(&s, n_threads, 2 * pack)
+    _scratch_alloc(&s, n_threads, 2 * pack + ATTN_BQ * attn_score_ld(T))
     for bh in prange(B * NH, schedule='static', nogil=True, num_threads=n_threads):
         b = bh // NH
         work = s.base + omp_get_thread_num_safe() * s.per_thread
         attn_head_forward(wide, out + b * T * C, att + bh * T * T, qkv + b * T * 3 * C,
-                          T, C, hs, bh % NH, scale, work, work + pack)
+                          T, C, hs, bh % NH, scale, work, work + pack, work + 2 * pack)
     free(s.raw)
     return 0
 

@@ -1,9 +1,19 @@
 /* The per-head attention kernels of kernels/attention.pyx, a template over the vector
  * width: attention.pyx includes it once per width after defining ADT_W (see the end
  * of kernels/simd.h), giving attn_head_forward_v8 and _v16, and so on.  The register
- * tile is ATTN_MR rows by ATTN_NR = two vectors of columns.
+ * tile is ATTN_MR rows by ATTN_NR = two vectors of columns: 8 x 32 in sixteen lanes
+ * (16 of AVX-512's 32 registers hold the accumulators), 4 x 16 in eight (8 of AVX2's
+ * 16).  The accumulators are named variables, spelled out by ATTN_ROWS: GCC keeps
+ * those in registers, but spills an array of them to the stack.
  */
 #define ATTN_NR (2 * ADT_W)
+#if ADT_W == 16
+#define ATTN_MR 8
+#define ATTN_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#else
+#define ATTN_MR 4
+#define ATTN_ROWS(X) X(0) X(1) X(2) X(3)
+#endif
 
 /* Packed B: op(B) (K, N) cut into depth blocks of kcs = min(KC, K) rows and
    NR-column slivers, zero-padded; element (p, j) of block kb, sliver s lives at
@@ -47,47 +57,51 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_pack_b)(float* restrict pb, const float*
     }
 }
 
+/* Row r of the C tile (+)= alpha * (acc0 | acc1), its first nr columns. */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_store_tile_row)(float* row, ADT_VT acc0, ADT_VT acc1,
+                                                        ptrdiff_t nr, float alpha,
+                                                        int accumulate) {
+    if (nr == ATTN_NR) {
+        ADT_V(store)(row, accumulate ? ADT_V(load)(row) + alpha * acc0 : alpha * acc0);
+        ADT_V(store)(row + ADT_W, accumulate ? ADT_V(load)(row + ADT_W) + alpha * acc1
+                                             : alpha * acc1);
+        return;
+    }
+    float tile[ATTN_NR];
+    ADT_V(store)(tile, acc0);
+    ADT_V(store)(tile + ADT_W, acc1);
+    for (ptrdiff_t j = 0; j < nr; j++)
+        row[j] = (accumulate ? row[j] : 0.0f) + alpha * tile[j];
+}
+
 /* C tile (mr, nr) (+)= alpha * A tile (mr, kc) @ packed B sliver (kc, NR);
    A element (i, p) at a[i*rs + p*cs], read in place (no packing: with
-   hs = 64 columns there is too little reuse to repay it). */
+   hs = 64 columns there is too little reuse to repay it).  Rows past mr repeat
+   the last valid row: computed, never stored. */
+#define ATTN_TILE_ROW(r) const float* a##r = a + (r < mr ? r : mr - 1) * rs;
+#define ATTN_TILE_ZERO(r) ADT_VT c##r##0 = {0}, c##r##1 = {0};
+#define ATTN_TILE_FMA(r) { float ar = a##r[o]; c##r##0 += ar * b0; c##r##1 += ar * b1; }
+#define ATTN_TILE_STORE(r) \
+    if (r < mr) ADT_LANES_FN(attn_store_tile_row)(c + r * ldc, c##r##0, c##r##1, nr, alpha, \
+                                                  accumulate);
 ADT_LANES_INLINE void ADT_LANES_FN(attn_ukernel)(ptrdiff_t kc, const float* a, ptrdiff_t rs,
                                                  ptrdiff_t cs, const float* restrict b,
                                                  float* c, ptrdiff_t ldc, ptrdiff_t mr,
                                                  ptrdiff_t nr, float alpha, int accumulate) {
-    /* rows past mr repeat the last valid row: computed, never stored */
-    const float* a0 = a;
-    const float* a1 = a + (mr > 1 ? 1 : 0) * rs;
-    const float* a2 = a + (mr > 2 ? 2 : mr - 1) * rs;
-    const float* a3 = a + (mr > 3 ? 3 : mr - 1) * rs;
-    ADT_VT c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0};
-    ADT_VT c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
+    ATTN_ROWS(ATTN_TILE_ROW)
+    ATTN_ROWS(ATTN_TILE_ZERO)
     for (ptrdiff_t p = 0; p < kc; p++) {
         ADT_VT b0 = ADT_V(load)(b + p * ATTN_NR);
         ADT_VT b1 = ADT_V(load)(b + p * ATTN_NR + ADT_W);
         ptrdiff_t o = p * cs;
-        c00 += a0[o] * b0; c01 += a0[o] * b1;
-        c10 += a1[o] * b0; c11 += a1[o] * b1;
-        c20 += a2[o] * b0; c21 += a2[o] * b1;
-        c30 += a3[o] * b0; c31 += a3[o] * b1;
+        ATTN_ROWS(ATTN_TILE_FMA)
     }
-    ADT_VT acc[ATTN_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
-    if (mr == ATTN_MR && nr == ATTN_NR) {
-        for (int i = 0; i < ATTN_MR; i++) {
-            float* row = c + i * ldc;
-            for (int v = 0; v < 2; v++)
-                ADT_V(store)(row + v * ADT_W, accumulate
-                             ? ADT_V(load)(row + v * ADT_W) + alpha * acc[i][v]
-                             : alpha * acc[i][v]);
-        }
-        return;
-    }
-    for (ptrdiff_t i = 0; i < mr; i++) {
-        float tile[ATTN_NR];
-        memcpy(tile, &acc[i][0], sizeof(tile));
-        for (ptrdiff_t j = 0; j < nr; j++)
-            c[i * ldc + j] = (accumulate ? c[i * ldc + j] : 0.0f) + alpha * tile[j];
-    }
+    ATTN_ROWS(ATTN_TILE_STORE)
 }
+#undef ATTN_TILE_ROW
+#undef ATTN_TILE_ZERO
+#undef ATTN_TILE_FMA
+#undef ATTN_TILE_STORE
 
 /* Single-threaded row-major C (M, N) (+)= alpha op(A) (M, K) @ B (K, N), B
    packed by attn_pack_b with (kcs, npad); op(A)(i, p) at a[i*rs + p*cs]. */
@@ -120,57 +134,94 @@ ADT_LANES_INLINE float ADT_LANES_FN(attn_dot)(const float* x, const float* y, pt
     return ADT_V(hsum)(acc) + s;
 }
 
-/* Softmax of row[0..n) in place; the tail goes through a vector padded with -inf,
-   whose exponentials are 0. */
-ADT_LANES_INLINE void ADT_LANES_FN(attn_softmax_row)(float* row, ptrdiff_t n) {
-    ADT_VT mv = ADT_V(splat)(row[0]);
+/* dst[j] = src[j] for j < kpad, 0 for kpad <= j < T, written past the caches
+   (non-temporal stores): att is far larger than them and is not read again until
+   the backward, so a plain store would first fetch each line it overwrites.  src
+   holds kpad + ADT_W floats. */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_stream_row)(float* dst, const float* src,
+                                                    ptrdiff_t kpad, ptrdiff_t T) {
     ptrdiff_t j = 0;
-    for (; j + ADT_W <= n; j += ADT_W) mv = ADT_V(max)(mv, ADT_V(load)(row + j));
+    ptrdiff_t lead = (ptrdiff_t)((-(uintptr_t)dst & (ADT_W * sizeof(float) - 1)) / sizeof(float));
+    for (; j < lead && j < T; j++) dst[j] = src[j];   /* lead < ADT_W <= kpad */
+    ADT_VT zero = {0};
+    for (; j + ADT_W <= T; j += ADT_W) {
+        ADT_VT v = j < kpad ? ADT_V(load)(src + j) : zero;
+#if ADT_W == 16 && ADT_HAVE_V4
+        _mm512_stream_ps(dst + j, (__m512)v);
+#elif defined(__SSE__)
+        _mm_stream_ps(dst + j, (__m128)__builtin_shufflevector(v, v, 0, 1, 2, 3));
+        _mm_stream_ps(dst + j + 4, (__m128)__builtin_shufflevector(v, v, 4, 5, 6, 7));
+#else
+        ADT_V(store)(dst + j, v);
+#endif
+    }
+    for (; j < T; j++) dst[j] = j < kpad ? src[j] : 0.0f;
+}
+
+/* Softmax of the scores s[0..n) in place, s[n..kpad + ADT_W) set to 0 (kpad, a
+   multiple of ADT_W, at least n), and the row also streamed to att_row[0..T). */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_softmax_row)(float* s, ptrdiff_t n, ptrdiff_t kpad,
+                                                     float* att_row, ptrdiff_t T) {
+    ADT_VI lane;
+    for (int l = 0; l < ADT_W; l++) lane[l] = l;
+    ADT_VT neg_inf = ADT_V(splat)(-INFINITY), zero = {0};
+    ptrdiff_t full = n / ADT_W * ADT_W, j = 0;
+    /* the vector that holds s[n - 1] and later lanes, which do not count */
+    ADT_VI valid = lane < (ADT_VI){0} + (int)(n - full);
+    ADT_VT mv = neg_inf;
+    for (; j < full; j += ADT_W) mv = ADT_V(max)(mv, ADT_V(load)(s + j));
+    if (full < n) mv = ADT_V(max)(mv, ADT_V(select)(valid, ADT_V(load)(s + full), neg_inf));
     float mx = mv[0];
     for (int l = 1; l < ADT_W; l++) mx = mv[l] > mx ? mv[l] : mx;
-    for (ptrdiff_t t = j; t < n; t++) mx = row[t] > mx ? row[t] : mx;
     ADT_VT m = ADT_V(splat)(mx), sum = {0};
-    for (j = 0; j + ADT_W <= n; j += ADT_W) {
-        ADT_VT e = ADT_V(exp)(ADT_V(load)(row + j) - m);
-        ADT_V(store)(row + j, e);
+    for (j = 0; j < full; j += ADT_W) {
+        ADT_VT e = ADT_V(exp)(ADT_V(load)(s + j) - m);
+        ADT_V(store)(s + j, e);
         sum += e;
     }
-    if (j < n) {
-        float tail[ADT_W];
-        for (int l = 0; l < ADT_W; l++) tail[l] = j + l < n ? row[j + l] : -INFINITY;
-        ADT_VT e = ADT_V(exp)(ADT_V(load)(tail) - m);
-        ADT_V(store)(tail, e);
-        memcpy(row + j, tail, (n - j) * sizeof(float));
+    if (full < n) {
+        ADT_VT e = ADT_V(select)(valid, ADT_V(exp)(ADT_V(load)(s + full) - m), zero);
+        ADT_V(store)(s + full, e);
         sum += e;
+        j += ADT_W;
     }
+    for (; j < kpad + ADT_W; j += ADT_W) ADT_V(store)(s + j, zero);
     ADT_VT inv = ADT_V(splat)(1.0f / ADT_V(hsum)(sum));
-    for (j = 0; j + ADT_W <= n; j += ADT_W) ADT_V(store)(row + j, ADT_V(load)(row + j) * inv);
-    for (; j < n; j++) row[j] *= inv[0];
+    for (j = 0; j < n; j += ADT_W) ADT_V(store)(s + j, ADT_V(load)(s + j) * inv);
+    ADT_LANES_FN(attn_stream_row)(att_row, s, kpad, T);
 }
 
 /* One (batch, head): qkv and out point at this batch's (T, 3C) / (T, C) rows,
-   att at this head's (T, T) matrix; pk, pv are attn_pack_floats scratch. */
+   att at this head's (T, T) matrix; pk, pv are attn_pack_floats scratch and
+   scores (BQ, attn_score_ld(T)) holds a query block's scores, then its
+   probabilities, which the product with V reads there, in cache, rather than
+   back from att. */
 ADT_LANES_ATTR
 static void ADT_LANES_FN(attn_head_forward)(float* out, float* att, const float* qkv,
                                             ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs,
-                                            ptrdiff_t h, float scale, float* pk, float* pv) {
-    ptrdiff_t C3 = 3 * C;
+                                            ptrdiff_t h, float scale, float* pk, float* pv,
+                                            float* scores) {
+    ptrdiff_t C3 = 3 * C, lds = attn_score_ld(T);
     const float* q = qkv + h * hs;
     ADT_LANES_FN(attn_pack_b)(pk, qkv + C + h * hs, C3, 1, hs, T);      /* K^T (hs, T) */
     ADT_LANES_FN(attn_pack_b)(pv, qkv + 2 * C + h * hs, C3, 0, T, hs);  /* V (T, hs) */
     for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
         ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
         ptrdiff_t kend = i0 + rows;
-        ADT_LANES_FN(attn_gemm)(rows, kend, hs, scale, q + i0 * C3, C3, 1, pk, attn_kcs(hs),
-                                ADT_LANES_FN(attn_npad)(T), 0, att + i0 * T, T);
-        for (ptrdiff_t i = i0; i < kend; i++) {
-            float* row = att + i * T;
-            ADT_LANES_FN(attn_softmax_row)(row, i + 1);
-            memset(row + i + 1, 0, (size_t)(T - i - 1) * sizeof(float));
-        }
-        ADT_LANES_FN(attn_gemm)(rows, hs, kend, 1.0f, att + i0 * T, T, 1, pv, attn_kcs(T),
+        /* whole slivers: K^T's zero padding gives the columns past T, and those
+           past the diagonal are masked by the softmax */
+        ptrdiff_t kpad = ADT_LANES_FN(attn_npad)(kend);
+        ADT_LANES_FN(attn_gemm)(rows, kpad, hs, scale, q + i0 * C3, C3, 1, pk, attn_kcs(hs),
+                                ADT_LANES_FN(attn_npad)(T), 0, scores, lds);
+        for (ptrdiff_t r = 0; r < rows; r++)
+            ADT_LANES_FN(attn_softmax_row)(scores + r * lds, i0 + r + 1, kpad,
+                                           att + (i0 + r) * T, T);
+        ADT_LANES_FN(attn_gemm)(rows, hs, kend, 1.0f, scores, lds, 1, pv, attn_kcs(T),
                                 ADT_LANES_FN(attn_npad)(hs), 0, out + i0 * C + h * hs, C);
     }
+#if defined(__SSE__)
+    _mm_sfence();   /* order the streamed att before whatever this thread stores next */
+#endif
 }
 
 /* One (batch, head), accumulating into dqkv; pvt, pk, psmall are attn_pack_floats
@@ -221,3 +272,5 @@ static void ADT_LANES_FN(attn_head_backward)(float* dqkv, const float* dout, con
 }
 
 #undef ATTN_NR
+#undef ATTN_MR
+#undef ATTN_ROWS

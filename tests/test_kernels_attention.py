@@ -83,6 +83,28 @@ def test_gpt2_shape_against_torch(vector_lanes):
     assert rel_err(run_backward(attention_backward, dout, qkv, att, 12), dqkv_torch) < 1e-4
 
 
+@pytest.mark.parametrize("offset", [0, 1, 5, 15])
+def test_att_rows_at_every_alignment(offset, vector_lanes):
+    # The forward streams att rows in aligned vectors after a scalar lead: att starting
+    # `offset` floats past a 64-byte boundary.  T = 300 is past the depth block of 256
+    # (whose partial last block once overran the packed-operand scratch) and not a
+    # multiple of the 64-row query block or of any tile width.
+    rng = np.random.default_rng(8)
+    B, T, C, NH = 1, 300, 128, 2
+    qkv, dout = make(rng, B, T, C)
+    raw = np.full(B * NH * T * T + 32, np.nan, np.float32)
+    start = (-raw.ctypes.data % 64) // 4 + offset
+    att = raw[start:start + B * NH * T * T].reshape(B, NH, T, T)
+    out = np.full((B, T, C), np.nan, np.float32)
+    attention_forward(out, att, qkv, NH)
+    out_torch, att_torch, dqkv_torch = torch_attention(qkv, dout, NH)
+    assert rel_err(out, out_torch) < 1e-5
+    assert rel_err(att, att_torch) < 1e-5
+    assert np.all(att[:, :, np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0)
+    assert np.isnan(raw[:start]).all() and np.isnan(raw[start + att.size:]).all()
+    assert rel_err(run_backward(attention_backward, dout, qkv, att, NH), dqkv_torch) < 1e-4
+
+
 def test_large_scores_stay_finite(vector_lanes):
     # Scores of several hundred: the softmax must subtract the row max.
     rng = np.random.default_rng(3)
