@@ -178,7 +178,7 @@ def set_skinny_lanes(int lanes):
 # Which products go to the packed sixteen-lane GEMM (kernels/sgemm.h) instead of
 # BLAS or the skinny kernels, on CPUs with AVX-512: 0 none, 1 where it was measured
 # faster, 2 all (for tests).  Measured on a 2-core Xeon with AVX-512 against
-# OpenBLAS 0.3.31 (SkylakeX kernels) and the skinny kernels, GPT-2 124M shapes,
+# OpenBLAS 0.3.30 (SciPy's, SkylakeX kernels) and the skinny kernels, GPT-2 124M shapes,
 # interleaved runs: it wins on the input gradient dout @ W (no transposition) from
 # 16 to 384 rows, split by columns, e.g. across 12 layers' weights from memory
 # 9.5 vs 10.4 ms (skinny) and 21 ms (BLAS) at 24 x 2304 x 768, 17 vs 21 ms (skinny)
@@ -328,7 +328,9 @@ def gemm_rowmajor(c, a, b, bias=None, *, bint trans_a=False, bint trans_b=False,
             raise ValueError(f"gemm_rowmajor: bias must be a contiguous float32 array of "
                              f"shape {(N,)}")
         bias_p = <const float*>cnp.PyArray_DATA(bias)
-    cdef int nt = get_num_threads() if n_threads is None else n_threads
+    cdef int nt = get_num_threads()      # also sets BLAS to one thread inside ours
+    if n_threads is not None:
+        nt = n_threads
     cdef Py_ssize_t m = M, n = N, k = K, lda = a.shape[1], ldb = b.shape[1], ldc = N
     cdef const float* ap = <const float*>cnp.PyArray_DATA(a)
     cdef const float* bp = <const float*>cnp.PyArray_DATA(b)

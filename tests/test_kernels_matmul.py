@@ -1,4 +1,9 @@
 """kernels.matmul against its naive twin, PyTorch, and float64 finite differences."""
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -121,6 +126,28 @@ def test_one_and_two_threads_agree():
         threads.set_num_threads(previous)
     for a, b in zip(*results):
         assert rel_err(a, b) < 1e-6
+
+
+def test_explicit_thread_count_still_keeps_blas_single_threaded():
+    # A first call with an explicit n_threads resolves the policy too: BLAS runs one
+    # thread inside each of ours, whatever the entry point (fresh interpreter).
+    code = (
+        "import numpy as np\n"
+        "from threadpoolctl import threadpool_info\n"
+        "from kernels import gemm, matmul\n"
+        "a = np.ones((300, 64), np.float32); w = np.ones((200, 64), np.float32)\n"
+        "out = np.empty((300, 200), np.float32)\n"
+        "{call}\n"
+        "blas = [d for d in threadpool_info() if d['user_api'] == 'blas']\n"
+        "assert blas and all(d['num_threads'] == 1 for d in blas), blas\n")
+    for call in ("matmul.matmul_forward(out, a, w, None, n_threads=2)",
+                 "gemm.gemm_rowmajor(out, a, w, trans_b=True, n_threads=2)"):
+        import kernels
+        root = str(pathlib.Path(kernels.__file__).resolve().parent.parent)
+        env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=root)
+        run = subprocess.run([sys.executable, "-c", code.format(call=call)],
+                             capture_output=True, text=True, env=env, cwd=os.path.dirname(root))
+        assert run.returncode == 0, run.stderr
 
 
 def test_gpt2_shape_against_torch():
