@@ -3,9 +3,9 @@
  *
  * Row-major C (M x N) = alpha op(A) op(B) + beta C, one thread; kernels/gemm.pyx
  * splits the output between threads and routes here only what was measured faster
- * (see its _use_packed).  SciPy's OpenBLAS (0.3.30, SkylakeX kernels) reaches about 110
- * GFLOP/s per core on the input gradient dout @ W at GPT-2 shapes, where they reach
- * 140 on the forward x @ W^T; this one packs both operands in the usual way
+ * (see its _use_packed).  SciPy's OpenBLAS (0.3.30, SkylakeX kernels) reaches about
+ * 110 GFLOP/s per core on the input gradient dout @ W at GPT-2 shapes, where it
+ * reaches 140 on the forward x @ W^T; this one packs both operands in the usual way
  * (Goto, BLIS):
  *
  *   for each block of SG_NC columns:
