@@ -1,6 +1,6 @@
-/* GELU and layernorm rows of kernels/layers.pyx, a template over the vector width:
- * layers.pyx includes it once per width after defining ADT_W (see the end of
- * kernels/simd.h), giving gelu_forward_span_v8 and _v16, and so on.
+/* GELU and layernorm rows and the two-output add of kernels/layers.pyx, a template
+ * over the vector width: layers.pyx includes it once per width after defining ADT_W
+ * (see the end of kernels/simd.h), giving gelu_forward_span_v8 and _v16, and so on.
  */
 
 /* GELU, tanh approximation: 0.5 (1 + tanh(u)) == 1 / (1 + exp(z)), z = -2u, which
@@ -173,5 +173,25 @@ static void ADT_LANES_FN(ln_backward_rows)(float* dinp, float* part_w, float* pa
             float r = (weight[i] * d[i] - mean_g - norm * mean_gn) * s;
             dx[i] = ow_dinp ? r : dx[i] + r;
         }
+    }
+}
+
+/* a (+)= d and b (+)= d in one pass that reads d once (residual backward; a row of
+   encoder backward, a and b one row each of dwte and dwpe); ow_a / ow_b: that output
+   is set, not read.  a and b may be the same memory: each vector is stored before
+   the next is loaded. */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(add_to_both_span)(float* a, float* b, const float* d, ptrdiff_t n,
+                                           int ow_a, int ow_b) {
+    ptrdiff_t i = 0;
+    for (; i + ADT_W <= n; i += ADT_W) {
+        ADT_VT v = ADT_V(load)(d + i);
+        ADT_V(store)(a + i, ow_a ? v : ADT_V(load)(a + i) + v);
+        ADT_V(store)(b + i, ow_b ? v : ADT_V(load)(b + i) + v);
+    }
+    for (; i < n; i++) {
+        float v = d[i];
+        a[i] = ow_a ? v : a[i] + v;
+        b[i] = ow_b ? v : b[i] + v;
     }
 }

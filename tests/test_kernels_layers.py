@@ -56,7 +56,7 @@ def encoder_case(rng, B, T, C, Vp=11, maxT=None):
 
 
 @pytest.mark.parametrize("B,T,C", SHAPES)
-def test_encoder_matches_naive_and_torch(B, T, C):
+def test_encoder_matches_naive_and_torch(B, T, C, vector_lanes):
     rng = np.random.default_rng(1)
     # Few ids for many positions: the dwte scatter sees each id many times.
     ids, wte, wpe = encoder_case(rng, B, T, C, Vp=3)
@@ -81,6 +81,12 @@ def test_encoder_matches_naive_and_torch(B, T, C):
     layers.encoder_backward_naive(dwte_n, dwpe_n, dout, ids)
     close(dwte, dwte_n, 1e-5)
     close(dwpe, dwpe_n, 1e-5)
+    # Sizes this small run on one thread by default; two threads split the channels
+    # and sum each element in the same order.
+    dwte2, dwpe2 = dwte0.copy(), dwpe0.copy()
+    layers.encoder_backward(dwte2, dwpe2, dout, ids, n_threads=2)
+    np.testing.assert_array_equal(dwte2, dwte)
+    np.testing.assert_array_equal(dwpe2, dwpe)
 
 
 def test_encoder_backward_finite_differences():
@@ -301,7 +307,7 @@ def test_gelu_backward_finite_differences():
 # residual
 
 @pytest.mark.parametrize("shape", [(1,), (3, 5, 67), (2, 3, 16387)])
-def test_residual_matches_naive_and_torch(shape):
+def test_residual_matches_naive_and_torch(shape, vector_lanes):
     rng = np.random.default_rng(11)
     a, b = rand(rng, *shape), rand(rng, *shape)
     out, out_n = np.empty_like(a), np.empty_like(a)

@@ -43,7 +43,7 @@ def _cases(rng):
 @pytest.mark.parametrize("which", ["matmul", "layernorm", "encoder", "gelu", "residual",
                                    "attention"])
 @pytest.mark.parametrize("twin", ["fast", "naive"])
-def test_overwrite_equals_adding_into_zeros(which, twin):
+def test_overwrite_equals_adding_into_zeros(which, twin, vector_lanes):
     rng = np.random.default_rng(0)
     name, fast, naive, shapes, call = next(c for c in _cases(rng) if c[0] == which)
     kernel = fast if twin == "fast" else naive
