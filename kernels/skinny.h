@@ -24,6 +24,13 @@
    the strip, so the strips do not all map to the same L1 sets. */
 #define SK_STRIP (SK_COLS * SKINNY_NN_KC + 16)
 
+/* SK_IN_REGISTER(v), where the instance defines it, keeps v in a register: GCC
+   otherwise folds its load into each of the three FMAs that use it, three loads
+   instead of one (the load ports, not the FMAs, then set the pace). */
+#ifndef SK_IN_REGISTER
+#define SK_IN_REGISTER(v) ((void)0)
+#endif
+
 /* The 4 x 3-vector tile of skinny_nn and skinny_tn: twelve accumulators cRV
    (row R, vector V), updated with one scalar per row against b0, b1, b2. */
 #define SK_TILE_ZERO \
@@ -72,12 +79,16 @@ static void SK_NAME(skinny_nt)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_
                 SK_VT b0 = SK_LOAD(b[0] + p), b1 = SK_LOAD(b[1] + p);
                 SK_VT b2 = SK_LOAD(b[2] + p);
                 SK_VT x = SK_LOAD(a[0] + p);
+                SK_IN_REGISTER(x);
                 c00 += x * b0; c01 += x * b1; c02 += x * b2;
                 x = SK_LOAD(a[1] + p);
+                SK_IN_REGISTER(x);
                 c10 += x * b0; c11 += x * b1; c12 += x * b2;
                 x = SK_LOAD(a[2] + p);
+                SK_IN_REGISTER(x);
                 c20 += x * b0; c21 += x * b1; c22 += x * b2;
                 x = SK_LOAD(a[3] + p);
+                SK_IN_REGISTER(x);
                 c30 += x * b0; c31 += x * b1; c32 += x * b2;
             }
             float s[4][3] = {
@@ -230,3 +241,4 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
 #undef SK_STORE
 #undef SK_HSUM
 #undef SK_ATTR
+#undef SK_IN_REGISTER
