@@ -30,6 +30,7 @@ cdef extern from *:
     """
     /* The skinny kernels (kernels/skinny.h) in eight lanes, as target clones, and
        in sixteen for CPUs with AVX-512; the entry points below pick one. */
+    #include <immintrin.h>   /* skinny_tn's streamed stores in sixteen lanes */
     #define SK_SUFFIX v8
     #define SK_VT adt_v8
     #define SK_W 8
@@ -47,6 +48,8 @@ cdef extern from *:
     #define SK_HSUM(v) adt_hsum16(v)
     #define SK_ATTR ADT_TARGET_V4
     #define SK_IN_REGISTER(v) __asm__("" : "+v"(v))
+    #define SK_STREAM(p, v) _mm512_stream_ps((p), (__m512)(v))
+    #define SK_FENCE() _mm_sfence()
     #include "skinny.h"
     static int sk_narrow = 0;     /* set_skinny_lanes(8): the eight-lane kernels anyway */
     #define SK_WIDE (!sk_narrow && adt_cpu_v4())

@@ -30,6 +30,15 @@
 #ifndef SK_IN_REGISTER
 #define SK_IN_REGISTER(v) ((void)0)
 #endif
+/* SK_STREAMS: the instance defines SK_STREAM(p, v), a store of a whole vector to
+   64-byte-aligned p past the caches, and SK_FENCE(), which orders such stores. */
+#ifndef SK_STREAM
+#define SK_STREAMS 0
+#define SK_STREAM(p, v) SK_STORE(p, v)
+#define SK_FENCE() ((void)0)
+#else
+#define SK_STREAMS 1
+#endif
 
 /* The 4 x 3-vector tile of skinny_nn and skinny_tn: twelve accumulators cRV
    (row R, vector V), updated with one scalar per row against b0, b1, b2. */
@@ -199,7 +208,24 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
                 ptrdiff_t o = p * lda;
                 SK_TILE_FMA(a0[o], a1[o], a2[o], a3[o]);
             }
-            SK_TILE_STORE(C + i * ldc + j, ldc, mr, accumulate, alpha);
+            if (accumulate || !SK_STREAMS) {
+                SK_TILE_STORE(C + i * ldc + j, ldc, mr, accumulate, alpha);
+            } else {
+                /* A weight gradient written afresh is far larger than the caches and
+                   next read by the optimizer: streamed past them, it costs no read
+                   of the old lines first (a third of its traffic). */
+                SK_VT t_[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22},
+                                  {c30, c31, c32}};
+                for (ptrdiff_t r = 0; r < mr; r++) {
+                    float* row = C + (i + r) * ldc + j;
+                    for (int v = 0; v < 3; v++) {
+                        if (((uintptr_t)(row + W * v) & 63) == 0)
+                            SK_STREAM(row + W * v, alpha * t_[r][v]);
+                        else
+                            SK_STORE(row + W * v, alpha * t_[r][v]);
+                    }
+                }
+            }
         }
         for (ptrdiff_t j = j3; j < j1v; j += W) {
             SK_VT c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
@@ -224,6 +250,7 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
             }
         }
     }
+    if (!accumulate && SK_STREAMS) SK_FENCE();   /* the streamed stores, before anyone reads */
 }
 
 #undef SK_CAT2
@@ -242,3 +269,6 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
 #undef SK_HSUM
 #undef SK_ATTR
 #undef SK_IN_REGISTER
+#undef SK_STREAMS
+#undef SK_STREAM
+#undef SK_FENCE
