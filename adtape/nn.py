@@ -185,16 +185,19 @@ def softmax_cross_entropy(logits, targets, V=None):
     lse = np.empty(ld.shape[:-1], np.float32)
     _loss.softmax_crossentropy_forward(losses, lse, ld, targets, V)
     if _needs_grad(logits):
-        # The logits go on the tape as a plain array (never by reference): the rule
-        # overwrites the popped copy with the gradient instead of allocating one.
+        # The logits are saved as a plain array: the rule overwrites the popped copy
+        # with the gradient instead of allocating one (held by reference they are
+        # read-only, and the rule writes a new array).
         return _record(SOFTMAX_CROSS_ENTROPY, losses, (logits, None),
                        (ld, lse, targets, V), None)
     return _constant(losses)
 
 
 def _softmax_cross_entropy_vjp(g, logits, lse, targets, V):
-    _loss.softmax_crossentropy_backward(logits, _contiguous(g), logits, lse, targets, V)
-    return logits
+    dlogits = logits if logits.flags.writeable else np.empty_like(logits)
+    _loss.softmax_crossentropy_backward(dlogits, _contiguous(g), logits, lse, targets, V,
+                                        overwrite=True)
+    return dlogits
 
 
 defvjp_accumulate(ENCODER, _encoder_bwd, overwrite=True)

@@ -180,7 +180,8 @@ class custom_vjp:
 
 class _Graph:
     """One recording: the node list over a byte tape, and the leaves it reads."""
-    __slots__ = ("nodes", "leaves", "tape", "owner", "freed", "child", "mark")
+    __slots__ = ("nodes", "leaves", "tape", "owner", "freed", "child", "mark", "held",
+                 "held_bytes")
 
     def __init__(self, tape, owner, mark=None):
         self.nodes = []
@@ -190,6 +191,18 @@ class _Graph:
         self.freed = False
         self.child = None
         self.mark = mark
+        self.held = []          # residuals kept by reference and made read-only here
+        self.held_bytes = 0     # bytes of the residuals kept by reference
+
+    def release(self):
+        """Make the residuals this graph held by reference writable again."""
+        for a in self.held:
+            try:
+                a.flags.writeable = True
+            except ValueError:      # its base was made read-only meanwhile
+                pass
+        self.held = []
+        self.held_bytes = 0
 
     def adopt(self, t):
         """Return the input reference of ``t``, a tensor not yet seen by this graph."""
@@ -213,11 +226,26 @@ class OpTape:
 
     ``with OpTape(memory_budget=64 << 20) as t: ...`` records the ops inside
     onto ``t``; outside any ``with`` the process-wide default is used.  The
-    keyword arguments are those of ``adtape.Tape``.
+    keyword arguments other than ``residuals`` are those of ``adtape.Tape``.
+
+    ``residuals``: ``"tape"`` (the default) copies every array an op saves for its
+    backward onto the byte tape, which spills under ``memory_budget``;
+    ``"reference"`` keeps the arrays themselves, as PyTorch keeps saved tensors: no
+    copy in and out, no spilling (so no ``memory_budget``).  Held arrays are made
+    read-only until the backward sweep that uses them (or ``reset``/``close``)
+    is done, so writing into one in place raises instead of silently changing
+    the gradient.
     """
 
     def __init__(self, memory_budget=None, spill_dir=None, slab_size=None, sbo_size=32,
-                 prefetch_depth=2, spill_unit=1 << 20, keep_free_slabs=None):
+                 prefetch_depth=2, spill_unit=1 << 20, keep_free_slabs=None,
+                 residuals="tape"):
+        if residuals not in ("tape", "reference"):
+            raise ValueError(f"residuals must be 'tape' or 'reference', got {residuals!r}")
+        if residuals == "reference" and memory_budget is not None:
+            raise ValueError("residuals='reference' keeps the arrays in memory: it cannot "
+                             "honour a memory_budget (use residuals='tape')")
+        self.by_reference = residuals == "reference"
         self._tape_kwargs = dict(sbo_size=sbo_size, slab_size=slab_size,
                                  memory_budget=memory_budget, spill_dir=spill_dir,
                                  prefetch_depth=prefetch_depth, threadsafe=False,
@@ -247,11 +275,13 @@ class OpTape:
         self.closed = True
         self.graph.freed = True
         self.graph.nodes = []
+        self.graph.release()
         self.tape.close()
 
     def reset(self):
         """Drop everything recorded and not yet swept."""
         self.graph.freed = True
+        self.graph.release()
         self.tape.clear()
         self._fresh_root()
 
@@ -266,10 +296,17 @@ class OpTape:
         return len(self.graph.nodes)
 
     @property
+    def saved_bytes(self):
+        """Bytes of residuals saved for the backward by the current recording: on the
+        byte tape, or held by reference."""
+        return self.tape.nbytes + self.graph.held_bytes
+
+    @property
     def stats(self):
         s = dict(self.tape.stats)
         s["nodes"] = len(self.graph.nodes)
         s["nbytes"] = self.tape.nbytes
+        s["held_bytes"] = self.graph.held_bytes
         return s
 
 
@@ -300,6 +337,7 @@ def nested_graph():
         outer.child = None
         if not graph.freed:
             graph.freed = True
+            graph.release()
             graph.tape.rewind(graph.mark)
 
 
@@ -508,6 +546,7 @@ def _record(prim, out, inputs, res, kwargs):
     n_tape = 0
     if res:
         push = graph.tape.push_array
+        by_reference = graph.owner.by_reference
         kept = []
         for r in res:
             tr = type(r)
@@ -518,9 +557,16 @@ def _record(prim, out, inputs, res, kwargs):
                 r = r.data
                 tr = _ndarray
             if tr is _ndarray:
-                push(r)
-                kept.append(_ON_TAPE)
-                n_tape += 1
+                if by_reference:
+                    if r.flags.writeable:
+                        r.flags.writeable = False
+                        graph.held.append(r)
+                    graph.held_bytes += r.nbytes
+                    kept.append(r)
+                else:
+                    push(r)
+                    kept.append(_ON_TAPE)
+                    n_tape += 1
             else:
                 kept.append(r)
         kept = tuple(kept)
@@ -655,6 +701,7 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
         if graph.mark is None:
             graph.freed = True
             graph.nodes = []
+            graph.release()
             tape.clear()
             if graph is graph.owner.graph:
                 graph.owner._fresh_root()
@@ -669,6 +716,7 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
     graph.freed = True
     graph.nodes = []
     graph.leaves = []
+    graph.release()
     if graph.mark is None and graph is graph.owner.graph:
         graph.owner._fresh_root()
 

@@ -14,8 +14,10 @@ cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosse
                                              const float* logits, const float* lse,
                                              const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
                                              Py_ssize_t Vp, int n_threads) noexcept nogil
-# In place: logits becomes (softmax(logits) - onehot(target)) * dlosses, padded columns 0.
-cdef void softmax_crossentropy_backward_inplace_core(float* logits, const float* dlosses,
-                                                     const float* lse, const int32_t* targets,
-                                                     Py_ssize_t N, Py_ssize_t V, Py_ssize_t Vp,
-                                                     int n_threads) noexcept nogil
+# dlogits = (softmax(logits) - onehot(target)) * dlosses, padded columns 0: written, not
+# added into; dlogits may be logits itself (in place).
+cdef void softmax_crossentropy_backward_overwrite_core(float* dlogits, const float* dlosses,
+                                                       const float* logits, const float* lse,
+                                                       const int32_t* targets, Py_ssize_t N,
+                                                       Py_ssize_t V, Py_ssize_t Vp,
+                                                       int n_threads) noexcept nogil

@@ -83,15 +83,17 @@ cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosse
         dlogits[r * Vp + targets[r]] -= dlosses[r]
 
 
-cdef void softmax_crossentropy_backward_inplace_core(float* logits, const float* dlosses,
-                                                     const float* lse, const int32_t* targets,
-                                                     Py_ssize_t N, Py_ssize_t V, Py_ssize_t Vp,
-                                                     int n_threads) noexcept nogil:
+cdef void softmax_crossentropy_backward_overwrite_core(float* dlogits, const float* dlosses,
+                                                       const float* logits, const float* lse,
+                                                       const int32_t* targets, Py_ssize_t N,
+                                                       Py_ssize_t V, Py_ssize_t Vp,
+                                                       int n_threads) noexcept nogil:
+    # dlogits written, not added into (it may be logits itself), padding set to 0
     cdef Py_ssize_t r
     cdef bint wide = lanes_wide()
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        ce_row_backward(wide, logits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 1)
-        logits[r * Vp + targets[r]] -= dlosses[r]
+        ce_row_backward(wide, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 1)
+        dlogits[r * Vp + targets[r]] -= dlosses[r]
 
 
 cdef int _float_type(object arr):
@@ -150,10 +152,12 @@ def softmax_crossentropy_forward(losses, lse, logits, targets, V, *, n_threads=N
         softmax_crossentropy_forward_core(lp, sp, xp, tp, n, v, vp, nt)
 
 
-def softmax_crossentropy_backward(dlogits, dlosses, logits, lse, targets, V, *, n_threads=None):
+def softmax_crossentropy_backward(dlogits, dlosses, logits, lse, targets, V, *,
+                                  bint overwrite=False, n_threads=None):
     """dlogits += (softmax(logits[:, :V]) - onehot(targets)) * dlosses[:, None].
-    With dlogits is logits the result overwrites the logits instead, padded columns set
-    to 0; otherwise padded columns of dlogits are left unchanged."""
+    With ``overwrite``, or with dlogits being logits (the result then overwrites the
+    logits), dlogits is set instead (its old contents never read) and its padded
+    columns to 0; otherwise padded columns of dlogits are left unchanged."""
     cdef int nt = resolve_threads(n_threads)
     N, Vp, in_place = _check_backward(dlogits, dlosses, logits, lse, targets, V, cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, N * Vp)
@@ -163,10 +167,10 @@ def softmax_crossentropy_backward(dlogits, dlosses, logits, lse, targets, V, *, 
     cdef const float* sp = <float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
     cdef const int32_t* tp = <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>targets)
     cdef Py_ssize_t n = N, v = V, vp = Vp
-    cdef bint inplace = in_place
+    cdef bint ow = in_place or overwrite
     with nogil:
-        if inplace:
-            softmax_crossentropy_backward_inplace_core(dp, gp, sp, tp, n, v, vp, nt)
+        if ow:
+            softmax_crossentropy_backward_overwrite_core(dp, gp, xp, sp, tp, n, v, vp, nt)
         else:
             softmax_crossentropy_backward_core(dp, gp, xp, sp, tp, n, v, vp, nt)
 
@@ -189,7 +193,7 @@ def _forward_naive(floating[::1] losses, floating[::1] lse, const floating[:, ::
 
 def _backward_naive(floating[:, ::1] dlogits, const floating[::1] dlosses,
                     const floating[:, ::1] logits, const floating[::1] lse,
-                    const int32_t[::1] targets, Py_ssize_t V, bint in_place):
+                    const int32_t[::1] targets, Py_ssize_t V, bint overwrite):
     cdef Py_ssize_t r, i
     cdef double p
     for r in range(logits.shape[0]):
@@ -197,11 +201,11 @@ def _backward_naive(floating[:, ::1] dlogits, const floating[::1] dlosses,
             p = exp(logits[r, i] - lse[r])
             if i == targets[r]:
                 p -= 1
-            if in_place:
+            if overwrite:
                 dlogits[r, i] = p * dlosses[r]
             else:
                 dlogits[r, i] += p * dlosses[r]
-        if in_place:
+        if overwrite:
             for i in range(V, logits.shape[1]):
                 dlogits[r, i] = 0
 
@@ -213,9 +217,10 @@ def softmax_crossentropy_forward_naive(losses, lse, logits, targets, V, *, n_thr
     _forward_naive(losses.reshape(N), lse.reshape(N), logits.reshape(N, Vp), targets.reshape(N), V)
 
 
-def softmax_crossentropy_backward_naive(dlogits, dlosses, logits, lse, targets, V, *, n_threads=None):
+def softmax_crossentropy_backward_naive(dlogits, dlosses, logits, lse, targets, V, *,
+                                        overwrite=False, n_threads=None):
     """Serial twin of softmax_crossentropy_backward (float32 or float64)."""
     resolve_threads(n_threads)
     N, Vp, in_place = _check_backward(dlogits, dlosses, logits, lse, targets, V, _float_type(logits))
     _backward_naive(dlogits.reshape(N, Vp), dlosses.reshape(N), logits.reshape(N, Vp),
-                    lse.reshape(N), targets.reshape(N), V, in_place)
+                    lse.reshape(N), targets.reshape(N), V, in_place or bool(overwrite))

@@ -73,6 +73,16 @@ def test_matches_naive_and_torch(B, T, V, Vp, vector_lanes):
     loss.softmax_crossentropy_backward_naive(in_place_n, dlosses, in_place_n, lse, targets, V)
     close(in_place, in_place_n, 1e-5, scale)
 
+    # overwrite=True into another buffer: its old contents (NaN here) never read, the
+    # same values as in place, the logits untouched.
+    for fn in (loss.softmax_crossentropy_backward, loss.softmax_crossentropy_backward_naive):
+        fresh = np.full_like(logits, np.nan)
+        before = logits.copy()
+        fn(fresh, dlosses, logits, lse, targets, V, overwrite=True)
+        np.testing.assert_array_equal(fresh, in_place if fn is not loss.softmax_crossentropy_backward_naive
+                                      else in_place_n)
+        np.testing.assert_array_equal(logits, before)
+
 
 def test_rows_layout_and_extreme_logits(vector_lanes):
     rng = np.random.default_rng(2)

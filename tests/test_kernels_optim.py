@@ -133,6 +133,20 @@ def test_clip_grad_norm_matches_torch(max_norm):
         optim.clip_grad_norm(grads, -1.0)
 
 
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_zero_grad_large_unaligned_pieces(n_threads):
+    # Pieces of 1 MiB and more are zeroed with streamed stores after an unaligned
+    # head: every float of the slice becomes 0 and its neighbours keep their values.
+    rng = np.random.default_rng(7)
+    for offset, n in ((0, 1 << 20), (1, (1 << 19) + 7), (5, 3 * (1 << 18) + 13)):
+        buf = rng.standard_normal(n + offset + 9).astype(np.float32) + 10.0
+        before = buf.copy()
+        optim.zero_grad(buf[offset:offset + n], n_threads=n_threads)
+        np.testing.assert_array_equal(buf[offset:offset + n], 0.0)
+        np.testing.assert_array_equal(buf[:offset], before[:offset])
+        np.testing.assert_array_equal(buf[offset + n:], before[offset + n:])
+
+
 def test_zero_grad_any_shape():
     rng = np.random.default_rng(6)
     for shape in [(0,), (1,), (3, 5, 16387)]:
