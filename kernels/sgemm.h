@@ -26,6 +26,8 @@
 #ifndef ADTAPE_KERNELS_SGEMM_H
 #define ADTAPE_KERNELS_SGEMM_H
 
+#include <pthread.h>
+
 #include "simd.h"
 
 #if ADT_HAVE_V4
@@ -148,11 +150,33 @@ void sg_micro(ptrdiff_t kc, const float* restrict pa, const float* restrict pb, 
     }
 }
 
-/* Packing space: SG_NC x SG_KC floats of B panels, then SG_MC x SG_KC of A panels,
-   one buffer per thread, allocated on its first product and kept. */
+/* Packing space: SG_NC x SG_KC floats of B panels, then SG_MC x SG_KC of A panels
+   (1.1 MiB), one buffer per thread, allocated on its first product and kept until
+   the thread exits. */
 #define SG_B_FLOATS ((size_t)SG_NC * SG_KC)
 #define SG_BUF_FLOATS (SG_B_FLOATS + (size_t)((SG_MC + SG_MR - 1) / SG_MR) * SG_MR * SG_KC)
 static __thread float* sg_buf = NULL;
+static pthread_key_t sg_buf_key;
+static pthread_once_t sg_buf_once = PTHREAD_ONCE_INIT;
+static int sg_buf_key_ok = 0;
+
+static void sg_buf_key_create(void) { sg_buf_key_ok = pthread_key_create(&sg_buf_key, free) == 0; }
+
+/* This thread's packing buffer, or NULL when it cannot be allocated. */
+static float* sg_thread_buffer(void) {
+    if (sg_buf == NULL) {
+        pthread_once(&sg_buf_once, sg_buf_key_create);
+        if (!sg_buf_key_ok) return NULL;
+        float* buf = (float*)aligned_alloc(64, SG_BUF_FLOATS * sizeof(float));
+        if (buf == NULL) return NULL;
+        if (pthread_setspecific(sg_buf_key, buf) != 0) {   /* frees it at thread exit */
+            free(buf);
+            return NULL;
+        }
+        sg_buf = buf;
+    }
+    return sg_buf;
+}
 
 /* C = alpha op(A) op(B) + beta C over M x N x K (K > 0).  Returns -1, having
    written nothing, when the packing buffer cannot be allocated. */
@@ -161,12 +185,9 @@ static int sg_gemm(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
                    const float* A, ptrdiff_t a_rs, ptrdiff_t a_cs,
                    const float* B, ptrdiff_t b_rs, ptrdiff_t b_cs,
                    float beta, float* C, ptrdiff_t ldc) {
-    if (sg_buf == NULL) {
-        sg_buf = (float*)aligned_alloc(64, SG_BUF_FLOATS * sizeof(float));
-        if (sg_buf == NULL) return -1;
-    }
-    float* pb = sg_buf;
-    float* pa = sg_buf + SG_B_FLOATS;
+    float* pb = sg_thread_buffer();
+    if (pb == NULL) return -1;
+    float* pa = pb + SG_B_FLOATS;
     for (ptrdiff_t j0 = 0; j0 < N; j0 += SG_NC) {
         ptrdiff_t nc = N - j0 < SG_NC ? N - j0 : SG_NC;
         for (ptrdiff_t k0 = 0; k0 < K; k0 += SG_KC) {

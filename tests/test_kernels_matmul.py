@@ -323,3 +323,40 @@ def test_packed_gemm_setting():
         gemm.set_packed_gemm(3)
     old = gemm.set_packed_gemm(0)
     assert gemm.set_packed_gemm(old) == 0
+
+
+def test_packed_gemm_buffers_are_freed_with_their_threads():
+    # Each thread packs into a 1.1 MiB buffer of its own, freed when the thread exits:
+    # 120 short-lived threads must not leave 130 MiB behind.
+    import threading
+
+    import psutil
+
+    from kernels import gemm
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((64, 300)).astype(np.float32)
+    b = rng.standard_normal((300, 1000)).astype(np.float32)    # fills the buffer's B part
+    want = a.astype(np.float64) @ b
+
+    def work(out):
+        c = np.empty((64, 1000), np.float32)
+        gemm.gemm_rowmajor(c, a, b, n_threads=1)
+        out.append(np.abs(c - want).max())
+
+    old_mode = gemm.set_packed_gemm(2)
+    try:
+        errors = []
+        for _ in range(2):                  # warm up the allocator
+            t = threading.Thread(target=work, args=(errors,))
+            t.start()
+            t.join()
+        rss = psutil.Process().memory_info().rss
+        for _ in range(120):
+            t = threading.Thread(target=work, args=(errors,))
+            t.start()
+            t.join()
+        grown = psutil.Process().memory_info().rss - rss
+    finally:
+        gemm.set_packed_gemm(old_mode)
+    assert len(errors) == 122 and max(errors) < 1e-3
+    assert grown < 40 << 20, f"RSS grew by {grown >> 20} MiB"
