@@ -75,12 +75,12 @@ cdef extern from *:
     }
 
     /* The most rows skinny_nt takes (up to m): with sixteen lanes its 4 x 3 tiles
-       read A from L2, and past 32 rows BLAS is faster (measured on a Xeon with
-       AVX-512, 12 layers' weights from memory, skinny vs BLAS: 6.2 vs 10.9 ms at
-       16 x 2304 x 768, 9.3 vs 12.9 at 32, 17.3 vs 17.2 at 64, and 32 vs 23 ms at
-       64 x 768 x 3072). */
+       read A from L2; past 24 rows the packed GEMM is faster, and past 32 BLAS too
+       (measured on a Xeon with AVX-512, 12 layers' weights from memory, skinny vs
+       BLAS: 6.2 vs 10.9 ms at 16 x 2304 x 768, 9.3 vs 12.9 at 32, 17.3 vs 17.2 at
+       64, and 32 vs 23 ms at 64 x 768 x 3072). */
     static ptrdiff_t skinny_nt_limit(ptrdiff_t m) {
-        return SK_WIDE && m > 32 ? 32 : m;
+        return SK_WIDE && m > 24 ? 24 : m;
     }
 
     /* The greatest depth skinny_tn takes (up to k): with sixteen lanes BLAS is faster
@@ -201,18 +201,27 @@ def set_skinny_lanes(int lanes):
 # 96 ms for the lm_head's at 256 rows.  The skinny kernel stays faster at 8 rows,
 # it ties at 512 rows, BLAS is faster past 1024 rows (29 vs 27 ms at 2048 x 2304 x
 # 768), and on the forward and weight-gradient products.
+# The forward x @ W^T too, from 25 to 128 rows, once its transposed weight is packed
+# 16 x 16 at a time through registers: across 12 layers' weights from memory, 10.6
+# vs 11.5 ms (skinny) at 32 x 2304 x 768, 16.5 vs 20.8 ms (BLAS) at 64 rows, 7.7 vs
+# 8.9 ms at 128 x 768 x 768; skinny_nt stays faster up to 24 rows, BLAS from 256.
 cdef int _packed_mode = 1
 cdef enum:
-    PACKED_MIN_M = 16
-    PACKED_MAX_M = 384
+    PACKED_NN_MIN_M = 16
+    PACKED_NN_MAX_M = 384
+    PACKED_NT_MIN_M = 25
+    PACKED_NT_MAX_M = 128
 
 
 cdef inline bint _use_packed(bint trans_a, bint trans_b, Py_ssize_t M,
                              bint by_columns) noexcept nogil:
     if _packed_mode == 2:
         return True
-    return (_packed_mode == 1 and not trans_a and not trans_b and by_columns
-            and PACKED_MIN_M <= M <= PACKED_MAX_M)
+    if _packed_mode != 1 or trans_a or not by_columns:
+        return False
+    if trans_b:
+        return PACKED_NT_MIN_M <= M <= PACKED_NT_MAX_M
+    return PACKED_NN_MIN_M <= M <= PACKED_NN_MAX_M
 
 
 def set_packed_gemm(int mode):

@@ -62,6 +62,43 @@ static void sg_pack_a(ptrdiff_t mc, ptrdiff_t kc, float alpha, const float* A, p
     }
 }
 
+/* v[0..16) <- its transpose (v[r][l] becomes v[l][r]): four rounds that swap the
+   off-diagonal blocks of 8, 4, 2 and 1 lanes between rows r and r + d. */
+#define SG_SWAP(d, LO, HI) \
+    for (int r = 0; r < 16; r++) \
+        if (!(r & (d))) { \
+            adt_v16 a_ = v[r], b_ = v[r + (d)]; \
+            v[r] = __builtin_shufflevector(a_, b_, LO); \
+            v[r + (d)] = __builtin_shufflevector(a_, b_, HI); \
+        }
+#define SG_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define SG_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define SG_LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define SG_HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define SG_LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define SG_HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define SG_LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define SG_HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+ADT_TARGET_V4 static inline __attribute__((always_inline)) void sg_transpose16(adt_v16 v[16]) {
+#pragma GCC unroll 16
+    SG_SWAP(8, SG_LO8, SG_HI8)
+#pragma GCC unroll 16
+    SG_SWAP(4, SG_LO4, SG_HI4)
+#pragma GCC unroll 16
+    SG_SWAP(2, SG_LO2, SG_HI2)
+#pragma GCC unroll 16
+    SG_SWAP(1, SG_LO1, SG_HI1)
+}
+#undef SG_SWAP
+#undef SG_LO8
+#undef SG_HI8
+#undef SG_LO4
+#undef SG_HI4
+#undef SG_LO2
+#undef SG_HI2
+#undef SG_LO1
+#undef SG_HI1
+
 /* Pack op(B)[k0:k0+kc, 0:n] as panels of SG_NR columns: for each depth the panel's
    SG_NR values; columns past n are zero. */
 ADT_TARGET_V4
@@ -89,6 +126,21 @@ static void sg_pack_b(ptrdiff_t kc, ptrdiff_t n, const float* B, ptrdiff_t b_rs,
                 for (ptrdiff_t c = 0; c < nr; c++) pb[k * SG_NR + c] = b[k * b_rs + c];
                 for (ptrdiff_t c = nr; c < SG_NR; c++) pb[k * SG_NR + c] = 0.0f;
             }
+        } else if (nr == SG_NR && b_rs == 1) {
+            /* columns contiguous along the depth (a transposed weight): 16 columns
+               by 16 depths at a time, transposed in registers */
+            ptrdiff_t k = 0;
+            for (; k + 16 <= kc; k += 16)
+                for (int g = 0; g < SG_NR; g += 16) {
+                    adt_v16 v[16];
+#pragma GCC unroll 16
+                    for (int c = 0; c < 16; c++) v[c] = adt_load16(b + (g + c) * b_cs + k);
+                    sg_transpose16(v);
+#pragma GCC unroll 16
+                    for (int t = 0; t < 16; t++) adt_store16(pb + (k + t) * SG_NR + g, v[t]);
+                }
+            for (; k < kc; k++)
+                for (ptrdiff_t c = 0; c < SG_NR; c++) pb[k * SG_NR + c] = b[c * b_cs + k];
         } else {
             /* columns contiguous along the depth: read each column in turn */
             for (ptrdiff_t c = 0; c < nr; c++) {

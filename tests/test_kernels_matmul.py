@@ -202,8 +202,9 @@ def test_bad_inputs_raise_clear_errors():
 
 
 # ---------------------------------------------------------------- skinny products
-# kernels.gemm routes products with few rows (M <= SKINNY_MAX_M) to its own kernels;
-# check them against BLAS (the same call with the routing off) on awkward sizes.
+# kernels.gemm routes products with few rows to its own kernels (the skinny ones, and
+# on AVX-512 the packed GEMM); check them against BLAS (the same call with the routing
+# off) on awkward sizes.
 
 def _skinny_lanes():
     from kernels import gemm
@@ -233,11 +234,13 @@ def test_skinny_gemm_matches_blas(M, layout, lanes):
                                 n_threads=n_threads)
                     got = gemm.gemm_rowmajor(c0.copy(), a, b, bias if with_bias else None, **call)
                     previous = gemm.set_skinny_max_m(0)
+                    previous_packed = gemm.set_packed_gemm(0)     # BLAS only
                     try:
                         want = gemm.gemm_rowmajor(c0.copy(), a, b, bias if with_bias else None,
                                                   **call)
                     finally:
                         gemm.set_skinny_max_m(previous)
+                        gemm.set_packed_gemm(previous_packed)
                     assert rel_err(got, want) < 1e-5, (N, K, alpha, beta, n_threads)
     finally:
         gemm.set_skinny_lanes(old_lanes)
