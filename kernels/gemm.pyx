@@ -30,7 +30,6 @@ cdef extern from *:
     """
     /* The skinny kernels (kernels/skinny.h) in eight lanes, as target clones, and
        in sixteen for CPUs with AVX-512; the entry points below pick one. */
-    #include <immintrin.h>   /* skinny_tn's streamed stores in sixteen lanes */
     #define SK_SUFFIX v8
     #define SK_VT adt_v8
     #define SK_W 8
@@ -40,6 +39,7 @@ cdef extern from *:
     #define SK_ATTR ADT_MULTIVERSION
     #include "skinny.h"
     #if ADT_HAVE_V4
+    #include <immintrin.h>   /* skinny_tn's streamed stores in sixteen lanes */
     #define SK_SUFFIX v16
     #define SK_VT adt_v16
     #define SK_W 16

@@ -91,13 +91,13 @@ cdef void adamw_core(float* params, float* grads, float* m, float* v, Py_ssize_t
 
 cdef extern from *:
     """
-    #include <immintrin.h>
     /* n floats of p set to zero.  A piece of 1 MiB or more is written with stores
        that bypass the caches (on AVX-512 CPUs), so the old lines are not read
        first: half the memory traffic.  glibc's memset does that only above a
        threshold scaled to the last-level cache, which a VM may report as hundreds
        of MiB (480 on the 2-core Xeon we measure on, where zeroing ran at 18 GB/s). */
     #if ADT_HAVE_V4
+    #include <immintrin.h>
     ADT_TARGET_V4 static void zero_streamed(float* p, size_t n) {
         size_t i = 0;
         for (; i < n && ((uintptr_t)(p + i) & 63) != 0; i++) p[i] = 0.0f;

@@ -26,11 +26,10 @@
 #ifndef ADTAPE_KERNELS_SGEMM_H
 #define ADTAPE_KERNELS_SGEMM_H
 
-#include <pthread.h>
-
 #include "simd.h"
 
 #if ADT_HAVE_V4
+#include <pthread.h>
 
 #define SG_MR 8
 #define SG_NR 32
