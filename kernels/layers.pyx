@@ -282,10 +282,46 @@ def overwrite_flags(overwrite, names):
     return tuple(bool(f) for f in flags)
 
 
-cdef void _zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil:
-    cdef Py_ssize_t k
-    for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        memset(buf + k * CHUNK, 0, min(<Py_ssize_t>CHUNK, n - k * CHUNK) * sizeof(float))
+cdef extern from *:
+    """
+    /* n floats of p set to zero.  A piece of 1 MiB or more is written with stores
+       that bypass the caches (on AVX-512 CPUs), so the old lines are not read
+       first: half the memory traffic.  glibc's memset does that only above a
+       threshold scaled to the last-level cache, which a VM may report as hundreds
+       of MiB (480 on the 2-core Xeon we measure on, where zeroing ran at 18 GB/s). */
+    #if ADT_HAVE_V4
+    #include <immintrin.h>
+    ADT_TARGET_V4 static void zero_streamed(float* p, size_t n) {
+        size_t i = 0;
+        for (; i < n && ((uintptr_t)(p + i) & 63) != 0; i++) p[i] = 0.0f;
+        __m512 z = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) _mm512_stream_ps(p + i, z);
+        for (; i < n; i++) p[i] = 0.0f;
+        _mm_sfence();
+    }
+    #endif
+    static void zero_span(float* p, size_t n) {
+    #if ADT_HAVE_V4
+        if (n >= ((size_t)1 << 18) && adt_cpu_v4()) {
+            zero_streamed(p, n);
+            return;
+        }
+    #endif
+        memset(p, 0, n * sizeof(float));
+    }
+    """
+    void zero_span(float* p, size_t n) nogil
+
+
+cdef void zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil:
+    # One contiguous piece per thread (whole cache lines), zeroed by zero_span.
+    cdef Py_ssize_t per = ((n + n_threads - 1) // n_threads + 15) // 16 * 16
+    cdef Py_ssize_t t, lo
+    for t in prange(n_threads, schedule='static', chunksize=1, nogil=True,
+                    num_threads=n_threads):
+        lo = t * per
+        if lo < n:
+            zero_span(buf + lo, min(per, n - lo))
 
 
 cdef inline float* _f32(arr):
@@ -366,9 +402,9 @@ cdef void encoder_backward_core(float* dwte, float* dwpe, const float* dout, con
     # ow_wte / ow_wpe: zero that whole table first (it is scattered into).
     cdef Py_ssize_t s, c0, c1
     if ow_wte:
-        _zero_core(dwte, wte_rows * C, n_threads)
+        zero_core(dwte, wte_rows * C, n_threads)
     if ow_wpe:
-        _zero_core(dwpe, wpe_rows * C, n_threads)
+        zero_core(dwpe, wpe_rows * C, n_threads)
     cdef Py_ssize_t width = _slice_width(C, n_threads)
     cdef Py_ssize_t n_slices = (C + width - 1) // width
     for s in prange(n_slices, schedule='static', nogil=True, num_threads=n_threads):
@@ -412,9 +448,9 @@ def encoder_backward(dwte, dwpe, dout, ids, *, overwrite=False, n_threads=None):
     cdef Py_ssize_t b = B, t = T, c = C
     with nogil:
         if ow_wte:
-            _zero_core(dwtep, wte_rows * c, zero_nt)
+            zero_core(dwtep, wte_rows * c, zero_nt)
         if ow_wpe:
-            _zero_core(dwpep, wpe_rows * c, zero_nt)
+            zero_core(dwpep, wpe_rows * c, zero_nt)
         encoder_backward_core(dwtep, dwpep, doutp, idp, b, t, c, nt, wte_rows, wpe_rows, False,
                               False)
 

@@ -5,7 +5,6 @@
 cdef void adamw_core(float* params, float* grads, float* m, float* v, Py_ssize_t n,
                      int step, double lr, double beta1, double beta2, double eps,
                      double weight_decay, bint zero_grads, int n_threads) noexcept nogil
-cdef void zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil
 cdef void scale_core(float* buf, float factor, Py_ssize_t n, int n_threads) noexcept nogil
 # Sum of squares accumulated in float64, in a fixed order whatever the thread count;
 # -1 (with a Python MemoryError set) when its scratch cannot be allocated.

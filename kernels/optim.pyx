@@ -13,7 +13,7 @@ from libc.stdlib cimport malloc, free
 import numpy as np
 cimport numpy as cnp
 
-from kernels.layers cimport checked_data, resolve_threads, serial_if_small
+from kernels.layers cimport checked_data, resolve_threads, serial_if_small, zero_core
 
 cnp.import_array()
 
@@ -87,48 +87,6 @@ cdef void adamw_core(float* params, float* grads, float* m, float* v, Py_ssize_t
         adamw_span(params + k * CHUNK, grads + k * CHUNK, m + k * CHUNK, v + k * CHUNK,
                    _span(k, n), decay, w1, <float>beta2, w2, neg_step_size, bc2_sqrt,
                    <float>eps, zero_grads)
-
-
-cdef extern from *:
-    """
-    /* n floats of p set to zero.  A piece of 1 MiB or more is written with stores
-       that bypass the caches (on AVX-512 CPUs), so the old lines are not read
-       first: half the memory traffic.  glibc's memset does that only above a
-       threshold scaled to the last-level cache, which a VM may report as hundreds
-       of MiB (480 on the 2-core Xeon we measure on, where zeroing ran at 18 GB/s). */
-    #if ADT_HAVE_V4
-    #include <immintrin.h>
-    ADT_TARGET_V4 static void zero_streamed(float* p, size_t n) {
-        size_t i = 0;
-        for (; i < n && ((uintptr_t)(p + i) & 63) != 0; i++) p[i] = 0.0f;
-        __m512 z = _mm512_setzero_ps();
-        for (; i + 16 <= n; i += 16) _mm512_stream_ps(p + i, z);
-        for (; i < n; i++) p[i] = 0.0f;
-        _mm_sfence();
-    }
-    #endif
-    static void zero_span(float* p, size_t n) {
-    #if ADT_HAVE_V4
-        if (n >= ((size_t)1 << 18) && adt_cpu_v4()) {
-            zero_streamed(p, n);
-            return;
-        }
-    #endif
-        memset(p, 0, n * sizeof(float));
-    }
-    """
-    void zero_span(float* p, size_t n) nogil
-
-
-cdef void zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil:
-    # One contiguous piece per thread (whole cache lines), zeroed by zero_span.
-    cdef Py_ssize_t per = ((n + n_threads - 1) // n_threads + 15) // 16 * 16
-    cdef Py_ssize_t t, lo
-    for t in prange(n_threads, schedule='static', chunksize=1, nogil=True,
-                    num_threads=n_threads):
-        lo = t * per
-        if lo < n:
-            zero_span(buf + lo, min(per, n - lo))
 
 
 cdef void _scale_span(float* buf, float factor, Py_ssize_t n) noexcept nogil:
