@@ -30,27 +30,13 @@ cdef extern from *:
     """
     /* The skinny kernels (kernels/skinny.h) in eight lanes, as target clones, and
        in sixteen for CPUs with AVX-512; the entry points below pick one. */
-    #define SK_SUFFIX v8
-    #define SK_VT adt_v8
-    #define SK_W 8
-    #define SK_LOAD(p) adt_load(p)
-    #define SK_STORE(p, v) adt_store(p, v)
-    #define SK_HSUM(v) adt_hsum(v)
-    #define SK_ATTR ADT_MULTIVERSION
+    #define ADT_W 8
     #include "skinny.h"
+    #undef ADT_W
     #if ADT_HAVE_V4
-    #include <immintrin.h>   /* skinny_tn's streamed stores in sixteen lanes */
-    #define SK_SUFFIX v16
-    #define SK_VT adt_v16
-    #define SK_W 16
-    #define SK_LOAD(p) adt_load16(p)
-    #define SK_STORE(p, v) adt_store16(p, v)
-    #define SK_HSUM(v) adt_hsum16(v)
-    #define SK_ATTR ADT_TARGET_V4
-    #define SK_IN_REGISTER(v) __asm__("" : "+v"(v))
-    #define SK_STREAM(p, v) _mm512_stream_ps((p), (__m512)(v))
-    #define SK_FENCE() _mm_sfence()
+    #define ADT_W 16
     #include "skinny.h"
+    #undef ADT_W
     static int sk_narrow = 0;     /* set_skinny_lanes(8): the eight-lane kernels anyway */
     #define SK_WIDE (!sk_narrow && adt_cpu_v4())
     static void skinny_set_narrow(int narrow) { sk_narrow = narrow; }
@@ -95,13 +81,8 @@ cdef extern from *:
     static void skinny_nt(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
                           const float* A, ptrdiff_t lda, const float* B, ptrdiff_t ldb,
                           int accumulate, float* C, ptrdiff_t ldc) {
-    #if ADT_HAVE_V4
-        if (SK_WIDE) {
-            skinny_nt_v16(M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc);
-            return;
-        }
-    #endif
-        skinny_nt_v8(M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc);
+        ADT_LANES_CALL(SK_WIDE, skinny_nt, (M, j0, j1, K, alpha, A, lda, B, ldb, accumulate,
+                                            C, ldc));
     }
 
     /* C[i, j] (+)= alpha * sum_p A[i, p] B[p, j]  for i < M, j0 <= j < j1, with the
@@ -115,12 +96,8 @@ cdef extern from *:
         size_t n = (cols * SKINNY_NN_KC + 16) * (size_t)((j1 - j0) / cols + 1);
         float* panel = (float*)aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
         if (panel == NULL) return -1;
-    #if ADT_HAVE_V4
-        if (wide)
-            skinny_nn_v16(M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc, panel);
-        else
-    #endif
-            skinny_nn_v8(M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc, panel);
+        ADT_LANES_CALL(wide, skinny_nn, (M, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C,
+                                         ldc, panel));
         free(panel);
         return 0;
     }
@@ -129,13 +106,8 @@ cdef extern from *:
     static void skinny_tn(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K,
                           float alpha, const float* A, ptrdiff_t lda, const float* B,
                           ptrdiff_t ldb, int accumulate, float* C, ptrdiff_t ldc) {
-    #if ADT_HAVE_V4
-        if (SK_WIDE) {
-            skinny_tn_v16(i0, i1, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc);
-            return;
-        }
-    #endif
-        skinny_tn_v8(i0, i1, j0, j1, K, alpha, A, lda, B, ldb, accumulate, C, ldc);
+        ADT_LANES_CALL(SK_WIDE, skinny_tn, (i0, i1, j0, j1, K, alpha, A, lda, B, ldb,
+                                            accumulate, C, ldc));
     }
     """
     void skinny_nt(Py_ssize_t M, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t K, float alpha,
@@ -262,20 +234,21 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
                  Py_ssize_t ldb, float beta, float* C, Py_ssize_t ldc, const float* bias,
                  bint by_columns, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
     # This block of C: columns lo:hi of every row, or rows lo:hi of every column.
+    # Its rows r0:r1 come from those rows of op(A), its columns c0:c1 from those
+    # columns of op(B).
     cdef Py_ssize_t r0 = 0 if by_columns else lo, r1 = M if by_columns else hi
     cdef Py_ssize_t c0 = lo if by_columns else 0, c1 = hi if by_columns else N
+    cdef const float* A_block = A + r0 * (1 if trans_a else lda)
+    cdef const float* B_block = B + c0 * (ldb if trans_b else 1)
+    cdef float* C_block = C + r0 * ldc + c0
     cdef Py_ssize_t i, j
     cdef float* row
     cdef bint simple_beta = beta == 0.0 or beta == 1.0
     if hi <= lo:
         return
-    if _use_packed(trans_a, trans_b, M, by_columns) and (
-            packed_gemm(trans_a, trans_b, M, hi - lo, K, alpha, A, lda,
-                        B + (lo * ldb if trans_b else lo), ldb, beta, C + lo, ldc) == 0
-            if by_columns else
-            packed_gemm(trans_a, trans_b, hi - lo, N, K, alpha,
-                        A + (lo if trans_a else lo * lda), lda, B, ldb, beta,
-                        C + lo * ldc, ldc) == 0):
+    if _use_packed(trans_a, trans_b, M, by_columns) and packed_gemm(
+            trans_a, trans_b, r1 - r0, c1 - c0, K, alpha, A_block, lda, B_block, ldb, beta,
+            C_block, ldc) == 0:
         pass
     elif trans_a and not trans_b and K <= skinny_tn_limit(_skinny_max_m) and simple_beta:
         # A small-depth transposed product (dW at few tokens).
@@ -286,15 +259,9 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
                                                      beta == 1.0, C, ldc) == 0))):
         if trans_b:
             skinny_nt(M, lo, hi, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
-    elif by_columns:
-        # Columns lo:hi of C come from columns lo:hi of op(B).
-        sgemm_rowmajor(trans_a, trans_b, M, hi - lo, K, alpha, A, lda,
-                       B + (lo * ldb if trans_b else lo), ldb, beta, C + lo, ldc)
     else:
-        # Rows lo:hi of C come from rows lo:hi of op(A).
-        sgemm_rowmajor(trans_a, trans_b, hi - lo, N, K, alpha,
-                       A + (lo if trans_a else lo * lda), lda, B, ldb, beta,
-                       C + lo * ldc, ldc)
+        sgemm_rowmajor(trans_a, trans_b, r1 - r0, c1 - c0, K, alpha, A_block, lda, B_block,
+                       ldb, beta, C_block, ldc)
     if bias != NULL:
         for i in range(r0, r1):
             row = C + i * ldc

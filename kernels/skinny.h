@@ -1,10 +1,7 @@
-/* The skinny products, a template: kernels/gemm.pyx includes this file once per
- * vector width (no include guard, and it undefines these at its end), after defining
- *   SK_SUFFIX  appended to each function's name (v8, v16)
- *   SK_VT      the vector type (adt_v8, adt_v16), SK_W its lanes
- *   SK_LOAD(p), SK_STORE(p, v), SK_HSUM(v)  unaligned load and store, lane sum
- *   SK_ATTR    the functions' target attribute (target_clones for eight lanes,
- *              x86-64-v4 for sixteen)
+/* The skinny products, a template over the vector width (kernels/simd.h): gemm.pyx
+ * includes it once per width with ADT_W defined to 8 or 16 (no include guard; it
+ * undefines its own macros at its end), like layers_lanes.h and the other lane
+ * templates.
  *
  * Products with few rows (M <= SKINNY_MAX_M = 64: a forward, input-gradient or
  * weight-gradient product at small B*T) stream the weight matrix once without
@@ -13,10 +10,7 @@
  * arithmetic (OpenBLAS reached a third of the sgemm peak there); for the weight
  * gradient at beta 0 it also writes C with zeros before the product.
  */
-#define SK_CAT2(a, b) a##_##b
-#define SK_CAT(a, b) SK_CAT2(a, b)
-#define SK_NAME(base) SK_CAT(base, SK_SUFFIX)
-#define SK_COLS (3 * SK_W)
+#define SK_COLS (3 * ADT_W)
 #ifndef SKINNY_NN_KC
 #define SKINNY_NN_KC 128
 #endif
@@ -24,27 +18,30 @@
    the strip, so the strips do not all map to the same L1 sets. */
 #define SK_STRIP (SK_COLS * SKINNY_NN_KC + 16)
 
-/* SK_IN_REGISTER(v), where the instance defines it, keeps v in a register: GCC
-   otherwise folds its load into each of the three FMAs that use it, three loads
-   instead of one (the load ports, not the FMAs, then set the pace). */
-#ifndef SK_IN_REGISTER
-#define SK_IN_REGISTER(v) ((void)0)
-#endif
-/* SK_STREAMS: the instance defines SK_STREAM(p, v), a store of a whole vector to
-   64-byte-aligned p past the caches, and SK_FENCE(), which orders such stores. */
-#ifndef SK_STREAM
-#define SK_STREAMS 0
-#define SK_STREAM(p, v) SK_STORE(p, v)
-#define SK_FENCE() ((void)0)
-#else
+/* In sixteen lanes:
+   SK_IN_REGISTER(v) keeps v in a register: GCC otherwise folds its load into each
+   of the three FMAs that use it, three loads instead of one (the load ports, not
+   the FMAs, then set the pace).
+   SK_STREAM(p, v) stores a whole vector to 64-byte-aligned p past the caches, and
+   SK_FENCE() orders such stores (SK_STREAMS: they exist). */
+#if ADT_W == 16
+#include <immintrin.h>
+#define SK_IN_REGISTER(v) __asm__("" : "+v"(v))
 #define SK_STREAMS 1
+#define SK_STREAM(p, v) _mm512_stream_ps((p), (__m512)(v))
+#define SK_FENCE() _mm_sfence()
+#else
+#define SK_IN_REGISTER(v) ((void)0)
+#define SK_STREAMS 0
+#define SK_STREAM(p, v) ADT_V(store)(p, v)
+#define SK_FENCE() ((void)0)
 #endif
 
 /* The 4 x 3-vector tile of skinny_nn and skinny_tn: twelve accumulators cRV
    (row R, vector V), updated with one scalar per row against b0, b1, b2. */
 #define SK_TILE_ZERO \
-    SK_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0}; \
-    SK_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0}
+    ADT_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0}; \
+    ADT_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0}
 #define SK_TILE_FMA(x0, x1, x2, x3) do { \
     float x_ = (x0); c00 += x_ * b0; c01 += x_ * b1; c02 += x_ * b2; \
     x_ = (x1); c10 += x_ * b0; c11 += x_ * b1; c12 += x_ * b2; \
@@ -52,23 +49,23 @@
     x_ = (x3); c30 += x_ * b0; c31 += x_ * b1; c32 += x_ * b2; } while (0)
 /* C[r, 0:SK_COLS] (+)= alpha * tile row r, for the first mr rows from c. */
 #define SK_TILE_STORE(c, ldc, mr, acc, alpha) do { \
-    SK_VT t_[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}}; \
+    ADT_VT t_[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}}; \
     for (ptrdiff_t r_ = 0; r_ < (mr); r_++) { \
         float* row_ = (c) + r_ * (ldc); \
         for (int v_ = 0; v_ < 3; v_++) \
-            SK_STORE(row_ + SK_W * v_, (acc) ? SK_LOAD(row_ + SK_W * v_) + (alpha) * t_[r_][v_] \
+            ADT_V(store)(row_ + ADT_W * v_, (acc) ? ADT_V(load)(row_ + ADT_W * v_) + (alpha) * t_[r_][v_] \
                                              : (alpha) * t_[r_][v_]); \
     } } while (0)
 
 /* C[i, j] (+)= alpha * sum_p A[i, p] B[j, p]  for i < M, j0 <= j < j1:
-   4 rows of A against 3 rows of B, SK_W lanes along p, a horizontal sum
+   4 rows of A against 3 rows of B, ADT_W lanes along p, a horizontal sum
    per output at the end.  Rows past the edge repeat the last valid row:
    computed, never stored. */
-SK_ATTR
-static void SK_NAME(skinny_nt)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
+ADT_LANES_ATTR
+static void ADT_LANES_FN(skinny_nt)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
                       const float* A, ptrdiff_t lda, const float* B, ptrdiff_t ldb,
                       int accumulate, float* C, ptrdiff_t ldc) {
-    ptrdiff_t K8 = K & ~(ptrdiff_t)(SK_W - 1);
+    ptrdiff_t K8 = K & ~(ptrdiff_t)(ADT_W - 1);
     for (ptrdiff_t j = j0; j < j1; j += 3) {
         ptrdiff_t nr = j1 - j < 3 ? j1 - j : 3;
         const float* b[3] = {B + j * ldb, B + (j + (nr > 1)) * ldb,
@@ -81,30 +78,30 @@ static void SK_NAME(skinny_nt)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_
             /* While the 4-row blocks of A run over these rows of B (from L1),
                fetch the next rows of B, one per block, ahead of the streamer. */
             const float* pf = B + (j + 3 + (i / 4) % 3) * ldb;
-            SK_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
-            SK_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
-            for (ptrdiff_t p = 0; p < K8; p += SK_W) {
+            ADT_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
+            ADT_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+            for (ptrdiff_t p = 0; p < K8; p += ADT_W) {
                 __builtin_prefetch(pf + p);
-                SK_VT b0 = SK_LOAD(b[0] + p), b1 = SK_LOAD(b[1] + p);
-                SK_VT b2 = SK_LOAD(b[2] + p);
-                SK_VT x = SK_LOAD(a[0] + p);
+                ADT_VT b0 = ADT_V(load)(b[0] + p), b1 = ADT_V(load)(b[1] + p);
+                ADT_VT b2 = ADT_V(load)(b[2] + p);
+                ADT_VT x = ADT_V(load)(a[0] + p);
                 SK_IN_REGISTER(x);
                 c00 += x * b0; c01 += x * b1; c02 += x * b2;
-                x = SK_LOAD(a[1] + p);
+                x = ADT_V(load)(a[1] + p);
                 SK_IN_REGISTER(x);
                 c10 += x * b0; c11 += x * b1; c12 += x * b2;
-                x = SK_LOAD(a[2] + p);
+                x = ADT_V(load)(a[2] + p);
                 SK_IN_REGISTER(x);
                 c20 += x * b0; c21 += x * b1; c22 += x * b2;
-                x = SK_LOAD(a[3] + p);
+                x = ADT_V(load)(a[3] + p);
                 SK_IN_REGISTER(x);
                 c30 += x * b0; c31 += x * b1; c32 += x * b2;
             }
             float s[4][3] = {
-                {SK_HSUM(c00), SK_HSUM(c01), SK_HSUM(c02)},
-                {SK_HSUM(c10), SK_HSUM(c11), SK_HSUM(c12)},
-                {SK_HSUM(c20), SK_HSUM(c21), SK_HSUM(c22)},
-                {SK_HSUM(c30), SK_HSUM(c31), SK_HSUM(c32)}};
+                {ADT_V(hsum)(c00), ADT_V(hsum)(c01), ADT_V(hsum)(c02)},
+                {ADT_V(hsum)(c10), ADT_V(hsum)(c11), ADT_V(hsum)(c12)},
+                {ADT_V(hsum)(c20), ADT_V(hsum)(c21), ADT_V(hsum)(c22)},
+                {ADT_V(hsum)(c30), ADT_V(hsum)(c31), ADT_V(hsum)(c32)}};
             for (ptrdiff_t p = K8; p < K; p++)
                 for (int r = 0; r < 4; r++)
                     for (int c = 0; c < 3; c++)
@@ -120,12 +117,12 @@ static void SK_NAME(skinny_nt)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_
 
 
 /* C[i, j] (+)= alpha * sum_p A[i, p] B[p, j]  for i < M, j0 <= j < j1:
-   4 rows of C by SK_COLS = 3 SK_W columns (three vectors) held in registers while p
+   4 rows of C by SK_COLS = 3 ADT_W columns (three vectors) held in registers while p
    runs over a depth block of SKINNY_NN_KC rows of B (12 or 24 KiB of a strip,
    reused from L1 by every row block).  Columns past the last full strip
    take a scalar loop. */
-SK_ATTR
-static void SK_NAME(skinny_nn)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
+ADT_LANES_ATTR
+static void ADT_LANES_FN(skinny_nn)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
                       const float* A, ptrdiff_t lda, const float* B, ptrdiff_t ldb,
                       int accumulate, float* C, ptrdiff_t ldc, float* panel) {
     ptrdiff_t nfull = (j1 - j0) / SK_COLS * SK_COLS, jfull = j0 + nfull;
@@ -140,9 +137,9 @@ static void SK_NAME(skinny_nn)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_
             const float* src = B + (p0 + p) * ldb + j0;
             for (ptrdiff_t s = 0; s < nfull; s += SK_COLS) {
                 float* dst = panel + s / SK_COLS * SK_STRIP + SK_COLS * p;
-                SK_STORE(dst, SK_LOAD(src + s));
-                SK_STORE(dst + SK_W, SK_LOAD(src + s + SK_W));
-                SK_STORE(dst + 2 * SK_W, SK_LOAD(src + s + 2 * SK_W));
+                ADT_V(store)(dst, ADT_V(load)(src + s));
+                ADT_V(store)(dst + ADT_W, ADT_V(load)(src + s + ADT_W));
+                ADT_V(store)(dst + 2 * ADT_W, ADT_V(load)(src + s + 2 * ADT_W));
             }
         }
         for (ptrdiff_t j = j0; j < jfull; j += SK_COLS) {
@@ -164,7 +161,7 @@ static void SK_NAME(skinny_nn)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_
                     __builtin_prefetch(pf);
                     __builtin_prefetch(pf + SK_COLS / 2);
                     __builtin_prefetch(pf + SK_COLS - 1);
-                    SK_VT b0 = SK_LOAD(bp), b1 = SK_LOAD(bp + SK_W), b2 = SK_LOAD(bp + 2 * SK_W);
+                    ADT_VT b0 = ADT_V(load)(bp), b1 = ADT_V(load)(bp + ADT_W), b2 = ADT_V(load)(bp + 2 * ADT_W);
                     /* scalar * vector: gcc broadcasts with one vbroadcastss */
                     SK_TILE_FMA(a0[p], a1[p], a2[p], a3[p]);
                 }
@@ -186,12 +183,12 @@ static void SK_NAME(skinny_nn)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_
    tokens).  Each block of 4 rows of C is written once, 3 vectors wide at a time,
    from 12 accumulators over p; the K rows of B stay in L2, A's 4 columns in L1.
    Rows past the edge repeat the last valid row: computed, never stored. */
-SK_ATTR
-static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff_t j1,
+ADT_LANES_ATTR
+static void ADT_LANES_FN(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff_t j1,
                                ptrdiff_t K, float alpha, const float* A, ptrdiff_t lda,
                                const float* B, ptrdiff_t ldb, int accumulate, float* C,
                                ptrdiff_t ldc) {
-    const ptrdiff_t W = SK_W;
+    const ptrdiff_t W = ADT_W;
     ptrdiff_t j3 = j0 + (j1 - j0) / (3 * W) * (3 * W);
     ptrdiff_t j1v = j0 + (j1 - j0) / W * W;
     for (ptrdiff_t i = i0; i < i1; i += 4) {
@@ -204,7 +201,7 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
             SK_TILE_ZERO;
             const float* bp = B + j;
             for (ptrdiff_t p = 0; p < K; p++, bp += ldb) {
-                SK_VT b0 = SK_LOAD(bp), b1 = SK_LOAD(bp + W), b2 = SK_LOAD(bp + 2 * W);
+                ADT_VT b0 = ADT_V(load)(bp), b1 = ADT_V(load)(bp + W), b2 = ADT_V(load)(bp + 2 * W);
                 ptrdiff_t o = p * lda;
                 SK_TILE_FMA(a0[o], a1[o], a2[o], a3[o]);
             }
@@ -214,7 +211,7 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
                 /* A weight gradient written afresh is far larger than the caches and
                    next read by the optimizer: streamed past them, it costs no read
                    of the old lines first (a third of its traffic). */
-                SK_VT t_[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22},
+                ADT_VT t_[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22},
                                   {c30, c31, c32}};
                 for (ptrdiff_t r = 0; r < mr; r++) {
                     float* row = C + (i + r) * ldc + j;
@@ -222,23 +219,23 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
                         if (((uintptr_t)(row + W * v) & 63) == 0)
                             SK_STREAM(row + W * v, alpha * t_[r][v]);
                         else
-                            SK_STORE(row + W * v, alpha * t_[r][v]);
+                            ADT_V(store)(row + W * v, alpha * t_[r][v]);
                     }
                 }
             }
         }
         for (ptrdiff_t j = j3; j < j1v; j += W) {
-            SK_VT c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+            ADT_VT c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
             const float* bp = B + j;
             for (ptrdiff_t p = 0; p < K; p++, bp += ldb) {
-                SK_VT b0 = SK_LOAD(bp);
+                ADT_VT b0 = ADT_V(load)(bp);
                 ptrdiff_t o = p * lda;
                 c0 += a0[o] * b0; c1 += a1[o] * b0; c2 += a2[o] * b0; c3 += a3[o] * b0;
             }
-            SK_VT t[4] = {c0, c1, c2, c3};
+            ADT_VT t[4] = {c0, c1, c2, c3};
             for (ptrdiff_t r = 0; r < mr; r++) {
                 float* row = C + (i + r) * ldc + j;
-                SK_STORE(row, accumulate ? SK_LOAD(row) + alpha * t[r] : alpha * t[r]);
+                ADT_V(store)(row, accumulate ? ADT_V(load)(row) + alpha * t[r] : alpha * t[r]);
             }
         }
         for (ptrdiff_t r = 0; r < mr; r++) {
@@ -253,21 +250,11 @@ static void SK_NAME(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff
     if (!accumulate && SK_STREAMS) SK_FENCE();   /* the streamed stores, before anyone reads */
 }
 
-#undef SK_CAT2
-#undef SK_CAT
-#undef SK_NAME
 #undef SK_COLS
 #undef SK_STRIP
 #undef SK_TILE_ZERO
 #undef SK_TILE_FMA
 #undef SK_TILE_STORE
-#undef SK_SUFFIX
-#undef SK_VT
-#undef SK_W
-#undef SK_LOAD
-#undef SK_STORE
-#undef SK_HSUM
-#undef SK_ATTR
 #undef SK_IN_REGISTER
 #undef SK_STREAMS
 #undef SK_STREAM
