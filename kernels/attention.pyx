@@ -43,12 +43,12 @@ from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
 
 from kernels._openmp cimport omp_get_thread_num_safe
-from kernels.layers cimport lanes_wide
+from kernels.layers cimport lanes_wide, resolve_threads
 
 import numpy as np
 
 from kernels.layers import overwrite_flags
-from kernels.matmul import check_array, resolve_threads
+from kernels.matmul import check_array
 from kernels.optim import zero_grad
 
 cnp.import_array()

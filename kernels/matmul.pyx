@@ -15,10 +15,10 @@ from cython cimport floating
 from cython.parallel cimport prange
 
 from kernels.gemm cimport gemm
+from kernels.layers cimport resolve_threads
 
 import numpy as np
 
-from kernels import threads
 from kernels.layers import overwrite_flags
 
 cnp.import_array()
@@ -97,19 +97,6 @@ def check_array(arr, name, shape, dtypes=(np.float32,), writable=False):
         raise ValueError(f"{name} is an output and must be writable")
     if tuple(arr.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
-
-
-def resolve_threads(n_threads):
-    """The thread count a kernel uses: ``n_threads`` or the policy's default."""
-    # Resolving the policy also sets BLAS to one thread inside ours: an explicit
-    # count on the first call must not leave BLAS's own pool running (2 x 2
-    # threads on 2 cores made a 16-row product 20 times slower).
-    default = threads.get_num_threads()
-    if n_threads is None:
-        return default
-    if not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1:
-        raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
-    return n_threads
 
 
 def _matmul_shapes(inp, weight):

@@ -140,11 +140,11 @@ def test_explicit_thread_count_still_keeps_blas_single_threaded():
         "{call}\n"
         "blas = [d for d in threadpool_info() if d['user_api'] == 'blas']\n"
         "assert blas and all(d['num_threads'] == 1 for d in blas), blas\n")
+    import kernels
+    root = str(pathlib.Path(kernels.__file__).resolve().parent.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=root)
     for call in ("matmul.matmul_forward(out, a, w, None, n_threads=2)",
                  "gemm.gemm_rowmajor(out, a, w, trans_b=True, n_threads=2)"):
-        import kernels
-        root = str(pathlib.Path(kernels.__file__).resolve().parent.parent)
-        env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=root)
         run = subprocess.run([sys.executable, "-c", code.format(call=call)],
                              capture_output=True, text=True, env=env, cwd=os.path.dirname(root))
         assert run.returncode == 0, run.stderr
