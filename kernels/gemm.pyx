@@ -12,9 +12,9 @@ cimport numpy as cnp
 from cython.parallel cimport prange
 from scipy.linalg.cython_blas cimport sgemm
 
-import numpy as np
+from kernels.layers cimport resolve_threads
 
-from kernels.threads import get_num_threads
+import numpy as np
 
 cnp.import_array()
 
@@ -319,9 +319,7 @@ def gemm_rowmajor(c, a, b, bias=None, *, bint trans_a=False, bint trans_b=False,
             raise ValueError(f"gemm_rowmajor: bias must be a contiguous float32 array of "
                              f"shape {(N,)}")
         bias_p = <const float*>cnp.PyArray_DATA(bias)
-    cdef int nt = get_num_threads()      # also sets BLAS to one thread inside ours
-    if n_threads is not None:
-        nt = n_threads
+    cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t m = M, n = N, k = K, lda = a.shape[1], ldb = b.shape[1], ldc = N
     cdef const float* ap = <const float*>cnp.PyArray_DATA(a)
     cdef const float* bp = <const float*>cnp.PyArray_DATA(b)
