@@ -37,30 +37,6 @@
 #define SG_MC 96
 #define SG_NC 1024
 
-/* Pack op(A)[i0:i0+mc, k0:k0+kc] (times alpha) as panels of SG_MR rows: for each
-   depth the panel's SG_MR values; rows past mc are zero. */
-ADT_TARGET_V4
-static void sg_pack_a(ptrdiff_t mc, ptrdiff_t kc, float alpha, const float* A, ptrdiff_t a_rs,
-                      ptrdiff_t a_cs, float* restrict pa) {
-    for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
-        ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
-        const float* a = A + i * a_rs;
-        if (a_cs == 1) {
-            /* rows contiguous along the depth: read each row in turn */
-            for (ptrdiff_t r = 0; r < mr; r++) {
-                const float* ar = a + r * a_rs;
-                for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = alpha * ar[k];
-            }
-        } else {
-            for (ptrdiff_t k = 0; k < kc; k++)
-                for (ptrdiff_t r = 0; r < mr; r++) pa[k * SG_MR + r] = alpha * a[k * a_cs + r * a_rs];
-        }
-        for (ptrdiff_t r = mr; r < SG_MR; r++)
-            for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = 0.0f;
-        pa += kc * SG_MR;
-    }
-}
-
 /* v[0..16) <- its transpose (v[r][l] becomes v[l][r]): four rounds that swap the
    off-diagonal blocks of 8, 4, 2 and 1 lanes between rows r and r + d. */
 #define SG_SWAP(d, LO, HI) \
@@ -97,6 +73,65 @@ ADT_TARGET_V4 static inline __attribute__((always_inline)) void sg_transpose16(a
 #undef SG_HI2
 #undef SG_LO1
 #undef SG_HI1
+
+/* Pack op(A)[i0:i0+mc, k0:k0+kc] (times alpha) as panels of SG_MR rows: for each
+   depth the panel's SG_MR values; rows past mc are zero. */
+ADT_TARGET_V4
+static void sg_pack_a(ptrdiff_t mc, ptrdiff_t kc, float alpha, const float* A, ptrdiff_t a_rs,
+                      ptrdiff_t a_cs, float* restrict pa) {
+    for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
+        ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
+        const float* a = A + i * a_rs;
+        if (a_cs == 1 && mc - i >= 2 * SG_MR) {
+            /* two panels' rows contiguous along the depth: 16 rows by 16 depths at a
+               time, transposed in registers, the low half of each depth to the first
+               panel and the high half to the second */
+            float* pa2 = pa + kc * SG_MR;
+            adt_v16 va = adt_splat16(alpha);
+            ptrdiff_t k = 0;
+            for (; k + 16 <= kc; k += 16) {
+                adt_v16 v[16];
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; r++) v[r] = adt_load16(a + r * a_rs + k);
+                sg_transpose16(v);
+#pragma GCC unroll 16
+                for (int t = 0; t < 16; t++) {
+                    adt_v16 x = alpha == 1.0f ? v[t] : va * v[t];
+                    adt_store(pa + (k + t) * SG_MR, __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+                    adt_store(pa2 + (k + t) * SG_MR, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+                }
+            }
+            for (; k < kc; k++)
+                for (int r = 0; r < 2 * SG_MR; r++)
+                    (r < SG_MR ? pa : pa2 - SG_MR)[k * SG_MR + r] = alpha * a[r * a_rs + k];
+            pa += 2 * kc * SG_MR;
+            i += SG_MR;
+            continue;
+        }
+        if (a_rs == 1 && mr == SG_MR) {
+            /* a transposed A: each depth's SG_MR rows are contiguous */
+            for (ptrdiff_t k = 0; k < kc; k++)
+#pragma GCC unroll 8
+                for (int r = 0; r < SG_MR; r++) pa[k * SG_MR + r] = alpha * a[k * a_cs + r];
+            pa += kc * SG_MR;
+            continue;
+        }
+        if (a_cs == 1) {
+            /* rows contiguous along the depth: read each row in turn */
+            for (ptrdiff_t r = 0; r < mr; r++) {
+                const float* ar = a + r * a_rs;
+                for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = alpha * ar[k];
+            }
+        } else {
+            for (ptrdiff_t k = 0; k < kc; k++)
+                for (ptrdiff_t r = 0; r < mr; r++) pa[k * SG_MR + r] = alpha * a[k * a_cs + r * a_rs];
+        }
+        for (ptrdiff_t r = mr; r < SG_MR; r++)
+            for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = 0.0f;
+        pa += kc * SG_MR;
+    }
+}
+
 
 /* Pack op(B)[k0:k0+kc, 0:n] as panels of SG_NR columns: for each depth the panel's
    SG_NR values; columns past n are zero. */
