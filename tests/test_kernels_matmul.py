@@ -287,7 +287,7 @@ def _check_gpt2_shapes_against_torch():
 # GEMM (kernels/sgemm.h) instead of BLAS; set_packed_gemm(2) routes every product
 # there.  Checked against float64 on sizes that cross each blocking edge: rows past
 # a multiple of the 12-row tile and of the 96-row block, columns past the 32-column
-# panel and the 1024-column block of each thread, depths past the 256-deep block.
+# panel and the 512-column block of each thread, depths past the 256-deep block.
 
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
 @pytest.mark.parametrize("M,N,K", [(65, 33, 1), (97, 31, 385), (130, 1, 200), (200, 2100, 70),
@@ -329,8 +329,8 @@ def test_packed_gemm_setting():
 
 
 def test_packed_gemm_buffers_are_freed_with_their_threads():
-    # Each thread packs into a 1.1 MiB buffer of its own, freed when the thread exits:
-    # 120 short-lived threads must not leave 130 MiB behind.
+    # Each thread packs into a 0.6 MiB buffer of its own, freed when the thread exits:
+    # 120 short-lived threads must not leave 70 MiB behind.
     import threading
 
     import psutil
