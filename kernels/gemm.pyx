@@ -167,13 +167,13 @@ def set_skinny_lanes(int lanes):
 # faster, 2 all (for tests).  Measured on a 2-core Xeon with AVX-512 against
 # OpenBLAS 0.3.30 (SciPy's, SkylakeX kernels) and the skinny kernels, GPT-2 124M shapes,
 # interleaved runs: it wins on the input gradient dout @ W (no transposition) from
-# 16 to 1024 rows, split by columns, e.g. across 12 layers' weights from memory
+# 16 to 512 rows, split by columns, e.g. across 12 layers' weights from memory
 # 9.5 vs 10.4 ms (skinny) and 21 ms (BLAS) at 24 x 2304 x 768, 17 vs 21 ms (skinny)
 # for the lm_head's at 24 rows, 43 vs 58 ms (BLAS) at 256 x 2304 x 768, 82 vs 94
-# at 512 rows, 76 vs 96 ms for the lm_head's at 256 rows; at 1024 rows 6% less
-# time than BLAS over the four layer products.  The skinny kernel stays faster at
-# 8 rows, BLAS at 8192 rows (289-304 against 223-259 GFLOP/s) and on the
-# weight-gradient products.
+# at 512 rows, 76 vs 96 ms for the lm_head's at 256 rows.  At 1024 rows it is a
+# tie (a GPT-2 step at B=4, T=256: 3189 vs 3163 ms with BLAS); the skinny kernel
+# stays faster at 8 rows, BLAS at 8192 rows (289-304 against 223-259 GFLOP/s) and
+# on the weight-gradient products.
 # The forward x @ W^T too, from 25 to 128 rows, once its transposed weight is packed
 # 16 x 16 at a time through registers: across 12 layers' weights from memory, 10.6
 # vs 11.5 ms (skinny) at 32 x 2304 x 768, 16.5 vs 20.8 ms (BLAS) at 64 rows, 7.7 vs
@@ -181,7 +181,7 @@ def set_skinny_lanes(int lanes):
 cdef int _packed_mode = 1
 cdef enum:
     PACKED_NN_MIN_M = 16
-    PACKED_NN_MAX_M = 1024
+    PACKED_NN_MAX_M = 512
     PACKED_NT_MIN_M = 25
     PACKED_NT_MAX_M = 128
 
