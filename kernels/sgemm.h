@@ -108,14 +108,6 @@ static void sg_pack_a(ptrdiff_t mc, ptrdiff_t kc, float alpha, const float* A, p
             i += SG_MR;
             continue;
         }
-        if (a_rs == 1 && mr == SG_MR) {
-            /* a transposed A: each depth's SG_MR rows are contiguous */
-            for (ptrdiff_t k = 0; k < kc; k++)
-#pragma GCC unroll 8
-                for (int r = 0; r < SG_MR; r++) pa[k * SG_MR + r] = alpha * a[k * a_cs + r];
-            pa += kc * SG_MR;
-            continue;
-        }
         if (a_cs == 1) {
             /* rows contiguous along the depth: read each row in turn */
             for (ptrdiff_t r = 0; r < mr; r++) {
