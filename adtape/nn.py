@@ -18,6 +18,7 @@ from kernels import layers as _layers
 from kernels import loss as _loss
 from kernels import matmul as _matmul
 
+from adtape import buffers as _buffers
 from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp, defvjp_accumulate
 
 __all__ = ["encoder", "layernorm", "gelu", "residual", "linear", "attention",
@@ -53,14 +54,14 @@ def _contiguous(g):
 def _or_scratch(dest, fresh, like):
     # A kernel that always writes every gradient gets a throwaway buffer for unneeded
     # ones, which it overwrites: -> (buffer, overwrite flag).
-    return (dest, fresh) if dest is not None else (np.empty_like(like), True)
+    return (dest, fresh) if dest is not None else (_buffers.empty_like(like), True)
 
 
 def encoder(ids, wte, wpe):
     """Token plus position embeddings: ``wte[ids] + wpe[:T]``; ids (B,T) int32."""
     ids = np.asarray(ids)
     wte_d, wpe_d = _data(wte), _data(wpe)
-    out = np.empty(ids.shape + (wte_d.shape[-1],), np.float32)
+    out = _buffers.empty(ids.shape + (wte_d.shape[-1],))
     _layers.encoder_forward(out, ids, wte_d, wpe_d)
     if _needs_grad(wte, wpe):
         return _record(ENCODER, out, (None, wte, wpe), (ids, wte, wpe), None)
@@ -76,9 +77,9 @@ def _encoder_bwd(g, dests, fresh, ids, wte, wpe):
 def layernorm(x, weight, bias):
     """Layer normalisation over the last axis (eps 1e-5)."""
     xd = np.ascontiguousarray(_data(x))
-    out = np.empty_like(xd)
-    mean = np.empty(xd.shape[:-1], np.float32)
-    rstd = np.empty(xd.shape[:-1], np.float32)
+    out = _buffers.empty_like(xd)
+    mean = _buffers.empty(xd.shape[:-1])
+    rstd = _buffers.empty(xd.shape[:-1])
     _layers.layernorm_forward(out, mean, rstd, xd, _data(weight), _data(bias))
     if _needs_grad(x, weight, bias):
         return _record(LAYERNORM, out, (x, weight, bias),
@@ -97,7 +98,7 @@ def _layernorm_bwd(g, dests, fresh, x, weight, mean, rstd):
 def gelu(x):
     """GELU, tanh approximation."""
     xd = np.ascontiguousarray(_data(x))
-    out = np.empty_like(xd)
+    out = _buffers.empty_like(xd)
     _layers.gelu_forward(out, xd)
     if _needs_grad(x):
         return _record(GELU, out, (x,), (x if xd is _data(x) else xd,), None)
@@ -112,7 +113,7 @@ def residual(x, y):
     """``x + y`` for the residual stream (same shapes)."""
     xd = np.ascontiguousarray(_data(x))
     yd = np.ascontiguousarray(_data(y))
-    out = np.empty_like(xd)
+    out = _buffers.empty_like(xd)
     _layers.residual_forward(out, xd, yd)
     if _needs_grad(x, y):
         return _record(RESIDUAL, out, (x, y), (), None)
@@ -137,7 +138,7 @@ def linear(x, weight, bias=None):
     """``x @ weight.T + bias``; x (N,C) or (B,T,C), weight (OC,C), bias (OC,) or None."""
     xd = np.ascontiguousarray(_data(x))
     wd = _data(weight)
-    out = np.empty(xd.shape[:-1] + (wd.shape[0],), np.float32)
+    out = _buffers.empty(xd.shape[:-1] + (wd.shape[0],))
     _matmul.matmul_forward(out, xd, wd, None if bias is None else _data(bias))
     if _needs_grad(x, weight, bias):
         return _record(LINEAR, out, (x, weight, bias),
@@ -157,8 +158,8 @@ def attention(qkv, n_head):
     if qd.ndim != 3 or qd.shape[2] % 3:
         raise ValueError(f"attention: qkv must have shape (B, T, 3C), got {qd.shape}")
     B, T, C3 = qd.shape
-    out = np.empty((B, T, C3 // 3), np.float32)
-    att = np.empty((B, n_head, T, T), np.float32)
+    out = _buffers.empty((B, T, C3 // 3))
+    att = _buffers.empty((B, n_head, T, T))
     _attention.attention_forward(out, att, qd, n_head)
     if _needs_grad(qkv):
         return _record(ATTENTION, out, (qkv,), (qkv if qd is _data(qkv) else qd, att, n_head),
@@ -181,8 +182,8 @@ def softmax_cross_entropy(logits, targets, V=None):
     targets = np.asarray(targets)
     if V is None:
         V = ld.shape[-1]
-    losses = np.empty(ld.shape[:-1], np.float32)
-    lse = np.empty(ld.shape[:-1], np.float32)
+    losses = _buffers.empty(ld.shape[:-1])
+    lse = _buffers.empty(ld.shape[:-1])
     _loss.softmax_crossentropy_forward(losses, lse, ld, targets, V)
     if _needs_grad(logits):
         # The logits are saved as a plain array: the rule overwrites the popped copy
@@ -194,7 +195,7 @@ def softmax_cross_entropy(logits, targets, V=None):
 
 
 def _softmax_cross_entropy_vjp(g, logits, lse, targets, V):
-    dlogits = logits if logits.flags.writeable else np.empty_like(logits)
+    dlogits = logits if logits.flags.writeable else _buffers.empty_like(logits)
     _loss.softmax_crossentropy_backward(dlogits, _contiguous(g), logits, lse, targets, V,
                                         overwrite=True)
     return dlogits

@@ -20,6 +20,7 @@ import weakref
 
 import numpy as np
 
+from adtape import buffers as _buffers
 from adtape._tape import Tape, TapeClosedError
 
 __all__ = ["Tensor", "OpTape", "Primitive", "primitive", "defvjp", "defvjp_accumulate",
@@ -755,7 +756,7 @@ def _dest(grads, owned, leaves, ref, shape, dtype):
     if ref >= 0:
         cur = grads[ref]
         if cur is None:
-            cur = np.zeros(shape, dtype)
+            cur = _buffers.zeros(shape, dtype)
         elif not owned[ref]:
             cur = np.array(cur, dtype=dtype, copy=True)
         else:
@@ -765,7 +766,7 @@ def _dest(grads, owned, leaves, ref, shape, dtype):
         return cur
     leaf = leaves[~ref]
     if leaf.grad is None:
-        leaf.grad = np.zeros(leaf.data.shape, leaf.data.dtype)
+        leaf.grad = _buffers.zeros(leaf.data.shape, leaf.data.dtype)
     elif _deferred_zero and _take_deferred(leaf):
         leaf.grad[...] = 0
     return leaf.grad
@@ -777,7 +778,7 @@ def _dest_fresh(grads, owned, leaves, ref, shape, dtype):
     if ref >= 0:
         cur = grads[ref]
         if cur is None:
-            cur = np.empty(shape, dtype)
+            cur = _buffers.empty(shape, dtype)
             grads[ref] = cur
             owned[ref] = 1
             return cur, True
@@ -788,7 +789,7 @@ def _dest_fresh(grads, owned, leaves, ref, shape, dtype):
         return cur, False
     leaf = leaves[~ref]
     if leaf.grad is None:
-        leaf.grad = np.empty(leaf.data.shape, leaf.data.dtype)
+        leaf.grad = _buffers.empty(leaf.data.shape, leaf.data.dtype)
         return leaf.grad, True
     if _deferred_zero and _take_deferred(leaf):
         return leaf.grad, True

@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from adtape import buffers
 from gpt2.config import GPT2Config
 from gpt2.params import ParamArena, init_gpt2_
 from kernels import attention, layers, loss as loss_kernels, matmul, optim, threads
@@ -54,13 +55,15 @@ class ActivationArena:
         }
         self.B, self.T = B, T
         sizes = {**shapes, **grad_shapes}
-        total = sum(math.prod(s) for s in sizes.values())
-        self.flat = np.empty(total, dtype=np.float32)
+        # Every buffer starts on a cache line (a multiple of 16 floats from the
+        # arena's aligned start).
+        padded = {name: -(-math.prod(s) // 16) * 16 for name, s in sizes.items()}
+        self.flat = buffers.empty(sum(padded.values()))
         start = 0
         for name, shape in sizes.items():
             n = math.prod(shape)
             setattr(self, name, self.flat[start:start + n].reshape(shape))
-            start += n
+            start += padded[name]
 
 
 class GPT2:

@@ -3,6 +3,7 @@ import math
 
 import numpy as np
 
+from adtape import buffers
 from gpt2.config import GPT2Config
 
 PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
@@ -63,7 +64,7 @@ class ParamArena:
         _check_config(config)
         n = num_parameters(config)
         if flat is None:
-            flat = np.zeros(n, dtype=np.float32)
+            flat = buffers.zeros(n)
         else:
             if not isinstance(flat, np.ndarray):
                 raise TypeError(f"ParamArena flat must be a numpy array, got {type(flat).__name__}")

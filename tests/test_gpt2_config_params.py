@@ -66,10 +66,11 @@ def test_arena_is_one_allocation_with_contiguous_views():
     c = GPT2Config(n_layer=3, n_head=2, n_embd=8, vocab_size=130, block_size=5)
     arena = ParamArena(c)
     assert arena.flat.dtype == np.float32 and arena.flat.size == num_parameters(c)
+    assert arena.flat.ctypes.data % 64 == 0          # on a cache line, for the kernels
     offset = 0
     for name, shape in param_shapes(c).items():
         view = arena.views[name]
-        assert view.shape == shape and view.base is arena.flat
+        assert view.shape == shape and np.shares_memory(view, arena.flat)
         assert view.__array_interface__["data"][0] == arena.flat.ctypes.data + 4 * offset
         offset += view.size
         assert getattr(arena, name) is view
