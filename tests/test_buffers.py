@@ -44,3 +44,12 @@ def test_activation_buffers_all_start_on_a_cache_line():
     spans = sorted((getattr(acts, n).ctypes.data, getattr(acts, n).nbytes) for n in names)
     for (a0, n0), (a1, _) in zip(spans, spans[1:]):
         assert a0 + n0 <= a1
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="negative dimensions"):
+        buffers.empty((3, -2))
+    with pytest.raises(TypeError):
+        buffers.empty((3, "a"))
+    with pytest.raises(TypeError):
+        buffers.empty(4, "not a dtype")

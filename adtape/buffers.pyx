@@ -10,36 +10,44 @@ written afresh from 16 tokens: 8.7 ms at NumPy's alignment, 3.5 ms at 64 bytes.
 which the view keeps alive); everything else about them is an ordinary C-contiguous
 ndarray.
 """
-import math
+cimport numpy as cnp
 
 import numpy as np
+
+cnp.import_array()
 
 ALIGN = 64
 
 
-def empty(shape, dtype=np.float32):
+cpdef cnp.ndarray empty(shape, dtype=np.float32):
     """An uninitialised C-contiguous array of ``shape`` whose data is 64-byte aligned."""
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    cdef cnp.dtype dt = np.dtype(dtype)
+    cdef cnp.ndarray raw
+    cdef Py_ssize_t nbytes = dt.itemsize, start
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    for d in shape:
+        nbytes *= d
+    if nbytes < 0:
+        raise ValueError(f"negative dimensions are not allowed, got shape {tuple(shape)}")
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -<Py_ssize_t>cnp.PyArray_DATA(raw) & 63
+    return raw[start:start + nbytes].view(dt).reshape(shape)
 
 
 def zeros(shape, dtype=np.float32):
     """Like ``empty``, filled with zeros."""
-    out = empty(shape, dtype)
+    cdef cnp.ndarray out = empty(shape, dtype)
     out.fill(0)
     return out
 
 
-def empty_like(a):
+def empty_like(cnp.ndarray a):
     """``empty(a.shape, a.dtype)``."""
-    return empty(a.shape, a.dtype)
+    return empty((<object>a).shape, a.dtype)
 
 
-def is_aligned(a):
+def is_aligned(cnp.ndarray a):
     """Whether ``a``'s data starts on a 64-byte boundary (an empty array has no data
     and counts as aligned)."""
-    return a.size == 0 or a.ctypes.data % ALIGN == 0
+    return a.size == 0 or (<Py_ssize_t>cnp.PyArray_DATA(a) & 63) == 0
