@@ -58,53 +58,59 @@
     } } while (0)
 
 /* C[i, j] (+)= alpha * sum_p A[i, p] B[j, p]  for i < M, j0 <= j < j1:
-   4 rows of A against 3 rows of B, ADT_W lanes along p, a horizontal sum
+   4 rows of A against SK_NT_NR rows of B, ADT_W lanes along p, a horizontal sum
    per output at the end.  Rows past the edge repeat the last valid row:
-   computed, never stored. */
+   computed, never stored.  Sixteen lanes take 6 rows of B (24 accumulators of
+   32 registers; eight lanes have 16 registers and take 3): each pass over the
+   rows of A (48 KiB at 16 rows and K = 768, more than L1) then serves twice as
+   many outputs.  Measured on a 2-core Xeon, 12 weights from memory at 16 x 2304
+   x 768: 144 -> 174 GFLOP/s against 4 x 3. */
+#if ADT_W == 16
+#define SK_NT_NR 6
+#else
+#define SK_NT_NR 3
+#endif
 ADT_LANES_ATTR
 static void ADT_LANES_FN(skinny_nt)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K, float alpha,
                       const float* A, ptrdiff_t lda, const float* B, ptrdiff_t ldb,
                       int accumulate, float* C, ptrdiff_t ldc) {
+    const int NR = SK_NT_NR;
     ptrdiff_t K8 = K & ~(ptrdiff_t)(ADT_W - 1);
-    for (ptrdiff_t j = j0; j < j1; j += 3) {
-        ptrdiff_t nr = j1 - j < 3 ? j1 - j : 3;
-        const float* b[3] = {B + j * ldb, B + (j + (nr > 1)) * ldb,
-                             B + (j + (nr > 2 ? 2 : nr - 1)) * ldb};
+    for (ptrdiff_t j = j0; j < j1; j += NR) {
+        ptrdiff_t nr = j1 - j < NR ? j1 - j : NR;
+        const float* b[SK_NT_NR];
+        for (int c = 0; c < NR; c++) b[c] = B + (j + (c < nr ? c : nr - 1)) * ldb;
         for (ptrdiff_t i = 0; i < M; i += 4) {
             ptrdiff_t mr = M - i < 4 ? M - i : 4;
             const float* a[4] = {A + i * lda, A + (i + (mr > 1)) * lda,
                                  A + (i + (mr > 2 ? 2 : mr - 1)) * lda,
                                  A + (i + (mr > 3 ? 3 : mr - 1)) * lda};
-            /* While the 4-row blocks of A run over these rows of B (from L1),
-               fetch the next rows of B, one per block, ahead of the streamer. */
-            const float* pf = B + (j + 3 + (i / 4) % 3) * ldb;
-            ADT_VT c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
-            ADT_VT c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+            /* While the 4-row blocks of A run over these rows of B (from L1), fetch
+               the next rows of B into L2, two per block, ahead of the streamer. */
+            ptrdiff_t next = j + NR, q = (2 * (i / 4)) % NR;
+            const float* pf0 = next + q + 1 < j1 ? B + (next + q) * ldb : b[0];
+            const float* pf1 = next + q + 1 < j1 ? B + (next + q + 1) * ldb : b[0];
+            ADT_VT acc[4][SK_NT_NR];
+            for (int r = 0; r < 4; r++)
+                for (int c = 0; c < NR; c++) acc[r][c] = (ADT_VT){0};
             for (ptrdiff_t p = 0; p < K8; p += ADT_W) {
-                __builtin_prefetch(pf + p);
-                ADT_VT b0 = ADT_V(load)(b[0] + p), b1 = ADT_V(load)(b[1] + p);
-                ADT_VT b2 = ADT_V(load)(b[2] + p);
-                ADT_VT x = ADT_V(load)(a[0] + p);
-                SK_IN_REGISTER(x);
-                c00 += x * b0; c01 += x * b1; c02 += x * b2;
-                x = ADT_V(load)(a[1] + p);
-                SK_IN_REGISTER(x);
-                c10 += x * b0; c11 += x * b1; c12 += x * b2;
-                x = ADT_V(load)(a[2] + p);
-                SK_IN_REGISTER(x);
-                c20 += x * b0; c21 += x * b1; c22 += x * b2;
-                x = ADT_V(load)(a[3] + p);
-                SK_IN_REGISTER(x);
-                c30 += x * b0; c31 += x * b1; c32 += x * b2;
+                __builtin_prefetch(pf0 + p, 0, 2);
+                __builtin_prefetch(pf1 + p, 0, 2);
+                ADT_VT x0 = ADT_V(load)(a[0] + p), x1 = ADT_V(load)(a[1] + p);
+                ADT_VT x2 = ADT_V(load)(a[2] + p), x3 = ADT_V(load)(a[3] + p);
+                SK_IN_REGISTER(x0); SK_IN_REGISTER(x1); SK_IN_REGISTER(x2); SK_IN_REGISTER(x3);
+                for (int c = 0; c < NR; c++) {
+                    ADT_VT y = ADT_V(load)(b[c] + p);
+                    acc[0][c] += x0 * y; acc[1][c] += x1 * y;
+                    acc[2][c] += x2 * y; acc[3][c] += x3 * y;
+                }
             }
-            float s[4][3] = {
-                {ADT_V(hsum)(c00), ADT_V(hsum)(c01), ADT_V(hsum)(c02)},
-                {ADT_V(hsum)(c10), ADT_V(hsum)(c11), ADT_V(hsum)(c12)},
-                {ADT_V(hsum)(c20), ADT_V(hsum)(c21), ADT_V(hsum)(c22)},
-                {ADT_V(hsum)(c30), ADT_V(hsum)(c31), ADT_V(hsum)(c32)}};
+            float s[4][SK_NT_NR];
+            for (int r = 0; r < 4; r++)
+                for (int c = 0; c < NR; c++) s[r][c] = ADT_V(hsum)(acc[r][c]);
             for (ptrdiff_t p = K8; p < K; p++)
                 for (int r = 0; r < 4; r++)
-                    for (int c = 0; c < 3; c++)
+                    for (int c = 0; c < NR; c++)
                         s[r][c] += a[r][p] * b[c][p];
             for (ptrdiff_t r = 0; r < mr; r++) {
                 float* row = C + (i + r) * ldc + j;
@@ -251,6 +257,7 @@ static void ADT_LANES_FN(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, pt
 }
 
 #undef SK_COLS
+#undef SK_NT_NR
 #undef SK_STRIP
 #undef SK_TILE_ZERO
 #undef SK_TILE_FMA
