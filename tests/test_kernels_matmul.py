@@ -246,6 +246,33 @@ def test_skinny_gemm_matches_blas(M, layout, lanes):
         gemm.set_skinny_lanes(old_lanes)
 
 
+@pytest.mark.parametrize("lanes", _skinny_lanes())
+@pytest.mark.parametrize("M", [1, 3, 4, 7, 16, 33, 64])
+def test_depth_split_gemm_matches_float64(M, lanes):
+    # Few rows, no transposed operand, deep enough: the threads split the depth
+    # (skinny_nn_depth) and add up their shares.  Columns across the full tiles, the
+    # one-vector tail and the scalar tail; depths across the 64-row blocks.
+    from kernels import gemm
+    rng = np.random.default_rng(M + lanes)
+    old_lanes = gemm.set_skinny_lanes(lanes)
+    try:
+        for N, K in ((1, 256), (17, 300), (131, 257), (200, 700), (777, 1000)):
+            a = rng.standard_normal((M, K)).astype(np.float32)
+            b = rng.standard_normal((K, N)).astype(np.float32)
+            c0 = rng.standard_normal((M, N)).astype(np.float32)
+            bias = rng.standard_normal(N).astype(np.float32)
+            for alpha, beta, with_bias in ((1.0, 0.0, False), (1.0, 1.0, True), (-0.5, 2.0, True)):
+                for n_threads in (2, 3):
+                    got = gemm.gemm_rowmajor(c0.copy(), a, b, bias if with_bias else None,
+                                             alpha=alpha, beta=beta, n_threads=n_threads)
+                    want = alpha * (a.astype(np.float64) @ b) + beta * c0
+                    if with_bias:
+                        want = want + bias
+                    assert rel_err(got, want) < 1e-5, (N, K, alpha, beta, n_threads)
+    finally:
+        gemm.set_skinny_lanes(old_lanes)
+
+
 def test_skinny_lanes_setting():
     from kernels import gemm
     with pytest.raises(ValueError, match="lanes"):
