@@ -70,13 +70,13 @@ cdef extern from *:
         return -1;
     }
 
-    /* The most rows skinny_nt takes (up to m): with sixteen lanes its 4 x 3 tiles
-       read A from L2; past 24 rows the packed GEMM is faster, and past 32 BLAS too
-       (measured on a Xeon with AVX-512, 12 layers' weights from memory, skinny vs
-       BLAS: 6.2 vs 10.9 ms at 16 x 2304 x 768, 9.3 vs 12.9 at 32, 17.3 vs 17.2 at
-       64, and 32 vs 23 ms at 64 x 768 x 3072). */
+    /* The most rows skinny_nt takes (up to m): with sixteen lanes (4 x 6 tiles) it
+       beats the packed GEMM up to 40 rows and ties at 48 (measured on a Xeon with
+       AVX-512, 12 layers' weights from memory, 2 threads, skinny vs packed: 182 vs
+       166 GFLOP/s at 32 x 2304 x 768, 229 vs 198 at 32 x 768 x 768, 180 vs 147 for
+       the lm_head's at 32 rows, 192 vs 183 at 40 x 2304 x 768, 197 vs 202 at 48). */
     static ptrdiff_t skinny_nt_limit(ptrdiff_t m) {
-        return SK_WIDE && m > 24 ? 24 : m;
+        return SK_WIDE && m > 40 ? 40 : m;
     }
 
     /* The greatest depth skinny_tn takes (up to k): with sixteen lanes BLAS is faster
@@ -215,15 +215,15 @@ def set_skinny_lanes(int lanes):
 # tie (a GPT-2 step at B=4, T=256: 3189 vs 3163 ms with BLAS); the skinny kernel
 # stays faster at 8 rows, BLAS at 8192 rows (289-304 against 223-259 GFLOP/s) and
 # on the weight-gradient products.
-# The forward x @ W^T too, from 25 to 128 rows, once its transposed weight is packed
-# 16 x 16 at a time through registers: across 12 layers' weights from memory, 10.6
-# vs 11.5 ms (skinny) at 32 x 2304 x 768, 16.5 vs 20.8 ms (BLAS) at 64 rows, 7.7 vs
-# 8.9 ms at 128 x 768 x 768; skinny_nt stays faster up to 24 rows, BLAS from 256.
+# The forward x @ W^T too, from 41 to 128 rows, once its transposed weight is packed
+# 16 x 16 at a time through registers: across 12 layers' weights from memory, 16.5
+# vs 20.8 ms (BLAS) at 64 x 2304 x 768, 7.7 vs 8.9 ms at 128 x 768 x 768; skinny_nt
+# stays faster up to 40 rows, BLAS from 256.
 cdef int _packed_mode = 1
 cdef enum:
     PACKED_NN_MIN_M = 16
     PACKED_NN_MAX_M = 512
-    PACKED_NT_MIN_M = 25
+    PACKED_NT_MIN_M = 41
     PACKED_NT_MAX_M = 128
 
 
