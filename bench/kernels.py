@@ -26,6 +26,7 @@ import torch.nn.functional as F
 REPO = pathlib.Path(__file__).resolve().parent.parent
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
 
+from adtape import buffers  # noqa: E402
 from kernels import attention, layers, loss, matmul, optim, threads  # noqa: E402
 
 C, NH, V, VP, MAXT, L = 768, 12, 50257, 50304, 1024, 12
@@ -56,9 +57,9 @@ def measure_limits(reps, quick):
     """sgemm peak (GFLOP/s) through our BLAS path and memory bandwidth (GB/s)."""
     n = 1024 if quick else 2048
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    c = np.empty((n, n), np.float32)
+    a = aligned(rng.standard_normal((n, n), dtype=np.float32))
+    b = aligned(rng.standard_normal((n, n), dtype=np.float32))
+    c = buffers.empty((n, n))
     ts = []
     for rep in range(reps + 1):
         t0 = time.perf_counter()
@@ -98,19 +99,28 @@ def t(a):
     return torch.from_numpy(a)
 
 
+def aligned(a):
+    """``a`` copied to a 64-byte-aligned buffer, as the training arenas are (PyTorch's
+    allocator aligns its own tensors so; NumPy only to 16 bytes).  The PyTorch side
+    shares these buffers (``t``)."""
+    out = buffers.empty_like(a)
+    out[...] = a
+    return out
+
+
 def matmul_cases(B, T, rng, include_lm_head):
     shapes = [("qkv", 3 * C, C, True), ("attproj", C, C, True), ("fc", 4 * C, C, True),
               ("fcproj", C, 4 * C, True)]
     if include_lm_head:
         shapes.append(("lm_head", VP, C, False))
     for name, OC, IC, has_bias in shapes:
-        inp = rng.standard_normal((B, T, IC), dtype=np.float32)
-        w = rng.standard_normal((OC, IC), dtype=np.float32) * 0.02
-        bias = rng.standard_normal(OC, dtype=np.float32) if has_bias else None
-        out = np.empty((B, T, OC), np.float32)
-        dout = rng.standard_normal((B, T, OC), dtype=np.float32)
-        dinp, dw = np.zeros_like(inp), np.zeros_like(w)
-        db = np.zeros(OC, np.float32) if has_bias else None
+        inp = aligned(rng.standard_normal((B, T, IC), dtype=np.float32))
+        w = aligned(rng.standard_normal((OC, IC), dtype=np.float32) * 0.02)
+        bias = aligned(rng.standard_normal(OC, dtype=np.float32)) if has_bias else None
+        out = buffers.empty((B, T, OC))
+        dout = aligned(rng.standard_normal((B, T, OC), dtype=np.float32))
+        dinp, dw = buffers.zeros(inp.shape), buffers.zeros(w.shape)
+        db = buffers.zeros(OC) if has_bias else None
         ti, tw, tb, to, tdo = t(inp), t(w), None if bias is None else t(bias), t(out), t(dout)
         tdi, tdw, tdb = torch.zeros_like(ti), torch.zeros_like(tw), torch.zeros(OC)
         N = B * T
@@ -139,11 +149,11 @@ def matmul_cases(B, T, rng, include_lm_head):
 
 
 def attention_cases(B, T, rng):
-    qkv = rng.standard_normal((B, T, 3 * C), dtype=np.float32)
-    dout = rng.standard_normal((B, T, C), dtype=np.float32)
-    out = np.empty((B, T, C), np.float32)
-    att = np.empty((B, NH, T, T), np.float32)
-    dqkv = np.zeros_like(qkv)
+    qkv = aligned(rng.standard_normal((B, T, 3 * C), dtype=np.float32))
+    dout = aligned(rng.standard_normal((B, T, C), dtype=np.float32))
+    out = buffers.empty((B, T, C))
+    att = buffers.empty((B, NH, T, T))
+    dqkv = buffers.zeros(qkv.shape)
     hs = C // NH
     causal_flops = 2 * B * NH * (T * (T + 1) // 2) * hs
     tq = t(qkv)
@@ -175,11 +185,11 @@ def elementwise_cases(B, T, rng):
     f4 = 4
     # encoder
     ids = rng.integers(0, V, (B, T), dtype=np.int32)
-    wte = rng.standard_normal((VP, C), dtype=np.float32)
-    wpe = rng.standard_normal((MAXT, C), dtype=np.float32)
-    enc = np.empty((B, T, C), np.float32)
-    dwte, dwpe = np.zeros_like(wte), np.zeros_like(wpe)
-    denc = rng.standard_normal((B, T, C), dtype=np.float32)
+    wte = aligned(rng.standard_normal((VP, C), dtype=np.float32))
+    wpe = aligned(rng.standard_normal((MAXT, C), dtype=np.float32))
+    enc = buffers.empty((B, T, C))
+    dwte, dwpe = buffers.zeros(wte.shape), buffers.zeros(wpe.shape)
+    denc = aligned(rng.standard_normal((B, T, C), dtype=np.float32))
     tids, twte, twpe, tenc = t(ids).long(), t(wte), t(wpe), t(enc)
     tdwte, tdwpe, tdenc = torch.zeros_like(twte), torch.zeros_like(twpe), t(denc)
     yield ("encoder_forward", "bytes", 3 * N * C * f4,
@@ -190,13 +200,13 @@ def elementwise_cases(B, T, rng):
            lambda _: (tdwte.index_add_(0, tids.view(-1), tdenc.view(N, C)),
                       tdwpe[:T].add_(tdenc.sum(0))), None)
     # layernorm
-    x = rng.standard_normal((B, T, C), dtype=np.float32)
-    w = rng.standard_normal(C, dtype=np.float32)
-    bvec = rng.standard_normal(C, dtype=np.float32)
-    y = np.empty_like(x)
-    mean, rstd = np.empty((B, T), np.float32), np.empty((B, T), np.float32)
-    dy = rng.standard_normal((B, T, C), dtype=np.float32)
-    dx, dw, db = np.zeros_like(x), np.zeros_like(w), np.zeros_like(bvec)
+    x = aligned(rng.standard_normal((B, T, C), dtype=np.float32))
+    w = aligned(rng.standard_normal(C, dtype=np.float32))
+    bvec = aligned(rng.standard_normal(C, dtype=np.float32))
+    y = buffers.empty_like(x)
+    mean, rstd = buffers.empty((B, T)), buffers.empty((B, T))
+    dy = aligned(rng.standard_normal((B, T, C), dtype=np.float32))
+    dx, dw, db = buffers.zeros(x.shape), buffers.zeros(w.shape), buffers.zeros(bvec.shape)
     tx, tw, tb, tdy = t(x), t(w), t(bvec), t(dy)
     _, tmean, trstd = torch.ops.aten.native_layer_norm(tx, [C], tw, tb, 1e-5)
     layers.layernorm_forward(y, mean, rstd, x, w, bvec)
@@ -208,10 +218,10 @@ def elementwise_cases(B, T, rng):
            lambda _: torch.ops.aten.native_layer_norm_backward(
                tdy, tx, [C], tmean, trstd, tw, tb, [True, True, True]), None)
     # gelu on the (B, T, 4C) MLP activation
-    h = rng.standard_normal((B, T, 4 * C), dtype=np.float32)
-    gh = np.empty_like(h)
-    dgh = rng.standard_normal(h.shape, dtype=np.float32)
-    dh = np.zeros_like(h)
+    h = aligned(rng.standard_normal((B, T, 4 * C), dtype=np.float32))
+    gh = buffers.empty_like(h)
+    dgh = aligned(rng.standard_normal(h.shape, dtype=np.float32))
+    dh = buffers.zeros(h.shape)
     th, tgh, tdgh = t(h), t(gh), t(dgh)
     yield ("gelu_forward", "bytes", 2 * N * 4 * C * f4,
            lambda _: layers.gelu_forward(gh, h),
@@ -220,9 +230,9 @@ def elementwise_cases(B, T, rng):
            lambda _: layers.gelu_backward(dh, h, dgh),
            lambda _: torch.ops.aten.gelu_backward(tdgh, th, approximate="tanh"), None)
     # residual
-    r1, r2 = (rng.standard_normal((B, T, C), dtype=np.float32) for _ in range(2))
-    ro = np.empty_like(r1)
-    d1, d2 = np.zeros_like(r1), np.zeros_like(r1)
+    r1, r2 = (aligned(rng.standard_normal((B, T, C), dtype=np.float32)) for _ in range(2))
+    ro = buffers.empty_like(r1)
+    d1, d2 = buffers.zeros(r1.shape), buffers.zeros(r1.shape)
     tr1, tr2, tro, td1, td2 = t(r1), t(r2), t(ro), torch.zeros_like(t(r1)), torch.zeros_like(t(r1))
     yield ("residual_forward", "bytes", 3 * N * C * f4,
            lambda _: layers.residual_forward(ro, r1, r2),
@@ -231,11 +241,11 @@ def elementwise_cases(B, T, rng):
            lambda _: layers.residual_backward(d1, d2, dy),
            lambda _: (td1.add_(tdy), td2.add_(tdy)), None)
     # softmax + cross-entropy over the padded vocabulary
-    logits = rng.standard_normal((B, T, VP), dtype=np.float32)
+    logits = aligned(rng.standard_normal((B, T, VP), dtype=np.float32))
     targets = rng.integers(0, V, (B, T), dtype=np.int32)
-    losses, lse = np.empty((B, T), np.float32), np.empty((B, T), np.float32)
+    losses, lse = buffers.empty((B, T)), buffers.empty((B, T))
     dlosses = np.full((B, T), 1.0 / N, np.float32)
-    dlogits = np.zeros_like(logits)
+    dlogits = buffers.zeros(logits.shape)
     tl = t(logits).view(N, VP)[:, :V]
     tt = t(targets).long().view(N)
     tdl = t(dlosses).view(N)
@@ -257,11 +267,11 @@ def elementwise_cases(B, T, rng):
 
 def optimizer_cases(rng):
     n = N_PARAMS
-    params = (rng.standard_normal(n, dtype=np.float32) * 0.02)
-    grads = rng.standard_normal(n, dtype=np.float32) * 1e-3
-    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
-    tp = torch.nn.Parameter(t(params.copy()))
-    tp.grad = t(grads.copy())
+    params = aligned(rng.standard_normal(n, dtype=np.float32) * 0.02)
+    grads = aligned(rng.standard_normal(n, dtype=np.float32) * 1e-3)
+    m, v = buffers.zeros(n), buffers.zeros(n)
+    tp = torch.nn.Parameter(t(aligned(params)))
+    tp.grad = t(aligned(grads))
     opt = torch.optim.AdamW([tp], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     step = [0]
 
