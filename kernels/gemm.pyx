@@ -79,12 +79,13 @@ cdef extern from *:
         return SK_WIDE && m > 40 ? 40 : m;
     }
 
-    /* The greatest depth skinny_tn takes (up to k): with sixteen lanes BLAS is faster
-       past 48 (measured as above, weight gradients: skinny vs BLAS 12.2 vs 12.9 ms
-       at 48 tokens x 2304 x 768, 16.7 vs 15.0 at 64; 17.5 vs 25.1 and 29.7 vs 29.2
-       ms for the lm_head's). */
+    /* The greatest depth skinny_tn takes (up to k): with sixteen lanes BLAS is as
+       fast at 96 and faster past it (measured as above on 64-byte-aligned weight
+       gradients written afresh, skinny vs BLAS: 222 vs 154 GFLOP/s at 48 tokens x
+       2304 x 768, 199 vs 176 at 64, 192 vs 202 at 96, 184 vs 220 at 128; for the
+       lm_head's 213 vs 165 at 64). */
     static ptrdiff_t skinny_tn_limit(ptrdiff_t k) {
-        return SK_WIDE && k > 48 ? 48 : k;
+        return SK_WIDE && k > 64 ? 64 : k;
     }
 
     /* C[i, j] (+)= alpha * sum_p A[i, p] B[j, p]  for i < M, j0 <= j < j1. */
