@@ -292,7 +292,41 @@ static void ADT_LANES_FN(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, pt
         const float* a1 = A + i + (mr > 1);
         const float* a2 = A + i + (mr > 2 ? 2 : mr - 1);
         const float* a3 = A + i + (mr > 3 ? 3 : mr - 1);
-        for (ptrdiff_t j = j0; j < j3; j += 3 * W) {
+#if ADT_W == 16
+        /* From 40 tokens on, 4 x 6 vectors: 24 accumulators, 6 loads of B and 4
+           broadcasts per 24 FMAs (measured on a 2-core Xeon, 12 weight gradients
+           written afresh: 207 -> 227 GFLOP/s at 64 tokens x 2304 x 768, 229 -> 238 at
+           48; at 16 and 32 tokens 4 x 3 stays 3-10% faster). */
+        ptrdiff_t j6 = K >= 40 ? j0 + (j1 - j0) / (6 * W) * (6 * W) : j0;
+        for (ptrdiff_t j = j0; j < j6; j += 6 * W) {
+            ADT_VT c[4][6];
+            for (int r = 0; r < 4; r++)
+                for (int v = 0; v < 6; v++) c[r][v] = (ADT_VT){0};
+            const float* bp = B + j;
+            for (ptrdiff_t p = 0; p < K; p++, bp += ldb) {
+                ptrdiff_t o = p * lda;
+                float x0 = a0[o], x1 = a1[o], x2 = a2[o], x3 = a3[o];
+                for (int v = 0; v < 6; v++) {
+                    ADT_VT b = ADT_V(load)(bp + W * v);
+                    c[0][v] += x0 * b; c[1][v] += x1 * b; c[2][v] += x2 * b; c[3][v] += x3 * b;
+                }
+            }
+            for (ptrdiff_t r = 0; r < mr; r++) {
+                float* row = C + (i + r) * ldc + j;
+                for (int v = 0; v < 6; v++) {
+                    if (accumulate)
+                        ADT_V(store)(row + W * v, ADT_V(load)(row + W * v) + alpha * c[r][v]);
+                    else if (((uintptr_t)(row + W * v) & 63) == 0)
+                        SK_STREAM(row + W * v, alpha * c[r][v]);
+                    else
+                        ADT_V(store)(row + W * v, alpha * c[r][v]);
+                }
+            }
+        }
+#else
+        ptrdiff_t j6 = j0;
+#endif
+        for (ptrdiff_t j = j6; j < j3; j += 3 * W) {
             SK_TILE_ZERO;
             const float* bp = B + j;
             for (ptrdiff_t p = 0; p < K; p++, bp += ldb) {

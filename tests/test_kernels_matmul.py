@@ -212,7 +212,7 @@ def _skinny_lanes():
 
 
 @pytest.mark.parametrize("lanes", _skinny_lanes())
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 24, 25, 31, 32, 33, 64])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 24, 25, 31, 32, 33, 40, 48, 64])
 @pytest.mark.parametrize("layout", ["nt", "nn", "tn"])
 def test_skinny_gemm_matches_blas(M, layout, lanes):
     # nt, nn: M rows of C; tn: depth M (C = A^T B with A (M, rows)), the weight
