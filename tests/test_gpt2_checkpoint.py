@@ -151,7 +151,9 @@ def test_process_killed_while_saving_keeps_previous_checkpoint(tmp_path):
     """)
     package_root = str(pathlib.Path(gpt2.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": package_root}
-    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True)
+    # Run outside the source tree (``-c`` puts the working directory first on sys.path).
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
+                            cwd=tmp_path.parent)
     assert result.returncode == -9, result.stderr.decode()
     leftovers = [p for p in os.listdir(tmp_path) if p != "ck.bin"]
     assert len(leftovers) == 1 and leftovers[0].endswith(".tmp")
