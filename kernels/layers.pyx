@@ -73,6 +73,9 @@ cdef extern from *:
                                  int ow_a, int ow_b) {
         ADT_LANES_CALL(wide, add_to_both_span, (a, b, d, n, ow_a, ow_b));
     }
+    static void exp_span(int wide, float* out, const float* inp, ptrdiff_t n) {
+        ADT_LANES_CALL(wide, exp_span, (out, inp, n));
+    }
     """
     void _gelu_forward_span "gelu_forward_span" (bint wide, float* out, const float* inp,
                                                  Py_ssize_t n) nogil
@@ -88,6 +91,7 @@ cdef extern from *:
                           Py_ssize_t C, int ow_dinp) nogil
     void add_to_both_span(bint wide, float* a, float* b, const float* d, Py_ssize_t n,
                           bint ow_a, bint ow_b) nogil
+    void exp_span(bint wide, float* out, const float* inp, Py_ssize_t n) nogil
 
 
 # ---------------------------------------------------------------------------
@@ -106,6 +110,16 @@ def vector_lanes():
     """Vector lanes of the layers, loss and attention kernels: 16 on a CPU with
     AVX-512 (unless set_vector_lanes(8)), else 8."""
     return 16 if lanes_wide() else 8
+
+
+def _vector_exp(const float[::1] inp):
+    """exp of a float32 array through the vector exp the kernels inline (GELU, softmax,
+    cross-entropy), at the width in force: for the tests."""
+    out = np.empty(inp.shape[0], np.float32)
+    cdef float[::1] o = out
+    if inp.shape[0]:
+        exp_span(lanes_wide(), &o[0], &inp[0], inp.shape[0])
+    return out
 
 
 def set_vector_lanes(lanes):

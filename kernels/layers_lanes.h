@@ -11,6 +11,20 @@ ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_z)(ADT_VT x) {
     return k2 * (x + a * x * x * x);
 }
 
+/* out[i] = exp(inp[i]) with this width's vector exp, for the tests (the kernels'
+   exp itself is inlined into them). */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(exp_span)(float* out, const float* inp, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+    for (; i + ADT_W <= n; i += ADT_W) ADT_V(store)(out + i, ADT_V(exp)(ADT_V(load)(inp + i)));
+    if (i < n) {
+        float t[ADT_W];
+        for (int l = 0; l < ADT_W; l++) t[l] = i + l < n ? inp[i + l] : 0.0f;
+        ADT_VT y = ADT_V(exp)(ADT_V(load)(t));
+        for (ptrdiff_t l = 0; i + l < n; l++) out[i + l] = y[l];
+    }
+}
+
 ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_forward)(ADT_VT x) {
     /* x s = x / (1 + exp(z)), no separate reciprocal */
     ADT_VT z = ADT_LANES_FN(gelu_z)(x);
