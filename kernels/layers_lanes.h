@@ -52,8 +52,11 @@ ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_backward)(ADT_VT x, ADT_VT d) {
 ADT_LANES_ATTR
 static void ADT_LANES_FN(gelu_forward_span)(float* out, const float* inp, ptrdiff_t n) {
     ptrdiff_t i = 0;
-    for (; i + ADT_W <= n; i += ADT_W)
+    for (; i + ADT_W <= n; i += ADT_W) {
+        ADT_PREFETCH_R(inp + i);
+        ADT_PREFETCH_W(out + i);
         ADT_V(store)(out + i, ADT_LANES_FN(gelu_forward)(ADT_V(load)(inp + i)));
+    }
     if (i < n) {
         float x[ADT_W] = {0}, y[ADT_W];
         memcpy(x, inp + i, (n - i) * sizeof(float));
@@ -67,14 +70,22 @@ static void ADT_LANES_FN(gelu_backward_span)(float* dinp, const float* inp, cons
                                              ptrdiff_t n, int overwrite) {
     ptrdiff_t i = 0;
     if (overwrite)
-        for (; i + ADT_W <= n; i += ADT_W)
+        for (; i + ADT_W <= n; i += ADT_W) {
+            ADT_PREFETCH_R(inp + i);
+            ADT_PREFETCH_R(dout + i);
+            ADT_PREFETCH_W(dinp + i);
             ADT_V(store)(dinp + i, ADT_LANES_FN(gelu_backward)(ADT_V(load)(inp + i),
                                                                ADT_V(load)(dout + i)));
+        }
     else
-        for (; i + ADT_W <= n; i += ADT_W)
+        for (; i + ADT_W <= n; i += ADT_W) {
+            ADT_PREFETCH_R(inp + i);
+            ADT_PREFETCH_R(dout + i);
+            ADT_PREFETCH_W(dinp + i);
             ADT_V(store)(dinp + i, ADT_V(load)(dinp + i)
                                    + ADT_LANES_FN(gelu_backward)(ADT_V(load)(inp + i),
                                                                  ADT_V(load)(dout + i)));
+        }
     if (i < n) {
         float x[ADT_W] = {0}, d[ADT_W] = {0}, y[ADT_W];
         memcpy(x, inp + i, (n - i) * sizeof(float));

@@ -15,6 +15,7 @@ static float ADT_LANES_FN(ce_row_logsumexp)(const float* x, ptrdiff_t V, float* 
         /* four running maxima: one would wait on its own compare-and-blend */
         ADT_VT mv = ADT_V(splat)(xc[0]), mv1 = mv, mv2 = mv, mv3 = mv;
         for (i = 0; i + 4 * ADT_W <= n; i += 4 * ADT_W) {
+            for (int q = 0; q < 4 * ADT_W; q += 16) ADT_PREFETCH_R(xc + i + q);
             mv = ADT_V(max)(mv, ADT_V(load)(xc + i));
             mv1 = ADT_V(max)(mv1, ADT_V(load)(xc + i + ADT_W));
             mv2 = ADT_V(max)(mv2, ADT_V(load)(xc + i + 2 * ADT_W));
@@ -30,7 +31,13 @@ static float ADT_LANES_FN(ce_row_logsumexp)(const float* x, ptrdiff_t V, float* 
             m = cm;
         }
         ADT_VT mm = ADT_V(splat)(m), s2 = {0};
+        /* meanwhile the next chunk comes in (prefetches past the row's end are
+           harmless: the next row, or nothing) */
         for (i = 0; i + 2 * ADT_W <= n; i += 2 * ADT_W) {
+            __builtin_prefetch(xc + CE_CHUNK + i, 0, 3);
+#if ADT_W == 16
+            __builtin_prefetch(xc + CE_CHUNK + i + 16, 0, 3);
+#endif
             s += ADT_V(exp)(ADT_V(load)(xc + i) - mm);
             s2 += ADT_V(exp)(ADT_V(load)(xc + i + ADT_W) - mm);
         }
@@ -54,11 +61,16 @@ static void ADT_LANES_FN(ce_row_backward)(float* d, const float* x, float lse, f
     ptrdiff_t i = 0;
     ADT_VT l = ADT_V(splat)(lse);
     if (inplace) {
-        for (; i + ADT_W <= V; i += ADT_W)
+        for (; i + ADT_W <= V; i += ADT_W) {
+            ADT_PREFETCH_W(d + i);
             ADT_V(store)(d + i, ADT_V(exp)(ADT_V(load)(x + i) - l) * g);
+        }
     } else {
-        for (; i + ADT_W <= V; i += ADT_W)
+        for (; i + ADT_W <= V; i += ADT_W) {
+            ADT_PREFETCH_R(x + i);
+            ADT_PREFETCH_W(d + i);
             ADT_V(store)(d + i, ADT_V(load)(d + i) + ADT_V(exp)(ADT_V(load)(x + i) - l) * g);
+        }
     }
     if (i < V) {
         float t[ADT_W] = {0};

@@ -20,6 +20,15 @@
 #endif
 #define ADT_INLINE static inline __attribute__((always_inline))
 
+/* Streaming loops fetch ADT_AHEAD floats (2 KiB) ahead of their reads and writes
+   with software prefetches, one per vector.  On the 2-core Xeon VM we measure on,
+   the hardware prefetchers alone leave memory transfers and arithmetic nearly
+   serialized (a loop's time is close to their sum): GELU forward at B=8, T=1024
+   9.2 -> 6.2 ms (1 KiB ahead 6.5, 4 KiB 6.5, 512 bytes 7.1; reads only 6.6). */
+#define ADT_AHEAD 512
+#define ADT_PREFETCH_R(p) __builtin_prefetch((p) + ADT_AHEAD, 0, 3)
+#define ADT_PREFETCH_W(p) __builtin_prefetch((p) + ADT_AHEAD, 1, 3)
+
 #pragma GCC diagnostic ignored "-Wpsabi"
 typedef float adt_v8 __attribute__((vector_size(32)));
 typedef float adt_v8u __attribute__((vector_size(32), aligned(4)));
