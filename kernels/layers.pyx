@@ -73,6 +73,9 @@ cdef extern from *:
                                  int ow_a, int ow_b) {
         ADT_LANES_CALL(wide, add_to_both_span, (a, b, d, n, ow_a, ow_b));
     }
+    static void add_span(int wide, float* out, const float* a, const float* b, ptrdiff_t n) {
+        ADT_LANES_CALL(wide, add_span, (out, a, b, n));
+    }
     static void exp_span(int wide, float* out, const float* inp, ptrdiff_t n) {
         ADT_LANES_CALL(wide, exp_span, (out, inp, n));
     }
@@ -92,6 +95,7 @@ cdef extern from *:
     void add_to_both_span(bint wide, float* a, float* b, const float* d, Py_ssize_t n,
                           bint ow_a, bint ow_b) nogil
     void exp_span(bint wide, float* out, const float* inp, Py_ssize_t n) nogil
+    void add_span(bint wide, float* out, const float* a, const float* b, Py_ssize_t n) nogil
 
 
 # ---------------------------------------------------------------------------
@@ -770,9 +774,10 @@ def gelu_backward_naive(dinp, inp, dout, *, overwrite=False, n_threads=None):
 cdef void residual_forward_core(float* out, const float* inp1, const float* inp2, Py_ssize_t n,
                                 int n_threads) noexcept nogil:
     cdef Py_ssize_t k
+    cdef bint wide = lanes_wide()
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        _add_rows(out + k * CHUNK, inp1 + k * CHUNK, inp2 + k * CHUNK,
-                  min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+        add_span(wide, out + k * CHUNK, inp1 + k * CHUNK, inp2 + k * CHUNK,
+                 min(<Py_ssize_t>CHUNK, n - k * CHUNK))
 
 
 cdef void residual_backward_core(float* dinp1, float* dinp2, const float* dout, Py_ssize_t n,

@@ -201,6 +201,19 @@ static void ADT_LANES_FN(ln_backward_rows)(float* dinp, float* part_w, float* pa
     }
 }
 
+/* out[0:n] = a + b (the residual forward; out may be a or b). */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(add_span)(float* out, const float* a, const float* b, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+    for (; i + ADT_W <= n; i += ADT_W) {
+        ADT_PREFETCH_R(a + i);
+        ADT_PREFETCH_R(b + i);
+        ADT_PREFETCH_W(out + i);
+        ADT_V(store)(out + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
+    }
+    for (; i < n; i++) out[i] = a[i] + b[i];
+}
+
 /* a (+)= d and b (+)= d in one pass that reads d once (residual backward; a row of
    encoder backward, a and b one row each of dwte and dwpe); ow_a / ow_b: that output
    is set, not read.  a and b may be the same memory: each vector is stored before
@@ -210,6 +223,9 @@ static void ADT_LANES_FN(add_to_both_span)(float* a, float* b, const float* d, p
                                            int ow_a, int ow_b) {
     ptrdiff_t i = 0;
     for (; i + ADT_W <= n; i += ADT_W) {
+        ADT_PREFETCH_R(d + i);
+        ADT_PREFETCH_W(a + i);
+        ADT_PREFETCH_W(b + i);
         ADT_VT v = ADT_V(load)(d + i);
         ADT_V(store)(a + i, ow_a ? v : ADT_V(load)(a + i) + v);
         ADT_V(store)(b + i, ow_b ? v : ADT_V(load)(b + i) + v);
