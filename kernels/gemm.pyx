@@ -212,7 +212,8 @@ def set_skinny_lanes(int lanes):
 # 16 to 512 rows, split by columns, e.g. across 12 layers' weights from memory
 # 9.5 vs 10.4 ms (skinny) and 21 ms (BLAS) at 24 x 2304 x 768, 17 vs 21 ms (skinny)
 # for the lm_head's at 24 rows, 43 vs 58 ms (BLAS) at 256 x 2304 x 768, 82 vs 94
-# at 512 rows, 76 vs 96 ms for the lm_head's at 256 rows.  At 1024 rows it is a
+# at 512 rows, 76 vs 96 ms for the lm_head's at 256 rows (up to 64 rows the split
+# by depth in gemm() comes first, with two threads or more).  At 1024 rows it is a
 # tie (a GPT-2 step at B=4, T=256: 3189 vs 3163 ms with BLAS); the skinny kernel
 # stays faster at 8 rows, BLAS at 8192 rows (289-304 against 223-259 GFLOP/s) and
 # on the weight-gradient products.
