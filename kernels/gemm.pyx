@@ -79,6 +79,14 @@ cdef extern from *:
         return SK_WIDE && m > 40 ? 40 : m;
     }
 
+    /* The most rows the split by depth takes (up to m): in eight lanes the column
+       split (skinny_nn) is faster past 32 rows (same Xeon in eight lanes, 12
+       weights from memory: 87 vs 65 GFLOP/s at 16 x 768 x 2304, 101 vs 97 at 32,
+       110 vs 128 at 64). */
+    static ptrdiff_t depth_split_limit(ptrdiff_t m) {
+        return !SK_WIDE && m > 32 ? 32 : m;
+    }
+
     /* The greatest depth skinny_tn takes (up to k): with sixteen lanes BLAS is as
        fast at 96 and faster past it (measured as above on 64-byte-aligned weight
        gradients written afresh, skinny vs BLAS: 222 vs 154 GFLOP/s at 48 tokens x
@@ -160,6 +168,7 @@ cdef extern from *:
                       const float* bias) nogil
     Py_ssize_t skinny_nt_limit(Py_ssize_t m) nogil
     Py_ssize_t skinny_tn_limit(Py_ssize_t k) nogil
+    Py_ssize_t depth_split_limit(Py_ssize_t m) nogil
     void skinny_set_narrow(int narrow) nogil
     int skinny_wide() nogil
     int packed_gemm(int trans_a, int trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
@@ -356,7 +365,8 @@ cdef void gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_
         _block(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias,
                by_columns, 0, extent)
         return
-    if (not trans_a and not trans_b and M <= _skinny_max_m and K >= DEPTH_SPLIT_MIN_K * nt
+    if (not trans_a and not trans_b and M <= depth_split_limit(_skinny_max_m)
+            and K >= DEPTH_SPLIT_MIN_K * nt
             and _depth_split(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias, nt) == 0):
         return
     # Blocks in multiples of 16 columns keep every block's start cache-line aligned.
