@@ -11,6 +11,9 @@ which the view keeps alive); everything else about them is an ordinary C-contigu
 ndarray.
 """
 cimport numpy as cnp
+from cpython.pyport cimport PY_SSIZE_T_MAX
+
+import operator
 
 import numpy as np
 
@@ -23,13 +26,16 @@ cpdef cnp.ndarray empty(shape, dtype=np.float32):
     """An uninitialised C-contiguous array of ``shape`` whose data is 64-byte aligned."""
     cdef cnp.dtype dt = np.dtype(dtype)
     cdef cnp.ndarray raw
-    cdef Py_ssize_t nbytes = dt.itemsize, start
-    if isinstance(shape, (int, np.integer)):
-        shape = (shape,)
+    cdef Py_ssize_t nbytes, start
+    cdef object total = dt.itemsize           # a Python int: no overflow
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     for d in shape:
-        nbytes *= d
-    if nbytes < 0:
-        raise ValueError(f"negative dimensions are not allowed, got shape {tuple(shape)}")
+        if d < 0:
+            raise ValueError(f"negative dimensions are not allowed, got shape {shape}")
+        total *= operator.index(d)
+    if total > PY_SSIZE_T_MAX - 64:
+        raise MemoryError(f"an array of shape {shape} and dtype {dt} is too large")
+    nbytes = total
     raw = np.empty(nbytes + 64, np.uint8)
     start = -<Py_ssize_t>cnp.PyArray_DATA(raw) & 63
     return raw[start:start + nbytes].view(dt).reshape(shape)

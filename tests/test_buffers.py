@@ -53,3 +53,8 @@ def test_bad_shapes_are_refused():
         buffers.empty((3, "a"))
     with pytest.raises(TypeError):
         buffers.empty(4, "not a dtype")
+    with pytest.raises(TypeError):
+        buffers.empty((2.5, 3))
+    with pytest.raises(MemoryError):
+        buffers.empty((1 << 40, 1 << 40))
+    assert buffers.empty((np.int64(3), np.int32(2))).shape == (3, 2)
