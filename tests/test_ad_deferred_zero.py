@@ -98,3 +98,33 @@ def test_train_step_gradients_equal_a_step_from_zeroed_buffers(engine):
     np.testing.assert_array_equal(a.grads.flat, b.grads.flat)
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("engine", ["tape", "manual"])
+def test_train_step_clipping_inside_adamw_equals_clipping_the_gradients_first(engine):
+    # train_step clips by scaling the gradients inside AdamW; the parameters must be
+    # bit-identical to clip_grad_norm (gradients rewritten in place) then AdamW, the
+    # returned norm the norm before clipping, and self.grads the unclipped gradient.
+    config = GPT2Config.preset("tiny")
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
+    y = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
+    a = GPT2(config, seed=0, engine=engine)
+    b = GPT2(config, seed=0, engine=engine)
+    clipped = 0
+    for grad_clip in (0.05, 1e6, 0.3):          # clipping, none needed, clipping
+        _, norm = a.train_step(x, y, lr=1e-3, weight_decay=0.1, grad_clip=grad_clip)
+        b.zero_grad()
+        b.loss_and_grad(x, y)
+        unclipped = b.grads.flat.copy()
+        norm_b = b.clip_grad_norm(grad_clip)
+        clipped += norm_b > grad_clip
+        b.adamw_step(1e-3, weight_decay=0.1)
+        assert norm == norm_b
+        np.testing.assert_array_equal(a.params.flat, b.params.flat)
+        np.testing.assert_array_equal(a.adam_m.flat, b.adam_m.flat)
+        np.testing.assert_array_equal(a.adam_v.flat, b.adam_v.flat)
+        np.testing.assert_array_equal(a.grads.flat, unclipped)
+    assert clipped == 2
+    a.close()
+    b.close()

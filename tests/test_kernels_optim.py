@@ -164,3 +164,49 @@ def test_zero_grad_any_shape():
     frozen.setflags(write=False)
     with pytest.raises(ValueError, match="writeable"):
         optim.zero_grad(frozen)
+
+
+@pytest.mark.parametrize("n", [7, 100003])
+@pytest.mark.parametrize("zero_grads", [False, True])
+def test_adamw_grad_scale_equals_scaling_the_gradients_first(n, zero_grads):
+    # grad_scale multiplies each gradient as AdamW reads it, in float32, exactly as
+    # clip_grad_norm's in-place scaling would: the results agree to the bit.
+    rng = np.random.default_rng(5)
+    params, grads = rand(rng, n, 0.02), rand(rng, n, 3.0)
+    m, v = rand(rng, n, 0.01), np.abs(rand(rng, n, 0.01))
+    p2, m2, v2, p3, m3, v3 = params.copy(), m.copy(), v.copy(), params.copy(), m.copy(), v.copy()
+    g1 = grads.copy()
+    max_norm = 0.5
+    norm = optim.grad_norm(g1)
+    coef = optim.clip_coefficient(norm, max_norm)
+    assert coef == pytest.approx(max_norm / (norm + 1e-6)) and coef < 1
+    optim.adamw_step(params, g1, m, v, 3, 1e-3, weight_decay=0.1, grad_scale=coef,
+                     zero_grads=zero_grads)
+    g2 = grads.copy()
+    assert optim.clip_grad_norm(g2, max_norm) == norm
+    optim.adamw_step(p2, g2, m2, v2, 3, 1e-3, weight_decay=0.1)
+    for a, b in ((params, p2), (m, m2), (v, v2)):
+        np.testing.assert_array_equal(a, b)
+    if zero_grads:
+        assert not g1.any()
+    else:
+        np.testing.assert_array_equal(g1, grads)       # read, not rewritten
+    optim.adamw_step_naive(p3, grads.copy(), m3, v3, 3, 1e-3, weight_decay=0.1,
+                           grad_scale=coef)
+    close(params, p3, 1e-6)
+    close(m, m3, 1e-6)
+    close(v, v3, 1e-6)
+
+
+def test_clip_coefficient_and_grad_scale_checks():
+    assert optim.clip_coefficient(0.5, 1.0) == 1.0
+    assert optim.clip_coefficient(4.0, 1.0) == pytest.approx(0.25, rel=1e-6)
+    with pytest.raises(ValueError, match="max_norm"):
+        optim.clip_coefficient(1.0, float("nan"))
+    n = 10
+    args = [np.zeros(n, np.float32) for _ in range(4)]
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="grad_scale"):
+            optim.adamw_step(*args, 1, 1e-3, grad_scale=bad)
+        with pytest.raises(ValueError, match="grad_scale"):
+            optim.adamw_step_naive(*args, 1, 1e-3, grad_scale=bad)
