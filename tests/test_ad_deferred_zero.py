@@ -74,14 +74,18 @@ def test_unreached_deferred_leaf_reads_zero_after_apply():
     np.testing.assert_allclose(x.grad, [3.0, 3.0])     # not deferred any more: kept
 
 
-@pytest.mark.parametrize("engine", ["tape", "manual"])
-def test_train_step_gradients_equal_a_step_from_zeroed_buffers(engine):
+def _twin_models(engine, seed):
+    """Two identical tiny models and a batch (x, y)."""
     config = GPT2Config.preset("tiny")
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     x = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
     y = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
-    a = GPT2(config, seed=0, engine=engine)
-    b = GPT2(config, seed=0, engine=engine)
+    return GPT2(config, seed=0, engine=engine), GPT2(config, seed=0, engine=engine), x, y
+
+
+@pytest.mark.parametrize("engine", ["tape", "manual"])
+def test_train_step_gradients_equal_a_step_from_zeroed_buffers(engine):
+    a, b, x, y = _twin_models(engine, 1)
     for _ in range(3):
         a.train_step(x, y, lr=1e-3, weight_decay=0.1)
         b.zero_grad()
@@ -105,12 +109,7 @@ def test_train_step_clipping_inside_adamw_equals_clipping_the_gradients_first(en
     # train_step clips by scaling the gradients inside AdamW; the parameters must be
     # bit-identical to clip_grad_norm (gradients rewritten in place) then AdamW, the
     # returned norm the norm before clipping, and self.grads the unclipped gradient.
-    config = GPT2Config.preset("tiny")
-    rng = np.random.default_rng(2)
-    x = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
-    y = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
-    a = GPT2(config, seed=0, engine=engine)
-    b = GPT2(config, seed=0, engine=engine)
+    a, b, x, y = _twin_models(engine, 2)
     clipped = 0
     for grad_clip in (0.05, 1e6, 0.3):          # clipping, none needed, clipping
         _, norm = a.train_step(x, y, lr=1e-3, weight_decay=0.1, grad_clip=grad_clip)
