@@ -34,10 +34,7 @@ static float ADT_LANES_FN(ce_row_logsumexp)(const float* x, ptrdiff_t V, float* 
         /* meanwhile the next chunk comes in (prefetches past the row's end are
            harmless: the next row, or nothing) */
         for (i = 0; i + 2 * ADT_W <= n; i += 2 * ADT_W) {
-            __builtin_prefetch(xc + CE_CHUNK + i, 0, 3);
-#if ADT_W == 16
-            __builtin_prefetch(xc + CE_CHUNK + i + 16, 0, 3);
-#endif
+            for (int q = 0; q < 2 * ADT_W; q += 16) __builtin_prefetch(xc + CE_CHUNK + i + q, 0, 3);
             s += ADT_V(exp)(ADT_V(load)(xc + i) - mm);
             s2 += ADT_V(exp)(ADT_V(load)(xc + i + ADT_W) - mm);
         }

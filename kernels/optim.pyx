@@ -147,7 +147,7 @@ cdef Py_ssize_t _check_flat(str name, arr, bint writable) except -1:
     return arr.shape[0]
 
 
-cdef _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay):
+cdef _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale):
     n = _check_flat("params", params, True)
     checked_data("grads", grads, cnp.NPY_FLOAT32, (n,), False)
     checked_data("m", m, cnp.NPY_FLOAT32, (n,), True)
@@ -160,6 +160,8 @@ cdef _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay
                                    ("weight_decay", weight_decay, 0.0, np.inf)):
         if not (low <= float(value) and (float(value) < high or high == np.inf)) or not isfinite(value):
             raise ValueError(f"{name} must be finite and in [{low}, {high}), got {value!r}")
+    if not isfinite(grad_scale) or grad_scale < 0:
+        raise ValueError(f"grad_scale must be finite and >= 0, got {grad_scale!r}")
     arrays = (params, grads, m, v)
     for i in range(4):
         for j in range(i + 1, 4):
@@ -179,9 +181,7 @@ def adamw_step(params, grads, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
     backward to accumulate into."""
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps,
-                                     weight_decay)
-    if not isfinite(grad_scale) or grad_scale < 0:
-        raise ValueError(f"grad_scale must be finite and >= 0, got {grad_scale!r}")
+                                     weight_decay, grad_scale)
     cdef float gs = grad_scale
     if zero_grads:
         checked_data("grads", grads, cnp.NPY_FLOAT32, (n,), True)
@@ -218,11 +218,15 @@ def grad_norm(grads, *, n_threads=None):
     return sqrt(total)
 
 
+cdef _check_max_norm(max_norm):
+    if not isfinite(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm must be finite and >= 0, got {max_norm!r}")
+
+
 def clip_coefficient(norm, max_norm):
     """The factor clip_grad_norm scales by for a gradient of global norm ``norm``:
     max_norm / (norm + 1e-6) where that is below 1, else 1 (torch's rule)."""
-    if not isfinite(max_norm) or max_norm < 0:
-        raise ValueError(f"max_norm must be finite and >= 0, got {max_norm!r}")
+    _check_max_norm(max_norm)
     coef = max_norm / (norm + 1e-6)
     return coef if coef < 1.0 else 1.0
 
@@ -234,15 +238,14 @@ def clip_grad_norm(grads, max_norm, *, n_threads=None):
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_flat("grads", grads, True)
     nt = serial_if_small(nt, n_threads, n)
-    if not isfinite(max_norm) or max_norm < 0:
-        raise ValueError(f"max_norm must be finite and >= 0, got {max_norm!r}")
+    _check_max_norm(max_norm)
     cdef float* gp = <float*>cnp.PyArray_DATA(<cnp.ndarray>grads)
-    cdef double limit = max_norm, total, norm, coef
+    cdef double norm
     with nogil:
-        total = sum_squares_core(gp, n, nt)
-        norm = sqrt(total)
-        coef = limit / (norm + 1e-6)
-        if coef < 1.0:
+        norm = sqrt(sum_squares_core(gp, n, nt))
+    cdef double coef = clip_coefficient(norm, max_norm)
+    if coef < 1.0:
+        with nogil:
             scale_core(gp, <float>coef, n, nt)
     return norm
 
@@ -251,9 +254,7 @@ def adamw_step_naive(params, grads, m, v, step, lr, beta1=0.9, beta2=0.999, eps=
                      weight_decay=0.0, *, grad_scale=1.0, zero_grads=False, n_threads=None):
     """Serial twin of adamw_step."""
     resolve_threads(n_threads)
-    _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay)
-    if not isfinite(grad_scale) or grad_scale < 0:
-        raise ValueError(f"grad_scale must be finite and >= 0, got {grad_scale!r}")
+    _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
     cdef float gs = grad_scale, gi
     if zero_grads:
         checked_data("grads", grads, cnp.NPY_FLOAT32, None, True)
@@ -298,13 +299,12 @@ def grad_norm_naive(grads, *, n_threads=None):
 def clip_grad_norm_naive(grads, max_norm, *, n_threads=None):
     """Serial twin of clip_grad_norm."""
     _check_flat("grads", grads, True)
-    if not isfinite(max_norm) or max_norm < 0:
-        raise ValueError(f"max_norm must be finite and >= 0, got {max_norm!r}")
+    _check_max_norm(max_norm)
     norm = grad_norm_naive(grads, n_threads=n_threads)
     cdef float[::1] g = grads
-    cdef float coef = max_norm / (norm + 1e-6)
+    cdef double coef = clip_coefficient(norm, max_norm)
     cdef Py_ssize_t i
-    if max_norm / (norm + 1e-6) < 1.0:
+    if coef < 1.0:
         for i in range(g.shape[0]):
-            g[i] *= coef
+            g[i] *= <float>coef
     return norm

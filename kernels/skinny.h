@@ -273,6 +273,19 @@ static void ADT_LANES_FN(skinny_nn_depth)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t k0
 }
 
 
+/* dst[0:ADT_W] = alpha v, or += with accumulate.  A weight gradient written afresh
+   is far larger than the caches and next read by the optimizer: a whole vector at a
+   64-byte address is streamed past them (SK_STREAM), which costs no read of the old
+   line first (a third of its traffic). */
+ADT_LANES_INLINE void ADT_LANES_FN(sk_put)(float* dst, ADT_VT v, float alpha, int accumulate) {
+    if (accumulate)
+        ADT_V(store)(dst, ADT_V(load)(dst) + alpha * v);
+    else if (SK_STREAMS && ((uintptr_t)dst & 63) == 0)
+        SK_STREAM(dst, alpha * v);
+    else
+        ADT_V(store)(dst, alpha * v);
+}
+
 /* C[i, j] (+)= alpha * sum_p A[p, i] B[p, j]  for i0 <= i < i1, j0 <= j < j1: a
    transposed-A product of small depth K (the weight gradient dW = dout^T x at few
    tokens).  Each block of 4 rows of C is written once, 3 vectors wide at a time,
@@ -311,17 +324,10 @@ static void ADT_LANES_FN(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, pt
                     c[0][v] += x0 * b; c[1][v] += x1 * b; c[2][v] += x2 * b; c[3][v] += x3 * b;
                 }
             }
-            for (ptrdiff_t r = 0; r < mr; r++) {
-                float* row = C + (i + r) * ldc + j;
-                for (int v = 0; v < 6; v++) {
-                    if (accumulate)
-                        ADT_V(store)(row + W * v, ADT_V(load)(row + W * v) + alpha * c[r][v]);
-                    else if (((uintptr_t)(row + W * v) & 63) == 0)
-                        SK_STREAM(row + W * v, alpha * c[r][v]);
-                    else
-                        ADT_V(store)(row + W * v, alpha * c[r][v]);
-                }
-            }
+            for (ptrdiff_t r = 0; r < mr; r++)
+                for (int v = 0; v < 6; v++)
+                    ADT_LANES_FN(sk_put)(C + (i + r) * ldc + j + W * v, c[r][v], alpha,
+                                         accumulate);
         }
 #else
         ptrdiff_t j6 = j0;
@@ -334,24 +340,12 @@ static void ADT_LANES_FN(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, pt
                 ptrdiff_t o = p * lda;
                 SK_TILE_FMA(a0[o], a1[o], a2[o], a3[o]);
             }
-            if (accumulate || !SK_STREAMS) {
-                SK_TILE_STORE(C + i * ldc + j, ldc, mr, accumulate, alpha);
-            } else {
-                /* A weight gradient written afresh is far larger than the caches and
-                   next read by the optimizer: streamed past them, it costs no read
-                   of the old lines first (a third of its traffic). */
-                ADT_VT t_[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22},
-                                  {c30, c31, c32}};
-                for (ptrdiff_t r = 0; r < mr; r++) {
-                    float* row = C + (i + r) * ldc + j;
-                    for (int v = 0; v < 3; v++) {
-                        if (((uintptr_t)(row + W * v) & 63) == 0)
-                            SK_STREAM(row + W * v, alpha * t_[r][v]);
-                        else
-                            ADT_V(store)(row + W * v, alpha * t_[r][v]);
-                    }
-                }
-            }
+            ADT_VT t[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22},
+                              {c30, c31, c32}};
+            for (ptrdiff_t r = 0; r < mr; r++)
+                for (int v = 0; v < 3; v++)
+                    ADT_LANES_FN(sk_put)(C + (i + r) * ldc + j + W * v, t[r][v], alpha,
+                                         accumulate);
         }
         for (ptrdiff_t j = j3; j < j1v; j += W) {
             ADT_VT c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
