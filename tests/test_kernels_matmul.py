@@ -255,6 +255,7 @@ def test_depth_split_gemm_matches_float64(M, lanes):
     from kernels import gemm
     rng = np.random.default_rng(M + lanes)
     old_lanes = gemm.set_skinny_lanes(lanes)
+    old_depth = gemm.set_depth_split_max_m(64)      # eight lanes default to none
     try:
         for N, K in ((1, 256), (17, 300), (131, 257), (200, 700), (777, 1000)):
             a = rng.standard_normal((M, K)).astype(np.float32)
@@ -271,6 +272,7 @@ def test_depth_split_gemm_matches_float64(M, lanes):
                     assert rel_err(got, want) < 1e-5, (N, K, alpha, beta, n_threads)
     finally:
         gemm.set_skinny_lanes(old_lanes)
+        gemm.set_depth_split_max_m(old_depth)
 
 
 def test_skinny_lanes_setting():
