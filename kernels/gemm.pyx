@@ -42,10 +42,12 @@ cdef extern from *:
        in sixteen for CPUs with AVX-512; the entry points below pick one. */
     #define ADT_W 8
     #include "skinny.h"
+    #include "sgemm.h"
     #undef ADT_W
     #if ADT_HAVE_V4
     #define ADT_W 16
     #include "skinny.h"
+    #include "sgemm.h"
     #undef ADT_W
     static int sk_narrow = 0;     /* set_skinny_lanes(8): the eight-lane kernels anyway */
     #define SK_WIDE (!sk_narrow && adt_cpu_v4())
@@ -56,18 +58,15 @@ cdef extern from *:
     #endif
     static int skinny_wide(void) { return SK_WIDE; }
 
-    /* The packed sixteen-lane GEMM (kernels/sgemm.h) for one block, in place of
-       BLAS: returns -1 (nothing written) where it cannot run. */
-    #include "sgemm.h"
+    /* The packed GEMM (kernels/sgemm.h) for one block, in place of BLAS: returns -1
+       (nothing written) where it cannot run. */
     static int packed_gemm(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                            float alpha, const float* A, ptrdiff_t lda, const float* B,
                            ptrdiff_t ldb, float beta, float* C, ptrdiff_t ldc) {
-    #if ADT_HAVE_V4
-        if (SK_WIDE && K > 0)
-            return sg_gemm(M, N, K, alpha, A, trans_a ? 1 : lda, trans_a ? lda : 1,
-                           B, trans_b ? 1 : ldb, trans_b ? ldb : 1, beta, C, ldc);
-    #endif
-        return -1;
+        if (K <= 0) return -1;
+        return ADT_LANES_CALL(SK_WIDE, sg_gemm, (M, N, K, alpha, A, trans_a ? 1 : lda,
+                                                 trans_a ? lda : 1, B, trans_b ? 1 : ldb,
+                                                 trans_b ? ldb : 1, beta, C, ldc));
     }
 
     /* The most rows skinny_nt takes (up to m): with sixteen lanes (4 x 6 tiles) it
@@ -237,10 +236,10 @@ def set_skinny_lanes(int lanes):
     return old
 
 
-# Which products go to the packed sixteen-lane GEMM (kernels/sgemm.h) instead of
-# BLAS or the skinny kernels, on CPUs with AVX-512: 0 none, 1 where it was measured
-# faster, 2 all (for tests).  Measured on a 2-core Xeon with AVX-512 against
-# OpenBLAS 0.3.30 (SciPy's, SkylakeX kernels) and the skinny kernels, GPT-2 124M shapes,
+# Which products go to the packed GEMM (kernels/sgemm.h) instead of BLAS or the
+# skinny kernels: 0 none, 1 where it was measured faster, 2 all (for tests).
+# Sixteen lanes, measured on a 2-core Xeon with AVX-512 against OpenBLAS 0.3.30
+# (SciPy's, SkylakeX kernels) and the skinny kernels, GPT-2 124M shapes,
 # interleaved runs: it wins on the input gradient dout @ W (no transposition) from
 # 16 to 512 rows, split by columns, e.g. across 12 layers' weights from memory
 # 9.5 vs 10.4 ms (skinny) and 21 ms (BLAS) at 24 x 2304 x 768, 17 vs 21 ms (skinny)
@@ -254,29 +253,46 @@ def set_skinny_lanes(int lanes):
 # 16 x 16 at a time through registers: across 12 layers' weights from memory, 16.5
 # vs 20.8 ms (BLAS) at 64 x 2304 x 768, 7.7 vs 8.9 ms at 128 x 768 x 768; skinny_nt
 # stays faster up to 40 rows, BLAS from 256.
+# Eight lanes (6 x 16 tiles), measured on a 2-core AMD EPYC (Zen 3, AVX2) against
+# OpenBLAS 0.3.30 (Haswell/Zen kernels) and the eight-lane skinny kernels, all four
+# products of 12 layers with their weights from memory, 2 threads: the input
+# gradient from 16 to 512 rows (75.6 vs 81.7 ms skinny at 64 rows, 138 vs 149 BLAS
+# at 128, tied at 512; BLAS 3% faster at 1024); the forward from 41 to 256 rows
+# (78.6 vs 82.7 ms skinny at 64, 141 vs 147 BLAS at 128; skinny_nt faster up to 32,
+# tied at 48); and here also the weight gradient dout^T @ x at 16 to 512 tokens,
+# split by rows or columns (66 vs 93 ms skinny_tn and 85 BLAS at 64 tokens written
+# afresh, 124 vs 143 BLAS at 128, 39.8 vs 47.8 skinny at 32; skinny_tn faster at 8
+# tokens, tied at 16 and again with BLAS at 1024).
 cdef int _packed_mode = 1
 cdef enum:
     PACKED_NN_MIN_M = 16
     PACKED_NN_MAX_M = 512
     PACKED_NT_MIN_M = 41
     PACKED_NT_MAX_M = 128
+    PACKED8_NT_MAX_M = 256
+    PACKED8_TN_MIN_K = 16
+    PACKED8_TN_MAX_K = 512
 
 
-cdef inline bint _use_packed(bint trans_a, bint trans_b, Py_ssize_t M,
+cdef inline bint _use_packed(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t K,
                              bint by_columns) noexcept nogil:
     if _packed_mode == 2:
         return True
-    if _packed_mode != 1 or trans_a or not by_columns:
+    if _packed_mode != 1:
+        return False
+    if not skinny_wide() and trans_a:
+        return not trans_b and PACKED8_TN_MIN_K <= K <= PACKED8_TN_MAX_K
+    if trans_a or not by_columns:
         return False
     if trans_b:
-        return PACKED_NT_MIN_M <= M <= PACKED_NT_MAX_M
+        return PACKED_NT_MIN_M <= M <= (PACKED_NT_MAX_M if skinny_wide() else PACKED8_NT_MAX_M)
     return PACKED_NN_MIN_M <= M <= PACKED_NN_MAX_M
 
 
 def set_packed_gemm(int mode):
-    """Route large products to the packed AVX-512 GEMM: 0 never (BLAS), 1 where it
-    was measured faster than BLAS, 2 always.  For tests and benchmarks; returns the
-    previous mode.  Without AVX-512 every mode means BLAS."""
+    """Route products to the packed GEMM (kernels/sgemm.h): 0 never (BLAS or the
+    skinny kernels), 1 where it was measured faster, 2 always.  For tests and
+    benchmarks; returns the previous mode."""
     global _packed_mode
     if mode not in (0, 1, 2):
         raise ValueError(f"mode must be 0, 1 or 2, got {mode!r}")
@@ -323,7 +339,7 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
     cdef bint simple_beta = beta == 0.0 or beta == 1.0
     if hi <= lo:
         return
-    if _use_packed(trans_a, trans_b, M, by_columns) and packed_gemm(
+    if _use_packed(trans_a, trans_b, M, K, by_columns) and packed_gemm(
             trans_a, trans_b, r1 - r0, c1 - c0, K, alpha, A_block, lda, B_block, ldb, beta,
             C_block, ldc) == 0:
         pass

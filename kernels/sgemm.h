@@ -1,5 +1,8 @@
-/* A packed single-precision GEMM in sixteen lanes (AVX-512), for the products
- * where OpenBLAS is weakest on such machines.
+/* A packed single-precision GEMM, a template over the vector width (kernels/simd.h),
+ * for the products where OpenBLAS is weakest.  gemm.pyx includes it once per width
+ * with ADT_W defined to 8 or 16, like kernels/skinny.h; the part that does not
+ * depend on the width (the prefetch plan, the packing buffer, the transposes) is
+ * compiled once.
  *
  * Row-major C (M x N) = alpha op(A) op(B) + beta C, one thread; kernels/gemm.pyx
  * splits the output between threads and routes here only what was measured faster
@@ -16,8 +19,9 @@
  *
  * An A panel holds SG_MR floats per depth, a B panel SG_NR floats (two vectors) per
  * depth; the micro-kernel keeps its SG_MR x 2 vector accumulators in registers and
- * does one broadcast of A and two FMAs per row and depth (about 175 GFLOP/s per
- * core with its operands in L1).  Panels past the edges of A and B are padded
+ * does one broadcast of A and two FMAs per row and depth: 8 x 32 in sixteen lanes
+ * (about 175 GFLOP/s per core on a Xeon with its operands in L1), 6 x 16 in eight
+ * (twelve of AVX2's sixteen registers).  Panels past the edges of A and B are padded
  * with zeros, and the tiles there go through a small buffer.
  *
  * op(A)[i, k] = A[i * a_rs + k * a_cs] and op(B)[k, j] = B[k * b_rs + j * b_cs], so
@@ -26,26 +30,22 @@
 #ifndef ADTAPE_KERNELS_SGEMM_H
 #define ADTAPE_KERNELS_SGEMM_H
 
+#include <pthread.h>
 #include "simd.h"
 
-#if ADT_HAVE_V4
-#include <pthread.h>
-
-#define SG_MR 8
-#define SG_NR 32
 #define SG_KC 256
-#define SG_MC 96
-#define SG_NC 512
 
-/* v[0..16) <- its transpose (v[r][l] becomes v[l][r]): four rounds that swap the
-   off-diagonal blocks of 8, 4, 2 and 1 lanes between rows r and r + d. */
-#define SG_SWAP(d, LO, HI) \
-    for (int r = 0; r < 16; r++) \
+#define SG_ARGS(...) __VA_ARGS__
+/* v[0..n) <- its transpose (v[r][l] becomes v[l][r]) for n x n lanes: rounds that
+   swap the off-diagonal blocks of 8, 4, 2 and 1 lanes between rows r and r + d. */
+#define SG_SWAP(n, d, LO, HI) \
+    for (int r = 0; r < (n); r++) \
         if (!(r & (d))) { \
-            adt_v16 a_ = v[r], b_ = v[r + (d)]; \
+            __typeof__(v[0]) a_ = v[r], b_ = v[r + (d)]; \
             v[r] = __builtin_shufflevector(a_, b_, LO); \
             v[r + (d)] = __builtin_shufflevector(a_, b_, HI); \
         }
+#if ADT_HAVE_V4
 #define SG_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define SG_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
 #define SG_LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
@@ -56,15 +56,14 @@
 #define SG_HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
 ADT_TARGET_V4 static inline __attribute__((always_inline)) void sg_transpose16(adt_v16 v[16]) {
 #pragma GCC unroll 16
-    SG_SWAP(8, SG_LO8, SG_HI8)
+    SG_SWAP(16, 8, SG_LO8, SG_HI8)
 #pragma GCC unroll 16
-    SG_SWAP(4, SG_LO4, SG_HI4)
+    SG_SWAP(16, 4, SG_LO4, SG_HI4)
 #pragma GCC unroll 16
-    SG_SWAP(2, SG_LO2, SG_HI2)
+    SG_SWAP(16, 2, SG_LO2, SG_HI2)
 #pragma GCC unroll 16
-    SG_SWAP(1, SG_LO1, SG_HI1)
+    SG_SWAP(16, 1, SG_LO1, SG_HI1)
 }
-#undef SG_SWAP
 #undef SG_LO8
 #undef SG_HI8
 #undef SG_LO4
@@ -73,112 +72,17 @@ ADT_TARGET_V4 static inline __attribute__((always_inline)) void sg_transpose16(a
 #undef SG_HI2
 #undef SG_LO1
 #undef SG_HI1
-
-/* Pack op(A)[i0:i0+mc, k0:k0+kc] (times alpha) as panels of SG_MR rows: for each
-   depth the panel's SG_MR values; rows past mc are zero. */
-ADT_TARGET_V4
-static void sg_pack_a(ptrdiff_t mc, ptrdiff_t kc, float alpha, const float* A, ptrdiff_t a_rs,
-                      ptrdiff_t a_cs, float* restrict pa) {
-    for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
-        ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
-        const float* a = A + i * a_rs;
-        if (a_cs == 1 && mc - i >= 2 * SG_MR) {
-            /* two panels' rows contiguous along the depth: 16 rows by 16 depths at a
-               time, transposed in registers, the low half of each depth to the first
-               panel and the high half to the second */
-            float* pa2 = pa + kc * SG_MR;
-            adt_v16 va = adt_splat16(alpha);
-            ptrdiff_t k = 0;
-            for (; k + 16 <= kc; k += 16) {
-                adt_v16 v[16];
-#pragma GCC unroll 16
-                for (int r = 0; r < 16; r++) v[r] = adt_load16(a + r * a_rs + k);
-                sg_transpose16(v);
-#pragma GCC unroll 16
-                for (int t = 0; t < 16; t++) {
-                    adt_v16 x = alpha == 1.0f ? v[t] : va * v[t];
-                    adt_store(pa + (k + t) * SG_MR, __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
-                    adt_store(pa2 + (k + t) * SG_MR, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
-                }
-            }
-            for (; k < kc; k++)
-                for (int r = 0; r < 2 * SG_MR; r++)
-                    (r < SG_MR ? pa : pa2 - SG_MR)[k * SG_MR + r] = alpha * a[r * a_rs + k];
-            pa += 2 * kc * SG_MR;
-            i += SG_MR;
-            continue;
-        }
-        if (a_cs == 1) {
-            /* rows contiguous along the depth: read each row in turn */
-            for (ptrdiff_t r = 0; r < mr; r++) {
-                const float* ar = a + r * a_rs;
-                for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = alpha * ar[k];
-            }
-        } else {
-            for (ptrdiff_t k = 0; k < kc; k++)
-                for (ptrdiff_t r = 0; r < mr; r++) pa[k * SG_MR + r] = alpha * a[k * a_cs + r * a_rs];
-        }
-        for (ptrdiff_t r = mr; r < SG_MR; r++)
-            for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = 0.0f;
-        pa += kc * SG_MR;
-    }
+#endif
+ADT_INLINE void sg_transpose8(adt_v8 v[8]) {
+#pragma GCC unroll 8
+    SG_SWAP(8, 4, SG_ARGS(0, 1, 2, 3, 8, 9, 10, 11), SG_ARGS(4, 5, 6, 7, 12, 13, 14, 15))
+#pragma GCC unroll 8
+    SG_SWAP(8, 2, SG_ARGS(0, 1, 8, 9, 4, 5, 12, 13), SG_ARGS(2, 3, 10, 11, 6, 7, 14, 15))
+#pragma GCC unroll 8
+    SG_SWAP(8, 1, SG_ARGS(0, 8, 2, 10, 4, 12, 6, 14), SG_ARGS(1, 9, 3, 11, 5, 13, 7, 15))
 }
-
-
-/* Pack op(B)[k0:k0+kc, 0:n] as panels of SG_NR columns: for each depth the panel's
-   SG_NR values; columns past n are zero. */
-ADT_TARGET_V4
-static void sg_pack_b(ptrdiff_t kc, ptrdiff_t n, const float* B, ptrdiff_t b_rs, ptrdiff_t b_cs,
-                      float* restrict pb) {
-    ptrdiff_t j = 0;
-    if (b_cs == 1 && n >= SG_NR) {
-        /* rows along the columns: each row once across all full panels */
-        ptrdiff_t nf = n / SG_NR * SG_NR;
-        for (ptrdiff_t k = 0; k < kc; k++) {
-            const float* bk = B + k * b_rs;
-            for (ptrdiff_t jj = 0; jj < nf; jj += SG_NR) {
-                adt_store16(pb + jj * kc + k * SG_NR, adt_load16(bk + jj));
-                adt_store16(pb + jj * kc + k * SG_NR + 16, adt_load16(bk + jj + 16));
-            }
-        }
-        pb += nf * kc;
-        j = nf;
-    }
-    for (; j < n; j += SG_NR) {
-        ptrdiff_t nr = n - j < SG_NR ? n - j : SG_NR;
-        const float* b = B + j * b_cs;
-        if (b_cs == 1) {
-            for (ptrdiff_t k = 0; k < kc; k++) {
-                for (ptrdiff_t c = 0; c < nr; c++) pb[k * SG_NR + c] = b[k * b_rs + c];
-                for (ptrdiff_t c = nr; c < SG_NR; c++) pb[k * SG_NR + c] = 0.0f;
-            }
-        } else if (nr == SG_NR && b_rs == 1) {
-            /* columns contiguous along the depth (a transposed weight): 16 columns
-               by 16 depths at a time, transposed in registers */
-            ptrdiff_t k = 0;
-            for (; k + 16 <= kc; k += 16)
-                for (int g = 0; g < SG_NR; g += 16) {
-                    adt_v16 v[16];
-#pragma GCC unroll 16
-                    for (int c = 0; c < 16; c++) v[c] = adt_load16(b + (g + c) * b_cs + k);
-                    sg_transpose16(v);
-#pragma GCC unroll 16
-                    for (int t = 0; t < 16; t++) adt_store16(pb + (k + t) * SG_NR + g, v[t]);
-                }
-            for (; k < kc; k++)
-                for (ptrdiff_t c = 0; c < SG_NR; c++) pb[k * SG_NR + c] = b[c * b_cs + k];
-        } else {
-            /* columns contiguous along the depth: read each column in turn */
-            for (ptrdiff_t c = 0; c < nr; c++) {
-                const float* bc = b + c * b_cs;
-                for (ptrdiff_t k = 0; k < kc; k++) pb[k * SG_NR + c] = bc[k * b_rs];
-            }
-            for (ptrdiff_t c = nr; c < SG_NR; c++)
-                for (ptrdiff_t k = 0; k < kc; k++) pb[k * SG_NR + c] = 0.0f;
-        }
-        pb += kc * SG_NR;
-    }
-}
+#undef SG_SWAP
+#undef SG_ARGS
 
 /* Prefetching the next block of op(B) into L2 while this one is computed: at few
    rows each weight is used by few micro-kernels, and packing it straight from
@@ -231,60 +135,11 @@ ADT_INLINE void sg_prefetch_one(sg_prefetch* p) {
     }
 }
 
-/* The SG_MR x SG_NR tile: C[0:mr, 0:nr] = acc + beta C (beta 0: C not read).  Not
-   inlined: inside sg_gemm's loops GCC kept a B vector on the stack (a load more
-   per FMA pair) and ran 30% slower. */
-ADT_TARGET_V4
-static __attribute__((noinline))
-void sg_micro(ptrdiff_t kc, const float* restrict pa, const float* restrict pb, float* c,
-              ptrdiff_t ldc, float beta, ptrdiff_t mr, ptrdiff_t nr, sg_prefetch* pf) {
-    adt_v16 acc[SG_MR][2];
-#pragma GCC unroll 16
-    for (int r = 0; r < SG_MR; r++) { acc[r][0] = (adt_v16){0}; acc[r][1] = (adt_v16){0}; }
-    for (ptrdiff_t k = 0; k < kc; k++) {
-        adt_v16 b0 = *(const adt_v16*)(pb), b1 = *(const adt_v16*)(pb + 16);
-#pragma GCC unroll 16
-        for (int r = 0; r < SG_MR; r++) {
-            float x = pa[r];
-            acc[r][0] += x * b0;
-            acc[r][1] += x * b1;
-        }
-        pa += SG_MR;
-        pb += SG_NR;
-        if ((k & pf->mask) == 0) sg_prefetch_one(pf);
-    }
-    if (mr == SG_MR && nr == SG_NR) {
-#pragma GCC unroll 16
-        for (int r = 0; r < SG_MR; r++) {
-            float* row = c + r * ldc;
-            if (beta == 0.0f) {
-                adt_store16(row, acc[r][0]);
-                adt_store16(row + 16, acc[r][1]);
-            } else if (beta == 1.0f) {
-                adt_store16(row, adt_load16(row) + acc[r][0]);
-                adt_store16(row + 16, adt_load16(row + 16) + acc[r][1]);
-            } else {
-                adt_store16(row, beta * adt_load16(row) + acc[r][0]);
-                adt_store16(row + 16, beta * adt_load16(row + 16) + acc[r][1]);
-            }
-        }
-    } else {
-        float t[SG_MR][SG_NR] __attribute__((aligned(64)));
-        for (int r = 0; r < SG_MR; r++) {
-            *(adt_v16*)t[r] = acc[r][0];
-            *(adt_v16*)(t[r] + 16) = acc[r][1];
-        }
-        for (ptrdiff_t r = 0; r < mr; r++)
-            for (ptrdiff_t j = 0; j < nr; j++)
-                c[r * ldc + j] = beta == 0.0f ? t[r][j] : t[r][j] + beta * c[r * ldc + j];
-    }
-}
-
 /* Packing space: SG_NC x SG_KC floats of B panels, then SG_MC x SG_KC of A panels
-   (0.6 MiB), one buffer per thread, allocated on its first product and kept until
-   the thread exits. */
-#define SG_B_FLOATS ((size_t)SG_NC * SG_KC)
-#define SG_BUF_FLOATS (SG_B_FLOATS + (size_t)((SG_MC + SG_MR - 1) / SG_MR) * SG_MR * SG_KC)
+   (0.6 MiB at the sixteen-lane sizes, the larger), one buffer per thread, allocated
+   on its first product and kept until the thread exits. */
+#define SG_B_FLOATS ((size_t)512 * SG_KC)
+#define SG_BUF_FLOATS (SG_B_FLOATS + (size_t)96 * SG_KC)
 static __thread float* sg_buf = NULL;
 static pthread_key_t sg_buf_key;
 static pthread_once_t sg_buf_once = PTHREAD_ONCE_INIT;
@@ -308,13 +163,197 @@ static float* sg_thread_buffer(void) {
     return sg_buf;
 }
 
+#endif /* ADTAPE_KERNELS_SGEMM_H */
+
+
+/* ---- the width-dependent part, once per ADT_W ---- */
+#if ADT_W == 8 || ADT_HAVE_V4
+
+#if ADT_W == 16
+#define SG_MR 8
+#define SG_NC 512
+#define SG_MC 96
+#else
+#define SG_MR 6
+#ifndef SG_NC8
+#define SG_NC8 512
+#endif
+#ifndef SG_MC8
+#define SG_MC8 96
+#endif
+#define SG_NC SG_NC8
+#define SG_MC SG_MC8
+#endif
+#define SG_NR (2 * ADT_W)
+_Static_assert((size_t)SG_NC * SG_KC <= SG_B_FLOATS
+               && (size_t)((SG_MC + SG_MR - 1) / SG_MR) * SG_MR * SG_KC
+                  <= SG_BUF_FLOATS - SG_B_FLOATS, "sgemm.h: packing buffer too small");
+
+/* Pack op(A)[i0:i0+mc, k0:k0+kc] (times alpha) as panels of SG_MR rows: for each
+   depth the panel's SG_MR values; rows past mc are zero. */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(sg_pack_a)(ptrdiff_t mc, ptrdiff_t kc, float alpha, const float* A,
+                                    ptrdiff_t a_rs, ptrdiff_t a_cs, float* restrict pa) {
+    for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
+        ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
+        const float* a = A + i * a_rs;
+#if ADT_W == 16
+        if (a_cs == 1 && mc - i >= 2 * SG_MR) {
+            /* two panels' rows contiguous along the depth: 16 rows by 16 depths at a
+               time, transposed in registers, the low half of each depth to the first
+               panel and the high half to the second */
+            float* pa2 = pa + kc * SG_MR;
+            adt_v16 va = adt_splat16(alpha);
+            ptrdiff_t k = 0;
+            for (; k + 16 <= kc; k += 16) {
+                adt_v16 v[16];
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; r++) v[r] = adt_load16(a + r * a_rs + k);
+                sg_transpose16(v);
+#pragma GCC unroll 16
+                for (int t = 0; t < 16; t++) {
+                    adt_v16 x = alpha == 1.0f ? v[t] : va * v[t];
+                    adt_store(pa + (k + t) * SG_MR, __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+                    adt_store(pa2 + (k + t) * SG_MR, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+                }
+            }
+            for (; k < kc; k++)
+                for (int r = 0; r < 2 * SG_MR; r++)
+                    (r < SG_MR ? pa : pa2 - SG_MR)[k * SG_MR + r] = alpha * a[r * a_rs + k];
+            pa += 2 * kc * SG_MR;
+            i += SG_MR;
+            continue;
+        }
+#endif
+        if (a_cs == 1) {
+            /* rows contiguous along the depth: read each row in turn */
+            for (ptrdiff_t r = 0; r < mr; r++) {
+                const float* ar = a + r * a_rs;
+                for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = alpha * ar[k];
+            }
+        } else {
+            for (ptrdiff_t k = 0; k < kc; k++)
+                for (ptrdiff_t r = 0; r < mr; r++) pa[k * SG_MR + r] = alpha * a[k * a_cs + r * a_rs];
+        }
+        for (ptrdiff_t r = mr; r < SG_MR; r++)
+            for (ptrdiff_t k = 0; k < kc; k++) pa[k * SG_MR + r] = 0.0f;
+        pa += kc * SG_MR;
+    }
+}
+
+
+/* Pack op(B)[k0:k0+kc, 0:n] as panels of SG_NR columns: for each depth the panel's
+   SG_NR values; columns past n are zero. */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(sg_pack_b)(ptrdiff_t kc, ptrdiff_t n, const float* B, ptrdiff_t b_rs,
+                                    ptrdiff_t b_cs, float* restrict pb) {
+    ptrdiff_t j = 0;
+    if (b_cs == 1 && n >= SG_NR) {
+        /* rows along the columns: each row once across all full panels */
+        ptrdiff_t nf = n / SG_NR * SG_NR;
+        for (ptrdiff_t k = 0; k < kc; k++) {
+            const float* bk = B + k * b_rs;
+            for (ptrdiff_t jj = 0; jj < nf; jj += SG_NR) {
+                ADT_V(store)(pb + jj * kc + k * SG_NR, ADT_V(load)(bk + jj));
+                ADT_V(store)(pb + jj * kc + k * SG_NR + ADT_W, ADT_V(load)(bk + jj + ADT_W));
+            }
+        }
+        pb += nf * kc;
+        j = nf;
+    }
+    for (; j < n; j += SG_NR) {
+        ptrdiff_t nr = n - j < SG_NR ? n - j : SG_NR;
+        const float* b = B + j * b_cs;
+        if (b_cs == 1) {
+            for (ptrdiff_t k = 0; k < kc; k++) {
+                for (ptrdiff_t c = 0; c < nr; c++) pb[k * SG_NR + c] = b[k * b_rs + c];
+                for (ptrdiff_t c = nr; c < SG_NR; c++) pb[k * SG_NR + c] = 0.0f;
+            }
+        } else if (nr == SG_NR && b_rs == 1) {
+            /* columns contiguous along the depth (a transposed weight): W columns
+               by W depths at a time, transposed in registers */
+            ptrdiff_t k = 0;
+            for (; k + ADT_W <= kc; k += ADT_W)
+                for (int g = 0; g < SG_NR; g += ADT_W) {
+                    ADT_VT v[ADT_W];
+#pragma GCC unroll 16
+                    for (int c = 0; c < ADT_W; c++) v[c] = ADT_V(load)(b + (g + c) * b_cs + k);
+                    ADT_CAT(sg_transpose, ADT_W)(v);
+#pragma GCC unroll 16
+                    for (int t = 0; t < ADT_W; t++) ADT_V(store)(pb + (k + t) * SG_NR + g, v[t]);
+                }
+            for (; k < kc; k++)
+                for (ptrdiff_t c = 0; c < SG_NR; c++) pb[k * SG_NR + c] = b[c * b_cs + k];
+        } else {
+            /* columns contiguous along the depth: read each column in turn */
+            for (ptrdiff_t c = 0; c < nr; c++) {
+                const float* bc = b + c * b_cs;
+                for (ptrdiff_t k = 0; k < kc; k++) pb[k * SG_NR + c] = bc[k * b_rs];
+            }
+            for (ptrdiff_t c = nr; c < SG_NR; c++)
+                for (ptrdiff_t k = 0; k < kc; k++) pb[k * SG_NR + c] = 0.0f;
+        }
+        pb += kc * SG_NR;
+    }
+}
+
+/* The SG_MR x SG_NR tile: C[0:mr, 0:nr] = acc + beta C (beta 0: C not read).  Not
+   inlined: inside sg_gemm's loops GCC kept a B vector on the stack (a load more
+   per FMA pair) and ran 30% slower. */
+ADT_LANES_ATTR
+static __attribute__((noinline))
+void ADT_LANES_FN(sg_micro)(ptrdiff_t kc, const float* restrict pa, const float* restrict pb,
+                            float* c, ptrdiff_t ldc, float beta, ptrdiff_t mr, ptrdiff_t nr,
+                            sg_prefetch* pf) {
+    ADT_VT acc[SG_MR][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < SG_MR; r++) { acc[r][0] = (ADT_VT){0}; acc[r][1] = (ADT_VT){0}; }
+    for (ptrdiff_t k = 0; k < kc; k++) {
+        ADT_VT b0 = *(const ADT_VT*)(pb), b1 = *(const ADT_VT*)(pb + ADT_W);
+#pragma GCC unroll 16
+        for (int r = 0; r < SG_MR; r++) {
+            float x = pa[r];
+            acc[r][0] += x * b0;
+            acc[r][1] += x * b1;
+        }
+        pa += SG_MR;
+        pb += SG_NR;
+        if ((k & pf->mask) == 0) sg_prefetch_one(pf);
+    }
+    if (mr == SG_MR && nr == SG_NR) {
+#pragma GCC unroll 16
+        for (int r = 0; r < SG_MR; r++) {
+            float* row = c + r * ldc;
+            if (beta == 0.0f) {
+                ADT_V(store)(row, acc[r][0]);
+                ADT_V(store)(row + ADT_W, acc[r][1]);
+            } else if (beta == 1.0f) {
+                ADT_V(store)(row, ADT_V(load)(row) + acc[r][0]);
+                ADT_V(store)(row + ADT_W, ADT_V(load)(row + ADT_W) + acc[r][1]);
+            } else {
+                ADT_V(store)(row, beta * ADT_V(load)(row) + acc[r][0]);
+                ADT_V(store)(row + ADT_W, beta * ADT_V(load)(row + ADT_W) + acc[r][1]);
+            }
+        }
+    } else {
+        float t[SG_MR][SG_NR] __attribute__((aligned(64)));
+        for (int r = 0; r < SG_MR; r++) {
+            *(ADT_VT*)t[r] = acc[r][0];
+            *(ADT_VT*)(t[r] + ADT_W) = acc[r][1];
+        }
+        for (ptrdiff_t r = 0; r < mr; r++)
+            for (ptrdiff_t j = 0; j < nr; j++)
+                c[r * ldc + j] = beta == 0.0f ? t[r][j] : t[r][j] + beta * c[r * ldc + j];
+    }
+}
+
 /* C = alpha op(A) op(B) + beta C over M x N x K (K > 0).  Returns -1, having
    written nothing, when the packing buffer cannot be allocated. */
-ADT_TARGET_V4
-static int sg_gemm(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
-                   const float* A, ptrdiff_t a_rs, ptrdiff_t a_cs,
-                   const float* B, ptrdiff_t b_rs, ptrdiff_t b_cs,
-                   float beta, float* C, ptrdiff_t ldc) {
+ADT_LANES_ATTR
+static int ADT_LANES_FN(sg_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
+                                 const float* A, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                                 const float* B, ptrdiff_t b_rs, ptrdiff_t b_cs,
+                                 float beta, float* C, ptrdiff_t ldc) {
     float* pb = sg_thread_buffer();
     if (pb == NULL) return -1;
     float* pa = pb + SG_B_FLOATS;
@@ -324,7 +363,7 @@ static int sg_gemm(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
         for (ptrdiff_t k0 = 0; k0 < K; k0 += SG_KC) {
             ptrdiff_t kc = K - k0 < SG_KC ? K - k0 : SG_KC;
             float bt = k0 == 0 ? beta : 1.0f;
-            sg_pack_b(kc, nc, B + k0 * b_rs + j0 * b_cs, b_rs, b_cs, pb);
+            ADT_LANES_FN(sg_pack_b)(kc, nc, B + k0 * b_rs + j0 * b_cs, b_rs, b_cs, pb);
             {
                 ptrdiff_t k1 = k0 + SG_KC < K ? k0 + SG_KC : 0;
                 ptrdiff_t j1 = k0 + SG_KC < K ? j0 : j0 + SG_NC;
@@ -335,14 +374,14 @@ static int sg_gemm(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
             }
             for (ptrdiff_t i0 = 0; i0 < M; i0 += SG_MC) {
                 ptrdiff_t mc = M - i0 < SG_MC ? M - i0 : SG_MC;
-                sg_pack_a(mc, kc, alpha, A + i0 * a_rs + k0 * a_cs, a_rs, a_cs, pa);
+                ADT_LANES_FN(sg_pack_a)(mc, kc, alpha, A + i0 * a_rs + k0 * a_cs, a_rs, a_cs, pa);
                 for (ptrdiff_t j = 0; j < nc; j += SG_NR) {
                     ptrdiff_t nr = nc - j < SG_NR ? nc - j : SG_NR;
                     const float* pbj = pb + (j / SG_NR) * SG_NR * kc;
                     for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
                         ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
-                        sg_micro(kc, pa + (i / SG_MR) * SG_MR * kc, pbj,
-                                 C + (i0 + i) * ldc + j0 + j, ldc, bt, mr, nr, &pf);
+                        ADT_LANES_FN(sg_micro)(kc, pa + (i / SG_MR) * SG_MR * kc, pbj,
+                                               C + (i0 + i) * ldc + j0 + j, ldc, bt, mr, nr, &pf);
                     }
                 }
             }
@@ -351,5 +390,8 @@ static int sg_gemm(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
     return 0;
 }
 
-#endif /* ADT_HAVE_V4 */
-#endif
+#undef SG_MR
+#undef SG_NR
+#undef SG_NC
+#undef SG_MC
+#endif /* ADT_W == 8 || ADT_HAVE_V4 */

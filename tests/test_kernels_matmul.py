@@ -312,19 +312,22 @@ def _check_gpt2_shapes_against_torch():
 
 
 # ---------------------------------------------------------------- packed GEMM
-# On CPUs with AVX-512, kernels.gemm computes some large products with its own packed
-# GEMM (kernels/sgemm.h) instead of BLAS; set_packed_gemm(2) routes every product
-# there.  Checked against float64 on sizes that cross each blocking edge: rows past
-# a multiple of the 12-row tile and of the 96-row block, columns past the 32-column
-# panel and the 512-column block of each thread, depths past the 256-deep block.
+# kernels.gemm computes some products with its own packed GEMM (kernels/sgemm.h)
+# instead of BLAS; set_packed_gemm(2) routes every product there.  Checked against
+# float64 in eight lanes (6 x 16 tiles) and, where the CPU has AVX-512, sixteen
+# (8 x 32), on sizes that cross each blocking edge: rows past a multiple of the tile
+# and of the 96-row block, columns past the panel and the 512-column block of each
+# thread, depths past the 256-deep block and past the 8 x 8 and 16 x 16 transposes.
 
+@pytest.mark.parametrize("lanes", _skinny_lanes())
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
 @pytest.mark.parametrize("M,N,K", [(65, 33, 1), (97, 31, 385), (130, 1, 200), (200, 2100, 70),
-                                   (77, 300, 800)])
-def test_packed_gemm_matches_float64(layout, M, N, K):
+                                   (77, 300, 800), (13, 1043, 523)])
+def test_packed_gemm_matches_float64(layout, M, N, K, lanes):
     from kernels import gemm
     trans_a, trans_b = layout[0] == "t", layout[1] == "t"
     rng = np.random.default_rng(M * N + K)
+    old_lanes = gemm.set_skinny_lanes(lanes)
     a = rng.standard_normal((K, M) if trans_a else (M, K)).astype(np.float32)
     b = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
     c0 = rng.standard_normal((M, N)).astype(np.float32)
@@ -347,6 +350,7 @@ def test_packed_gemm_matches_float64(layout, M, N, K):
     finally:
         gemm.set_packed_gemm(old_mode)
         gemm.set_skinny_max_m(old_m)
+        gemm.set_skinny_lanes(old_lanes)
 
 
 def test_packed_gemm_setting():
