@@ -85,7 +85,7 @@ cdef extern from *:
        64 (on a Xeon in eight lanes the depth split won up to 32 rows: 87 vs 65
        GFLOP/s at 16 x 768 x 2304).  set_depth_split_max_m overrides the default. */
     static ptrdiff_t ds_max_m = -1;
-    static void set_ds_max_m(ptrdiff_t m) { ds_max_m = m; }
+    static ptrdiff_t set_ds_max_m(ptrdiff_t m) { ptrdiff_t old = ds_max_m; ds_max_m = m; return old; }
     static ptrdiff_t depth_split_limit(ptrdiff_t m) {
         ptrdiff_t limit = ds_max_m >= 0 ? ds_max_m : (SK_WIDE ? m : 0);
         return m > limit ? limit : m;
@@ -173,7 +173,7 @@ cdef extern from *:
     Py_ssize_t skinny_nt_limit(Py_ssize_t m) nogil
     Py_ssize_t skinny_tn_limit(Py_ssize_t k) nogil
     Py_ssize_t depth_split_limit(Py_ssize_t m) nogil
-    void set_ds_max_m(Py_ssize_t m) nogil
+    Py_ssize_t set_ds_max_m(Py_ssize_t m) nogil
     void skinny_set_narrow(int narrow) nogil
     int skinny_wide() nogil
     int packed_gemm(int trans_a, int trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
@@ -199,22 +199,15 @@ def set_skinny_max_m(Py_ssize_t m):
     return old
 
 
-cdef Py_ssize_t _ds_max_m = -1
-
-
 def set_depth_split_max_m(Py_ssize_t m):
     """Split products with at most ``m`` rows (and no transposed operand) by depth
     across the threads; -1 restores the default (every skinny product with sixteen
     lanes, none with eight).
 
     For tests and benchmarks; returns the previous value."""
-    global _ds_max_m
     if m < -1:
         raise ValueError(f"m must be -1 or more, got {m}")
-    old = _ds_max_m
-    _ds_max_m = m
-    set_ds_max_m(m)
-    return old
+    return set_ds_max_m(m)
 
 
 def skinny_lanes():

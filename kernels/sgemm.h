@@ -33,7 +33,12 @@
 #include <pthread.h>
 #include "simd.h"
 
+/* The blocks, the same in both widths (on the Zen 3 machine, 512 KiB of L2 per
+   core, 256 or 384 columns per block made no measurable difference): SG_NC columns
+   by SG_KC depths of B, SG_MC rows of A (a multiple of either width's tile). */
 #define SG_KC 256
+#define SG_NC 512
+#define SG_MC 96
 
 #define SG_ARGS(...) __VA_ARGS__
 /* v[0..n) <- its transpose (v[r][l] becomes v[l][r]) for n x n lanes: rounds that
@@ -136,10 +141,10 @@ ADT_INLINE void sg_prefetch_one(sg_prefetch* p) {
 }
 
 /* Packing space: SG_NC x SG_KC floats of B panels, then SG_MC x SG_KC of A panels
-   (0.6 MiB at the sixteen-lane sizes, the larger), one buffer per thread, allocated
-   on its first product and kept until the thread exits. */
-#define SG_B_FLOATS ((size_t)512 * SG_KC)
-#define SG_BUF_FLOATS (SG_B_FLOATS + (size_t)96 * SG_KC)
+   (0.6 MiB), one buffer per thread, allocated on its first product and kept until
+   the thread exits. */
+#define SG_B_FLOATS ((size_t)SG_NC * SG_KC)
+#define SG_BUF_FLOATS (SG_B_FLOATS + (size_t)SG_MC * SG_KC)
 static __thread float* sg_buf = NULL;
 static pthread_key_t sg_buf_key;
 static pthread_once_t sg_buf_once = PTHREAD_ONCE_INIT;
@@ -169,15 +174,10 @@ static float* sg_thread_buffer(void) {
 /* ---- the width-dependent part, once per ADT_W ---- */
 #if ADT_W == 8 || ADT_HAVE_V4
 
-/* The same blocks in both widths: on the Zen 3 machine (512 KiB of L2 per core)
-   256 or 384 columns per block made no measurable difference. */
 #define SG_MR (ADT_W == 16 ? 8 : 6)
-#define SG_NC 512
-#define SG_MC 96
 #define SG_NR (2 * ADT_W)
-_Static_assert((size_t)SG_NC * SG_KC <= SG_B_FLOATS
-               && (size_t)((SG_MC + SG_MR - 1) / SG_MR) * SG_MR * SG_KC
-                  <= SG_BUF_FLOATS - SG_B_FLOATS, "sgemm.h: packing buffer too small");
+_Static_assert(SG_MC % SG_MR == 0 && SG_NC % SG_NR == 0,
+               "sgemm.h: the blocks must hold whole tiles (the packing buffer's size)");
 
 /* Pack op(A)[i0:i0+mc, k0:k0+kc] (times alpha) as panels of SG_MR rows: for each
    depth the panel's SG_MR values; rows past mc are zero. */
@@ -382,6 +382,4 @@ static int ADT_LANES_FN(sg_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float al
 
 #undef SG_MR
 #undef SG_NR
-#undef SG_NC
-#undef SG_MC
 #endif /* ADT_W == 8 || ADT_HAVE_V4 */

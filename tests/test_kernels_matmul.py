@@ -327,7 +327,6 @@ def test_packed_gemm_matches_float64(layout, M, N, K, lanes):
     from kernels import gemm
     trans_a, trans_b = layout[0] == "t", layout[1] == "t"
     rng = np.random.default_rng(M * N + K)
-    old_lanes = gemm.set_skinny_lanes(lanes)
     a = rng.standard_normal((K, M) if trans_a else (M, K)).astype(np.float32)
     b = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
     c0 = rng.standard_normal((M, N)).astype(np.float32)
@@ -335,6 +334,7 @@ def test_packed_gemm_matches_float64(layout, M, N, K, lanes):
     a64 = (a.T if trans_a else a).astype(np.float64)
     b64 = (b.T if trans_b else b).astype(np.float64)
     old_mode, old_m = gemm.set_packed_gemm(2), gemm.set_skinny_max_m(0)
+    old_lanes = gemm.set_skinny_lanes(lanes)
     try:
         for alpha, beta, with_bias in ((1.0, 0.0, False), (1.0, 1.0, True), (0.5, -2.0, False)):
             for n_threads in (1, 2):
