@@ -20,8 +20,6 @@ cnp.import_array()
 cdef enum:
     # Elements per parallel work item (64 KiB of float32).
     CHUNK = 16384
-    # Float64 lanes of the per-block sums of squares.
-    SQ_LANES = 32
 
 
 cdef inline Py_ssize_t _span(Py_ssize_t k, Py_ssize_t n) noexcept nogil:
@@ -69,6 +67,41 @@ cdef extern from *:
                     float eps, float gscale, int zero_grads) nogil
 
 
+cdef extern from *:
+    """
+    /* Sum of squares of one block in float64: 32 lanes of partial sums (eight vectors
+       of four doubles), each float widened and squared into its lane, then a halving
+       sum of the lanes.  Compiled for AVX2+FMA and the baseline: the baseline build
+       alone (two doubles per instruction, no FMA) read 10 GB/s on one core of the
+       Zen 3 VM, half the memory bandwidth. */
+    typedef double adt_v4d __attribute__((vector_size(32)));
+    typedef float adt_v4f __attribute__((vector_size(16), aligned(4)));
+    ADT_MULTIVERSION
+    static double sum_squares_span(const float* x, ptrdiff_t n) {
+        adt_v4d acc[8] = {{0}};
+        ptrdiff_t i = 0;
+        for (; i + 32 <= n; i += 32) {
+            ADT_PREFETCH_R(x + i);
+            ADT_PREFETCH_R(x + i + 16);
+            for (int j = 0; j < 8; j++) {
+                adt_v4d d = __builtin_convertvector(*(const adt_v4f*)(x + i + 4 * j), adt_v4d);
+                acc[j] += d * d;
+            }
+        }
+        double lanes[32];
+        memcpy(lanes, acc, sizeof lanes);
+        for (ptrdiff_t j = 0; i + j < n; j++) {
+            double xj = x[i + j];
+            lanes[j] += xj * xj;
+        }
+        for (int h = 16; h >= 1; h /= 2)
+            for (int j = 0; j < h; j++) lanes[j] += lanes[j + h];
+        return lanes[0];
+    }
+    """
+    double sum_squares_span(const float* x, Py_ssize_t n) nogil
+
+
 cdef void adamw_core(float* params, float* grads, float* m, float* v, Py_ssize_t n,
                      int step, double lr, double beta1, double beta2, double eps,
                      double weight_decay, float grad_scale, bint zero_grads,
@@ -99,30 +132,6 @@ cdef void scale_core(float* buf, float factor, Py_ssize_t n, int n_threads) noex
         _scale_span(buf + k * CHUNK, factor, _span(k, n))
 
 
-cdef double _sum_squares_span(const float* x, Py_ssize_t n) noexcept nogil:
-    # Lanes of float64 partial sums, then a halving sum: every step is an elementwise
-    # loop gcc vectorizes without reassociating a reduction.
-    cdef double acc[SQ_LANES]
-    cdef Py_ssize_t i = 0, j, h, lanes = SQ_LANES
-    cdef double xj
-    for j in range(SQ_LANES):
-        acc[j] = 0
-    while i + SQ_LANES <= n:
-        for j in range(SQ_LANES):
-            xj = x[i + j]
-            acc[j] = acc[j] + xj * xj
-        i = i + SQ_LANES
-    for j in range(n - i):
-        xj = x[i + j]
-        acc[j] = acc[j] + xj * xj
-    while lanes > 1:
-        h = lanes // 2
-        for j in range(h):
-            acc[j] = acc[j] + acc[lanes - h + j]
-        lanes = lanes - h
-    return acc[0]
-
-
 cdef double sum_squares_core(const float* buf, Py_ssize_t n, int n_threads) except? -1 nogil:
     cdef Py_ssize_t n_blocks = (n + CHUNK - 1) // CHUNK, k
     cdef double total = 0
@@ -133,7 +142,7 @@ cdef double sum_squares_core(const float* buf, Py_ssize_t n, int n_threads) exce
         with gil:
             raise MemoryError(f"grad_norm: cannot allocate {n_blocks} partial sums")
     for k in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
-        partial[k] = _sum_squares_span(buf + k * CHUNK, _span(k, n))
+        partial[k] = sum_squares_span(buf + k * CHUNK, _span(k, n))
     for k in range(n_blocks):
         total = total + partial[k]
     free(partial)
