@@ -127,12 +127,13 @@ ADT_LANES_INLINE float ADT_LANES_FN(ln_sum_sq_dev)(const float* x, float m, ptrd
 }
 
 /* Rows r0..r1: two passes over each row (it sits in L1) avoid the cancellation of
-   E[x^2] - E[x]^2. */
+   E[x^2] - E[x]^2.  stream: out is written with non-temporal stores (kernels/simd.h;
+   out 64-byte aligned, C a multiple of 16). */
 ADT_LANES_ATTR
 static void ADT_LANES_FN(ln_forward_rows)(float* out, float* mean, float* rstd,
                                           const float* inp, const float* weight,
                                           const float* bias, ptrdiff_t r0, ptrdiff_t r1,
-                                          ptrdiff_t C) {
+                                          ptrdiff_t C, int stream) {
     for (ptrdiff_t r = r0; r < r1; r++) {
         const float* x = inp + r * C;
         float* y = out + r * C;
@@ -141,13 +142,21 @@ static void ADT_LANES_FN(ln_forward_rows)(float* out, float* mean, float* rstd,
                                + (float)ADTAPE_LAYERNORM_EPS);
         ADT_VT mv = ADT_V(splat)(m), sv = ADT_V(splat)(s);
         ptrdiff_t i = 0;
-        for (; i + ADT_W <= C; i += ADT_W)
-            ADT_V(store)(y + i, (ADT_V(load)(x + i) - mv) * sv * ADT_V(load)(weight + i)
-                                + ADT_V(load)(bias + i));
+#define ADT_LN_ROW(STORE) \
+        for (; i + ADT_W <= C; i += ADT_W) \
+            STORE(y + i, (ADT_V(load)(x + i) - mv) * sv * ADT_V(load)(weight + i) \
+                         + ADT_V(load)(bias + i));
+        if (stream) {
+            ADT_LN_ROW(ADT_V(stream))
+        } else {
+            ADT_LN_ROW(ADT_V(store))
+        }
+#undef ADT_LN_ROW
         for (; i < C; i++) y[i] = (x[i] - m) * s * weight[i] + bias[i];
         mean[r] = m;
         rstd[r] = s;
     }
+    if (stream) adt_stream_fence();
 }
 
 /* Rows r0..r1 of the backward: dinp += ... (= when ow_dinp), and this block's partial
@@ -201,17 +210,53 @@ static void ADT_LANES_FN(ln_backward_rows)(float* dinp, float* part_w, float* pa
     }
 }
 
-/* out[0:n] = a + b (the residual forward; out may be a or b). */
+/* out[0:n] = a + b (the residual forward; out may be a or b); stream: non-temporal
+   stores (out 64-byte aligned). */
 ADT_LANES_ATTR
-static void ADT_LANES_FN(add_span)(float* out, const float* a, const float* b, ptrdiff_t n) {
+static void ADT_LANES_FN(add_span)(float* out, const float* a, const float* b, ptrdiff_t n,
+                                   int stream) {
     ptrdiff_t i = 0;
-    for (; i + ADT_W <= n; i += ADT_W) {
-        ADT_PREFETCH_R(a + i);
-        ADT_PREFETCH_R(b + i);
-        ADT_PREFETCH_W(out + i);
-        ADT_V(store)(out + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
+    if (stream) {
+        for (; i + ADT_W <= n; i += ADT_W) {
+            ADT_PREFETCH_R(a + i);
+            ADT_PREFETCH_R(b + i);
+            ADT_V(stream)(out + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
+        }
+    } else {
+        for (; i + ADT_W <= n; i += ADT_W) {
+            ADT_PREFETCH_R(a + i);
+            ADT_PREFETCH_R(b + i);
+            ADT_PREFETCH_W(out + i);
+            ADT_V(store)(out + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
+        }
     }
     for (; i < n; i++) out[i] = a[i] + b[i];
+    if (stream) adt_stream_fence();
+}
+
+/* Rows r0..r1 of the encoder: out[r] = wte[ids[r]] + wpe[r % T]; stream as above
+   (C a multiple of 16).  The table rows are random lines, fetched a row ahead. */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(encoder_rows)(float* out, const int32_t* ids, const float* wte,
+                                       const float* wpe, ptrdiff_t r0, ptrdiff_t r1,
+                                       ptrdiff_t T, ptrdiff_t C, int stream) {
+    for (ptrdiff_t r = r0; r < r1; r++) {
+        const float* a = wte + (ptrdiff_t)ids[r] * C;
+        const float* b = wpe + (r % T) * C;
+        float* y = out + r * C;
+        if (r + 1 < r1)
+            for (ptrdiff_t i = 0; i < C; i += 16)
+                __builtin_prefetch(wte + (ptrdiff_t)ids[r + 1] * C + i, 0, 3);
+        ptrdiff_t i = 0;
+        if (stream)
+            for (; i + ADT_W <= C; i += ADT_W)
+                ADT_V(stream)(y + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
+        else
+            for (; i + ADT_W <= C; i += ADT_W)
+                ADT_V(store)(y + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
+        for (; i < C; i++) y[i] = a[i] + b[i];
+    }
+    if (stream) adt_stream_fence();
 }
 
 /* a (+)= d and b (+)= d in one pass that reads d once (residual backward; a row of

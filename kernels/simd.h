@@ -79,6 +79,26 @@ ADT_LANE_OPS(16, adt_v16, adt_v16u, adt_v16i)
 #undef ADT_LANE_OPS
 ADT_INLINE adt_v8 adt_exp(adt_v8 x) { return adt_exp_bits(x); }
 
+/* Non-temporal stores, for outputs far larger than the caches: the written lines go
+   to memory without first being read into the cache (write-allocate), a third less
+   traffic for out = f(a, b).  On the Zen 3 VM, out = a + b over 6.3M floats with two
+   threads: 3.3 -> 1.9 ms.  Below the size of the last-level cache they lose (the
+   plain stores' output stays cached for the next pass), so callers choose them by
+   size (kernels.layers' stream_min_bytes).  p must be 16-byte aligned (eight
+   lanes: two SSE stores, which the baseline has too) or 64-byte (sixteen); a thread
+   ends its streamed stores with adt_stream_fence() before others may read them. */
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <xmmintrin.h>
+ADT_INLINE void adt_stream(float* p, adt_v8 v) {
+    _mm_stream_ps(p, (__m128)__builtin_shufflevector(v, v, 0, 1, 2, 3));
+    _mm_stream_ps(p + 4, (__m128)__builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+ADT_INLINE void adt_stream_fence(void) { _mm_sfence(); }
+#else
+ADT_INLINE void adt_stream(float* p, adt_v8 v) { adt_store(p, v); }
+ADT_INLINE void adt_stream_fence(void) {}
+#endif
+
 /* Sum of the eight lanes, pairwise (the same order on every path). */
 ADT_INLINE float adt_hsum(adt_v8 v) {
     float a = (v[0] + v[4]) + (v[2] + v[6]);
@@ -109,6 +129,9 @@ ADT_INLINE int adt_cpu_v4(void) {
     static int has = -1;
     if (has < 0) has = __builtin_cpu_supports("x86-64-v4") ? 1 : 0;   /* benign race */
     return has;
+}
+ADT_TARGET_V4 ADT_INLINE void adt_stream16(float* p, adt_v16 v) {
+    _mm512_stream_ps(p, (__m512)v);
 }
 ADT_TARGET_V4 ADT_INLINE adt_v16 adt_divide16(adt_v16 a, adt_v16 b) {
     adt_v16 r = __builtin_ia32_rcp14ps512_mask(b, b, (unsigned short)-1);
@@ -146,6 +169,7 @@ ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp16(adt_v16 x) {
 #define ADT_TARGET_V4
 ADT_INLINE int adt_cpu_v4(void) { return 0; }
 ADT_INLINE adt_v16 adt_divide16(adt_v16 a, adt_v16 b) { return a / b; }
+ADT_INLINE void adt_stream16(float* p, adt_v16 v) { adt_store16(p, v); }
 ADT_INLINE adt_v16 adt_exp16(adt_v16 x) { return adt_exp_bits16(x); }
 #endif
 

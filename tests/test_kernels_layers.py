@@ -411,3 +411,55 @@ def test_vector_exp_within_two_ulp_and_exact_zero_below_cutoff(vector_lanes):
     special = layers._vector_exp(np.float32([np.nan, -np.inf, 0.0] * 7))
     assert np.isnan(special[0::3]).all() and not special[1::3].any()
     assert (special[2::3] == 1.0).all()
+
+
+# ---------------------------------------------------------------------------
+# non-temporal stores for large outputs
+
+def test_streamed_outputs_equal_plain_ones(vector_lanes):
+    """With stream_min_bytes 0 every aligned fresh output (encoder, layernorm and
+    residual forward) is written with non-temporal stores: the same bits as the plain
+    stores, on aligned arrays, on misaligned ones (which keep plain stores) and with
+    rows that are no multiple of 16 floats."""
+    from adtape import buffers
+    rng = np.random.default_rng(21)
+
+    def run(B, T, C, offset):
+        def arr(*shape):
+            # `offset` floats into a 64-byte aligned block: aligned when 0
+            flat = buffers.empty((int(np.prod(shape)) + offset,))[offset:]
+            return flat.reshape(shape)
+        x, w, b = layernorm_arrays(rng, B, T, C)
+        ids, wte, wpe = encoder_case(rng, B, T, C, Vp=7)
+        outs = []
+        for min_bytes in (1 << 62, 0):
+            old = layers.set_stream_min_bytes(min_bytes)
+            try:
+                enc, ln, res = arr(B, T, C), arr(B, T, C), arr(B, T, C)
+                mean, rstd = np.empty((B, T), np.float32), np.empty((B, T), np.float32)
+                layers.encoder_forward(enc, ids, wte, wpe)
+                layers.layernorm_forward(ln, mean, rstd, x, w, b)
+                layers.residual_forward(res, x, enc)
+                outs.append([enc.copy(), ln.copy(), mean, rstd, res.copy()])
+            finally:
+                assert layers.set_stream_min_bytes(old) == min_bytes
+        for plain, streamed in zip(*outs):
+            np.testing.assert_array_equal(plain, streamed)
+        enc_n = np.empty((B, T, C), np.float32)
+        layers.encoder_forward_naive(enc_n, ids, wte, wpe)
+        np.testing.assert_array_equal(outs[1][0], enc_n)
+
+    for B, T, C, offset in ((2, 37, 768, 0), (3, 5, 64, 0), (2, 9, 48, 3), (1, 11, 40, 0),
+                            (4, 300, 16, 0)):
+        run(B, T, C, offset)
+
+
+def test_stream_min_bytes_setting():
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="stream_min_bytes"):
+            layers.set_stream_min_bytes(bad)
+    old = layers.set_stream_min_bytes(123)
+    try:
+        assert layers.stream_min_bytes() == 123
+    finally:
+        assert layers.set_stream_min_bytes(old) == 123
