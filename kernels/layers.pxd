@@ -117,6 +117,9 @@ cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept
 # Whether the element-wise and row kernels (layers, loss, attention) run their
 # sixteen-lane AVX-512 paths: the CPU has them and set_vector_lanes(8) is not in force.
 cdef bint lanes_wide() noexcept nogil
+# The build of the layers and loss kernels: 1 sixteen lanes, 2 eight lanes built for
+# x86-64-v3, 0 eight lanes as target clones (kernels/simd.h's ADT_LANES_CALL_X3).
+cdef int lanes_kind() noexcept nogil
 # buf[0:n] = 0 on n_threads (streamed past the caches for large pieces on AVX-512)
 cdef void zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil
 

@@ -35,14 +35,23 @@ cdef extern from *:
 
 cdef extern from "simd.h":
     int adt_cpu_v4() nogil
+    int adt_cpu_v3() nogil
 
 cdef extern from *:
     """
-    /* GELU and layernorm rows and the two-output add (kernels/layers_lanes.h) in eight
-       lanes, as target clones, and in sixteen for CPUs with AVX-512; each entry point takes the width
-       from its caller (lanes_wide()). */
+    /* GELU, layernorm and encoder rows and the adds (kernels/layers_lanes.h) in eight
+       lanes, as target clones and as an explicit x86-64-v3 build, and in sixteen for
+       CPUs with AVX-512; each entry point takes the build from its caller
+       (lanes_kind()). */
     #define ADT_W 8
     #include "layers_lanes.h"
+    #if ADT_HAVE_V3
+    #undef ADT_LANES_SUFFIX
+    #define ADT_LANES_SUFFIX _x3
+    #include "layers_lanes.h"
+    #undef ADT_LANES_SUFFIX
+    #define ADT_LANES_SUFFIX
+    #endif
     #undef ADT_W
     #if ADT_HAVE_V4
     #define ADT_W 16
@@ -50,61 +59,61 @@ cdef extern from *:
     #undef ADT_W
     #endif
 
-    static void gelu_forward_span(int wide, float* out, const float* inp, ptrdiff_t n) {
-        ADT_LANES_CALL(wide, gelu_forward_span, (out, inp, n));
+    static void gelu_forward_span(int kind, float* out, const float* inp, ptrdiff_t n) {
+        ADT_LANES_CALL_X3(kind, gelu_forward_span, (out, inp, n));
     }
-    static void gelu_backward_span(int wide, float* dinp, const float* inp, const float* dout,
+    static void gelu_backward_span(int kind, float* dinp, const float* inp, const float* dout,
                                    ptrdiff_t n, int overwrite) {
-        ADT_LANES_CALL(wide, gelu_backward_span, (dinp, inp, dout, n, overwrite));
+        ADT_LANES_CALL_X3(kind, gelu_backward_span, (dinp, inp, dout, n, overwrite));
     }
-    static void ln_forward_rows(int wide, float* out, float* mean, float* rstd,
+    static void ln_forward_rows(int kind, float* out, float* mean, float* rstd,
                                 const float* inp, const float* weight, const float* bias,
                                 ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t C, int stream) {
-        ADT_LANES_CALL(wide, ln_forward_rows, (out, mean, rstd, inp, weight, bias, r0, r1, C,
+        ADT_LANES_CALL_X3(kind, ln_forward_rows, (out, mean, rstd, inp, weight, bias, r0, r1, C,
                                                stream));
     }
-    static void ln_backward_rows(int wide, float* dinp, float* part_w, float* part_b,
+    static void ln_backward_rows(int kind, float* dinp, float* part_w, float* part_b,
                                  const float* dout, const float* inp, const float* weight,
                                  const float* mean, const float* rstd, ptrdiff_t r0,
                                  ptrdiff_t r1, ptrdiff_t C, int ow_dinp) {
-        ADT_LANES_CALL(wide, ln_backward_rows, (dinp, part_w, part_b, dout, inp, weight,
+        ADT_LANES_CALL_X3(kind, ln_backward_rows, (dinp, part_w, part_b, dout, inp, weight,
                                                  mean, rstd, r0, r1, C, ow_dinp));
     }
-    static void add_to_both_span(int wide, float* a, float* b, const float* d, ptrdiff_t n,
+    static void add_to_both_span(int kind, float* a, float* b, const float* d, ptrdiff_t n,
                                  int ow_a, int ow_b) {
-        ADT_LANES_CALL(wide, add_to_both_span, (a, b, d, n, ow_a, ow_b));
+        ADT_LANES_CALL_X3(kind, add_to_both_span, (a, b, d, n, ow_a, ow_b));
     }
-    static void add_span(int wide, float* out, const float* a, const float* b, ptrdiff_t n,
+    static void add_span(int kind, float* out, const float* a, const float* b, ptrdiff_t n,
                          int stream) {
-        ADT_LANES_CALL(wide, add_span, (out, a, b, n, stream));
+        ADT_LANES_CALL_X3(kind, add_span, (out, a, b, n, stream));
     }
-    static void encoder_rows(int wide, float* out, const int32_t* ids, const float* wte,
+    static void encoder_rows(int kind, float* out, const int32_t* ids, const float* wte,
                              const float* wpe, ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t T,
                              ptrdiff_t C, int stream) {
-        ADT_LANES_CALL(wide, encoder_rows, (out, ids, wte, wpe, r0, r1, T, C, stream));
+        ADT_LANES_CALL_X3(kind, encoder_rows, (out, ids, wte, wpe, r0, r1, T, C, stream));
     }
-    static void exp_span(int wide, float* out, const float* inp, ptrdiff_t n) {
-        ADT_LANES_CALL(wide, exp_span, (out, inp, n));
+    static void exp_span(int kind, float* out, const float* inp, ptrdiff_t n) {
+        ADT_LANES_CALL_X3(kind, exp_span, (out, inp, n));
     }
     """
-    void _gelu_forward_span "gelu_forward_span" (bint wide, float* out, const float* inp,
+    void _gelu_forward_span "gelu_forward_span" (int kind, float* out, const float* inp,
                                                  Py_ssize_t n) nogil
-    void _gelu_backward_span "gelu_backward_span" (bint wide, float* dinp, const float* inp,
+    void _gelu_backward_span "gelu_backward_span" (int kind, float* dinp, const float* inp,
                                                    const float* dout, Py_ssize_t n,
                                                    int overwrite) nogil
-    void ln_forward_rows(bint wide, float* out, float* mean, float* rstd, const float* inp,
+    void ln_forward_rows(int kind, float* out, float* mean, float* rstd, const float* inp,
                          const float* weight, const float* bias, Py_ssize_t r0, Py_ssize_t r1,
                          Py_ssize_t C, bint stream) nogil
-    void ln_backward_rows(bint wide, float* dinp, float* part_w, float* part_b,
+    void ln_backward_rows(int kind, float* dinp, float* part_w, float* part_b,
                           const float* dout, const float* inp, const float* weight,
                           const float* mean, const float* rstd, Py_ssize_t r0, Py_ssize_t r1,
                           Py_ssize_t C, int ow_dinp) nogil
-    void add_to_both_span(bint wide, float* a, float* b, const float* d, Py_ssize_t n,
+    void add_to_both_span(int kind, float* a, float* b, const float* d, Py_ssize_t n,
                           bint ow_a, bint ow_b) nogil
-    void exp_span(bint wide, float* out, const float* inp, Py_ssize_t n) nogil
-    void add_span(bint wide, float* out, const float* a, const float* b, Py_ssize_t n,
+    void exp_span(int kind, float* out, const float* inp, Py_ssize_t n) nogil
+    void add_span(int kind, float* out, const float* a, const float* b, Py_ssize_t n,
                   bint stream) nogil
-    void encoder_rows(bint wide, float* out, const int32_t* ids, const float* wte,
+    void encoder_rows(int kind, float* out, const int32_t* ids, const float* wte,
                       const float* wpe, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t T, Py_ssize_t C,
                       bint stream) nogil
 
@@ -115,6 +124,31 @@ cdef extern from *:
 # otherwise; set_vector_lanes(8) forces eight, so tests check both on one machine.
 
 cdef bint _narrow = False
+
+
+cdef bint _clones8 = False
+
+
+cdef int lanes_kind() noexcept nogil:
+    # The build the layers and loss kernels run (ADT_LANES_CALL_X3 in kernels/simd.h):
+    # 1 sixteen lanes, 2 the explicit x86-64-v3 build of eight, 0 the eight-lane
+    # target clones.
+    if lanes_wide():
+        return 1
+    return 2 if adt_cpu_v3() and not _clones8 else 0
+
+
+def set_eight_lane_clones(flag):
+    """Run the eight-lane layers and loss kernels through their portable target
+    clones (True) instead of their explicit x86-64-v3 build (False, the default on a
+    CPU with AVX2), so that tests can check one against the other.  Returns the
+    previous setting.  Not thread-safe against running kernels."""
+    global _clones8
+    if not isinstance(flag, bool):
+        raise ValueError(f"flag must be a bool, got {flag!r}")
+    old = _clones8
+    _clones8 = flag
+    return old
 
 
 cdef bint lanes_wide() noexcept nogil:
@@ -171,7 +205,7 @@ def _vector_exp(const float[::1] inp):
     out = np.empty(inp.shape[0], np.float32)
     cdef float[::1] o = out
     if inp.shape[0]:
-        exp_span(lanes_wide(), &o[0], &inp[0], inp.shape[0])
+        exp_span(lanes_kind(), &o[0], &inp[0], inp.shape[0])
     return out
 
 
@@ -425,10 +459,10 @@ cdef void encoder_forward_core(float* out, const int32_t* ids, const float* wte,
                                Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, int n_threads) noexcept nogil:
     cdef Py_ssize_t k, N = B * T
     cdef Py_ssize_t n_tasks = (N + ENCODER_ROWS_PER_TASK - 1) // ENCODER_ROWS_PER_TASK
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     cdef bint stream = use_stream(out, 3 * N * C * sizeof(float), C)
     for k in prange(n_tasks, schedule='static', nogil=True, num_threads=n_threads):
-        encoder_rows(wide, out, ids, wte, wpe, k * ENCODER_ROWS_PER_TASK,
+        encoder_rows(kind, out, ids, wte, wpe, k * ENCODER_ROWS_PER_TASK,
                      min(N, (k + 1) * ENCODER_ROWS_PER_TASK), T, C, stream)
 
 
@@ -461,11 +495,11 @@ cdef void _encoder_backward_slice(float* dwte, float* dwpe, const float* dout,
     # need no atomics, each element is summed in row order whatever the thread count,
     # and dout is read once for both.
     cdef Py_ssize_t r
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     for r in range(N):
         if r + ENCODER_PREFETCH_ROWS < N:
             prefetch_span(dwte + <Py_ssize_t>ids[r + ENCODER_PREFETCH_ROWS] * C + c0, c1 - c0)
-        add_to_both_span(wide, dwte + <Py_ssize_t>ids[r] * C + c0, dwpe + (r % T) * C + c0,
+        add_to_both_span(kind, dwte + <Py_ssize_t>ids[r] * C + c0, dwpe + (r % T) * C + c0,
                          dout + r * C + c0, c1 - c0, False, False)
 
 
@@ -578,10 +612,10 @@ cdef void layernorm_forward_core(float* out, float* mean, float* rstd, const flo
                                  const float* weight, const float* bias,
                                  Py_ssize_t N, Py_ssize_t C, int n_threads) noexcept nogil:
     cdef Py_ssize_t k, n_tasks = (N + LAYERNORM_ROWS_PER_TASK - 1) // LAYERNORM_ROWS_PER_TASK
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     cdef bint stream = use_stream(out, 2 * N * C * sizeof(float), C)
     for k in prange(n_tasks, schedule='static', nogil=True, num_threads=n_threads):
-        ln_forward_rows(wide, out, mean, rstd, inp, weight, bias, k * LAYERNORM_ROWS_PER_TASK,
+        ln_forward_rows(kind, out, mean, rstd, inp, weight, bias, k * LAYERNORM_ROWS_PER_TASK,
                         min(N, (k + 1) * LAYERNORM_ROWS_PER_TASK), C, stream)
 
 
@@ -620,9 +654,9 @@ cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, cons
             raise MemoryError(f"layernorm_backward: cannot allocate {2 * n_blocks * C} floats")
     cdef float* parts_b = parts + n_blocks * C
     cdef Py_ssize_t blk, s, c0, c1
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
-        ln_backward_rows(wide, dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
+        ln_backward_rows(kind, dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
                          mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C, ow_dinp)
     cdef Py_ssize_t width = _slice_width(C, n_threads)
     cdef Py_ssize_t n_slices = (C + width - 1) // width
@@ -746,17 +780,17 @@ def layernorm_backward_naive(dinp, dweight, dbias, dout, inp, weight, mean, rstd
 
 cdef void gelu_forward_core(float* out, const float* inp, Py_ssize_t n, int n_threads) noexcept nogil:
     cdef Py_ssize_t k
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        _gelu_forward_span(wide, out + k * CHUNK, inp + k * CHUNK, min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+        _gelu_forward_span(kind, out + k * CHUNK, inp + k * CHUNK, min(<Py_ssize_t>CHUNK, n - k * CHUNK))
 
 
 cdef void gelu_backward_core(float* dinp, const float* inp, const float* dout, Py_ssize_t n,
                              int n_threads, bint overwrite) noexcept nogil:
     cdef Py_ssize_t k
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        _gelu_backward_span(wide, dinp + k * CHUNK, inp + k * CHUNK, dout + k * CHUNK,
+        _gelu_backward_span(kind, dinp + k * CHUNK, inp + k * CHUNK, dout + k * CHUNK,
                             min(<Py_ssize_t>CHUNK, n - k * CHUNK), overwrite)
 
 
@@ -827,10 +861,10 @@ def gelu_backward_naive(dinp, inp, dout, *, overwrite=False, n_threads=None):
 cdef void residual_forward_core(float* out, const float* inp1, const float* inp2, Py_ssize_t n,
                                 int n_threads) noexcept nogil:
     cdef Py_ssize_t k
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     cdef bint stream = use_stream(out, 3 * n * sizeof(float), CHUNK)
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        add_span(wide, out + k * CHUNK, inp1 + k * CHUNK, inp2 + k * CHUNK,
+        add_span(kind, out + k * CHUNK, inp1 + k * CHUNK, inp2 + k * CHUNK,
                  min(<Py_ssize_t>CHUNK, n - k * CHUNK), stream)
 
 
@@ -838,9 +872,9 @@ cdef void residual_backward_core(float* dinp1, float* dinp2, const float* dout, 
                                  int n_threads, bint ow1, bint ow2) noexcept nogil:
     # One pass: each vector of dout is read once for both outputs.
     cdef Py_ssize_t k
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        add_to_both_span(wide, dinp1 + k * CHUNK, dinp2 + k * CHUNK, dout + k * CHUNK,
+        add_to_both_span(kind, dinp1 + k * CHUNK, dinp2 + k * CHUNK, dout + k * CHUNK,
                          min(<Py_ssize_t>CHUNK, n - k * CHUNK), ow1, ow2)
 
 

@@ -29,19 +29,20 @@ ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_forward)(ADT_VT x) {
     /* x s = x / (1 + exp(z)), no separate reciprocal */
     ADT_VT z = ADT_LANES_FN(gelu_z)(x);
     ADT_VI big = z > ADT_V(splat)(80.0f);
-    ADT_VT y = ADT_V(divide)(x, 1.0f + ADT_V(exp)(ADT_V(min)(z, ADT_V(splat)(80.0f))));
+    ADT_VT y = ADT_V(divide)(x, 1.0f + ADT_V(exp_low)(ADT_V(min)(z, ADT_V(splat)(80.0f))));
     return ADT_V(select)(big, ADT_V(splat)(0.0f), y);
 }
 
 /* d/dx [x s] = s + x s (1 - s) 2u', with 1 - s = e s, e = exp(z).  Beyond |x| = 20
    the result is exactly 1 or 0 in float32; clamping there keeps x^2 from
-   overflowing. */
+   overflowing.  exp_low: e below exp(-87.3) only meets 1 + (a normal number), as in
+   the forward's 1 + exp(z). */
 ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_backward)(ADT_VT x, ADT_VT d) {
     const float k2 = (float)(2.0 * ADTAPE_GELU_K), a3 = (float)(3.0 * ADTAPE_GELU_A);
     x = ADT_V(max)(ADT_V(min)(x, ADT_V(splat)(20.0f)), ADT_V(splat)(-20.0f));
     ADT_VT z = ADT_LANES_FN(gelu_z)(x);
     ADT_VI big = z > ADT_V(splat)(80.0f);
-    ADT_VT e = ADT_V(exp)(ADT_V(min)(z, ADT_V(splat)(80.0f)));
+    ADT_VT e = ADT_V(exp_low)(ADT_V(min)(z, ADT_V(splat)(80.0f)));
     ADT_VT s = ADT_V(select)(big, ADT_V(splat)(0.0f),
                              ADT_V(divide)(ADT_V(splat)(1.0f), 1.0f + e));
     ADT_VT du = k2 * (1.0f + a3 * x * x);

@@ -16,7 +16,7 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels.layers cimport checked_data, lanes_wide, resolve_threads, serial_if_small
+from kernels.layers cimport checked_data, lanes_kind, resolve_threads, serial_if_small
 
 cnp.import_array()
 
@@ -30,11 +30,18 @@ cdef extern from *:
        chunk (the exponentials after its max) comes from L1. */
     #define CE_CHUNK 1024
 
-    /* The rows (kernels/loss_lanes.h) in eight lanes, as target clones, and in
-       sixteen for CPUs with AVX-512; each entry point takes the width from its
-       caller (kernels.layers' lanes_wide()). */
+    /* The rows (kernels/loss_lanes.h) in eight lanes, as target clones and as an
+       explicit x86-64-v3 build, and in sixteen for CPUs with AVX-512; each entry
+       point takes the build from its caller (kernels.layers' lanes_kind()). */
     #define ADT_W 8
     #include "loss_lanes.h"
+    #if ADT_HAVE_V3
+    #undef ADT_LANES_SUFFIX
+    #define ADT_LANES_SUFFIX _x3
+    #include "loss_lanes.h"
+    #undef ADT_LANES_SUFFIX
+    #define ADT_LANES_SUFFIX
+    #endif
     #undef ADT_W
     #if ADT_HAVE_V4
     #define ADT_W 16
@@ -42,23 +49,23 @@ cdef extern from *:
     #undef ADT_W
     #endif
 
-    static float ce_row_logsumexp(int wide, const float* x, ptrdiff_t V, float* row_max) {
-        return ADT_LANES_CALL(wide, ce_row_logsumexp, (x, V, row_max));
+    static float ce_row_logsumexp(int kind, const float* x, ptrdiff_t V, float* row_max) {
+        return ADT_LANES_CALL_X3(kind, ce_row_logsumexp, (x, V, row_max));
     }
-    static void ce_row_backward(int wide, float* d, const float* x, float lse, float g,
+    static void ce_row_backward(int kind, float* d, const float* x, float lse, float g,
                                 ptrdiff_t V, ptrdiff_t Vp, int inplace) {
-        ADT_LANES_CALL(wide, ce_row_backward, (d, x, lse, g, V, Vp, inplace));
+        ADT_LANES_CALL_X3(kind, ce_row_backward, (d, x, lse, g, V, Vp, inplace));
     }
     """
-    float ce_row_logsumexp(bint wide, const float* x, Py_ssize_t V, float* row_max) nogil
-    void ce_row_backward(bint wide, float* d, const float* x, float lse, float g, Py_ssize_t V,
+    float ce_row_logsumexp(int kind, const float* x, Py_ssize_t V, float* row_max) nogil
+    void ce_row_backward(int kind, float* d, const float* x, float lse, float g, Py_ssize_t V,
                          Py_ssize_t Vp, int inplace) nogil
 
 
-cdef void _row_forward(bint wide, float* loss, float* lse, const float* x, int32_t target,
+cdef void _row_forward(int kind, float* loss, float* lse, const float* x, int32_t target,
                        Py_ssize_t V) noexcept nogil:
     cdef float m
-    cdef float log_sum = ce_row_logsumexp(wide, x, V, &m)
+    cdef float log_sum = ce_row_logsumexp(kind, x, V, &m)
     lse[0] = m + log_sum
     loss[0] = (m - x[target]) + log_sum
 
@@ -67,9 +74,9 @@ cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const flo
                                             const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
                                             Py_ssize_t Vp, int n_threads) noexcept nogil:
     cdef Py_ssize_t r
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        _row_forward(wide, losses + r, lse + r, logits + r * Vp, targets[r], V)
+        _row_forward(kind, losses + r, lse + r, logits + r * Vp, targets[r], V)
 
 
 cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosses,
@@ -77,9 +84,9 @@ cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosse
                                              const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
                                              Py_ssize_t Vp, int n_threads) noexcept nogil:
     cdef Py_ssize_t r
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        ce_row_backward(wide, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 0)
+        ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 0)
         dlogits[r * Vp + targets[r]] -= dlosses[r]
 
 
@@ -90,9 +97,9 @@ cdef void softmax_crossentropy_backward_overwrite_core(float* dlogits, const flo
                                                        int n_threads) noexcept nogil:
     # dlogits written, not added into (it may be logits itself), padding set to 0
     cdef Py_ssize_t r
-    cdef bint wide = lanes_wide()
+    cdef int kind = lanes_kind()
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        ce_row_backward(wide, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 1)
+        ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 1)
         dlogits[r * Vp + targets[r]] -= dlosses[r]
 
 

@@ -78,6 +78,11 @@ ADT_LANE_OPS(, adt_v8, adt_v8u, adt_v8i)
 ADT_LANE_OPS(16, adt_v16, adt_v16u, adt_v16i)
 #undef ADT_LANE_OPS
 ADT_INLINE adt_v8 adt_exp(adt_v8 x) { return adt_exp_bits(x); }
+/* exp where exact zeros do not matter: below -87.3 it may give any value in
+   [0, 1.2e-38] (the x86-64-v3 build below gives exp(-87.3)).  For sums of
+   exponentials and 1 + exp(z); not for values that are written out and multiplied
+   further (a denormal would slow every operation downstream). */
+ADT_INLINE adt_v8 adt_exp_low(adt_v8 x) { return adt_exp(x); }
 
 /* Non-temporal stores, for outputs far larger than the caches: the written lines go
    to memory without first being read into the cache (write-allocate), a third less
@@ -164,14 +169,69 @@ ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp16(adt_v16 x) {
     return __builtin_ia32_scalefps512_mask(p, n, adt_splat16(0.0f), keep,
                                            _MM_FROUND_CUR_DIRECTION);
 }
+ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp_low16(adt_v16 x) { return adt_exp16(x); }
 #else
 #define ADT_HAVE_V4 0
 #define ADT_TARGET_V4
 ADT_INLINE int adt_cpu_v4(void) { return 0; }
 ADT_INLINE adt_v16 adt_divide16(adt_v16 a, adt_v16 b) { return a / b; }
 ADT_INLINE void adt_stream16(float* p, adt_v16 v) { adt_store16(p, v); }
+ADT_INLINE adt_v16 adt_exp_low16(adt_v16 x) { return adt_exp_bits16(x); }
 ADT_INLINE adt_v16 adt_exp16(adt_v16 x) { return adt_exp_bits16(x); }
 #endif
+
+/* An explicit x86-64-v3 (AVX2 + FMA) build of eight-lane code, for the modules that
+   include their template headers a third time with ADT_LANES_SUFFIX _x3 (below): it
+   runs where adt_cpu_v3() says the CPU has AVX2, and the target clones elsewhere.
+   What it buys is real vminps/vmaxps: GCC turns the generic adt_min/adt_max (and
+   any C form of them) into compares and blends, and target clones cannot call the
+   AVX builtins, their baseline clone having no AVX.  Its min and max give the same
+   results as the generic ones (b where a and b are unordered or equal), and its
+   exp_low clamps below at -87.3 with one vmaxps instead of a compare and two
+   selects.  GELU forward on one core of the Zen 3 VM: 0.80 -> 0.62 ns per element,
+   bit-identical output. */
+#if ADT_HAVE_V4
+#define ADT_HAVE_V3 1
+#define ADT_TARGET_V3 __attribute__((target("arch=x86-64-v3")))
+ADT_INLINE int adt_cpu_v3(void) {
+    static int has = -1;
+    if (has < 0) has = __builtin_cpu_supports("x86-64-v3") ? 1 : 0;   /* benign race */
+    return has;
+}
+ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_min(adt_v8 a, adt_v8 b) {
+    return (adt_v8)_mm256_min_ps((__m256)a, (__m256)b);
+}
+ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_max(adt_v8 a, adt_v8 b) {
+    return (adt_v8)_mm256_max_ps((__m256)a, (__m256)b);
+}
+ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_exp_low(adt_v8 x) {
+    x = adt_v3_max(adt_splat(-87.3f), x);   /* NaN: x, and the result NaN */
+    adt_v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    adt_v8 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    adt_v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    adt_v8i e = (__builtin_convertvector(n, adt_v8i) + 127) << 23;
+    return p * (adt_v8)e;
+}
+#else
+#define ADT_HAVE_V3 0
+#define ADT_TARGET_V3
+ADT_INLINE int adt_cpu_v3(void) { return 0; }
+#endif
+/* the rest of the v3 build's operations are the generic ones */
+#define adt_v3_load adt_load
+#define adt_v3_store adt_store
+#define adt_v3_stream adt_stream
+#define adt_v3_splat adt_splat
+#define adt_v3_select adt_select
+#define adt_v3_hsum adt_hsum
+#define adt_v3_divide adt_divide
+#define adt_v3_exp adt_exp
 
 /* Code written once for both widths: a template header that a module includes once
    per width (no include guard), after defining ADT_W to 8 or 16 (and undefining it
@@ -182,25 +242,38 @@ ADT_INLINE adt_v16 adt_exp16(adt_v16 x) { return adt_exp_bits16(x); }
      ADT_LANES_ATTR     its target (target_clones for eight lanes, x86-64-v4 for 16),
      ADT_LANES_INLINE   the attributes of an inline helper of that width.
    The sixteen-lane instance exists only #if ADT_HAVE_V4; ADT_LANES_CALL(wide, f,
-   (args)) calls f_v16 where wide is true, else f_v8. */
+   (args)) calls f_v16 where wide is true, else f_v8.
+   With ADT_LANES_SUFFIX defined as _x3 while ADT_W is 8 (#if ADT_HAVE_V3), the
+   instance is the explicit x86-64-v3 build above (f_v8_x3), and ADT_LANES_CALL_X3(kind,
+   f, (args)) calls f_v16 for kind 1, f_v8_x3 for kind 2 and f_v8 for kind 0. */
+#define ADT_LANES_SUFFIX
 #define ADT_CAT2(a, b) a##b
 #define ADT_CAT(a, b) ADT_CAT2(a, b)
 #define ADT_VT ADT_CAT(adt_v, ADT_W)
 #define ADT_VI ADT_CAT(ADT_VT, i)
-#define ADT_V(op) ADT_CAT(ADT_V_, ADT_W)(op)
+#define ADT_CAT3_(a, b, c) a##b##c
+#define ADT_CAT3(a, b, c) ADT_CAT3_(a, b, c)
+#define ADT_LANES_KEY(prefix) ADT_CAT3(prefix, ADT_W, ADT_LANES_SUFFIX)
+#define ADT_V(op) ADT_LANES_KEY(ADT_V_)(op)
 #define ADT_V_8(op) adt_##op
+#define ADT_V_8_x3(op) adt_v3_##op
 #define ADT_V_16(op) adt_##op##16
-#define ADT_LANES_FN(f) ADT_CAT(f##_v, ADT_W)
-#define ADT_LANES_ATTR ADT_CAT(ADT_LANES_ATTR_, ADT_W)
+#define ADT_LANES_FN(f) ADT_LANES_KEY(f##_v)
+#define ADT_LANES_ATTR ADT_LANES_KEY(ADT_LANES_ATTR_)
 #define ADT_LANES_ATTR_8 ADT_MULTIVERSION
+#define ADT_LANES_ATTR_8_x3 ADT_TARGET_V3
 #define ADT_LANES_ATTR_16 ADT_TARGET_V4
-#define ADT_LANES_INLINE ADT_CAT(ADT_LANES_INLINE_, ADT_W)
+#define ADT_LANES_INLINE ADT_LANES_KEY(ADT_LANES_INLINE_)
 #define ADT_LANES_INLINE_8 ADT_INLINE
+#define ADT_LANES_INLINE_8_x3 ADT_TARGET_V3 ADT_INLINE
 #define ADT_LANES_INLINE_16 ADT_TARGET_V4 ADT_INLINE
 #if ADT_HAVE_V4
 #define ADT_LANES_CALL(wide, f, args) ((wide) ? f##_v16 args : f##_v8 args)
+#define ADT_LANES_CALL_X3(kind, f, args) \
+    ((kind) == 1 ? f##_v16 args : (kind) == 2 ? f##_v8_x3 args : f##_v8 args)
 #else
 #define ADT_LANES_CALL(wide, f, args) (f##_v8 args)
+#define ADT_LANES_CALL_X3(kind, f, args) (f##_v8 args)
 #endif
 
 #endif

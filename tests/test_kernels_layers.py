@@ -463,3 +463,68 @@ def test_stream_min_bytes_setting():
         assert layers.stream_min_bytes() == 123
     finally:
         assert layers.set_stream_min_bytes(old) == 123
+
+
+# ---------------------------------------------------------------------------
+# the eight-lane builds: explicit x86-64-v3 and target clones
+
+def test_eight_lane_builds_agree():
+    """On a CPU with AVX2 the eight-lane layers and loss kernels run an explicit
+    x86-64-v3 build (real vminps/vmaxps, a clamped exp where exact zeros do not
+    matter); the portable target clones must give the same bits, extremes, NaNs and
+    odd sizes included.  Elsewhere only the clones exist and this compares them with
+    themselves."""
+    from kernels import loss
+    rng = np.random.default_rng(31)
+    x = rand(rng, 3, 37, 771, scale=4.0).reshape(-1)
+    x[:13] = [0.0, -0.0, 1e-30, -1e-30, 10.0, -10.0, 30.0, -30.0, 1e30, -1e30, np.inf, -np.inf,
+              np.nan]
+    d = rand(rng, x.size)
+    B, T, C = 3, 37, 130
+    xl, w, b = layernorm_arrays(rng, B, T, C)
+    dl = rand(rng, B, T, C)
+    ids, wte, wpe = encoder_case(rng, B, T, C, Vp=9)
+    V, Vp = 1003, 1024
+    logits = rand(rng, 2, 7, Vp, scale=8.0)
+    logits[0, 0, :V] = -1e30
+    logits[0, 0, 5] = 3.0
+    logits[1, 2, 17] = np.nan
+    targets = rng.integers(0, V, (2, 7)).astype(np.int32)
+    dlosses = rand(rng, 2, 7)
+
+    def run():
+        out = {}
+        out["gelu"] = np.empty_like(x)
+        layers.gelu_forward(out["gelu"], x)
+        out["dgelu"] = np.zeros_like(x)
+        layers.gelu_backward(out["dgelu"], x, d)
+        out["ln"], out["mean"], out["rstd"] = (np.empty_like(xl), np.empty((B, T), np.float32),
+                                               np.empty((B, T), np.float32))
+        layers.layernorm_forward(out["ln"], out["mean"], out["rstd"], xl, w, b)
+        out["dx"], out["dw"], out["db"] = np.zeros_like(xl), np.zeros(C, np.float32), np.zeros(C, np.float32)
+        layers.layernorm_backward(out["dx"], out["dw"], out["db"], dl, xl, w, out["mean"], out["rstd"])
+        out["enc"] = np.empty((B, T, C), np.float32)
+        layers.encoder_forward(out["enc"], ids, wte, wpe)
+        out["res"] = np.empty_like(xl)
+        layers.residual_forward(out["res"], xl, dl)
+        out["losses"], out["lse"] = np.empty((2, 7), np.float32), np.empty((2, 7), np.float32)
+        loss.softmax_crossentropy_forward(out["losses"], out["lse"], logits, targets, V)
+        out["dlogits"] = np.zeros_like(logits)
+        loss.softmax_crossentropy_backward(out["dlogits"], dlosses, logits, out["lse"], targets, V)
+        out["exp"] = layers._vector_exp(x)
+        return out
+
+    old_lanes = layers.set_vector_lanes(8)
+    try:
+        assert layers.set_eight_lane_clones(False) is False
+        built = run()
+        assert layers.set_eight_lane_clones(True) is False
+        clones = run()
+    finally:
+        layers.set_eight_lane_clones(False)
+        layers.set_vector_lanes(old_lanes)
+    assert np.isnan(built["losses"][1, 2]) and np.isfinite(built["losses"][0, 0])
+    for name in built:
+        np.testing.assert_array_equal(built[name], clones[name], err_msg=name)
+    with pytest.raises(ValueError, match="bool"):
+        layers.set_eight_lane_clones(1)
