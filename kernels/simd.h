@@ -44,11 +44,13 @@ typedef int adt_v16i __attribute__((vector_size(64)));
      splat        every lane x
      select       mask ? a : b lane-wise (GCC's C front end has no vector ?:)
      max, min     lane-wise
-     exp_bits     exp(x) for x <= 88.3 (callers clamp larger inputs), within 2 ulp,
+     exp_in_range exp(x) for x in [-87.3, 88.3], within 2 ulp,
                   like kernels.layers' fast_expf: Cody-Waite reduction x = n ln2 + r,
                   Cephes' degree-6 polynomial for exp(r), 2^n built in the exponent
-                  bits.  Exactly 0 below -87.3 (no denormals downstream); one compare
-                  serves both selects.  adt_exp (eight lanes) is this; adt_exp16 is
+                  bits.
+     exp_bits     exp_in_range for x <= 88.3 (callers clamp larger inputs): exactly
+                  0 below -87.3 (no denormals downstream); one compare serves both
+                  selects.  adt_exp (eight lanes) is this; adt_exp16 is
                   the same function with AVX-512's scalef where the CPU has it (below). */
 #define ADT_LANE_OPS(S, VT, VU, VI) \
     ADT_INLINE VT adt_load##S(const float* p) { return *(const VU*)p; } \
@@ -59,11 +61,9 @@ typedef int adt_v16i __attribute__((vector_size(64)));
     } \
     ADT_INLINE VT adt_max##S(VT a, VT b) { return adt_select##S(a > b, a, b); } \
     ADT_INLINE VT adt_min##S(VT a, VT b) { return adt_select##S(a < b, a, b); } \
-    ADT_INLINE VT adt_exp_bits##S(VT x) { \
-        VI under = x < adt_splat##S(-87.3f); \
-        VT xc = adt_select##S(under, adt_splat##S(-87.3f), x); \
-        VT n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f; \
-        VT r = xc - n * 0.693359375f; \
+    ADT_INLINE VT adt_exp_in_range##S(VT x) { \
+        VT n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; \
+        VT r = x - n * 0.693359375f; \
         r = r + n * 2.12194440e-4f; \
         VT p = r * 1.9875691500e-4f + 1.3981999507e-3f; \
         p = p * r + 8.3334519073e-3f; \
@@ -72,7 +72,12 @@ typedef int adt_v16i __attribute__((vector_size(64)));
         p = p * r + 5.0000001201e-1f; \
         p = p * r * r + r + 1.0f; \
         VI e = (__builtin_convertvector(n, VI) + 127) << 23; \
-        return adt_select##S(under, adt_splat##S(0.0f), p * (VT)e); \
+        return p * (VT)e; \
+    } \
+    ADT_INLINE VT adt_exp_bits##S(VT x) { \
+        VI under = x < adt_splat##S(-87.3f); \
+        VT y = adt_exp_in_range##S(adt_select##S(under, adt_splat##S(-87.3f), x)); \
+        return adt_select##S(under, adt_splat##S(0.0f), y); \
     }
 ADT_LANE_OPS(, adt_v8, adt_v8u, adt_v8i)
 ADT_LANE_OPS(16, adt_v16, adt_v16u, adt_v16i)
@@ -205,18 +210,8 @@ ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_max(adt_v8 a, adt_v8 b) {
     return (adt_v8)_mm256_max_ps((__m256)a, (__m256)b);
 }
 ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_exp_low(adt_v8 x) {
-    x = adt_v3_max(adt_splat(-87.3f), x);   /* NaN: x, and the result NaN */
-    adt_v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    adt_v8 r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    adt_v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    adt_v8i e = (__builtin_convertvector(n, adt_v8i) + 127) << 23;
-    return p * (adt_v8)e;
+    /* NaN: x, and the result NaN */
+    return adt_exp_in_range(adt_v3_max(adt_splat(-87.3f), x));
 }
 #else
 #define ADT_HAVE_V3 0
