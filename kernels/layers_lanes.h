@@ -143,16 +143,9 @@ static void ADT_LANES_FN(ln_forward_rows)(float* out, float* mean, float* rstd,
                                + (float)ADTAPE_LAYERNORM_EPS);
         ADT_VT mv = ADT_V(splat)(m), sv = ADT_V(splat)(s);
         ptrdiff_t i = 0;
-#define ADT_LN_ROW(STORE) \
-        for (; i + ADT_W <= C; i += ADT_W) \
-            STORE(y + i, (ADT_V(load)(x + i) - mv) * sv * ADT_V(load)(weight + i) \
-                         + ADT_V(load)(bias + i));
-        if (stream) {
-            ADT_LN_ROW(ADT_V(stream))
-        } else {
-            ADT_LN_ROW(ADT_V(store))
-        }
-#undef ADT_LN_ROW
+        for (; i + ADT_W <= C; i += ADT_W)
+            ADT_V(put)(y + i, (ADT_V(load)(x + i) - mv) * sv * ADT_V(load)(weight + i)
+                              + ADT_V(load)(bias + i), stream);
         for (; i < C; i++) y[i] = (x[i] - m) * s * weight[i] + bias[i];
         mean[r] = m;
         rstd[r] = s;
@@ -217,19 +210,11 @@ ADT_LANES_ATTR
 static void ADT_LANES_FN(add_span)(float* out, const float* a, const float* b, ptrdiff_t n,
                                    int stream) {
     ptrdiff_t i = 0;
-    if (stream) {
-        for (; i + ADT_W <= n; i += ADT_W) {
-            ADT_PREFETCH_R(a + i);
-            ADT_PREFETCH_R(b + i);
-            ADT_V(stream)(out + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
-        }
-    } else {
-        for (; i + ADT_W <= n; i += ADT_W) {
-            ADT_PREFETCH_R(a + i);
-            ADT_PREFETCH_R(b + i);
-            ADT_PREFETCH_W(out + i);
-            ADT_V(store)(out + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
-        }
+    for (; i + ADT_W <= n; i += ADT_W) {
+        ADT_PREFETCH_R(a + i);
+        ADT_PREFETCH_R(b + i);
+        if (!stream) ADT_PREFETCH_W(out + i);   /* streamed lines are not read */
+        ADT_V(put)(out + i, ADT_V(load)(a + i) + ADT_V(load)(b + i), stream);
     }
     for (; i < n; i++) out[i] = a[i] + b[i];
     if (stream) adt_stream_fence();
@@ -249,12 +234,8 @@ static void ADT_LANES_FN(encoder_rows)(float* out, const int32_t* ids, const flo
             for (ptrdiff_t i = 0; i < C; i += 16)
                 __builtin_prefetch(wte + (ptrdiff_t)ids[r + 1] * C + i, 0, 3);
         ptrdiff_t i = 0;
-        if (stream)
-            for (; i + ADT_W <= C; i += ADT_W)
-                ADT_V(stream)(y + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
-        else
-            for (; i + ADT_W <= C; i += ADT_W)
-                ADT_V(store)(y + i, ADT_V(load)(a + i) + ADT_V(load)(b + i));
+        for (; i + ADT_W <= C; i += ADT_W)
+            ADT_V(put)(y + i, ADT_V(load)(a + i) + ADT_V(load)(b + i), stream);
         for (; i < C; i++) y[i] = a[i] + b[i];
     }
     if (stream) adt_stream_fence();

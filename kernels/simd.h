@@ -108,6 +108,12 @@ ADT_INLINE void adt_stream_fence(void) { _mm_sfence(); }
 ADT_INLINE void adt_stream(float* p, adt_v8 v) { adt_store(p, v); }
 ADT_INLINE void adt_stream_fence(void) {}
 #endif
+/* A store that streams where stream is set (a loop invariant: GCC unswitches the
+   loop on it). */
+ADT_INLINE void adt_put(float* p, adt_v8 v, int stream) {
+    if (stream) adt_stream(p, v);
+    else adt_store(p, v);
+}
 
 /* Sum of the eight lanes, pairwise (the same order on every path). */
 ADT_INLINE float adt_hsum(adt_v8 v) {
@@ -184,6 +190,10 @@ ADT_INLINE void adt_stream16(float* p, adt_v16 v) { adt_store16(p, v); }
 ADT_INLINE adt_v16 adt_exp_low16(adt_v16 x) { return adt_exp_bits16(x); }
 ADT_INLINE adt_v16 adt_exp16(adt_v16 x) { return adt_exp_bits16(x); }
 #endif
+ADT_TARGET_V4 ADT_INLINE void adt_put16(float* p, adt_v16 v, int stream) {
+    if (stream) adt_stream16(p, v);
+    else adt_store16(p, v);
+}
 
 /* An explicit x86-64-v3 (AVX2 + FMA) build of eight-lane code, for the modules that
    include their template headers a third time with ADT_LANES_SUFFIX _x3 (below): it
@@ -222,6 +232,7 @@ ADT_INLINE int adt_cpu_v3(void) { return 0; }
 #define adt_v3_load adt_load
 #define adt_v3_store adt_store
 #define adt_v3_stream adt_stream
+#define adt_v3_put adt_put
 #define adt_v3_splat adt_splat
 #define adt_v3_select adt_select
 #define adt_v3_hsum adt_hsum
