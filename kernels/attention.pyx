@@ -43,12 +43,11 @@ from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
 
 from kernels._openmp cimport omp_get_thread_num_safe
-from kernels.layers cimport lanes_wide, resolve_threads
+from kernels.layers cimport checked_data, float_type, lanes_wide, resolve_threads
 
 import numpy as np
 
 from kernels.layers import overwrite_flags
-from kernels.matmul import check_array
 from kernels.optim import zero_grad
 
 cnp.import_array()
@@ -214,9 +213,9 @@ def attention_forward(out, att, qkv, n_head, *, n_threads=None):
     from qkv (B, T, 3C), both overwritten."""
     cdef Py_ssize_t B, T, C, NH
     B, T, C, NH = _attention_shapes(qkv, n_head)
-    check_array(qkv, "qkv", (B, T, 3 * C))
-    check_array(out, "out", (B, T, C), writable=True)
-    check_array(att, "att", (B, NH, T, T), writable=True)
+    checked_data("qkv", qkv, cnp.NPY_FLOAT32, (B, T, 3 * C), False)
+    checked_data("out", out, cnp.NPY_FLOAT32, (B, T, C), True)
+    checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), True)
     cdef int nt = _threads_for(n_threads, B, T, C)
     cdef float* out_p = <float*>cnp.PyArray_DATA(out)
     cdef float* att_p = <float*>cnp.PyArray_DATA(att)
@@ -232,10 +231,10 @@ def attention_backward(dqkv, dout, qkv, att, n_head, *, overwrite=False, n_threa
     ow, = overwrite_flags(overwrite, ("dqkv",))
     cdef Py_ssize_t B, T, C, NH
     B, T, C, NH = _attention_shapes(qkv, n_head)
-    check_array(qkv, "qkv", (B, T, 3 * C))
-    check_array(dout, "dout", (B, T, C))
-    check_array(att, "att", (B, NH, T, T))
-    check_array(dqkv, "dqkv", (B, T, 3 * C), writable=True)
+    checked_data("qkv", qkv, cnp.NPY_FLOAT32, (B, T, 3 * C), False)
+    checked_data("dout", dout, cnp.NPY_FLOAT32, (B, T, C), False)
+    checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), False)
+    checked_data("dqkv", dqkv, cnp.NPY_FLOAT32, (B, T, 3 * C), True)
     cdef int nt = _threads_for(n_threads, B, T, C)
     cdef float* dqkv_p = <float*>cnp.PyArray_DATA(dqkv)
     cdef float* dout_p = <float*>cnp.PyArray_DATA(dout)
@@ -309,22 +308,15 @@ cdef void _backward_naive(floating[:, :, ::1] dqkv, floating[:, :, ::1] dout,
                         dqkv[b, j, C + h * hs + d] += ds * qkv[b, i, h * hs + d]
 
 
-def _naive_dtype(qkv):
-    if not isinstance(qkv, np.ndarray) or qkv.dtype not in (np.float32, np.float64):
-        raise TypeError(f"qkv must be a float32 or float64 numpy.ndarray, got "
-                        f"{getattr(qkv, 'dtype', type(qkv).__name__)}")
-    return (qkv.dtype,)
-
-
 def attention_forward_naive(out, att, qkv, n_head, *, n_threads=None):
     """Plain-loop twin of ``attention_forward`` (serial; float32 or float64)."""
     B, T, C, NH = _attention_shapes(qkv, n_head)
-    dt = _naive_dtype(qkv)
-    check_array(qkv, "qkv", (B, T, 3 * C), dt)
-    check_array(out, "out", (B, T, C), dt, writable=True)
-    check_array(att, "att", (B, NH, T, T), dt, writable=True)
+    cdef int ft = float_type(qkv)
+    checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
+    checked_data("out", out, ft, (B, T, C), True)
+    checked_data("att", att, ft, (B, NH, T, T), True)
     resolve_threads(n_threads)
-    if dt[0] == np.float32:
+    if ft == cnp.NPY_FLOAT32:
         _forward_naive[float](out, att, qkv, NH)
     else:
         _forward_naive[double](out, att, qkv, NH)
@@ -334,15 +326,15 @@ def attention_backward_naive(dqkv, dout, qkv, att, n_head, *, overwrite=False, n
     """Plain-loop twin of ``attention_backward`` (serial; float32 or float64)."""
     ow, = overwrite_flags(overwrite, ("dqkv",))
     B, T, C, NH = _attention_shapes(qkv, n_head)
-    dt = _naive_dtype(qkv)
-    check_array(qkv, "qkv", (B, T, 3 * C), dt)
-    check_array(dout, "dout", (B, T, C), dt)
-    check_array(att, "att", (B, NH, T, T), dt)
-    check_array(dqkv, "dqkv", (B, T, 3 * C), dt, writable=True)
+    cdef int ft = float_type(qkv)
+    checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
+    checked_data("dout", dout, ft, (B, T, C), False)
+    checked_data("att", att, ft, (B, NH, T, T), False)
+    checked_data("dqkv", dqkv, ft, (B, T, 3 * C), True)
     resolve_threads(n_threads)
     if ow:
         dqkv[...] = 0
-    if dt[0] == np.float32:
+    if ft == cnp.NPY_FLOAT32:
         _backward_naive[float](dqkv, dout, qkv, att, NH)
     else:
         _backward_naive[double](dqkv, dout, qkv, att, NH)

@@ -111,6 +111,9 @@ cdef inline float max_f32(const float* x, Py_ssize_t n) noexcept nogil:
 # NumPy type number `typenum`, C-contiguous, of shape `shape` (None: any) and,
 # when `writable`, writeable; otherwise it raises TypeError/ValueError naming `name`.
 cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint writable) except? NULL
+# The NumPy type number the naive twins run in: float64 for float64 arrays, else
+# float32 (checked_data then names any other dtype).
+cdef int float_type(object arr) noexcept
 cdef int resolve_threads(object n_threads) except -1
 cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept
 

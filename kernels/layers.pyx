@@ -255,7 +255,7 @@ cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint wri
     if not cnp.PyArray_IS_C_CONTIGUOUS(a):
         raise ValueError(f"{name} must be C-contiguous")
     if writable and not cnp.PyArray_ISWRITEABLE(a):
-        raise ValueError(f"{name} must be writeable")
+        raise ValueError(f"{name} must be writable (it is an output)")
     if shape is not None and arr.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
     return cnp.PyArray_DATA(a)
@@ -282,8 +282,7 @@ cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept:
     return nt
 
 
-cdef int _float_type(object arr):
-    # The naive twins run in float64 when given float64 arrays, float32 otherwise.
+cdef int float_type(object arr) noexcept:
     if isinstance(arr, np.ndarray) and arr.dtype == np.float64:
         return cnp.NPY_FLOAT64
     return cnp.NPY_FLOAT32
@@ -585,7 +584,7 @@ def _encoder_backward_naive(floating[:, ::1] dwte, floating[:, ::1] dwpe,
 def encoder_forward_naive(out, ids, wte, wpe, *, n_threads=None):
     """Serial twin of encoder_forward (float32 or float64)."""
     resolve_threads(n_threads)
-    _check_encoder_forward(out, ids, wte, wpe, _float_type(out))
+    _check_encoder_forward(out, ids, wte, wpe, float_type(out))
     _encoder_forward_naive(out, ids, wte, wpe)
 
 
@@ -593,7 +592,7 @@ def encoder_backward_naive(dwte, dwpe, dout, ids, *, overwrite=False, n_threads=
     """Serial twin of encoder_backward (float32 or float64)."""
     resolve_threads(n_threads)
     flags = overwrite_flags(overwrite, ("dwte", "dwpe"))
-    _check_encoder_backward(dwte, dwpe, dout, ids, _float_type(dout))
+    _check_encoder_backward(dwte, dwpe, dout, ids, float_type(dout))
     for arr, flag in zip((dwte, dwpe), flags):
         if flag:
             arr[...] = 0
@@ -756,7 +755,7 @@ def _layernorm_backward_naive(floating[:, ::1] dinp, floating[::1] dweight, floa
 def layernorm_forward_naive(out, mean, rstd, inp, weight, bias, *, n_threads=None):
     """Serial twin of layernorm_forward (float32 or float64)."""
     resolve_threads(n_threads)
-    N, C = _check_layernorm_forward(out, mean, rstd, inp, weight, bias, _float_type(inp))
+    N, C = _check_layernorm_forward(out, mean, rstd, inp, weight, bias, float_type(inp))
     _layernorm_forward_naive(out.reshape(N, C), mean.reshape(N), rstd.reshape(N),
                              inp.reshape(N, C), weight, bias)
 
@@ -767,7 +766,7 @@ def layernorm_backward_naive(dinp, dweight, dbias, dout, inp, weight, mean, rstd
     resolve_threads(n_threads)
     flags = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     N, C = _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
-                                     _float_type(inp))
+                                     float_type(inp))
     for arr, flag in zip((dinp, dweight, dbias), flags):
         if flag:
             arr[...] = 0
@@ -841,7 +840,7 @@ def _gelu_backward_naive(floating[::1] dinp, const floating[::1] inp, const floa
 def gelu_forward_naive(out, inp, *, n_threads=None):
     """Serial twin of gelu_forward, written with tanh (float32 or float64)."""
     resolve_threads(n_threads)
-    _check_pointwise((("out", out),), (("inp", inp),), _float_type(inp))
+    _check_pointwise((("out", out),), (("inp", inp),), float_type(inp))
     _gelu_forward_naive(out.reshape(-1), inp.reshape(-1))
 
 
@@ -849,7 +848,7 @@ def gelu_backward_naive(dinp, inp, dout, *, overwrite=False, n_threads=None):
     """Serial twin of gelu_backward, written with tanh (float32 or float64)."""
     resolve_threads(n_threads)
     ow, = overwrite_flags(overwrite, ("dinp",))
-    _check_pointwise((("dinp", dinp),), (("inp", inp), ("dout", dout)), _float_type(inp))
+    _check_pointwise((("dinp", dinp),), (("inp", inp), ("dout", dout)), float_type(inp))
     if ow:
         dinp[...] = 0
     _gelu_backward_naive(dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1))
@@ -924,7 +923,7 @@ def _residual_backward_naive(floating[::1] dinp1, floating[::1] dinp2, const flo
 def residual_forward_naive(out, inp1, inp2, *, n_threads=None):
     """Serial twin of residual_forward (float32 or float64)."""
     resolve_threads(n_threads)
-    _check_pointwise((("out", out),), (("inp1", inp1), ("inp2", inp2)), _float_type(inp1))
+    _check_pointwise((("out", out),), (("inp1", inp1), ("inp2", inp2)), float_type(inp1))
     _residual_forward_naive(out.reshape(-1), inp1.reshape(-1), inp2.reshape(-1))
 
 
@@ -932,7 +931,7 @@ def residual_backward_naive(dinp1, dinp2, dout, *, overwrite=False, n_threads=No
     """Serial twin of residual_backward (float32 or float64)."""
     resolve_threads(n_threads)
     flags = overwrite_flags(overwrite, ("dinp1", "dinp2"))
-    _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),), _float_type(dout))
+    _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),), float_type(dout))
     if dinp1 is dinp2:
         raise ValueError("dinp1 and dinp2 must be different arrays")
     for arr, flag in zip((dinp1, dinp2), flags):

@@ -16,7 +16,7 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels.layers cimport checked_data, lanes_kind, resolve_threads, serial_if_small
+from kernels.layers cimport checked_data, float_type, lanes_kind, resolve_threads, serial_if_small
 
 cnp.import_array()
 
@@ -101,12 +101,6 @@ cdef void softmax_crossentropy_backward_overwrite_core(float* dlogits, const flo
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
         ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 1)
         dlogits[r * Vp + targets[r]] -= dlosses[r]
-
-
-cdef int _float_type(object arr):
-    if isinstance(arr, np.ndarray) and arr.dtype == np.float64:
-        return cnp.NPY_FLOAT64
-    return cnp.NPY_FLOAT32
 
 
 cdef tuple _check_logits(logits, targets, V, int ft):
@@ -220,7 +214,7 @@ def _backward_naive(floating[:, ::1] dlogits, const floating[::1] dlosses,
 def softmax_crossentropy_forward_naive(losses, lse, logits, targets, V, *, n_threads=None):
     """Serial twin of softmax_crossentropy_forward (float32 or float64)."""
     resolve_threads(n_threads)
-    N, Vp = _check_forward(losses, lse, logits, targets, V, _float_type(logits))
+    N, Vp = _check_forward(losses, lse, logits, targets, V, float_type(logits))
     _forward_naive(losses.reshape(N), lse.reshape(N), logits.reshape(N, Vp), targets.reshape(N), V)
 
 
@@ -228,6 +222,6 @@ def softmax_crossentropy_backward_naive(dlogits, dlosses, logits, lse, targets, 
                                         overwrite=False, n_threads=None):
     """Serial twin of softmax_crossentropy_backward (float32 or float64)."""
     resolve_threads(n_threads)
-    N, Vp, in_place = _check_backward(dlogits, dlosses, logits, lse, targets, V, _float_type(logits))
+    N, Vp, in_place = _check_backward(dlogits, dlosses, logits, lse, targets, V, float_type(logits))
     _backward_naive(dlogits.reshape(N, Vp), dlosses.reshape(N), logits.reshape(N, Vp),
                     lse.reshape(N), targets.reshape(N), V, in_place or bool(overwrite))

@@ -15,7 +15,7 @@ from cython cimport floating
 from cython.parallel cimport prange
 
 from kernels.gemm cimport gemm
-from kernels.layers cimport resolve_threads
+from kernels.layers cimport checked_data, float_type, resolve_threads
 
 import numpy as np
 
@@ -80,25 +80,6 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
 
 # ---------------------------------------------------------------- Python boundary
 
-def check_array(arr, name, shape, dtypes=(np.float32,), writable=False):
-    """Raise unless ``arr`` is a C-contiguous ndarray of one of ``dtypes`` and ``shape``.
-
-    Shared by the kernel modules: every wrapper checks its arguments once here,
-    so the nogil cores can trust them.
-    """
-    if not isinstance(arr, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray, got {type(arr).__name__}")
-    if arr.dtype not in dtypes:
-        allowed = " or ".join(np.dtype(d).name for d in dtypes)
-        raise TypeError(f"{name} must have dtype {allowed}, got {arr.dtype}")
-    if not arr.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (got strides {arr.strides})")
-    if writable and not arr.flags.writeable:
-        raise ValueError(f"{name} is an output and must be writable")
-    if tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
-
-
 def _matmul_shapes(inp, weight):
     """(lead, N, C, OC) from inp (N, C) or (B, T, C) and weight (OC, C)."""
     if not isinstance(inp, np.ndarray) or inp.ndim not in (2, 3):
@@ -128,11 +109,11 @@ def matmul_forward(out, inp, weight, bias, *, n_threads=None):
     bias (OC,) or None; out (N, OC) or (B, T, OC), overwritten."""
     cdef Py_ssize_t N, C, OC
     lead, N, C, OC = _matmul_shapes(inp, weight)
-    check_array(inp, "inp", lead + (C,))
-    check_array(weight, "weight", (OC, C))
+    checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
+    checked_data("weight", weight, cnp.NPY_FLOAT32, (OC, C), False)
     if bias is not None:
-        check_array(bias, "bias", (OC,))
-    check_array(out, "out", lead + (OC,), writable=True)
+        checked_data("bias", bias, cnp.NPY_FLOAT32, (OC,), False)
+    checked_data("out", out, cnp.NPY_FLOAT32, lead + (OC,), True)
     cdef int nt = resolve_threads(n_threads)
     cdef float* out_p = _ptr(out)
     cdef float* inp_p = _ptr(inp)
@@ -153,14 +134,14 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
     cdef bint ow_i, ow_w, ow_b
     ow_i, ow_w, ow_b = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     lead, N, C, OC = _matmul_shapes(inp, weight)
-    check_array(inp, "inp", lead + (C,))
-    check_array(weight, "weight", (OC, C))
-    check_array(dout, "dout", lead + (OC,))
-    check_array(dweight, "dweight", (OC, C), writable=True)
+    checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
+    checked_data("weight", weight, cnp.NPY_FLOAT32, (OC, C), False)
+    checked_data("dout", dout, cnp.NPY_FLOAT32, lead + (OC,), False)
+    checked_data("dweight", dweight, cnp.NPY_FLOAT32, (OC, C), True)
     if dinp is not None:
-        check_array(dinp, "dinp", lead + (C,), writable=True)
+        checked_data("dinp", dinp, cnp.NPY_FLOAT32, lead + (C,), True)
     if dbias is not None:
-        check_array(dbias, "dbias", (OC,), writable=True)
+        checked_data("dbias", dbias, cnp.NPY_FLOAT32, (OC,), True)
     cdef int nt = resolve_threads(n_threads)
     cdef float* dinp_p = NULL if dinp is None else _ptr(dinp)
     cdef float* dw_p = _ptr(dweight)
@@ -203,28 +184,18 @@ cdef void _backward_naive(floating[:, ::1] dinp, floating[:, ::1] dweight,
                     dinp[n, c] += dout[n, o] * weight[o, c]
 
 
-_NAIVE_DTYPES = (np.float32, np.float64)
-
-
-def _naive_dtype(inp):
-    if not isinstance(inp, np.ndarray) or inp.dtype not in _NAIVE_DTYPES:
-        raise TypeError(f"inp must be a float32 or float64 numpy.ndarray, got "
-                        f"{getattr(inp, 'dtype', type(inp).__name__)}")
-    return (inp.dtype,)
-
-
 def matmul_forward_naive(out, inp, weight, bias, *, n_threads=None):
     """Plain-loop twin of ``matmul_forward`` (serial; float32 or float64)."""
     lead, N, C, OC = _matmul_shapes(inp, weight)
-    dt = _naive_dtype(inp)
-    check_array(inp, "inp", lead + (C,), dt)
-    check_array(weight, "weight", (OC, C), dt)
+    cdef int ft = float_type(inp)
+    checked_data("inp", inp, ft, lead + (C,), False)
+    checked_data("weight", weight, ft, (OC, C), False)
     if bias is not None:
-        check_array(bias, "bias", (OC,), dt)
-    check_array(out, "out", lead + (OC,), dt, writable=True)
+        checked_data("bias", bias, ft, (OC,), False)
+    checked_data("out", out, ft, lead + (OC,), True)
     resolve_threads(n_threads)
-    bias_or_dummy = bias if bias is not None else np.zeros(1, dt[0])
-    if dt[0] == np.float32:
+    bias_or_dummy = bias if bias is not None else np.zeros(1, inp.dtype)
+    if ft == cnp.NPY_FLOAT32:
         _forward_naive[float](out.reshape(N, OC), inp.reshape(N, C), weight,
                               bias_or_dummy, bias is not None)
     else:
@@ -237,23 +208,23 @@ def matmul_backward_naive(dinp, dweight, dbias, dout, inp, weight, *, overwrite=
     """Plain-loop twin of ``matmul_backward`` (serial; float32 or float64)."""
     flags = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     lead, N, C, OC = _matmul_shapes(inp, weight)
-    dt = _naive_dtype(inp)
-    check_array(inp, "inp", lead + (C,), dt)
-    check_array(weight, "weight", (OC, C), dt)
-    check_array(dout, "dout", lead + (OC,), dt)
-    check_array(dweight, "dweight", (OC, C), dt, writable=True)
+    cdef int ft = float_type(inp)
+    checked_data("inp", inp, ft, lead + (C,), False)
+    checked_data("weight", weight, ft, (OC, C), False)
+    checked_data("dout", dout, ft, lead + (OC,), False)
+    checked_data("dweight", dweight, ft, (OC, C), True)
     if dinp is not None:
-        check_array(dinp, "dinp", lead + (C,), dt, writable=True)
+        checked_data("dinp", dinp, ft, lead + (C,), True)
     if dbias is not None:
-        check_array(dbias, "dbias", (OC,), dt, writable=True)
+        checked_data("dbias", dbias, ft, (OC,), True)
     resolve_threads(n_threads)
     for arr, flag in zip((dinp, dweight, dbias), flags):
         if flag and arr is not None:
             arr[...] = 0
-    dummy = np.zeros(1, dt[0])
-    dinp2 = dinp.reshape(N, C) if dinp is not None else np.zeros((1, 1), dt[0])
+    dummy = np.zeros(1, inp.dtype)
+    dinp2 = dinp.reshape(N, C) if dinp is not None else np.zeros((1, 1), inp.dtype)
     dbias1 = dbias if dbias is not None else dummy
-    if dt[0] == np.float32:
+    if ft == cnp.NPY_FLOAT32:
         _backward_naive[float](dinp2, dweight, dbias1, dout.reshape(N, OC), inp.reshape(N, C),
                                weight, dinp is not None, dbias is not None)
     else:

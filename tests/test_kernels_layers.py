@@ -233,7 +233,7 @@ def test_layernorm_rejects_bad_arguments():
     x.setflags(write=False)
     layers.layernorm_forward(out, mean, rstd, x, w, b)  # read-only inputs are fine
     out.setflags(write=False)
-    with pytest.raises(ValueError, match="out must be writeable"):
+    with pytest.raises(ValueError, match="out must be writable"):
         layers.layernorm_forward(out, mean, rstd, x, w, b)
     with pytest.raises(ValueError, match="dinp"):
         layers.layernorm_backward(np.zeros((2, 3, 5), np.float32), np.zeros(4, np.float32),

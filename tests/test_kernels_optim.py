@@ -162,7 +162,7 @@ def test_zero_grad_any_shape():
         optim.zero_grad(np.zeros(4, np.float64))
     frozen = np.zeros(4, np.float32)
     frozen.setflags(write=False)
-    with pytest.raises(ValueError, match="writeable"):
+    with pytest.raises(ValueError, match="writable"):
         optim.zero_grad(frozen)
 
 
