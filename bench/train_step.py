@@ -300,8 +300,8 @@ def run_step_worker(args):
     result["memory_estimate_bytes"] = int(need)
     if need * MEMORY_MARGIN > available:
         result["skipped"] = (f"needs about {need / GiB:.1f} GiB ({len(engines)} engine(s) of ours "
-                             f"+ PyTorch, x{MEMORY_MARGIN} margin), {available / GiB:.1f} GiB "
-                             f"available")
+                             f"+ PyTorch), {need * MEMORY_MARGIN / GiB:.1f} GiB with the "
+                             f"x{MEMORY_MARGIN} margin; {available / GiB:.1f} GiB available")
         return result
     result["flush_check_before"] = check_flush(ftz, torch)
 
