@@ -213,13 +213,10 @@ def attention_forward(out, att, qkv, n_head, *, n_threads=None):
     from qkv (B, T, 3C), both overwritten."""
     cdef Py_ssize_t B, T, C, NH
     B, T, C, NH = _attention_shapes(qkv, n_head)
-    checked_data("qkv", qkv, cnp.NPY_FLOAT32, (B, T, 3 * C), False)
-    checked_data("out", out, cnp.NPY_FLOAT32, (B, T, C), True)
-    checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), True)
+    cdef float* qkv_p = <float*>checked_data("qkv", qkv, cnp.NPY_FLOAT32, (B, T, 3 * C), False)
+    cdef float* out_p = <float*>checked_data("out", out, cnp.NPY_FLOAT32, (B, T, C), True)
+    cdef float* att_p = <float*>checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), True)
     cdef int nt = _threads_for(n_threads, B, T, C)
-    cdef float* out_p = <float*>cnp.PyArray_DATA(out)
-    cdef float* att_p = <float*>cnp.PyArray_DATA(att)
-    cdef float* qkv_p = <float*>cnp.PyArray_DATA(qkv)
     with nogil:
         attention_forward_c(out_p, att_p, qkv_p, B, T, C, NH, nt)
 
@@ -231,15 +228,11 @@ def attention_backward(dqkv, dout, qkv, att, n_head, *, overwrite=False, n_threa
     ow, = overwrite_flags(overwrite, ("dqkv",))
     cdef Py_ssize_t B, T, C, NH
     B, T, C, NH = _attention_shapes(qkv, n_head)
-    checked_data("qkv", qkv, cnp.NPY_FLOAT32, (B, T, 3 * C), False)
-    checked_data("dout", dout, cnp.NPY_FLOAT32, (B, T, C), False)
-    checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), False)
-    checked_data("dqkv", dqkv, cnp.NPY_FLOAT32, (B, T, 3 * C), True)
+    cdef float* qkv_p = <float*>checked_data("qkv", qkv, cnp.NPY_FLOAT32, (B, T, 3 * C), False)
+    cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, (B, T, C), False)
+    cdef float* att_p = <float*>checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), False)
+    cdef float* dqkv_p = <float*>checked_data("dqkv", dqkv, cnp.NPY_FLOAT32, (B, T, 3 * C), True)
     cdef int nt = _threads_for(n_threads, B, T, C)
-    cdef float* dqkv_p = <float*>cnp.PyArray_DATA(dqkv)
-    cdef float* dout_p = <float*>cnp.PyArray_DATA(dout)
-    cdef float* att_p = <float*>cnp.PyArray_DATA(att)
-    cdef float* qkv_p = <float*>cnp.PyArray_DATA(qkv)
     if ow:
         # The per-head kernels add into their slices of dqkv: start them from zero.
         zero_grad(dqkv, n_threads=n_threads)

@@ -100,25 +100,18 @@ def _matmul_shapes(inp, weight):
     return lead, N, C, OC
 
 
-cdef inline float* _ptr(cnp.ndarray arr):
-    return <float*>cnp.PyArray_DATA(arr)
-
-
 def matmul_forward(out, inp, weight, bias, *, n_threads=None):
     """out = inp @ weight.T + bias.  inp (N, C) or (B, T, C); weight (OC, C);
     bias (OC,) or None; out (N, OC) or (B, T, OC), overwritten."""
     cdef Py_ssize_t N, C, OC
     lead, N, C, OC = _matmul_shapes(inp, weight)
-    checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
-    checked_data("weight", weight, cnp.NPY_FLOAT32, (OC, C), False)
+    cdef float* inp_p = <float*>checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
+    cdef float* w_p = <float*>checked_data("weight", weight, cnp.NPY_FLOAT32, (OC, C), False)
+    cdef float* b_p = NULL
     if bias is not None:
-        checked_data("bias", bias, cnp.NPY_FLOAT32, (OC,), False)
-    checked_data("out", out, cnp.NPY_FLOAT32, lead + (OC,), True)
+        b_p = <float*>checked_data("bias", bias, cnp.NPY_FLOAT32, (OC,), False)
+    cdef float* out_p = <float*>checked_data("out", out, cnp.NPY_FLOAT32, lead + (OC,), True)
     cdef int nt = resolve_threads(n_threads)
-    cdef float* out_p = _ptr(out)
-    cdef float* inp_p = _ptr(inp)
-    cdef float* w_p = _ptr(weight)
-    cdef float* b_p = NULL if bias is None else _ptr(bias)
     with nogil:
         matmul_forward_c(out_p, inp_p, w_p, b_p, N, C, OC, nt)
 
@@ -134,21 +127,17 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
     cdef bint ow_i, ow_w, ow_b
     ow_i, ow_w, ow_b = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     lead, N, C, OC = _matmul_shapes(inp, weight)
-    checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
-    checked_data("weight", weight, cnp.NPY_FLOAT32, (OC, C), False)
-    checked_data("dout", dout, cnp.NPY_FLOAT32, lead + (OC,), False)
-    checked_data("dweight", dweight, cnp.NPY_FLOAT32, (OC, C), True)
+    cdef float* inp_p = <float*>checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
+    cdef float* w_p = <float*>checked_data("weight", weight, cnp.NPY_FLOAT32, (OC, C), False)
+    cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, lead + (OC,), False)
+    cdef float* dw_p = <float*>checked_data("dweight", dweight, cnp.NPY_FLOAT32, (OC, C), True)
+    cdef float* dinp_p = NULL
+    cdef float* db_p = NULL
     if dinp is not None:
-        checked_data("dinp", dinp, cnp.NPY_FLOAT32, lead + (C,), True)
+        dinp_p = <float*>checked_data("dinp", dinp, cnp.NPY_FLOAT32, lead + (C,), True)
     if dbias is not None:
-        checked_data("dbias", dbias, cnp.NPY_FLOAT32, (OC,), True)
+        db_p = <float*>checked_data("dbias", dbias, cnp.NPY_FLOAT32, (OC,), True)
     cdef int nt = resolve_threads(n_threads)
-    cdef float* dinp_p = NULL if dinp is None else _ptr(dinp)
-    cdef float* dw_p = _ptr(dweight)
-    cdef float* db_p = NULL if dbias is None else _ptr(dbias)
-    cdef float* dout_p = _ptr(dout)
-    cdef float* inp_p = _ptr(inp)
-    cdef float* w_p = _ptr(weight)
     with nogil:
         matmul_backward_c(dinp_p, dw_p, db_p, dout_p, inp_p, w_p, N, C, OC, nt, ow_i, ow_w,
                           ow_b)
