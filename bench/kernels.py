@@ -1,9 +1,11 @@
 """Every kernel against the same operation in PyTorch, at GPT-2 124M shapes.
 
-For each kernel and (B, T) the two sides run interleaved (ours, torch, ours, ...)
-after a warm-up, with the same thread count, and the median of the repetitions is
-reported with the achieved GFLOP/s (matmuls, attention) or GB/s (everything else)
-and its share of this machine's limits, measured in the same run: the sgemm peak
+For each kernel and (B, T) the two sides run in pairs, interleaved and in
+alternating order (ours then torch, torch then ours, ...), after a warm-up, with the
+same thread count.  The ratio is the median over the pairs of torch time / our time,
+with its quartiles; the median times are reported with the achieved GFLOP/s
+(matmuls, attention) or GB/s (everything else) and their share of this machine's
+limits, measured in the same run: the sgemm peak
 (the best repetition of a large square product, ours or PyTorch's) and the memory
 bandwidth (the fastest of a large triad and a large in-place update in PyTorch with the
 same threads, and a NumPy copy).  Writes bench/results/kernels.json and kernels.png.
@@ -38,19 +40,45 @@ def median_ms(samples):
     return statistics.median(samples) * 1e3
 
 
+# A kernel under this much time per side gets more repetitions, up to MAX_REPS:
+# a 40-microsecond kernel timed 7 times on a shared VM is mostly noise.
+MIN_SECONDS = 0.5
+MAX_REPS = 400
+
+
 def race(ours, theirs, reps, setup=None):
-    """Interleaved timings (ours, torch) in ms, after one warm-up of each.
+    """Paired, interleaved timings of ours and PyTorch's after one warm-up of each.
+
+    Each repetition times both sides back to back, ours first in even repetitions
+    and PyTorch first in odd ones (so neither always runs on the other's caches or
+    spinning threads); there are at least ``reps`` and, for fast kernels, more,
+    until each side has run MIN_SECONDS.  The ratio is the median over repetitions
+    of torch time / our time within each pair: a slow spell of the machine, which
+    on a shared VM lasts longer than a pair, slows both halves of the pair alike and
+    cancels, where it would move the median of either side alone.  Returns
+    (our median ms, PyTorch's median ms, the paired ratios).
     ``setup(side)`` runs untimed before every call (e.g. a fresh autograd graph)."""
     times = {"ours": [], "torch": []}
-    for rep in range(reps + 1):
-        for side, fn in (("ours", ours), ("torch", theirs)):
+    sides = (("ours", ours), ("torch", theirs))
+    rep = 0
+    while rep <= reps or (rep <= MAX_REPS
+                          and min(sum(times["ours"]), sum(times["torch"])) < MIN_SECONDS):
+        for side, fn in (sides if rep % 2 == 0 else sides[::-1]):
             arg = setup(side) if setup else None
             t0 = time.perf_counter()
             fn(arg)
             dt = time.perf_counter() - t0
             if rep:
                 times[side].append(dt)
-    return median_ms(times["ours"]), median_ms(times["torch"])
+        rep += 1
+    ratios = [th / us for us, th in zip(times["ours"], times["torch"])]
+    return median_ms(times["ours"]), median_ms(times["torch"]), ratios
+
+
+def quartiles(xs):
+    """(first quartile, median, third quartile) of xs."""
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[1], q[2]
 
 
 def measure_limits(reps, quick):
@@ -317,22 +345,24 @@ def run(args):
     configs = [(4, 64)] if args.quick else [(4, 64), (8, 1024)]
     records = []
     header = (f"{'kernel':34s} {'shape':>15s} {'ours ms':>9s} {'torch ms':>9s} {'ratio':>6s} "
-              f"{'rate':>14s} {'share':>6s}")
+              f"{'quartiles':>11s} {'reps':>4s} {'rate':>14s} {'share':>6s}")
     print(header)
     print("-" * len(header))
 
-    def record(name, shape, kind, amount, ours_ms, torch_ms):
+    def record(name, shape, kind, amount, ours_ms, torch_ms, ratios):
         rate = amount / (ours_ms * 1e-3) / 1e9
         limit = limits["sgemm_peak_gflops"] if kind == "flops" else limits["bandwidth_gbps"]
+        q1, ratio, q3 = quartiles(ratios)
         rec = {"kernel": name, "shape": shape, "threads": n, "ours_ms": ours_ms,
-               "torch_ms": torch_ms, "ratio": torch_ms / ours_ms,
-               "share": rate / limit}
+               "torch_ms": torch_ms, "ratio": ratio, "ratio_q1": q1, "ratio_q3": q3,
+               "reps": len(ratios), "share": rate / limit}
         rec["gflops" if kind == "flops" else "gbps"] = rate
         rec["torch_" + ("gflops" if kind == "flops" else "gbps")] = amount / (torch_ms * 1e-3) / 1e9
         records.append(rec)
         unit = "GFLOP/s" if kind == "flops" else "GB/s"
-        print(f"{name:34s} {shape:>15s} {ours_ms:9.3f} {torch_ms:9.3f} {rec['ratio']:6.2f} "
-              f"{rate:8.1f} {unit:>5s} {rec['share']:6.0%}", flush=True)
+        print(f"{name:34s} {shape:>15s} {ours_ms:9.3f} {torch_ms:9.3f} {ratio:6.2f} "
+              f"{q1:5.2f}-{q3:<5.2f} {len(ratios):4d} {rate:8.1f} {unit:>5s} {rec['share']:6.0%}",
+              flush=True)
 
     for B, T in configs:
         rng = np.random.default_rng(B * 10000 + T)
@@ -341,11 +371,9 @@ def run(args):
                  attention_cases(B, T, rng), elementwise_cases(B, T, rng)]
         for group in cases:
             for name, kind, amount, ours, theirs, setup in group:
-                ours_ms, torch_ms = race(ours, theirs, args.reps, setup)
-                record(name, shape, kind, amount, ours_ms, torch_ms)
+                record(name, shape, kind, amount, *race(ours, theirs, args.reps, setup))
     for name, kind, amount, ours, theirs, setup in optimizer_cases(np.random.default_rng(1)):
-        ours_ms, torch_ms = race(ours, theirs, args.reps, setup)
-        record(name, f"n={N_PARAMS}", kind, amount, ours_ms, torch_ms)
+        record(name, f"n={N_PARAMS}", kind, amount, *race(ours, theirs, args.reps, setup))
     return n, limits, records
 
 
@@ -361,12 +389,15 @@ def plot(records, n, path):
         rows = [r for r in records if r["shape"] == shape]
         names = [r["kernel"] for r in rows]
         ratios = [r["ratio"] for r in rows]
+        spread = [[r["ratio"] - r["ratio_q1"] for r in rows],
+                  [r["ratio_q3"] - r["ratio"] for r in rows]]
         colors = ["tab:green" if x >= 1 else "tab:red" for x in ratios]
-        ax.barh(names, ratios, color=colors)
+        ax.barh(names, ratios, color=colors, xerr=spread, ecolor="black", capsize=2)
         ax.axvline(1.0, color="black", lw=1)
         ax.set_xscale("log")
         ax.invert_yaxis()
-        ax.set_title(f"{shape}: PyTorch time / our time ({n} threads; > 1 means ours is faster)")
+        ax.set_title(f"{shape}: PyTorch time / our time, median of paired runs and quartiles "
+                     f"({n} threads; > 1 means ours is faster)")
         for i, r in enumerate(rows):
             ax.text(r["ratio"], i, f" {r['ratio']:.2f}x, {r['share']:.0%} of limit",
                     va="center", fontsize=7)
@@ -399,8 +430,12 @@ def main(argv=None):
     out.write_text(json.dumps(records, indent=1))
     plot(records, n, out.with_suffix(".png"))
     met = [r for r in records if r["ratio"] >= 1]
-    print(f"\n{len(met)}/{len(records)} kernels at least as fast as PyTorch; wrote {out} and "
-          f"{out.with_suffix('.png')}")
+    behind = [f"{r['kernel']} {r['shape']} {r['ratio']:.2f} ({r['ratio_q1']:.2f}-"
+              f"{r['ratio_q3']:.2f})" for r in records if r["ratio"] < 1]
+    print(f"\n{len(met)}/{len(records)} kernels at least as fast as PyTorch (median paired "
+          f"ratio); wrote {out} and {out.with_suffix('.png')}")
+    if behind:
+        print("behind (ratio, quartiles): " + "; ".join(behind))
 
 
 if __name__ == "__main__":
