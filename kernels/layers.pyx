@@ -92,8 +92,8 @@ cdef extern from *:
                              ptrdiff_t C, int stream) {
         ADT_LANES_CALL_X3(kind, encoder_rows, (out, ids, wte, wpe, r0, r1, T, C, stream));
     }
-    static void exp_span(int kind, float* out, const float* inp, ptrdiff_t n) {
-        ADT_LANES_CALL_X3(kind, exp_span, (out, inp, n));
+    static void exp_span(int kind, float* out, const float* inp, ptrdiff_t n, int fast) {
+        ADT_LANES_CALL_X3(kind, exp_span, (out, inp, n, fast));
     }
     """
     void _gelu_forward_span "gelu_forward_span" (int kind, float* out, const float* inp,
@@ -110,7 +110,7 @@ cdef extern from *:
                           Py_ssize_t C, int ow_dinp) nogil
     void add_to_both_span(int kind, float* a, float* b, const float* d, Py_ssize_t n,
                           bint ow_a, bint ow_b) nogil
-    void exp_span(int kind, float* out, const float* inp, Py_ssize_t n) nogil
+    void exp_span(int kind, float* out, const float* inp, Py_ssize_t n, int fast) nogil
     void add_span(int kind, float* out, const float* a, const float* b, Py_ssize_t n,
                   bint stream) nogil
     void encoder_rows(int kind, float* out, const int32_t* ids, const float* wte,
@@ -199,13 +199,14 @@ def vector_lanes():
     return 16 if lanes_wide() else 8
 
 
-def _vector_exp(const float[::1] inp):
+def _vector_exp(const float[::1] inp, bint fast=False):
     """exp of a float32 array through the vector exp the kernels inline (GELU, softmax,
-    cross-entropy), at the width in force: for the tests."""
+    cross-entropy), or (``fast``) the exp_fast of their sums and 1 + exp, at the width
+    in force: for the tests."""
     out = np.empty(inp.shape[0], np.float32)
     cdef float[::1] o = out
     if inp.shape[0]:
-        exp_span(lanes_kind(), &o[0], &inp[0], inp.shape[0])
+        exp_span(lanes_kind(), &o[0], &inp[0], inp.shape[0], fast)
     return out
 
 

@@ -11,38 +11,43 @@ ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_z)(ADT_VT x) {
     return k2 * (x + a * x * x * x);
 }
 
-/* out[i] = exp(inp[i]) with this width's vector exp, for the tests (the kernels'
-   exp itself is inlined into them). */
+/* out[i] = exp(inp[i]) with this width's vector exp, or its exp_fast, for the tests
+   (the kernels' exp itself is inlined into them). */
+ADT_LANES_INLINE ADT_VT ADT_LANES_FN(exp_either)(ADT_VT x, int fast) {
+    return fast ? ADT_V(exp_fast)(x) : ADT_V(exp)(x);
+}
 ADT_LANES_ATTR
-static void ADT_LANES_FN(exp_span)(float* out, const float* inp, ptrdiff_t n) {
+static void ADT_LANES_FN(exp_span)(float* out, const float* inp, ptrdiff_t n, int fast) {
     ptrdiff_t i = 0;
-    for (; i + ADT_W <= n; i += ADT_W) ADT_V(store)(out + i, ADT_V(exp)(ADT_V(load)(inp + i)));
+    for (; i + ADT_W <= n; i += ADT_W)
+        ADT_V(store)(out + i, ADT_LANES_FN(exp_either)(ADT_V(load)(inp + i), fast));
     if (i < n) {
         float t[ADT_W];
         for (int l = 0; l < ADT_W; l++) t[l] = i + l < n ? inp[i + l] : 0.0f;
-        ADT_VT y = ADT_V(exp)(ADT_V(load)(t));
+        ADT_VT y = ADT_LANES_FN(exp_either)(ADT_V(load)(t), fast);
         for (ptrdiff_t l = 0; i + l < n; l++) out[i + l] = y[l];
     }
 }
 
 ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_forward)(ADT_VT x) {
-    /* x s = x / (1 + exp(z)), no separate reciprocal */
+    /* x s = x / (1 + exp(z)), no separate reciprocal; exp_fast (kernels/simd.h),
+       being added to 1 */
     ADT_VT z = ADT_LANES_FN(gelu_z)(x);
     ADT_VI big = z > ADT_V(splat)(80.0f);
-    ADT_VT y = ADT_V(divide)(x, 1.0f + ADT_V(exp_low)(ADT_V(min)(z, ADT_V(splat)(80.0f))));
+    ADT_VT y = ADT_V(divide)(x, 1.0f + ADT_V(exp_fast)(ADT_V(min)(z, ADT_V(splat)(80.0f))));
     return ADT_V(select)(big, ADT_V(splat)(0.0f), y);
 }
 
 /* d/dx [x s] = s + x s (1 - s) 2u', with 1 - s = e s, e = exp(z).  Beyond |x| = 20
    the result is exactly 1 or 0 in float32; clamping there keeps x^2 from
-   overflowing.  exp_low: e below exp(-87.3) only meets 1 + (a normal number), as in
-   the forward's 1 + exp(z). */
+   overflowing.  exp_fast: e below exp(-86.6) only meets 1 + (a normal number), as
+   in the forward's 1 + exp(z). */
 ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_backward)(ADT_VT x, ADT_VT d) {
     const float k2 = (float)(2.0 * ADTAPE_GELU_K), a3 = (float)(3.0 * ADTAPE_GELU_A);
     x = ADT_V(max)(ADT_V(min)(x, ADT_V(splat)(20.0f)), ADT_V(splat)(-20.0f));
     ADT_VT z = ADT_LANES_FN(gelu_z)(x);
     ADT_VI big = z > ADT_V(splat)(80.0f);
-    ADT_VT e = ADT_V(exp_low)(ADT_V(min)(z, ADT_V(splat)(80.0f)));
+    ADT_VT e = ADT_V(exp_fast)(ADT_V(min)(z, ADT_V(splat)(80.0f)));
     ADT_VT s = ADT_V(select)(big, ADT_V(splat)(0.0f),
                              ADT_V(divide)(ADT_V(splat)(1.0f), 1.0f + e));
     ADT_VT du = k2 * (1.0f + a3 * x * x);

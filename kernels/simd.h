@@ -88,6 +88,31 @@ ADT_INLINE adt_v8 adt_exp(adt_v8 x) { return adt_exp_bits(x); }
    exponentials and 1 + exp(z); not for values that are written out and multiplied
    further (a denormal would slow every operation downstream). */
 ADT_INLINE adt_v8 adt_exp_low(adt_v8 x) { return adt_exp(x); }
+/* exp(x) for x <= 88 where only a sum of exponentials or 1 + exp(x) is kept, in
+   13 vector operations for exp_low's 17: 2^t for t = x log2(e) = n + r, n rounded
+   in the low bits of t + 1.5 * 2^23 (which also give 2^n), r = x log2(e) - n
+   (|r| <= 1/2) in two FMAs with log2(e) split in two floats, so that it stays exact
+   at large |x|, and 2^r by a degree-5 polynomial (a relative-error fit): within
+   4e-7 relative, against exp_low's 2 ulp (2.4e-7).  Below -86.6 it gives
+   exp(-86.6) (2.5e-38), like exp_low a value lost against a sum's 1; NaN gives NaN.
+   x is clamped below by the caller's max (one vmaxps in the x86-64-v3 build).
+   Against exp_low, 2 threads on the Zen 3 VM: cross-entropy forward over GPT-2's
+   logits 2.75 -> 2.05 ms at B=4, T=64 and 87 -> 65 ms at B=8, T=1024; GELU forward
+   0.265 -> 0.208 and 8.6 -> 7.0 ms, backward 0.41 -> 0.34 and 13.7 -> 11.9 ms. */
+ADT_INLINE adt_v8 adt_exp_fast_clamped(adt_v8 x) {
+    adt_v8 k = x * 1.44269502162933349609375f + 12582912.0f;
+    adt_v8 r = x * 1.44269502162933349609375f - (k - 12582912.0f);
+    r = x * 1.92596298909109e-08f + r;
+    adt_v8 p = r * 1.2915660627186298e-3f + 9.668532758951187e-3f;
+    p = p * r + 5.5516887456178665e-2f;
+    p = p * r + 2.4022264778614044e-1f;
+    p = p * r + 6.931464672088623e-1f;
+    p = p * r + 1.0f;
+    return p * (adt_v8)(((adt_v8i)k + 127) << 23);
+}
+ADT_INLINE adt_v8 adt_exp_fast(adt_v8 x) {
+    return adt_exp_fast_clamped(adt_max(adt_splat(-86.6f), x));   /* NaN: x */
+}
 
 /* Non-temporal stores, for outputs far larger than the caches: the written lines go
    to memory without first being read into the cache (write-allocate), a third less
@@ -181,6 +206,8 @@ ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp16(adt_v16 x) {
                                            _MM_FROUND_CUR_DIRECTION);
 }
 ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp_low16(adt_v16 x) { return adt_exp16(x); }
+/* sixteen lanes: exp_low, as short with scalef as exp_fast is in eight */
+ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp_fast16(adt_v16 x) { return adt_exp16(x); }
 #else
 #define ADT_HAVE_V4 0
 #define ADT_TARGET_V4
@@ -189,6 +216,7 @@ ADT_INLINE adt_v16 adt_divide16(adt_v16 a, adt_v16 b) { return a / b; }
 ADT_INLINE void adt_stream16(float* p, adt_v16 v) { adt_store16(p, v); }
 ADT_INLINE adt_v16 adt_exp_low16(adt_v16 x) { return adt_exp_bits16(x); }
 ADT_INLINE adt_v16 adt_exp16(adt_v16 x) { return adt_exp_bits16(x); }
+ADT_INLINE adt_v16 adt_exp_fast16(adt_v16 x) { return adt_exp_bits16(x); }
 #endif
 ADT_TARGET_V4 ADT_INLINE void adt_put16(float* p, adt_v16 v, int stream) {
     if (stream) adt_stream16(p, v);
@@ -222,6 +250,9 @@ ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_max(adt_v8 a, adt_v8 b) {
 ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_exp_low(adt_v8 x) {
     /* NaN: x, and the result NaN */
     return adt_exp_in_range(adt_v3_max(adt_splat(-87.3f), x));
+}
+ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_exp_fast(adt_v8 x) {
+    return adt_exp_fast_clamped(adt_v3_max(adt_splat(-86.6f), x));
 }
 #else
 #define ADT_HAVE_V3 0

@@ -413,6 +413,23 @@ def test_vector_exp_within_two_ulp_and_exact_zero_below_cutoff(vector_lanes):
     assert (special[2::3] == 1.0).all()
 
 
+def test_fast_vector_exp_within_its_bound(vector_lanes):
+    # exp_fast, for sums of exponentials and 1 + exp (cross-entropy, GELU): within
+    # 4e-7 relative up to 88, at most 2.5e-38 (and not negative) below -86.6, NaN for
+    # NaN; sixteen lanes give the 2-ulp exp.
+    x = np.concatenate([np.linspace(-86.6, 88.0, 400_001, dtype=np.float32),
+                        np.float32([-1e-30, 0.0, 1e-30, -0.5 * np.log(2), 0.5 * np.log(2)])])
+    y = layers._vector_exp(x, fast=True)
+    ref = np.exp(x.astype(np.float64))
+    rel = np.abs(y - ref) / ref
+    assert rel.max() <= 4e-7, (x[rel.argmax()], rel.max())
+    assert (layers._vector_exp(np.float32([0.0] * 9), fast=True) == 1.0).all()
+    low = layers._vector_exp(np.linspace(-300.0, -86.7, 1001, dtype=np.float32), fast=True)
+    assert (low >= 0).all() and (low <= 2.5e-38).all()
+    special = layers._vector_exp(np.float32([np.nan, -np.inf, 1.0] * 7), fast=True)
+    assert np.isnan(special[0::3]).all() and (special[1::3] <= 2.5e-38).all()
+
+
 # ---------------------------------------------------------------------------
 # non-temporal stores for large outputs
 

@@ -99,6 +99,31 @@ def test_rows_layout_and_extreme_logits(vector_lanes):
     assert np.all(np.isfinite(lse))
 
 
+def test_rows_whose_max_rises_across_chunks(vector_lanes):
+    # The forward reads each chunk of 1024 logits once, against the max of the chunks
+    # before it; these rows move that max in every way a chunk can.
+    rng = np.random.default_rng(6)
+    V, Vp = 5000, 5008
+    logits = (rng.standard_normal((7, Vp)) * 2).astype(np.float32)
+    logits[:, V:] = 1e4
+    logits[0, :V] = np.linspace(-50.0, 50.0, V)       # a rise in every chunk
+    logits[1, 2500] = 300.0                           # far above all before it
+    logits[2, 0] = -1e30                              # the first reference far below
+    logits[3, 1500:] += 60.0                          # just inside the headroom
+    logits[4, 1500:] += 70.0                          # just past it
+    logits[5, :V] = -1e30                             # all equal, hugely negative
+    logits[5, 4999] = 0.0
+    targets = rng.integers(0, V, 7).astype(np.int32)
+    losses, lse = run_forward(loss.softmax_crossentropy_forward, logits[:6], targets[:6], V)
+    ref = torch.logsumexp(torch.tensor(logits[:6, :V]).double(), -1).numpy()
+    close(lse, ref, 1e-6)
+    close(losses, ref - logits[np.arange(6), targets[:6]], 1e-5, scale=1.0)
+    # a NaN logit in a later chunk makes a NaN loss
+    logits[6, 3333] = np.nan
+    losses, lse = run_forward(loss.softmax_crossentropy_forward, logits[6:], targets[6:], V)
+    assert np.isnan(losses[0]) and np.isnan(lse[0])
+
+
 def test_backward_finite_differences():
     rng = np.random.default_rng(3)
     B, T, V, Vp = 2, 3, 7, 9
