@@ -396,8 +396,8 @@ def plot(records, n, path):
         ax.axvline(1.0, color="black", lw=1)
         ax.set_xscale("log")
         ax.invert_yaxis()
-        ax.set_title(f"{shape}: PyTorch time / our time, median of paired runs and quartiles "
-                     f"({n} threads; > 1 means ours is faster)")
+        ax.set_title(f"{shape}: PyTorch time / ours, median of paired runs, quartiles "
+                     f"({n} threads)", fontsize=10)
         for i, r in enumerate(rows):
             ax.text(r["ratio"], i, f" {r['ratio']:.2f}x, {r['share']:.0%} of limit",
                     va="center", fontsize=7)
