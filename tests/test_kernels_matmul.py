@@ -317,12 +317,13 @@ def _check_gpt2_shapes_against_torch():
 # float64 in eight lanes (6 x 16 tiles) and, where the CPU has AVX-512, sixteen
 # (8 x 32), on sizes that cross each blocking edge: rows past a multiple of the tile
 # and of the 96-row block, columns past the panel and the 512-column block of each
-# thread, depths past the 256-deep block and past the 8 x 8 and 16 x 16 transposes.
+# thread (1024 for a block of more than 512 rows), depths past the 256-deep block
+# and past the 8 x 8 and 16 x 16 transposes.
 
 @pytest.mark.parametrize("lanes", _skinny_lanes())
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
 @pytest.mark.parametrize("M,N,K", [(65, 33, 1), (97, 31, 385), (130, 1, 200), (200, 2100, 70),
-                                   (77, 300, 800), (13, 1043, 523)])
+                                   (77, 300, 800), (13, 1043, 523), (1100, 1500, 300)])
 def test_packed_gemm_matches_float64(layout, M, N, K, lanes):
     from kernels import gemm
     trans_a, trans_b = layout[0] == "t", layout[1] == "t"
