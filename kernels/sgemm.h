@@ -44,12 +44,8 @@
    the eight-lane weight gradient at 8192 tokens 4-7% (single products, 2 threads on
    the Zen 3 VM: 3072 x 768 x 8192 from 231 to 217 ms, 2304 x 768 x 8192 from 186 to
    158; the B block then lives in L3, as in BLIS). */
-#ifndef SG_NC_TALL
 #define SG_NC_TALL 1024
-#endif
-#ifndef SG_TALL_M
 #define SG_TALL_M 512
-#endif
 #define SG_MC 96
 
 #define SG_ARGS(...) __VA_ARGS__
@@ -152,9 +148,9 @@ ADT_INLINE void sg_prefetch_one(sg_prefetch* p) {
     }
 }
 
-/* Packing space: SG_NC x SG_KC floats of B panels, then SG_MC x SG_KC of A panels
-   (0.6 MiB), one buffer per thread, allocated on its first product and kept until
-   the thread exits. */
+/* Packing space: SG_NC_TALL x SG_KC floats of B panels, then SG_MC x SG_KC of A
+   panels (1.1 MiB), one buffer per thread, allocated on its first product and kept
+   until the thread exits. */
 #define SG_B_FLOATS ((size_t)SG_NC_TALL * SG_KC)
 #define SG_BUF_FLOATS (SG_B_FLOATS + (size_t)SG_MC * SG_KC)
 static __thread float* sg_buf = NULL;

@@ -100,8 +100,9 @@ def test_rows_layout_and_extreme_logits(vector_lanes):
 
 
 def test_rows_whose_max_rises_across_chunks(vector_lanes):
-    # The forward reads each chunk of 1024 logits once, against the max of the chunks
-    # before it; these rows move that max in every way a chunk can.
+    # The forward's online log-sum-exp runs over chunks of 1024 logits, rescaling the
+    # sum whenever a chunk raises the running max; these rows move that max in every
+    # way a chunk can, from small rises to jumps far past exp's range.
     rng = np.random.default_rng(6)
     V, Vp = 5000, 5008
     logits = (rng.standard_normal((7, Vp)) * 2).astype(np.float32)
@@ -109,8 +110,8 @@ def test_rows_whose_max_rises_across_chunks(vector_lanes):
     logits[0, :V] = np.linspace(-50.0, 50.0, V)       # a rise in every chunk
     logits[1, 2500] = 300.0                           # far above all before it
     logits[2, 0] = -1e30                              # the first reference far below
-    logits[3, 1500:] += 60.0                          # just inside the headroom
-    logits[4, 1500:] += 70.0                          # just past it
+    logits[3, 1500:] += 60.0                          # a step up in the second chunk
+    logits[4, 1500:] += 70.0                          # a larger one
     logits[5, :V] = -1e30                             # all equal, hugely negative
     logits[5, 4999] = 0.0
     targets = rng.integers(0, V, 7).astype(np.int32)
