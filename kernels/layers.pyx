@@ -80,8 +80,8 @@ cdef extern from *:
                                                  mean, rstd, r0, r1, C, ow_dinp));
     }
     static void add_to_both_span(int kind, float* a, float* b, const float* d, ptrdiff_t n,
-                                 int ow_a, int ow_b) {
-        ADT_LANES_CALL_X3(kind, add_to_both_span, (a, b, d, n, ow_a, ow_b));
+                                 int ow_a, int ow_b, int ahead) {
+        ADT_LANES_CALL_X3(kind, add_to_both_span, (a, b, d, n, ow_a, ow_b, ahead));
     }
     static void add_span(int kind, float* out, const float* a, const float* b, ptrdiff_t n,
                          int stream) {
@@ -109,7 +109,7 @@ cdef extern from *:
                           const float* mean, const float* rstd, Py_ssize_t r0, Py_ssize_t r1,
                           Py_ssize_t C, int ow_dinp) nogil
     void add_to_both_span(int kind, float* a, float* b, const float* d, Py_ssize_t n,
-                          bint ow_a, bint ow_b) nogil
+                          bint ow_a, bint ow_b, bint ahead) nogil
     void exp_span(int kind, float* out, const float* inp, Py_ssize_t n, int fast) nogil
     void add_span(int kind, float* out, const float* a, const float* b, Py_ssize_t n,
                   bint stream) nogil
@@ -500,7 +500,7 @@ cdef void _encoder_backward_slice(float* dwte, float* dwpe, const float* dout,
         if r + ENCODER_PREFETCH_ROWS < N:
             prefetch_span(dwte + <Py_ssize_t>ids[r + ENCODER_PREFETCH_ROWS] * C + c0, c1 - c0)
         add_to_both_span(kind, dwte + <Py_ssize_t>ids[r] * C + c0, dwpe + (r % T) * C + c0,
-                         dout + r * C + c0, c1 - c0, False, False)
+                         dout + r * C + c0, c1 - c0, False, False, False)
 
 
 cdef void encoder_backward_core(float* dwte, float* dwpe, const float* dout, const int32_t* ids,
@@ -875,7 +875,7 @@ cdef void residual_backward_core(float* dinp1, float* dinp2, const float* dout, 
     cdef int kind = lanes_kind()
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
         add_to_both_span(kind, dinp1 + k * CHUNK, dinp2 + k * CHUNK, dout + k * CHUNK,
-                         min(<Py_ssize_t>CHUNK, n - k * CHUNK), ow1, ow2)
+                         min(<Py_ssize_t>CHUNK, n - k * CHUNK), ow1, ow2, True)
 
 
 def residual_forward(out, inp1, inp2, *, n_threads=None):

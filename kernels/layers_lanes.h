@@ -249,15 +249,19 @@ static void ADT_LANES_FN(encoder_rows)(float* out, const int32_t* ids, const flo
 /* a (+)= d and b (+)= d in one pass that reads d once (residual backward; a row of
    encoder backward, a and b one row each of dwte and dwpe); ow_a / ow_b: that output
    is set, not read.  a and b may be the same memory: each vector is stored before
-   the next is loaded. */
+   the next is loaded.  ahead: fetch ADT_AHEAD floats past each vector; off where
+   the span is one thread's share of a row, as that would take lines that another
+   thread is writing. */
 ADT_LANES_ATTR
 static void ADT_LANES_FN(add_to_both_span)(float* a, float* b, const float* d, ptrdiff_t n,
-                                           int ow_a, int ow_b) {
+                                           int ow_a, int ow_b, int ahead) {
     ptrdiff_t i = 0;
     for (; i + ADT_W <= n; i += ADT_W) {
-        ADT_PREFETCH_R(d + i);
-        ADT_PREFETCH_W(a + i);
-        ADT_PREFETCH_W(b + i);
+        if (ahead) {
+            ADT_PREFETCH_R(d + i);
+            ADT_PREFETCH_W(a + i);
+            ADT_PREFETCH_W(b + i);
+        }
         ADT_VT v = ADT_V(load)(d + i);
         ADT_V(store)(a + i, ow_a ? v : ADT_V(load)(a + i) + v);
         ADT_V(store)(b + i, ow_b ? v : ADT_V(load)(b + i) + v);
