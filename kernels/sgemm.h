@@ -47,6 +47,8 @@
 #define SG_NC_TALL 1024
 #define SG_TALL_M 512
 #define SG_MC 96
+/* Depths ahead whose row of a transposed A sg_pack_a fetches. */
+#define SG_PACK_AHEAD 8
 
 #define SG_ARGS(...) __VA_ARGS__
 /* v[0..n) <- its transpose (v[r][l] becomes v[l][r]) for n x n lanes: rounds that
@@ -193,6 +195,27 @@ _Static_assert(SG_MC % SG_MR == 0 && SG_NC % SG_NR == 0 && SG_NC_TALL % SG_NR ==
 ADT_LANES_ATTR
 static void ADT_LANES_FN(sg_pack_a)(ptrdiff_t mc, ptrdiff_t kc, float alpha, const float* A,
                                     ptrdiff_t a_rs, ptrdiff_t a_cs, float* restrict pa) {
+    if (a_rs == 1 && a_cs != 1) {
+        /* A transposed (the weight gradient's dout^T): each depth's mc rows are
+           contiguous, in a row of A that the panels take SG_MR floats each of.  One
+           pass per depth, fetching the row SG_PACK_AHEAD depths on from memory. */
+        ptrdiff_t full = mc / SG_MR, tail = mc - full * SG_MR;
+        for (ptrdiff_t k = 0; k < kc; k++) {
+            const float* ak = A + k * a_cs;
+            if (k + SG_PACK_AHEAD < kc)
+                for (ptrdiff_t i = 0; i < mc; i += 16)
+                    __builtin_prefetch(ak + SG_PACK_AHEAD * a_cs + i, 0, 3);
+            float* d = pa + k * SG_MR;
+            for (ptrdiff_t p = 0; p < full; p++, d += kc * SG_MR, ak += SG_MR)
+#pragma GCC unroll 8
+                for (int r = 0; r < SG_MR; r++) d[r] = alpha * ak[r];
+            if (tail) {
+                for (ptrdiff_t r = 0; r < tail; r++) d[r] = alpha * ak[r];
+                for (ptrdiff_t r = tail; r < SG_MR; r++) d[r] = 0.0f;
+            }
+        }
+        return;
+    }
     for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
         ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
         const float* a = A + i * a_rs;

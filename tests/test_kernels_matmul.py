@@ -128,6 +128,24 @@ def test_one_and_two_threads_agree():
         assert rel_err(a, b) < 1e-6
 
 
+def test_dbias_is_a_float64_sum_the_same_on_any_thread_count():
+    # Enough elements for the parallel sum; 67 rows (not a multiple of the four
+    # summed at a time) and 1100 channels (each thread's share crosses a pass of
+    # 512 channels, and the shares end mid-line).
+    rng = np.random.default_rng(11)
+    inp, weight, bias, dout = make(rng, (67,), 8, 1100)
+    dout *= np.float32(1e3) ** rng.integers(-1, 2, dout.shape).astype(np.float32)
+    want = dout.astype(np.float64).sum(0)
+    got = []
+    for n in (1, 2):
+        dbias = np.full(1100, np.nan, np.float32)
+        matmul_backward(None, np.zeros_like(weight), dbias, dout, inp, weight,
+                        overwrite=True, n_threads=n)
+        got.append(dbias)
+    np.testing.assert_array_equal(got[0], got[1])
+    np.testing.assert_allclose(got[0], want, rtol=1e-6, atol=1e-6 * np.abs(dout).sum(0).max())
+
+
 def test_explicit_thread_count_still_keeps_blas_single_threaded():
     # A first call with an explicit n_threads resolves the policy too: BLAS runs one
     # thread inside each of ours, whatever the entry point (fresh interpreter).
