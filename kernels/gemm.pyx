@@ -11,6 +11,7 @@ it, and adds the bias to that block in the same parallel region.
 cimport numpy as cnp
 from cython.parallel cimport prange
 from scipy.linalg.cython_blas cimport sgemm
+from libc.string cimport memcpy
 
 from kernels.layers cimport resolve_threads
 
@@ -58,15 +59,17 @@ cdef extern from *:
     #endif
     static int skinny_wide(void) { return SK_WIDE; }
 
-    /* The packed GEMM (kernels/sgemm.h) for one block, in place of BLAS: returns -1
-       (nothing written) where it cannot run. */
+    /* The packed GEMM (kernels/sgemm.h) for one block, in place of BLAS, the bias
+       (NULL: none) added in its micro-kernel: returns -1 (nothing written) where it
+       cannot run. */
     static int packed_gemm(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                            float alpha, const float* A, ptrdiff_t lda, const float* B,
-                           ptrdiff_t ldb, float beta, float* C, ptrdiff_t ldc) {
+                           ptrdiff_t ldb, float beta, float* C, ptrdiff_t ldc,
+                           const float* bias) {
         if (K <= 0) return -1;
         return ADT_LANES_CALL(SK_WIDE, sg_gemm, (M, N, K, alpha, A, trans_a ? 1 : lda,
                                                  trans_a ? lda : 1, B, trans_b ? 1 : ldb,
-                                                 trans_b ? ldb : 1, beta, C, ldc));
+                                                 trans_b ? ldb : 1, beta, C, ldc, bias));
     }
 
     /* The most rows skinny_nt takes (up to m): with sixteen lanes (4 x 6 tiles) it
@@ -178,7 +181,8 @@ cdef extern from *:
     int skinny_wide() nogil
     int packed_gemm(int trans_a, int trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                     float alpha, const float* A, Py_ssize_t lda, const float* B,
-                    Py_ssize_t ldb, float beta, float* C, Py_ssize_t ldc) nogil
+                    Py_ssize_t ldb, float beta, float* C, Py_ssize_t ldc,
+                    const float* bias) nogil
     int adt_cpu_v4() nogil
     void skinny_tn(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t K,
                    float alpha, const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb,
@@ -337,8 +341,8 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
         return
     if _use_packed(trans_a, trans_b, M, K, by_columns) and packed_gemm(
             trans_a, trans_b, r1 - r0, c1 - c0, K, alpha, A_block, lda, B_block, ldb, beta,
-            C_block, ldc) == 0:
-        pass
+            C_block, ldc, NULL if bias == NULL else bias + c0) == 0:
+        return                                    # the bias is in
     elif trans_a and not trans_b and K <= skinny_tn_limit(_skinny_max_m) and simple_beta:
         # A small-depth transposed product (dW at few tokens).
         skinny_tn(r0, r1, c0, c1, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
@@ -348,6 +352,17 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
                                                      beta == 1.0, C, ldc) == 0))):
         if trans_b:
             skinny_nt(M, lo, hi, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
+    elif bias != NULL and beta == 0.0:
+        # C starts as the bias and BLAS adds the product: with beta 0 it would
+        # first clear C, and the bias would then take another pass over it.  On the
+        # Zen 3 VM, x @ W^T + b at 8192 rows cost 1-4 ms more than x @ W^T that
+        # way (158.8 vs 155.0 ms at 2304 x 768, 55.9 vs 53.7 at 768 x 768), now
+        # the same (156.8 vs 156.9, 52.7 vs 52.7).
+        for i in range(r0, r1):
+            memcpy(C + i * ldc + c0, bias + c0, (c1 - c0) * sizeof(float))
+        sgemm_rowmajor(trans_a, trans_b, r1 - r0, c1 - c0, K, alpha, A_block, lda, B_block,
+                       ldb, 1.0, C_block, ldc)
+        return
     else:
         sgemm_rowmajor(trans_a, trans_b, r1 - r0, c1 - c0, K, alpha, A_block, lda, B_block,
                        ldb, beta, C_block, ldc)

@@ -319,14 +319,15 @@ static void ADT_LANES_FN(sg_pack_b)(ptrdiff_t kc, ptrdiff_t n, const float* B, p
     }
 }
 
-/* The SG_MR x SG_NR tile: C[0:mr, 0:nr] = acc + beta C (beta 0: C not read).  Not
+/* The SG_MR x SG_NR tile: C[0:mr, 0:nr] = acc + beta C (beta 0: C not read), plus
+   bias[0:nr] on every row where bias is not NULL.  Not
    inlined: inside sg_gemm's loops GCC kept a B vector on the stack (a load more
    per FMA pair) and ran 30% slower. */
 ADT_LANES_ATTR
 static __attribute__((noinline))
 void ADT_LANES_FN(sg_micro)(ptrdiff_t kc, const float* restrict pa, const float* restrict pb,
-                            float* c, ptrdiff_t ldc, float beta, ptrdiff_t mr, ptrdiff_t nr,
-                            sg_prefetch* pf) {
+                            float* c, ptrdiff_t ldc, float beta, const float* bias,
+                            ptrdiff_t mr, ptrdiff_t nr, sg_prefetch* pf) {
     ADT_VT acc[SG_MR][2];
 #pragma GCC unroll 16
     for (int r = 0; r < SG_MR; r++) { acc[r][0] = (ADT_VT){0}; acc[r][1] = (ADT_VT){0}; }
@@ -341,6 +342,12 @@ void ADT_LANES_FN(sg_micro)(ptrdiff_t kc, const float* restrict pa, const float*
         pa += SG_MR;
         pb += SG_NR;
         if ((k & pf->mask) == 0) sg_prefetch_one(pf);
+    }
+    if (bias != NULL && nr == SG_NR) {
+        ADT_VT b0 = ADT_V(load)(bias), b1 = ADT_V(load)(bias + ADT_W);
+#pragma GCC unroll 16
+        for (int r = 0; r < SG_MR; r++) { acc[r][0] += b0; acc[r][1] += b1; }
+        bias = NULL;
     }
     if (mr == SG_MR && nr == SG_NR) {
 #pragma GCC unroll 16
@@ -365,17 +372,20 @@ void ADT_LANES_FN(sg_micro)(ptrdiff_t kc, const float* restrict pa, const float*
         }
         for (ptrdiff_t r = 0; r < mr; r++)
             for (ptrdiff_t j = 0; j < nr; j++)
-                c[r * ldc + j] = beta == 0.0f ? t[r][j] : t[r][j] + beta * c[r * ldc + j];
+                c[r * ldc + j] = (beta == 0.0f ? t[r][j] : t[r][j] + beta * c[r * ldc + j])
+                                 + (bias != NULL ? bias[j] : 0.0f);
     }
 }
 
-/* C = alpha op(A) op(B) + beta C over M x N x K (K > 0).  Returns -1, having
-   written nothing, when the packing buffer cannot be allocated. */
+/* C = alpha op(A) op(B) + beta C (+ bias[j] in every column j where bias is not
+   NULL, added to the first block of depths in the micro-kernel, so that C is not
+   read again for it) over M x N x K (K > 0).  Returns -1, having written nothing,
+   when the packing buffer cannot be allocated. */
 ADT_LANES_ATTR
 static int ADT_LANES_FN(sg_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
                                  const float* A, ptrdiff_t a_rs, ptrdiff_t a_cs,
                                  const float* B, ptrdiff_t b_rs, ptrdiff_t b_cs,
-                                 float beta, float* C, ptrdiff_t ldc) {
+                                 float beta, float* C, ptrdiff_t ldc, const float* bias) {
     float* pb = sg_thread_buffer();
     if (pb == NULL) return -1;
     float* pa = pb + SG_B_FLOATS;
@@ -401,10 +411,12 @@ static int ADT_LANES_FN(sg_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float al
                 for (ptrdiff_t j = 0; j < nc; j += SG_NR) {
                     ptrdiff_t nr = nc - j < SG_NR ? nc - j : SG_NR;
                     const float* pbj = pb + (j / SG_NR) * SG_NR * kc;
+                    const float* bj = k0 == 0 && bias != NULL ? bias + j0 + j : NULL;
                     for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
                         ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
                         ADT_LANES_FN(sg_micro)(kc, pa + (i / SG_MR) * SG_MR * kc, pbj,
-                                               C + (i0 + i) * ldc + j0 + j, ldc, bt, mr, nr, &pf);
+                                               C + (i0 + i) * ldc + j0 + j, ldc, bt, bj, mr, nr,
+                                               &pf);
                     }
                 }
             }

@@ -333,7 +333,7 @@ def _check_gpt2_shapes_against_torch():
 # kernels.gemm computes some products with its own packed GEMM (kernels/sgemm.h)
 # instead of BLAS; set_packed_gemm(2) routes every product there.  Checked against
 # float64 in eight lanes (6 x 16 tiles) and, where the CPU has AVX-512, sixteen
-# (8 x 32), on sizes that cross each blocking edge: rows past a multiple of the tile
+# (8 x 32), with and without the bias that its micro-kernel adds, on sizes that cross each blocking edge: rows past a multiple of the tile
 # and of the 96-row block, columns past the panel and the 512-column block of each
 # thread (1024 for a block of more than 512 rows), depths past the 256-deep block
 # and past the 8 x 8 and 16 x 16 transposes.
@@ -355,7 +355,8 @@ def test_packed_gemm_matches_float64(layout, M, N, K, lanes):
     old_mode, old_m = gemm.set_packed_gemm(2), gemm.set_skinny_max_m(0)
     old_lanes = gemm.set_skinny_lanes(lanes)
     try:
-        for alpha, beta, with_bias in ((1.0, 0.0, False), (1.0, 1.0, True), (0.5, -2.0, False)):
+        for alpha, beta, with_bias in ((1.0, 0.0, True), (1.0, 1.0, False), (0.5, -2.0, True),
+                                       (1.0, 0.0, False)):
             for n_threads in (1, 2):
                 c = c0.copy()
                 if beta == 0.0:
