@@ -21,6 +21,18 @@ def test_empty_and_zeros_are_aligned_contiguous_arrays(shape, dtype):
     assert not buffers.zeros(shape, dtype).any()
 
 
+def test_large_arrays_start_on_a_page():
+    # From PAGE_ALIGN_MIN bytes every array starts on a 4096-byte page (so any two
+    # lie a multiple of 4096 bytes apart: no 4K aliasing between a kernel's input and
+    # output); below it, on a cache line.
+    for _ in range(3):
+        for nbytes in (buffers.PAGE_ALIGN_MIN, 25 << 20, (25 << 20) + 12):
+            a = buffers.empty(nbytes // 4, np.float32)
+            assert a.ctypes.data % buffers.PAGE == 0 and a.nbytes == nbytes // 4 * 4
+    small = [buffers.empty(buffers.PAGE_ALIGN_MIN // 4 - 1) for _ in range(8)]
+    assert all(buffers.is_aligned(a) for a in small)
+
+
 def test_empty_like_and_independence():
     x = np.arange(12, dtype=np.float64).reshape(3, 4)
     y = buffers.empty_like(x)
