@@ -151,10 +151,11 @@ ADT_INLINE void sg_prefetch_one(sg_prefetch* p) {
 }
 
 /* Packing space: SG_NC_TALL x SG_KC floats of B panels, then SG_MC x SG_KC of A
-   panels (1.1 MiB), one buffer per thread, allocated on its first product and kept
-   until the thread exits. */
+   panels (1.1 MiB) and 16 floats that sg_pack_a's whole-vector stores may run into,
+   one buffer per thread, allocated on its first product and kept until the thread
+   exits. */
 #define SG_B_FLOATS ((size_t)SG_NC_TALL * SG_KC)
-#define SG_BUF_FLOATS (SG_B_FLOATS + (size_t)SG_MC * SG_KC)
+#define SG_BUF_FLOATS (SG_B_FLOATS + (size_t)SG_MC * SG_KC + 16)
 static __thread float* sg_buf = NULL;
 static pthread_key_t sg_buf_key;
 static pthread_once_t sg_buf_once = PTHREAD_ONCE_INIT;
@@ -189,6 +190,7 @@ static float* sg_thread_buffer(void) {
 _Static_assert(SG_MC % SG_MR == 0 && SG_NC % SG_NR == 0 && SG_NC_TALL % SG_NR == 0
                && SG_NC_TALL >= SG_NC,
                "sgemm.h: the blocks must hold whole tiles (the packing buffer's size)");
+_Static_assert(SG_MR <= ADT_W, "sgemm.h: sg_pack_a transposes SG_MR rows in one W x W block");
 
 /* Pack op(A)[i0:i0+mc, k0:k0+kc] (times alpha) as panels of SG_MR rows: for each
    depth the panel's SG_MR values; rows past mc are zero. */
@@ -247,7 +249,25 @@ static void ADT_LANES_FN(sg_pack_a)(ptrdiff_t mc, ptrdiff_t kc, float alpha, con
             continue;
         }
 #endif
-        if (a_cs == 1) {
+        if (a_cs == 1 && mr == SG_MR) {
+            /* rows contiguous along the depth: SG_MR rows by W depths at a time,
+               padded to W rows and transposed in registers; each depth's vector
+               is stored whole, its lanes past SG_MR running into the next depth's
+               (rewritten by the next store) or past the panel (the buffer has
+               room) */
+            ptrdiff_t k = 0;
+            for (; k + ADT_W <= kc; k += ADT_W) {
+                ADT_VT v[ADT_W];
+#pragma GCC unroll 16
+                for (int r = 0; r < ADT_W; r++)
+                    v[r] = r < SG_MR ? alpha * ADT_V(load)(a + r * a_rs + k) : (ADT_VT){0};
+                ADT_CAT(sg_transpose, ADT_W)(v);
+#pragma GCC unroll 16
+                for (int t = 0; t < ADT_W; t++) ADT_V(store)(pa + (k + t) * SG_MR, v[t]);
+            }
+            for (; k < kc; k++)
+                for (int r = 0; r < SG_MR; r++) pa[k * SG_MR + r] = alpha * a[r * a_rs + k];
+        } else if (a_cs == 1) {
             /* rows contiguous along the depth: read each row in turn */
             for (ptrdiff_t r = 0; r < mr; r++) {
                 const float* ar = a + r * a_rs;
