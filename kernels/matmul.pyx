@@ -92,7 +92,7 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
          dweight, C, NULL, n_threads)
     if dbias == NULL:
         return
-    if N * OC < DBIAS_PARALLEL_MIN or OC < 32:
+    if N * OC < DBIAS_PARALLEL_MIN:
         n_threads = 1
     per = ((OC + n_threads - 1) // n_threads + 15) // 16 * 16
     for t in prange(n_threads, schedule='static', chunksize=1, nogil=True,

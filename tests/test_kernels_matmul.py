@@ -333,10 +333,11 @@ def _check_gpt2_shapes_against_torch():
 # kernels.gemm computes some products with its own packed GEMM (kernels/sgemm.h)
 # instead of BLAS; set_packed_gemm(2) routes every product there.  Checked against
 # float64 in eight lanes (6 x 16 tiles) and, where the CPU has AVX-512, sixteen
-# (8 x 32), with and without the bias that its micro-kernel adds, on sizes that cross each blocking edge: rows past a multiple of the tile
-# and of the 96-row block, columns past the panel and the 512-column block of each
-# thread (1024 for a block of more than 512 rows), depths past the 256-deep block
-# and past the 8 x 8 and 16 x 16 transposes.
+# (8 x 32), with and without the bias that its micro-kernel adds, on sizes that
+# cross each blocking edge: rows past a multiple of the tile and of the 96-row
+# block, columns past the panel and the 512-column block of each thread (1024 for a
+# block of more than 512 rows), depths past the 256-deep block and past the 8 x 8
+# and 16 x 16 transposes.
 
 @pytest.mark.parametrize("lanes", _skinny_lanes())
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
