@@ -7,7 +7,7 @@ cdef void sgemm_rowmajor(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N,
                          const float* B, Py_ssize_t ldb, float beta, float* C,
                          Py_ssize_t ldc) noexcept nogil
 
-cdef void gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+cdef bint gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                float alpha, const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb,
-               float beta, float* C, Py_ssize_t ldc, const float* bias,
+               float beta, float* C, Py_ssize_t ldc, const float* bias, double* a_sums,
                int n_threads) noexcept nogil

@@ -60,16 +60,18 @@ cdef extern from *:
     static int skinny_wide(void) { return SK_WIDE; }
 
     /* The packed GEMM (kernels/sgemm.h) for one block, in place of BLAS, the bias
-       (NULL: none) added in its micro-kernel: returns -1 (nothing written) where it
-       cannot run. */
+       (NULL: none) added in its micro-kernel and op(A)'s row sums added into a_sums
+       (NULL: none) as it is packed: returns -1 (nothing written) where it cannot
+       run. */
     static int packed_gemm(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                            float alpha, const float* A, ptrdiff_t lda, const float* B,
                            ptrdiff_t ldb, float beta, float* C, ptrdiff_t ldc,
-                           const float* bias) {
+                           const float* bias, double* a_sums) {
         if (K <= 0) return -1;
         return ADT_LANES_CALL(SK_WIDE, sg_gemm, (M, N, K, alpha, A, trans_a ? 1 : lda,
                                                  trans_a ? lda : 1, B, trans_b ? 1 : ldb,
-                                                 trans_b ? ldb : 1, beta, C, ldc, bias));
+                                                 trans_b ? ldb : 1, beta, C, ldc, bias,
+                                                 a_sums));
     }
 
     /* The most rows skinny_nt takes (up to m): with sixteen lanes (4 x 6 tiles) it
@@ -182,7 +184,7 @@ cdef extern from *:
     int packed_gemm(int trans_a, int trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                     float alpha, const float* A, Py_ssize_t lda, const float* B,
                     Py_ssize_t ldb, float beta, float* C, Py_ssize_t ldc,
-                    const float* bias) nogil
+                    const float* bias, double* a_sums) nogil
     int adt_cpu_v4() nogil
     void skinny_tn(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t K,
                    float alpha, const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb,
@@ -322,13 +324,14 @@ cdef void sgemm_rowmajor(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N,
     sgemm(&ta, &tb, &m, &n, &k, &alpha, <float*>B, &la, <float*>A, &lb, &beta, C, &lc)
 
 
-cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+cdef bint _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                  float alpha, const float* A, Py_ssize_t lda, const float* B,
                  Py_ssize_t ldb, float beta, float* C, Py_ssize_t ldc, const float* bias,
-                 bint by_columns, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
+                 double* a_sums, bint by_columns, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
     # This block of C: columns lo:hi of every row, or rows lo:hi of every column.
     # Its rows r0:r1 come from those rows of op(A), its columns c0:c1 from those
-    # columns of op(B).
+    # columns of op(B).  a_sums (NULL: none) is indexed like op(A)'s rows; True
+    # where the block added its rows' sums into it (only the packed GEMM does).
     cdef Py_ssize_t r0 = 0 if by_columns else lo, r1 = M if by_columns else hi
     cdef Py_ssize_t c0 = lo if by_columns else 0, c1 = hi if by_columns else N
     cdef const float* A_block = A + r0 * (1 if trans_a else lda)
@@ -338,11 +341,12 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
     cdef float* row
     cdef bint simple_beta = beta == 0.0 or beta == 1.0
     if hi <= lo:
-        return
+        return True
     if _use_packed(trans_a, trans_b, M, K, by_columns) and packed_gemm(
             trans_a, trans_b, r1 - r0, c1 - c0, K, alpha, A_block, lda, B_block, ldb, beta,
-            C_block, ldc, NULL if bias == NULL else bias + c0) == 0:
-        return                                    # the bias is in
+            C_block, ldc, NULL if bias == NULL else bias + c0,
+            NULL if a_sums == NULL else a_sums + r0) == 0:
+        return True                               # the bias and the sums are in
     elif trans_a and not trans_b and K <= skinny_tn_limit(_skinny_max_m) and simple_beta:
         # A small-depth transposed product (dW at few tokens).
         skinny_tn(r0, r1, c0, c1, K, alpha, A, lda, B, ldb, beta == 1.0, C, ldc)
@@ -362,7 +366,7 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
             memcpy(C + i * ldc + c0, bias + c0, (c1 - c0) * sizeof(float))
         sgemm_rowmajor(trans_a, trans_b, r1 - r0, c1 - c0, K, alpha, A_block, lda, B_block,
                        ldb, 1.0, C_block, ldc)
-        return
+        return a_sums == NULL
     else:
         sgemm_rowmajor(trans_a, trans_b, r1 - r0, c1 - c0, K, alpha, A_block, lda, B_block,
                        ldb, beta, C_block, ldc)
@@ -371,6 +375,7 @@ cdef void _block(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
             row = C + i * ldc
             for j in range(c0, c1):
                 row[j] = row[j] + bias[j]
+    return a_sums == NULL
 
 
 cdef int _depth_split(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, float alpha, const float* A,
@@ -399,36 +404,46 @@ cdef int _depth_split(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, float alpha, con
     return 0
 
 
-cdef void gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+cdef bint gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                float alpha, const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb,
-               float beta, float* C, Py_ssize_t ldc, const float* bias,
+               float beta, float* C, Py_ssize_t ldc, const float* bias, double* a_sums,
                int n_threads) noexcept nogil:
-    """C = alpha op(A) op(B) + beta C (+ bias per column), split over n_threads."""
+    """C = alpha op(A) op(B) + beta C (+ bias per column), split over n_threads.
+
+    a_sums (NULL: none): where the product's path packs op(A) (the packed GEMM), the
+    sum of each row of op(A) (not times alpha) is added into a_sums[0:M] on the way,
+    in float64 in order of depth (the bias gradient of dW = dout^T x, without a pass
+    of its own over dout).  Returns whether it was; where not, a_sums holds no sums
+    or only some, and the caller sums op(A) itself."""
     cdef bint by_columns = N >= M
     cdef Py_ssize_t extent = N if by_columns else M
     cdef Py_ssize_t per, t, lo, hi
     cdef int nt = n_threads
+    cdef int missed = 0
+    cdef int* missed_p = &missed            # shared by the threads (set, never read)
     if M * N * K < PARALLEL_MIN_FLOPS or extent < 2 * MIN_BLOCK:
         nt = 1
     if nt > extent // MIN_BLOCK:
         nt = <int>(extent // MIN_BLOCK)
     if nt <= 1:
-        _block(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias,
-               by_columns, 0, extent)
-        return
+        return _block(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias,
+                      a_sums, by_columns, 0, extent)
     if (not trans_a and not trans_b and M <= depth_split_limit(_skinny_max_m)
             and K >= DEPTH_SPLIT_MIN_K * nt
             and _depth_split(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias, nt) == 0):
-        return
+        return a_sums == NULL
     # Blocks in multiples of 16 columns keep every block's start cache-line aligned.
+    # Split by columns, every block packs all of op(A): the first one sums it.
     per = ((extent + nt - 1) // nt + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
     for t in prange(nt, schedule='static', chunksize=1, nogil=True, num_threads=nt):
         lo = t * per
         hi = lo + per
         if hi > extent:
             hi = extent
-        _block(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias,
-               by_columns, lo, hi)
+        if not _block(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias,
+                      NULL if by_columns and lo > 0 else a_sums, by_columns, lo, hi):
+            missed_p[0] = 1
+    return not missed
 
 
 def gemm_rowmajor(c, a, b, bias=None, *, bint trans_a=False, bint trans_b=False,
@@ -459,5 +474,6 @@ def gemm_rowmajor(c, a, b, bias=None, *, bint trans_a=False, bint trans_b=False,
     cdef const float* bp = <const float*>cnp.PyArray_DATA(b)
     cdef float* cp = <float*>cnp.PyArray_DATA(c)
     with nogil:
-        gemm(trans_a, trans_b, m, n, k, alpha, ap, lda, bp, ldb, beta, cp, ldc, bias_p, nt)
+        gemm(trans_a, trans_b, m, n, k, alpha, ap, lda, bp, ldb, beta, cp, ldc, bias_p, NULL,
+             nt)
     return c

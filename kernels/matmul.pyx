@@ -13,6 +13,7 @@ float64, for tests and finite-difference checks.
 cimport numpy as cnp
 from cython cimport floating
 from cython.parallel cimport prange
+from libc.stdlib cimport calloc, free
 
 from kernels.gemm cimport gemm
 from kernels.layers cimport checked_data, float_type, resolve_threads
@@ -73,7 +74,7 @@ cdef extern from *:
 cdef void matmul_forward_c(float* out, const float* inp, const float* weight,
                            const float* bias, Py_ssize_t N, Py_ssize_t C,
                            Py_ssize_t OC, int n_threads) noexcept nogil:
-    gemm(False, True, N, OC, C, 1.0, inp, C, weight, C, 0.0, out, OC, bias, n_threads)
+    gemm(False, True, N, OC, C, 1.0, inp, C, weight, C, 0.0, out, OC, bias, NULL, n_threads)
 
 
 cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
@@ -83,13 +84,24 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
                             bint ow_dbias) noexcept nogil:
     # ow_*: write that gradient instead of adding into it (beta 0: its old contents
     # are never read, which also saves zeroing it beforehand).
-    cdef Py_ssize_t per
+    cdef Py_ssize_t per, o
     cdef int t
+    cdef double* sums = NULL
     if dinp != NULL:
         gemm(False, False, N, C, OC, 1.0, dout, OC, weight, C, 0.0 if ow_dinp else 1.0,
-             dinp, C, NULL, n_threads)
-    gemm(True, False, OC, C, N, 1.0, dout, OC, inp, C, 0.0 if ow_dweight else 1.0,
-         dweight, C, NULL, n_threads)
+             dinp, C, NULL, NULL, n_threads)
+    if dbias != NULL:
+        sums = <double*>calloc(OC, sizeof(double))
+    # dbias is the row sums of dout^T, which the weight gradient's product can take
+    # as it packs dout (the packed GEMM): one read of dout from memory fewer (75 MB
+    # for the qkv layer at 8192 tokens, 3.6 ms of 320 on the Zen 3 VM).
+    if gemm(True, False, OC, C, N, 1.0, dout, OC, inp, C, 0.0 if ow_dweight else 1.0,
+            dweight, C, NULL, sums, n_threads) and sums != NULL:
+        for o in range(OC):
+            dbias[o] = <float>sums[o] if ow_dbias else dbias[o] + <float>sums[o]
+        free(sums)
+        return
+    free(sums)
     if dbias == NULL:
         return
     if N * OC < DBIAS_PARALLEL_MIN:

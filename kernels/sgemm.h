@@ -193,10 +193,14 @@ _Static_assert(SG_MC % SG_MR == 0 && SG_NC % SG_NR == 0 && SG_NC_TALL % SG_NR ==
 _Static_assert(SG_MR <= ADT_W, "sgemm.h: sg_pack_a transposes SG_MR rows in one W x W block");
 
 /* Pack op(A)[i0:i0+mc, k0:k0+kc] (times alpha) as panels of SG_MR rows: for each
-   depth the panel's SG_MR values; rows past mc are zero. */
+   depth the panel's SG_MR values; rows past mc are zero.  Where sums is not NULL,
+   sums[i] += op(A)[i0 + i, k] for each depth k in turn (in float64, not times
+   alpha): the bias gradient of a weight gradient dout^T x, taken while dout passes
+   through the cores anyway. */
 ADT_LANES_ATTR
 static void ADT_LANES_FN(sg_pack_a)(ptrdiff_t mc, ptrdiff_t kc, float alpha, const float* A,
-                                    ptrdiff_t a_rs, ptrdiff_t a_cs, float* restrict pa) {
+                                    ptrdiff_t a_rs, ptrdiff_t a_cs, float* restrict pa,
+                                    double* restrict sums) {
     if (a_rs == 1 && a_cs != 1) {
         /* A transposed (the weight gradient's dout^T): each depth's mc rows are
            contiguous, in a row of A that the panels take SG_MR floats each of.  One
@@ -207,6 +211,8 @@ static void ADT_LANES_FN(sg_pack_a)(ptrdiff_t mc, ptrdiff_t kc, float alpha, con
             if (k + SG_PACK_AHEAD < kc)
                 for (ptrdiff_t i = 0; i < mc; i += 16)
                     __builtin_prefetch(ak + SG_PACK_AHEAD * a_cs + i, 0, 3);
+            if (sums != NULL)
+                for (ptrdiff_t i = 0; i < mc; i++) sums[i] += (double)ak[i];
             float* d = pa + k * SG_MR;
             for (ptrdiff_t p = 0; p < full; p++, d += kc * SG_MR, ak += SG_MR)
 #pragma GCC unroll 8
@@ -218,6 +224,9 @@ static void ADT_LANES_FN(sg_pack_a)(ptrdiff_t mc, ptrdiff_t kc, float alpha, con
         }
         return;
     }
+    if (sums != NULL)
+        for (ptrdiff_t i = 0; i < mc; i++)
+            for (ptrdiff_t k = 0; k < kc; k++) sums[i] += (double)A[i * a_rs + k * a_cs];
     for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
         ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
         const float* a = A + i * a_rs;
@@ -399,13 +408,15 @@ void ADT_LANES_FN(sg_micro)(ptrdiff_t kc, const float* restrict pa, const float*
 
 /* C = alpha op(A) op(B) + beta C (+ bias[j] in every column j where bias is not
    NULL, added to the first block of depths in the micro-kernel, so that C is not
-   read again for it) over M x N x K (K > 0).  Returns -1, having written nothing,
-   when the packing buffer cannot be allocated. */
+   read again for it) over M x N x K (K > 0); and where a_sums is not NULL,
+   a_sums[i] += the sum of op(A)'s row i (see sg_pack_a).  Returns -1, having
+   written nothing, when the packing buffer cannot be allocated. */
 ADT_LANES_ATTR
 static int ADT_LANES_FN(sg_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
                                  const float* A, ptrdiff_t a_rs, ptrdiff_t a_cs,
                                  const float* B, ptrdiff_t b_rs, ptrdiff_t b_cs,
-                                 float beta, float* C, ptrdiff_t ldc, const float* bias) {
+                                 float beta, float* C, ptrdiff_t ldc, const float* bias,
+                                 double* a_sums) {
     float* pb = sg_thread_buffer();
     if (pb == NULL) return -1;
     float* pa = pb + SG_B_FLOATS;
@@ -427,7 +438,8 @@ static int ADT_LANES_FN(sg_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float al
             }
             for (ptrdiff_t i0 = 0; i0 < M; i0 += SG_MC) {
                 ptrdiff_t mc = M - i0 < SG_MC ? M - i0 : SG_MC;
-                ADT_LANES_FN(sg_pack_a)(mc, kc, alpha, A + i0 * a_rs + k0 * a_cs, a_rs, a_cs, pa);
+                ADT_LANES_FN(sg_pack_a)(mc, kc, alpha, A + i0 * a_rs + k0 * a_cs, a_rs, a_cs, pa,
+                                        j0 == 0 && a_sums != NULL ? a_sums + i0 : NULL);
                 for (ptrdiff_t j = 0; j < nc; j += SG_NR) {
                     ptrdiff_t nr = nc - j < SG_NR ? nc - j : SG_NR;
                     const float* pbj = pb + (j / SG_NR) * SG_NR * kc;

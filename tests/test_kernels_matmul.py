@@ -128,22 +128,40 @@ def test_one_and_two_threads_agree():
         assert rel_err(a, b) < 1e-6
 
 
-def test_dbias_is_a_float64_sum_the_same_on_any_thread_count():
-    # Enough elements for the parallel sum; 67 rows (not a multiple of the four
-    # summed at a time) and 1100 channels (each thread's share crosses a pass of
-    # 512 channels, and the shares end mid-line).
+# dbias is summed two ways: by the weight gradient's packed GEMM as it packs dout
+# (float64, in order of rows), or, where that product does not run, by a pass of its
+# own (dbias_cols: four rows in float32 at a time, then float64).  Shapes: the
+# weight gradient split by rows (1100 channels, 8 inputs) and by columns (40, 300),
+# both large enough for two threads; 203 rows (not a multiple of the four summed at
+# a time); 1100 channels (each thread's share crosses a pass of 512 channels, and
+# the shares end mid-line).
+@pytest.mark.parametrize("OC, C", [(1100, 8), (40, 300)])
+@pytest.mark.parametrize("packed", [0, 2], ids=["own pass", "in the packing"])
+def test_dbias_is_a_float64_sum_the_same_on_any_thread_count(OC, C, packed):
+    from kernels import gemm
     rng = np.random.default_rng(11)
-    inp, weight, bias, dout = make(rng, (67,), 8, 1100)
+    inp, weight, bias, dout = make(rng, (203,), C, OC)
     dout *= np.float32(1e3) ** rng.integers(-1, 2, dout.shape).astype(np.float32)
     want = dout.astype(np.float64).sum(0)
     got = []
-    for n in (1, 2):
-        dbias = np.full(1100, np.nan, np.float32)
-        matmul_backward(None, np.zeros_like(weight), dbias, dout, inp, weight,
-                        overwrite=True, n_threads=n)
-        got.append(dbias)
+    previous = gemm.set_packed_gemm(packed)
+    try:
+        for n in (1, 2):
+            dbias = np.full(OC, np.nan, np.float32)
+            matmul_backward(None, np.zeros_like(weight), dbias, dout, inp, weight,
+                            overwrite=True, n_threads=n)
+            got.append(dbias)
+            more = np.ones(OC, np.float32)             # and added into, not overwritten
+            matmul_backward(None, np.zeros_like(weight), more, dout, inp, weight, n_threads=n)
+            np.testing.assert_array_equal(more, dbias + np.float32(1))
+    finally:
+        gemm.set_packed_gemm(previous)
     np.testing.assert_array_equal(got[0], got[1])
-    np.testing.assert_allclose(got[0], want, rtol=1e-6, atol=1e-6 * np.abs(dout).sum(0).max())
+    if packed:      # a float64 sum, rounded once
+        np.testing.assert_array_equal(got[0], want.astype(np.float32))
+    else:
+        np.testing.assert_allclose(got[0], want, rtol=1e-6,
+                                   atol=1e-6 * np.abs(dout).sum(0).max())
 
 
 def test_explicit_thread_count_still_keeps_blas_single_threaded():
