@@ -40,10 +40,15 @@ def median_ms(samples):
     return statistics.median(samples) * 1e3
 
 
-# A kernel under this much time per side gets more repetitions, up to MAX_REPS:
-# a 40-microsecond kernel timed 7 times on a shared VM is mostly noise.
-MIN_SECONDS = 0.5
+# A kernel under this much time per side gets more repetitions, up to MAX_REPS or
+# until the pair has taken MAX_CASE_SECONDS: a 40-microsecond kernel timed 7 times on
+# a shared VM is mostly noise, and so is a matrix product at parity with MKL timed 7
+# times (the median of 7 paired ratios moved by 1-2% between runs, the size of the
+# differences left).  The cap keeps a case whose PyTorch side is slow (the
+# cross-entropy forward: 1.7 s against our 70 ms) to a dozen seconds.
+MIN_SECONDS = 2.0
 MAX_REPS = 400
+MAX_CASE_SECONDS = 12.0
 
 
 def race(ours, theirs, reps, setup=None):
@@ -52,17 +57,19 @@ def race(ours, theirs, reps, setup=None):
     Each repetition times both sides back to back, ours first in even repetitions
     and PyTorch first in odd ones (so neither always runs on the other's caches or
     spinning threads); there are at least ``reps`` and, for fast kernels, more,
-    until each side has run MIN_SECONDS.  The ratio is the median over repetitions
-    of torch time / our time within each pair: a slow spell of the machine, which
-    on a shared VM lasts longer than a pair, slows both halves of the pair alike and
-    cancels, where it would move the median of either side alone.  Returns
+    until each side has run MIN_SECONDS (both together at most MAX_CASE_SECONDS).
+    The ratio is the median over repetitions of torch time / our time within each
+    pair: a slow spell of the machine, which on a shared VM lasts longer than a
+    pair, slows both halves of the pair alike and cancels, where it would move the
+    median of either side alone.  Returns
     (our median ms, PyTorch's median ms, the paired ratios).
     ``setup(side)`` runs untimed before every call (e.g. a fresh autograd graph)."""
     times = {"ours": [], "torch": []}
     sides = (("ours", ours), ("torch", theirs))
     rep = 0
     while rep <= reps or (rep <= MAX_REPS
-                          and min(sum(times["ours"]), sum(times["torch"])) < MIN_SECONDS):
+                          and min(sum(times["ours"]), sum(times["torch"])) < MIN_SECONDS
+                          and sum(times["ours"]) + sum(times["torch"]) < MAX_CASE_SECONDS):
         for side, fn in (sides if rep % 2 == 0 else sides[::-1]):
             arg = setup(side) if setup else None
             t0 = time.perf_counter()
