@@ -4,8 +4,9 @@ All three products (forward, dinp, dweight) go through ``kernels.gemm.gemm``:
 our OpenMP threads split the output into blocks and each calls BLAS sgemm
 single-threaded on its block, so only one thread pool runs (see kernels/gemm.pyx
 for why); the forward's bias is added to each block in the same parallel region.
-The dbias reduction is an OpenMP loop split by output channel (each thread owns
-a range of channels), so no atomics are needed.
+dbias comes out of the weight gradient's product where that runs through the
+packed GEMM (summed as dout is packed); elsewhere it is an OpenMP loop split by
+output channel (each thread owns a range of channels), so no atomics are needed.
 
 Each kernel has a ``_naive`` twin (plain serial loops, no BLAS) that also accepts
 float64, for tests and finite-difference checks.
