@@ -83,22 +83,19 @@ ADT_LANE_OPS(, adt_v8, adt_v8u, adt_v8i)
 ADT_LANE_OPS(16, adt_v16, adt_v16u, adt_v16i)
 #undef ADT_LANE_OPS
 ADT_INLINE adt_v8 adt_exp(adt_v8 x) { return adt_exp_bits(x); }
-/* exp where exact zeros do not matter: below -87.3 it may give any value in
-   [0, 1.2e-38] (the x86-64-v3 build below gives exp(-87.3)).  For sums of
-   exponentials and 1 + exp(z); not for values that are written out and multiplied
-   further (a denormal would slow every operation downstream). */
-ADT_INLINE adt_v8 adt_exp_low(adt_v8 x) { return adt_exp(x); }
 /* exp(x) for x <= 88 where only a sum of exponentials or 1 + exp(x) is kept, in
-   13 vector operations for exp_low's 17: 2^t for t = x log2(e) = n + r, n rounded
+   13 vector operations for exp's 17: 2^t for t = x log2(e) = n + r, n rounded
    in the low bits of t + 1.5 * 2^23 (which also give 2^n), r = x log2(e) - n
    (|r| <= 1/2) in two FMAs with log2(e) split in two floats, so that it stays exact
    at large |x|, and 2^r by a degree-5 polynomial (a relative-error fit): within
-   4e-7 relative, against exp_low's 2 ulp (2.4e-7).  Below -86.6 it gives
-   exp(-86.6) (2.5e-38), like exp_low a value lost against a sum's 1; NaN gives NaN.
-   x is clamped below by the caller's max (one vmaxps in the x86-64-v3 build).
-   Against exp_low, 2 threads on the Zen 3 VM: cross-entropy forward over GPT-2's
-   logits 2.75 -> 2.05 ms at B=4, T=64 and 87 -> 65 ms at B=8, T=1024; GELU forward
-   0.265 -> 0.208 and 8.6 -> 7.0 ms, backward 0.41 -> 0.34 and 13.7 -> 11.9 ms. */
+   4e-7 relative, against exp's 2 ulp (2.4e-7).  Below -86.6 it gives exp(-86.6)
+   (2.5e-38), a value lost against a sum's 1, where exp gives 0; NaN gives NaN.  Not
+   for values that are written out and multiplied further (a denormal would slow
+   every operation downstream).  x is clamped below by the caller's max (one vmaxps
+   in the x86-64-v3 build).  Against the 2-ulp exp it replaced there, 2 threads on
+   the Zen 3 VM: cross-entropy forward over GPT-2's logits 2.75 -> 2.05 ms at B=4,
+   T=64 and 87 -> 65 ms at B=8, T=1024; GELU forward 0.265 -> 0.208 and 8.6 -> 7.0
+   ms, backward 0.41 -> 0.34 and 13.7 -> 11.9 ms. */
 ADT_INLINE adt_v8 adt_exp_fast_clamped(adt_v8 x) {
     adt_v8 k = x * 1.44269502162933349609375f + 12582912.0f;
     adt_v8 r = x * 1.44269502162933349609375f - (k - 12582912.0f);
@@ -205,8 +202,7 @@ ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp16(adt_v16 x) {
     return __builtin_ia32_scalefps512_mask(p, n, adt_splat16(0.0f), keep,
                                            _MM_FROUND_CUR_DIRECTION);
 }
-ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp_low16(adt_v16 x) { return adt_exp16(x); }
-/* sixteen lanes: exp_low, as short with scalef as exp_fast is in eight */
+/* sixteen lanes: the 2-ulp exp, as short with scalef as exp_fast is in eight */
 ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp_fast16(adt_v16 x) { return adt_exp16(x); }
 #else
 #define ADT_HAVE_V4 0
@@ -214,7 +210,6 @@ ADT_TARGET_V4 ADT_INLINE adt_v16 adt_exp_fast16(adt_v16 x) { return adt_exp16(x)
 ADT_INLINE int adt_cpu_v4(void) { return 0; }
 ADT_INLINE adt_v16 adt_divide16(adt_v16 a, adt_v16 b) { return a / b; }
 ADT_INLINE void adt_stream16(float* p, adt_v16 v) { adt_store16(p, v); }
-ADT_INLINE adt_v16 adt_exp_low16(adt_v16 x) { return adt_exp_bits16(x); }
 ADT_INLINE adt_v16 adt_exp16(adt_v16 x) { return adt_exp_bits16(x); }
 ADT_INLINE adt_v16 adt_exp_fast16(adt_v16 x) { return adt_exp_bits16(x); }
 #endif
@@ -230,8 +225,8 @@ ADT_TARGET_V4 ADT_INLINE void adt_put16(float* p, adt_v16 v, int stream) {
    any C form of them) into compares and blends, and target clones cannot call the
    AVX builtins, their baseline clone having no AVX.  Its min and max give the same
    results as the generic ones (b where a and b are unordered or equal), and its
-   exp_low clamps below at -87.3 with one vmaxps instead of a compare and two
-   selects.  GELU forward on one core of the Zen 3 VM: 0.80 -> 0.62 ns per element,
+   exp_fast clamps below at -86.6 with one vmaxps instead of a compare and a
+   select.  GELU forward on one core of the Zen 3 VM: 0.80 -> 0.62 ns per element,
    bit-identical output. */
 #if ADT_HAVE_V4
 #define ADT_HAVE_V3 1
@@ -247,11 +242,8 @@ ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_min(adt_v8 a, adt_v8 b) {
 ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_max(adt_v8 a, adt_v8 b) {
     return (adt_v8)_mm256_max_ps((__m256)a, (__m256)b);
 }
-ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_exp_low(adt_v8 x) {
-    /* NaN: x, and the result NaN */
-    return adt_exp_in_range(adt_v3_max(adt_splat(-87.3f), x));
-}
 ADT_TARGET_V3 ADT_INLINE adt_v8 adt_v3_exp_fast(adt_v8 x) {
+    /* NaN: x, and the result NaN */
     return adt_exp_fast_clamped(adt_v3_max(adt_splat(-86.6f), x));
 }
 #else
