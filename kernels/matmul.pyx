@@ -88,6 +88,7 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
     cdef Py_ssize_t per, o
     cdef int t
     cdef double* sums = NULL
+    cdef bint summed
     if dinp != NULL:
         gemm(False, False, N, C, OC, 1.0, dout, OC, weight, C, 0.0 if ow_dinp else 1.0,
              dinp, C, NULL, NULL, n_threads)
@@ -96,14 +97,13 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
     # dbias is the row sums of dout^T, which the weight gradient's product can take
     # as it packs dout (the packed GEMM): one read of dout from memory fewer (75 MB
     # for the qkv layer at 8192 tokens, 3.6 ms of 320 on the Zen 3 VM).
-    if gemm(True, False, OC, C, N, 1.0, dout, OC, inp, C, 0.0 if ow_dweight else 1.0,
-            dweight, C, NULL, sums, n_threads) and sums != NULL:
+    summed = gemm(True, False, OC, C, N, 1.0, dout, OC, inp, C, 0.0 if ow_dweight else 1.0,
+                  dweight, C, NULL, sums, n_threads) and sums != NULL
+    if summed:
         for o in range(OC):
             dbias[o] = <float>sums[o] if ow_dbias else dbias[o] + <float>sums[o]
-        free(sums)
-        return
     free(sums)
-    if dbias == NULL:
+    if summed or dbias == NULL:
         return
     if N * OC < DBIAS_PARALLEL_MIN:
         n_threads = 1
