@@ -349,8 +349,8 @@ static void ADT_LANES_FN(sg_pack_b)(ptrdiff_t kc, ptrdiff_t n, const float* B, p
 }
 
 /* The SG_MR x SG_NR tile: C = acc + beta C (beta 0: C not read), plus bias[0:SG_NR]
-   on every row where bias is not NULL; sg_gemm takes the tiles at the edges of C
-   through a buffer of its own.  Whole tiles only: with the edges' partial stores
+   on every row where bias is not NULL; the tiles at the edges of C go through
+   sg_edge's buffer instead.  Whole tiles only: with the edges' partial stores
    in here too, GCC spilled the twelve accumulators to the stack after the loop
    and loaded them back.  Not inlined: inside sg_gemm's loops GCC kept a B vector
    on the stack (a load more per FMA pair) and ran 30% slower. */
