@@ -59,8 +59,9 @@ cdef extern from *:
     #undef ADT_W
     #endif
 
-    static void gelu_forward_span(int kind, float* out, const float* inp, ptrdiff_t n) {
-        ADT_LANES_CALL_X3(kind, gelu_forward_span, (out, inp, n));
+    static void gelu_forward_span(int kind, float* out, const float* inp, ptrdiff_t n,
+                                  int stream) {
+        ADT_LANES_CALL_X3(kind, gelu_forward_span, (out, inp, n, stream));
     }
     static void gelu_backward_span(int kind, float* dinp, const float* inp, const float* dout,
                                    ptrdiff_t n, int overwrite) {
@@ -97,7 +98,7 @@ cdef extern from *:
     }
     """
     void _gelu_forward_span "gelu_forward_span" (int kind, float* out, const float* inp,
-                                                 Py_ssize_t n) nogil
+                                                 Py_ssize_t n, bint stream) nogil
     void _gelu_backward_span "gelu_backward_span" (int kind, float* dinp, const float* inp,
                                                    const float* dout, Py_ssize_t n,
                                                    int overwrite) nogil
@@ -163,8 +164,10 @@ cdef bint lanes_wide() noexcept nogil:
 # 0.20-0.33 vs 0.29-0.41 ms at 1.5M floats (18 MiB in all), 1.1-1.3 vs 0.72-0.85 at
 # 3.1M (36 MiB), 3.3 vs 1.9 at 6.3M (72 MiB); at B=8, T=1024 (C = 768) residual
 # forward 2.7-3.4 -> 2.0-2.4 ms, layernorm forward 2.4-3.0 -> 2.0-2.3, encoder
-# forward 2.5-3.3 -> 2.1-2.8.  GELU's forward, bound by its arithmetic, lost 10% with
-# them (14.7-16.9 vs 16.4-18.8 ms), so it keeps plain stores.
+# forward 2.5-3.3 -> 2.1-2.8; GELU forward 7.7-7.8 -> 6.4-6.8 (once exp2_fast had cut
+# its arithmetic: before, bound by that, it lost 10% with them), while below the
+# threshold they lose there too: 0.166 -> 0.197 ms at B=4, T=64, 0.69 -> 0.79 at
+# B=4, T=256 (24 MiB in all).
 
 cdef Py_ssize_t _stream_min_bytes = 32 << 20
 
@@ -200,9 +203,9 @@ def vector_lanes():
 
 
 def _vector_exp(const float[::1] inp, bint fast=False):
-    """exp of a float32 array through the vector exp the kernels inline (GELU, softmax,
-    cross-entropy), or (``fast``) the exp_fast of their sums and 1 + exp, at the width
-    in force: for the tests."""
+    """exp of a float32 array through the vector exp the kernels inline (softmax,
+    cross-entropy backward), or (``fast``) 2 ** inp through the exp2_fast of the
+    GELU and cross-entropy sums, at the width in force: for the tests."""
     out = np.empty(inp.shape[0], np.float32)
     cdef float[::1] o = out
     if inp.shape[0]:
@@ -781,8 +784,10 @@ def layernorm_backward_naive(dinp, dweight, dbias, dout, inp, weight, mean, rstd
 cdef void gelu_forward_core(float* out, const float* inp, Py_ssize_t n, int n_threads) noexcept nogil:
     cdef Py_ssize_t k
     cdef int kind = lanes_kind()
+    cdef bint stream = use_stream(out, 2 * n * sizeof(float), CHUNK)
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
-        _gelu_forward_span(kind, out + k * CHUNK, inp + k * CHUNK, min(<Py_ssize_t>CHUNK, n - k * CHUNK))
+        _gelu_forward_span(kind, out + k * CHUNK, inp + k * CHUNK,
+                           min(<Py_ssize_t>CHUNK, n - k * CHUNK), stream)
 
 
 cdef void gelu_backward_core(float* dinp, const float* inp, const float* dout, Py_ssize_t n,

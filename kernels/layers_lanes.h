@@ -3,18 +3,24 @@
  * (see the end of kernels/simd.h), giving gelu_forward_span_v8 and _v16, and so on.
  */
 
-/* GELU, tanh approximation: 0.5 (1 + tanh(u)) == 1 / (1 + exp(z)), z = -2u, which
-   needs one exp and no cancellation near tanh(u) = -1.  Beyond z = 80 the result is
-   set to 0 rather than left as a value that turns denormal downstream. */
-ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_z)(ADT_VT x) {
-    const float k2 = (float)(-2.0 * ADTAPE_GELU_K), a = (float)ADTAPE_GELU_A;
-    return k2 * (x + a * x * x * x);
+/* GELU, tanh approximation: 0.5 (1 + tanh(u)) == 1 / (1 + 2^t), t = -2u log2(e),
+   which needs one exp2 and no cancellation near tanh(u) = -1; t = x (c1 + c3 x^2)
+   with log2(e) folded into the coefficients (kernels/simd.h's exp2_fast).  Beyond
+   t = 80 log2(e) (2^t = e^80) the result is set to 0 rather than left as a value
+   that turns denormal downstream. */
+#ifndef ADTAPE_GELU_T_MAX
+#define ADTAPE_GELU_T_MAX ((float)(80.0 * ADT_LOG2E))
+#endif
+ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_t)(ADT_VT x) {
+    const float c1 = (float)(-2.0 * ADTAPE_GELU_K * ADT_LOG2E);
+    const float c3 = (float)(-2.0 * ADTAPE_GELU_K * ADTAPE_GELU_A * ADT_LOG2E);
+    return (c3 * (x * x) + c1) * x;
 }
 
-/* out[i] = exp(inp[i]) with this width's vector exp, or its exp_fast, for the tests
-   (the kernels' exp itself is inlined into them). */
+/* out[i] = exp(inp[i]) with this width's vector exp, or 2^inp[i] with its exp2_fast,
+   for the tests (the kernels' exp itself is inlined into them). */
 ADT_LANES_INLINE ADT_VT ADT_LANES_FN(exp_either)(ADT_VT x, int fast) {
-    return fast ? ADT_V(exp_fast)(x) : ADT_V(exp)(x);
+    return fast ? ADT_V(exp2_fast)(x) : ADT_V(exp)(x);
 }
 ADT_LANES_ATTR
 static void ADT_LANES_FN(exp_span)(float* out, const float* inp, ptrdiff_t n, int fast) {
@@ -30,39 +36,41 @@ static void ADT_LANES_FN(exp_span)(float* out, const float* inp, ptrdiff_t n, in
 }
 
 ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_forward)(ADT_VT x) {
-    /* x s = x / (1 + exp(z)), no separate reciprocal; exp_fast (kernels/simd.h),
-       being added to 1 */
-    ADT_VT z = ADT_LANES_FN(gelu_z)(x);
-    ADT_VI big = z > ADT_V(splat)(80.0f);
-    ADT_VT y = ADT_V(divide)(x, 1.0f + ADT_V(exp_fast)(ADT_V(min)(z, ADT_V(splat)(80.0f))));
+    /* x s = x / (1 + 2^t), no separate reciprocal; exp2_fast, being added to 1 */
+    ADT_VT t = ADT_LANES_FN(gelu_t)(x);
+    ADT_VI big = t > ADT_V(splat)(ADTAPE_GELU_T_MAX);
+    ADT_VT y = ADT_V(divide)(x, 1.0f + ADT_V(exp2_fast)(ADT_V(min)(t, ADT_V(splat)(ADTAPE_GELU_T_MAX))));
     return ADT_V(select)(big, ADT_V(splat)(0.0f), y);
 }
 
-/* d/dx [x s] = s + x s (1 - s) 2u', with 1 - s = e s, e = exp(z).  Beyond |x| = 20
+/* d/dx [x s] = s + x s (1 - s) 2u', with 1 - s = e s, e = 2^t.  Beyond |x| = 20
    the result is exactly 1 or 0 in float32; clamping there keeps x^2 from
-   overflowing.  exp_fast: e below exp(-86.6) only meets 1 + (a normal number), as
-   in the forward's 1 + exp(z). */
+   overflowing.  exp2_fast: e below 2^-125 only meets 1 + (a normal number), as in
+   the forward's 1 + 2^t. */
 ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_backward)(ADT_VT x, ADT_VT d) {
     const float k2 = (float)(2.0 * ADTAPE_GELU_K), a3 = (float)(3.0 * ADTAPE_GELU_A);
     x = ADT_V(max)(ADT_V(min)(x, ADT_V(splat)(20.0f)), ADT_V(splat)(-20.0f));
-    ADT_VT z = ADT_LANES_FN(gelu_z)(x);
-    ADT_VI big = z > ADT_V(splat)(80.0f);
-    ADT_VT e = ADT_V(exp_fast)(ADT_V(min)(z, ADT_V(splat)(80.0f)));
+    ADT_VT t = ADT_LANES_FN(gelu_t)(x);
+    ADT_VI big = t > ADT_V(splat)(ADTAPE_GELU_T_MAX);
+    ADT_VT e = ADT_V(exp2_fast)(ADT_V(min)(t, ADT_V(splat)(ADTAPE_GELU_T_MAX)));
     ADT_VT s = ADT_V(select)(big, ADT_V(splat)(0.0f),
                              ADT_V(divide)(ADT_V(splat)(1.0f), 1.0f + e));
     ADT_VT du = k2 * (1.0f + a3 * x * x);
     return s * (1.0f + x * du * e * s) * d;
 }
 
-/* Spans in whole vectors, the tail through a zero-padded one. */
+/* Spans in whole vectors, the tail through a zero-padded one.  stream: out is
+   written with non-temporal stores (kernels/simd.h; out 64-byte aligned). */
 ADT_LANES_ATTR
-static void ADT_LANES_FN(gelu_forward_span)(float* out, const float* inp, ptrdiff_t n) {
+static void ADT_LANES_FN(gelu_forward_span)(float* out, const float* inp, ptrdiff_t n,
+                                            int stream) {
     ptrdiff_t i = 0;
     for (; i + ADT_W <= n; i += ADT_W) {
         ADT_PREFETCH_R(inp + i);
-        ADT_PREFETCH_W(out + i);
-        ADT_V(store)(out + i, ADT_LANES_FN(gelu_forward)(ADT_V(load)(inp + i)));
+        if (!stream) ADT_PREFETCH_W(out + i);   /* streamed lines are not read */
+        ADT_V(put)(out + i, ADT_LANES_FN(gelu_forward)(ADT_V(load)(inp + i)), stream);
     }
+    if (stream) adt_stream_fence();
     if (i < n) {
         float x[ADT_W] = {0}, y[ADT_W];
         memcpy(x, inp + i, (n - i) * sizeof(float));
@@ -133,7 +141,9 @@ ADT_LANES_INLINE float ADT_LANES_FN(ln_sum_sq_dev)(const float* x, float m, ptrd
 }
 
 /* Rows r0..r1: two passes over each row (it sits in L1) avoid the cancellation of
-   E[x^2] - E[x]^2.  stream: out is written with non-temporal stores (kernels/simd.h;
+   E[x^2] - E[x]^2; the next row is fetched meanwhile (B=8, T=1024, C=768, two
+   threads on the Zen 3 VM: 1.39-1.47 -> 1.19-1.32 ms, one thread 2.66-2.78 ->
+   2.11-2.17; the backward, whose rows the same fetches made slower, has none).  stream: out is written with non-temporal stores (kernels/simd.h;
    out 64-byte aligned, C a multiple of 16). */
 ADT_LANES_ATTR
 static void ADT_LANES_FN(ln_forward_rows)(float* out, float* mean, float* rstd,
@@ -143,6 +153,8 @@ static void ADT_LANES_FN(ln_forward_rows)(float* out, float* mean, float* rstd,
     for (ptrdiff_t r = r0; r < r1; r++) {
         const float* x = inp + r * C;
         float* y = out + r * C;
+        if (r + 1 < r1)   /* the next row, as the encoder's */
+            for (ptrdiff_t i = 0; i < C; i += 16) __builtin_prefetch(x + C + i, 0, 3);
         float m = ADT_LANES_FN(ln_sum)(x, C) / C;
         float s = 1.0f / sqrtf(ADT_LANES_FN(ln_sum_sq_dev)(x, m, C) / C
                                + (float)ADTAPE_LAYERNORM_EPS);

@@ -413,31 +413,34 @@ def test_vector_exp_within_two_ulp_and_exact_zero_below_cutoff(vector_lanes):
     assert (special[2::3] == 1.0).all()
 
 
-def test_fast_vector_exp_within_its_bound(vector_lanes):
-    # exp_fast, for sums of exponentials and 1 + exp (cross-entropy, GELU): within
-    # 4e-7 relative up to 88, at most 2.5e-38 (and not negative) below -86.6, NaN for
-    # NaN; sixteen lanes give the 2-ulp exp.
-    x = np.concatenate([np.linspace(-86.6, 88.0, 400_001, dtype=np.float32),
-                        np.float32([-1e-30, 0.0, 1e-30, -0.5 * np.log(2), 0.5 * np.log(2)])])
-    y = layers._vector_exp(x, fast=True)
-    ref = np.exp(x.astype(np.float64))
+def test_fast_vector_exp2_within_its_bound(vector_lanes):
+    # exp2_fast, for sums of exponentials and 1 + 2^t (cross-entropy, GELU): within
+    # 4e-7 relative of 2^t up to 127, exact at integers, 2^-125 (not 0, and never
+    # negative) below -125, NaN for NaN, at each vector width.
+    t = np.concatenate([np.linspace(-125.0, 127.0, 400_001, dtype=np.float32),
+                        np.float32([-1e-30, 0.0, 1e-30, -0.5, 0.5, -0.4999999, 0.4999999])])
+    y = layers._vector_exp(t, fast=True)
+    ref = np.exp2(t.astype(np.float64))
     rel = np.abs(y - ref) / ref
-    assert rel.max() <= 4e-7, (x[rel.argmax()], rel.max())
-    assert (layers._vector_exp(np.float32([0.0] * 9), fast=True) == 1.0).all()
-    low = layers._vector_exp(np.linspace(-300.0, -86.7, 1001, dtype=np.float32), fast=True)
-    assert (low >= 0).all() and (low <= 2.5e-38).all()
+    assert rel.max() <= 4e-7, (t[rel.argmax()], rel.max())
+    n = np.arange(-125, 128, dtype=np.float32)
+    np.testing.assert_array_equal(layers._vector_exp(n, fast=True), np.exp2(n))
+    low = layers._vector_exp(np.linspace(-300.0, -125.0, 1001, dtype=np.float32), fast=True)
+    assert (low == np.float32(2.0 ** -125)).all()
     special = layers._vector_exp(np.float32([np.nan, -np.inf, 1.0] * 7), fast=True)
-    assert np.isnan(special[0::3]).all() and (special[1::3] <= 2.5e-38).all()
+    assert np.isnan(special[0::3]).all() and (special[1::3] == np.float32(2.0 ** -125)).all()
+    assert (special[2::3] == 2.0).all()
 
 
 # ---------------------------------------------------------------------------
 # non-temporal stores for large outputs
 
 def test_streamed_outputs_equal_plain_ones(vector_lanes):
-    """With stream_min_bytes 0 every aligned fresh output (encoder, layernorm and
-    residual forward) is written with non-temporal stores: the same bits as the plain
-    stores, on aligned arrays, on misaligned ones (which keep plain stores) and with
-    rows that are no multiple of 16 floats."""
+    """With stream_min_bytes 0 every aligned fresh output (encoder, layernorm, GELU
+    and residual forward) is written with non-temporal stores: the same bits as the
+    plain stores, on aligned arrays, on misaligned ones (which keep plain stores), with
+    rows that are no multiple of 16 floats and with GELU's last chunk ending in a
+    partial vector."""
     from adtape import buffers
     rng = np.random.default_rng(21)
 
@@ -452,12 +455,13 @@ def test_streamed_outputs_equal_plain_ones(vector_lanes):
         for min_bytes in (1 << 62, 0):
             old = layers.set_stream_min_bytes(min_bytes)
             try:
-                enc, ln, res = arr(B, T, C), arr(B, T, C), arr(B, T, C)
+                enc, ln, res, gel = arr(B, T, C), arr(B, T, C), arr(B, T, C), arr(B, T, C)
                 mean, rstd = np.empty((B, T), np.float32), np.empty((B, T), np.float32)
                 layers.encoder_forward(enc, ids, wte, wpe)
                 layers.layernorm_forward(ln, mean, rstd, x, w, b)
                 layers.residual_forward(res, x, enc)
-                outs.append([enc.copy(), ln.copy(), mean, rstd, res.copy()])
+                layers.gelu_forward(gel, x)
+                outs.append([enc.copy(), ln.copy(), mean, rstd, res.copy(), gel.copy()])
             finally:
                 assert layers.set_stream_min_bytes(old) == min_bytes
         for plain, streamed in zip(*outs):
@@ -467,7 +471,7 @@ def test_streamed_outputs_equal_plain_ones(vector_lanes):
         np.testing.assert_array_equal(outs[1][0], enc_n)
 
     for B, T, C, offset in ((2, 37, 768, 0), (3, 5, 64, 0), (2, 9, 48, 3), (1, 11, 40, 0),
-                            (4, 300, 16, 0)):
+                            (4, 300, 16, 0), (3, 331, 17, 0)):
         run(B, T, C, offset)
 
 
