@@ -18,7 +18,6 @@ static float ADT_LANES_FN(ce_row_logsumexp)(const float* x, ptrdiff_t V, float* 
         /* four running maxima: one would wait on its own compare-and-blend */
         ADT_VT mv = ADT_V(splat)(xc[0]), mv1 = mv, mv2 = mv, mv3 = mv;
         for (i = 0; i + 4 * ADT_W <= n; i += 4 * ADT_W) {
-            for (int q = 0; q < 4 * ADT_W; q += 16) ADT_PREFETCH_R(xc + i + q);
             mv = ADT_V(max)(mv, ADT_V(load)(xc + i));
             mv1 = ADT_V(max)(mv1, ADT_V(load)(xc + i + ADT_W));
             mv2 = ADT_V(max)(mv2, ADT_V(load)(xc + i + 2 * ADT_W));
@@ -35,10 +34,14 @@ static float ADT_LANES_FN(ce_row_logsumexp)(const float* x, ptrdiff_t V, float* 
         }
         const float l2e = (float)ADT_LOG2E;
         ADT_VT mm = ADT_V(splat)(m), s2 = {0};
-        /* meanwhile the next chunk comes in (prefetches past the row's end are
-           harmless: the next row, or nothing) */
+        /* meanwhile the chunk after next comes in, which the max loop above then
+           finds in the cache (prefetches past the row's end are harmless: the next
+           row, or nothing).  The chunk after next, not the next: 5-10% faster over
+           GPT-2's logits from memory (256 rows, two threads, Zen 3 VM), as was
+           dropping the max loop's own prefetches. */
         for (i = 0; i + 2 * ADT_W <= n; i += 2 * ADT_W) {
-            for (int q = 0; q < 2 * ADT_W; q += 16) __builtin_prefetch(xc + CE_CHUNK + i + q, 0, 3);
+            for (int q = 0; q < 2 * ADT_W; q += 16)
+                __builtin_prefetch(xc + 2 * CE_CHUNK + i + q, 0, 3);
             s += ADT_V(exp2_fast)((ADT_V(load)(xc + i) - mm) * l2e);
             s2 += ADT_V(exp2_fast)((ADT_V(load)(xc + i + ADT_W) - mm) * l2e);
         }
