@@ -5,10 +5,11 @@ alternating order (ours then torch, torch then ours, ...), after a warm-up, with
 same thread count.  The ratio is the median over the pairs of torch time / our time,
 with its quartiles; the median times are reported with the achieved GFLOP/s
 (matmuls, attention) or GB/s (everything else) and their share of this machine's
-limits, measured in the same run: the sgemm peak
+limits, measured in the same run right before and after each case: the sgemm peak
 (the best repetition of a large square product, ours or PyTorch's) and the memory
-bandwidth (the fastest of a large triad and a large in-place update in PyTorch with the
-same threads, and a NumPy copy).  Writes bench/results/kernels.json and kernels.png.
+bandwidth (the fastest of a large triad, a large in-place update and a large sum in
+PyTorch with the same threads, and a NumPy copy).  Writes bench/results/kernels.json
+and kernels.png.
 
     python bench/kernels.py [--quick] [--threads N] [--reps R]
 """
@@ -88,19 +89,26 @@ def quartiles(xs):
     return q[0], q[1], q[2]
 
 
-def measure_limits(reps, quick):
-    """sgemm peak (GFLOP/s) and memory bandwidth (GB/s).
-
-    The peak is the best of the reps of a square product through our path and
-    through PyTorch's, the faster library counting: a peak is what the machine
-    reaches, and on a shared VM a median can land in a slow spell (one run here put
-    it at 118 GFLOP/s where both reach 185)."""
+def limit_buffers(quick):
+    """The operands of the limit probes, allocated once: a square product's (n x n)
+    and three float32 streams of 256 MB (64 MB with ``quick``), far past the caches."""
     n = 1024 if quick else 2048
     rng = np.random.default_rng(0)
     a = aligned(rng.standard_normal((n, n), dtype=np.float32))
     b = aligned(rng.standard_normal((n, n), dtype=np.float32))
     c = buffers.empty((n, n))
-    ta, tb, tc = t(a), t(b), t(c)
+    size = (16 if quick else 64) * 2 ** 20
+    return {"n": n, "mm": (a, b, c, t(a), t(b), t(c)), "size": size,
+            "streams": tuple(torch.rand(size) for _ in range(3))}
+
+
+def sgemm_peak(bufs, reps):
+    """(peak, ours, PyTorch's) GFLOP/s of an n x n x n product: the best of ``reps``
+    through our path and through PyTorch's, the faster library counting.  A peak is
+    what the machine reaches, and on a shared VM a median can land in a slow spell
+    (one run here put it at 118 GFLOP/s where both reach 185)."""
+    n = bufs["n"]
+    a, b, c, ta, tb, tc = bufs["mm"]
     ours, theirs = [], []
     for rep in range(reps + 1):
         t0 = time.perf_counter()
@@ -112,15 +120,21 @@ def measure_limits(reps, quick):
             ours.append(t1 - t0)
             theirs.append(t2 - t1)
     ours_peak, torch_peak = (2 * n ** 3 / min(ts) / 1e9 for ts in (ours, theirs))
-    peak = max(ours_peak, torch_peak)
-    size = (16 if quick else 64) * 2 ** 20
-    x, y, z = (torch.rand(size) for _ in range(3))
+    return max(ours_peak, torch_peak), ours_peak, torch_peak
+
+
+def bandwidth(bufs, reps):
+    """Memory bandwidth (GB/s): the fastest of four probes over the large streams,
+    each the median of ``reps``.  The triad (z = x + 1.5 y) writes a third array,
+    whose write-allocate read is traffic it does not count; the NumPy copy runs on
+    one thread; the in-place update (x += 1.5 y, as AdamW updates its state) reads
+    and writes the same array, so all of its three streams are real traffic; the
+    read (a sum) moves one stream, which on this VM's two cores is bound by the
+    misses each core can keep in flight rather than by the memory."""
+    size = bufs["size"]
+    x, y, z = bufs["streams"]
     xn, yn = x.numpy(), y.numpy()
-    # Three probes, the best counts: the triad writes a third array, whose
-    # write-allocate read is traffic it does not count; the NumPy copy runs on one
-    # thread; the in-place update (x += 1.5 y, as AdamW updates its state) reads and
-    # writes the same array, so all of its three streams are real traffic.
-    triad, copy, update = [], [], []
+    triad, copy, update, read = [], [], [], []
     for rep in range(reps + 1):
         t0 = time.perf_counter()
         torch.add(x, y, alpha=1.5, out=z)
@@ -129,17 +143,44 @@ def measure_limits(reps, quick):
         t2 = time.perf_counter()
         x.add_(y, alpha=1.5)
         t3 = time.perf_counter()
+        torch.sum(z)
+        t4 = time.perf_counter()
         if rep:
             triad.append(t1 - t0)
             copy.append(t2 - t1)
             update.append(t3 - t2)
-    bw_triad = 3 * 4 * size / statistics.median(triad) / 1e9
-    bw_copy = 2 * 4 * size / statistics.median(copy) / 1e9
-    bw_update = 3 * 4 * size / statistics.median(update) / 1e9
-    return {"sgemm_peak_gflops": peak, "sgemm_n": n, "ours_sgemm_gflops": ours_peak,
-            "torch_sgemm_gflops": torch_peak,
-            "bandwidth_gbps": max(bw_triad, bw_copy, bw_update), "triad_gbps": bw_triad,
-            "copy_gbps": bw_copy, "update_gbps": bw_update, "stream_floats": size}
+            read.append(t4 - t3)
+    out = {"triad_gbps": 3 * 4 * size / statistics.median(triad) / 1e9,
+           "copy_gbps": 2 * 4 * size / statistics.median(copy) / 1e9,
+           "update_gbps": 3 * 4 * size / statistics.median(update) / 1e9,
+           "read_gbps": 4 * size / statistics.median(read) / 1e9}
+    out["bandwidth_gbps"] = max(out.values())
+    return out
+
+
+def measure_limits(bufs, reps):
+    """The run's sgemm peak (GFLOP/s) and memory bandwidth (GB/s), probed once at
+    its start with ``reps`` repetitions."""
+    peak, ours_peak, torch_peak = sgemm_peak(bufs, reps)
+    return {"sgemm_peak_gflops": peak, "sgemm_n": bufs["n"], "ours_sgemm_gflops": ours_peak,
+            "torch_sgemm_gflops": torch_peak, **bandwidth(bufs, reps),
+            "stream_floats": bufs["size"]}
+
+
+# Each case's share is taken against its limit probed right before and right after
+# it (LOCAL_REPS repetitions each, the higher of the two windows counting), as its
+# ratio is taken against PyTorch in the same stretch: on this shared VM the memory
+# has slow spells of its own (the sgemm probe unchanged, the bandwidth probe down by
+# a third), and a limit probed minutes earlier put a kernel that met one at 45% of
+# a bandwidth it could not have had then.  The run's probe at the start is kept
+# beside it (share_of_run_limit).
+LOCAL_REPS = 3
+
+
+def local_limit(kind, bufs):
+    if kind == "flops":
+        return sgemm_peak(bufs, LOCAL_REPS)[0]
+    return bandwidth(bufs, LOCAL_REPS)["bandwidth_gbps"]
 
 
 def t(a):
@@ -343,32 +384,40 @@ def run(args):
     n = args.threads or threads.available_cores()
     torch.set_num_threads(n)
     threads.set_num_threads(n)
-    limits = measure_limits(args.reps, args.quick)
+    bufs = limit_buffers(args.quick)
+    limits = measure_limits(bufs, args.reps)
     print(f"threads {n}; sgemm peak {limits['sgemm_peak_gflops']:.1f} GFLOP/s "
           f"(n={limits['sgemm_n']}, best rep: ours {limits['ours_sgemm_gflops']:.1f}, "
           f"PyTorch {limits['torch_sgemm_gflops']:.1f}); memory bandwidth {limits['bandwidth_gbps']:.1f} GB/s "
           f"(triad {limits['triad_gbps']:.1f}, copy {limits['copy_gbps']:.1f}, "
-          f"in-place update {limits['update_gbps']:.1f})")
+          f"in-place update {limits['update_gbps']:.1f}, read {limits['read_gbps']:.1f}); "
+          f"each case's share is of its limit probed beside it (column 'limit')")
     configs = [(4, 64)] if args.quick else [(4, 64), (8, 1024)]
     records = []
     header = (f"{'kernel':34s} {'shape':>15s} {'ours ms':>9s} {'torch ms':>9s} {'ratio':>6s} "
-              f"{'quartiles':>11s} {'reps':>4s} {'rate':>14s} {'share':>6s}")
+              f"{'quartiles':>11s} {'reps':>4s} {'rate':>14s} {'limit':>6s} {'share':>6s}")
     print(header)
     print("-" * len(header))
 
-    def record(name, shape, kind, amount, ours_ms, torch_ms, ratios):
+    def record(name, shape, kind, amount, setup, ours, theirs):
+        before = local_limit(kind, bufs)
+        ours_ms, torch_ms, ratios = race(ours, theirs, args.reps, setup)
+        limit = max(before, local_limit(kind, bufs))
+        run_limit = limits["sgemm_peak_gflops"] if kind == "flops" else limits["bandwidth_gbps"]
         rate = amount / (ours_ms * 1e-3) / 1e9
-        limit = limits["sgemm_peak_gflops"] if kind == "flops" else limits["bandwidth_gbps"]
         q1, ratio, q3 = quartiles(ratios)
         rec = {"kernel": name, "shape": shape, "threads": n, "ours_ms": ours_ms,
                "torch_ms": torch_ms, "ratio": ratio, "ratio_q1": q1, "ratio_q3": q3,
-               "reps": len(ratios), "share": rate / limit}
+               "reps": len(ratios), "share": rate / limit,
+               "limit_" + ("gflops" if kind == "flops" else "gbps"): limit,
+               "share_of_run_limit": rate / run_limit}
         rec["gflops" if kind == "flops" else "gbps"] = rate
         rec["torch_" + ("gflops" if kind == "flops" else "gbps")] = amount / (torch_ms * 1e-3) / 1e9
         records.append(rec)
         unit = "GFLOP/s" if kind == "flops" else "GB/s"
         print(f"{name:34s} {shape:>15s} {ours_ms:9.3f} {torch_ms:9.3f} {ratio:6.2f} "
-              f"{q1:5.2f}-{q3:<5.2f} {len(ratios):4d} {rate:8.1f} {unit:>5s} {rec['share']:6.0%}",
+              f"{q1:5.2f}-{q3:<5.2f} {len(ratios):4d} {rate:8.1f} {unit:>5s} {limit:6.1f} "
+              f"{rec['share']:6.0%}",
               flush=True)
 
     for B, T in configs:
@@ -378,9 +427,9 @@ def run(args):
                  attention_cases(B, T, rng), elementwise_cases(B, T, rng)]
         for group in cases:
             for name, kind, amount, ours, theirs, setup in group:
-                record(name, shape, kind, amount, *race(ours, theirs, args.reps, setup))
+                record(name, shape, kind, amount, setup, ours, theirs)
     for name, kind, amount, ours, theirs, setup in optimizer_cases(np.random.default_rng(1)):
-        record(name, f"n={N_PARAMS}", kind, amount, *race(ours, theirs, args.reps, setup))
+        record(name, f"n={N_PARAMS}", kind, amount, setup, ours, theirs)
     return n, limits, records
 
 
