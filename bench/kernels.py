@@ -168,19 +168,22 @@ def measure_limits(bufs, reps):
 
 
 # Each case's share is taken against its limit probed right before and right after
-# it (LOCAL_REPS repetitions each, the higher of the two windows counting), as its
-# ratio is taken against PyTorch in the same stretch: on this shared VM the memory
-# has slow spells of its own (the sgemm probe unchanged, the bandwidth probe down by
-# a third), and a limit probed minutes earlier put a kernel that met one at 45% of
-# a bandwidth it could not have had then.  The run's probe at the start is kept
-# beside it (share_of_run_limit).
+# it (LOCAL_REPS repetitions each, the higher of the two windows counting, probe by
+# probe; the record keeps them all as local_probes), as its ratio is taken against
+# PyTorch in the same stretch: on this shared VM the memory has slow spells of its
+# own (the sgemm probe unchanged, the bandwidth probe down by a third), and a limit
+# probed minutes earlier put a kernel that met one at 45% of a bandwidth it could
+# not have had then.  The run's probe at its start is kept beside it
+# (share_of_run_limit).
 LOCAL_REPS = 3
 
 
-def local_limit(kind, bufs):
+def local_probe(kind, bufs):
+    """{probe: rate} of ``kind``'s limit, LOCAL_REPS repetitions: the sgemm peak, or
+    the four bandwidth probes and their best."""
     if kind == "flops":
-        return sgemm_peak(bufs, LOCAL_REPS)[0]
-    return bandwidth(bufs, LOCAL_REPS)["bandwidth_gbps"]
+        return {"sgemm_peak_gflops": sgemm_peak(bufs, LOCAL_REPS)[0]}
+    return bandwidth(bufs, LOCAL_REPS)
 
 
 def t(a):
@@ -400,17 +403,19 @@ def run(args):
     print("-" * len(header))
 
     def record(name, shape, kind, amount, setup, ours, theirs):
-        before = local_limit(kind, bufs)
+        before = local_probe(kind, bufs)
         ours_ms, torch_ms, ratios = race(ours, theirs, args.reps, setup)
-        limit = max(before, local_limit(kind, bufs))
-        run_limit = limits["sgemm_peak_gflops"] if kind == "flops" else limits["bandwidth_gbps"]
+        after = local_probe(kind, bufs)
+        probes = {k: max(before[k], after[k]) for k in before}
+        key = "sgemm_peak_gflops" if kind == "flops" else "bandwidth_gbps"
+        limit, run_limit = probes[key], limits[key]
         rate = amount / (ours_ms * 1e-3) / 1e9
         q1, ratio, q3 = quartiles(ratios)
         rec = {"kernel": name, "shape": shape, "threads": n, "ours_ms": ours_ms,
                "torch_ms": torch_ms, "ratio": ratio, "ratio_q1": q1, "ratio_q3": q3,
                "reps": len(ratios), "share": rate / limit,
                "limit_" + ("gflops" if kind == "flops" else "gbps"): limit,
-               "share_of_run_limit": rate / run_limit}
+               "share_of_run_limit": rate / run_limit, "local_probes": probes}
         rec["gflops" if kind == "flops" else "gbps"] = rate
         rec["torch_" + ("gflops" if kind == "flops" else "gbps")] = amount / (torch_ms * 1e-3) / 1e9
         records.append(rec)
