@@ -39,7 +39,8 @@ ADT_LANES_INLINE ADT_VT ADT_LANES_FN(gelu_forward)(ADT_VT x) {
     /* x s = x / (1 + 2^t), no separate reciprocal; exp2_fast, being added to 1 */
     ADT_VT t = ADT_LANES_FN(gelu_t)(x);
     ADT_VI big = t > ADT_V(splat)(ADTAPE_GELU_T_MAX);
-    ADT_VT y = ADT_V(divide)(x, 1.0f + ADT_V(exp2_fast)(ADT_V(min)(t, ADT_V(splat)(ADTAPE_GELU_T_MAX))));
+    ADT_VT e = ADT_V(exp2_fast)(ADT_V(min)(t, ADT_V(splat)(ADTAPE_GELU_T_MAX)));
+    ADT_VT y = ADT_V(divide)(x, 1.0f + e);
     return ADT_V(select)(big, ADT_V(splat)(0.0f), y);
 }
 
@@ -143,8 +144,9 @@ ADT_LANES_INLINE float ADT_LANES_FN(ln_sum_sq_dev)(const float* x, float m, ptrd
 /* Rows r0..r1: two passes over each row (it sits in L1) avoid the cancellation of
    E[x^2] - E[x]^2; the next row is fetched meanwhile (B=8, T=1024, C=768, two
    threads on the Zen 3 VM: 1.39-1.47 -> 1.19-1.32 ms, one thread 2.66-2.78 ->
-   2.11-2.17; the backward, whose rows the same fetches made slower, has none).  stream: out is written with non-temporal stores (kernels/simd.h;
-   out 64-byte aligned, C a multiple of 16). */
+   2.11-2.17; the backward, whose rows the same fetches made slower, has none).
+   stream: out is written with non-temporal stores (kernels/simd.h; out 64-byte
+   aligned, C a multiple of 16). */
 ADT_LANES_ATTR
 static void ADT_LANES_FN(ln_forward_rows)(float* out, float* mean, float* rstd,
                                           const float* inp, const float* weight,
