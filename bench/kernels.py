@@ -407,17 +407,16 @@ def run(args):
         ours_ms, torch_ms, ratios = race(ours, theirs, args.reps, setup)
         after = local_probe(kind, bufs)
         probes = {k: max(before[k], after[k]) for k in before}
+        unit_key = "gflops" if kind == "flops" else "gbps"
         key = "sgemm_peak_gflops" if kind == "flops" else "bandwidth_gbps"
         limit, run_limit = probes[key], limits[key]
         rate = amount / (ours_ms * 1e-3) / 1e9
         q1, ratio, q3 = quartiles(ratios)
         rec = {"kernel": name, "shape": shape, "threads": n, "ours_ms": ours_ms,
                "torch_ms": torch_ms, "ratio": ratio, "ratio_q1": q1, "ratio_q3": q3,
-               "reps": len(ratios), "share": rate / limit,
-               "limit_" + ("gflops" if kind == "flops" else "gbps"): limit,
-               "share_of_run_limit": rate / run_limit, "local_probes": probes}
-        rec["gflops" if kind == "flops" else "gbps"] = rate
-        rec["torch_" + ("gflops" if kind == "flops" else "gbps")] = amount / (torch_ms * 1e-3) / 1e9
+               "reps": len(ratios), "share": rate / limit, "limit_" + unit_key: limit,
+               "share_of_run_limit": rate / run_limit, "local_probes": probes,
+               unit_key: rate, "torch_" + unit_key: amount / (torch_ms * 1e-3) / 1e9}
         records.append(rec)
         unit = "GFLOP/s" if kind == "flops" else "GB/s"
         print(f"{name:34s} {shape:>15s} {ours_ms:9.3f} {torch_ms:9.3f} {ratio:6.2f} "

@@ -10,6 +10,7 @@
    of the max's 1; a term below 2^-125 is lost against that 1. */
 ADT_LANES_ATTR
 static float ADT_LANES_FN(ce_row_logsumexp)(const float* x, ptrdiff_t V, float* row_max) {
+    const float l2e = (float)ADT_LOG2E;
     float m = -INFINITY;
     ADT_VT s = {0};
     for (ptrdiff_t c0 = 0; c0 < V; c0 += CE_CHUNK) {
@@ -32,7 +33,6 @@ static float ADT_LANES_FN(ce_row_logsumexp)(const float* x, ptrdiff_t V, float* 
             s = s * ADT_V(exp)(ADT_V(splat)(m - cm));
             m = cm;
         }
-        const float l2e = (float)ADT_LOG2E;
         ADT_VT mm = ADT_V(splat)(m), s2 = {0};
         /* meanwhile the chunk after next comes in, which the max loop above then
            finds in the cache (prefetches past the row's end are harmless: the next
