@@ -99,6 +99,45 @@ def test_rows_layout_and_extreme_logits(vector_lanes):
     assert np.all(np.isfinite(lse))
 
 
+def test_rows_with_masked_logits(vector_lanes):
+    # Logits masked to -inf (a constrained vocabulary): whole leading chunks of the
+    # online log-sum-exp hold nothing but -inf, then finite values follow.
+    rng = np.random.default_rng(8)
+    V, Vp = 3000, 3008
+    logits = rng.standard_normal((4, Vp)).astype(np.float32)
+    logits[0, :2000] = -np.inf                        # two whole chunks, then some
+    logits[1, :1024] = -np.inf                        # exactly the first chunk
+    logits[2, ::2] = -np.inf                          # every other logit
+    logits[3, 1:] = -np.inf                           # a single finite logit
+    targets = np.array([2500, 2000, 1, 0], np.int32)
+    losses, lse = run_forward(loss.softmax_crossentropy_forward, logits, targets, V)
+    tlogits = torch.tensor(logits[:, :V], requires_grad=True)
+    tloss = F.cross_entropy(tlogits, torch.tensor(targets, dtype=torch.long), reduction="none")
+    close(losses, tloss.detach().numpy(), 1e-5, scale=1.0)
+    close(lse, torch.logsumexp(tlogits.detach().double(), -1).numpy(), 1e-6)
+    dlosses = np.ones(4, np.float32)
+    tloss.backward(torch.tensor(dlosses))
+    dlogits = np.zeros_like(logits)
+    loss.softmax_crossentropy_backward(dlogits, dlosses, logits, lse, targets, V)
+    close(dlogits[:, :V], tlogits.grad.numpy(), 1e-4, scale=1.0)
+
+
+@pytest.mark.parametrize("offset", [-3e4, 6e4, 7e4, -1.2e5, 3e6])
+def test_logits_far_from_zero(offset, vector_lanes):
+    # The sums take x log2(e) - hi in one FMA up to |max| = 2^16 (65536) and
+    # (x - max) log2(e) past it; both keep the log-sum-exp to float precision.
+    rng = np.random.default_rng(9)
+    V = 5000
+    logits = (offset + rng.standard_normal((3, V)) * np.float32(4)).astype(np.float32)
+    targets = rng.integers(0, V, 3).astype(np.int32)
+    losses, lse = run_forward(loss.softmax_crossentropy_forward, logits, targets, V)
+    ref = torch.logsumexp(torch.tensor(logits).double(), -1).numpy()
+    assert np.all(np.abs(lse - ref) <= np.spacing(np.abs(ref).astype(np.float32)))
+    # the loss (about 18 here) is max - x[target], exact, plus log(sum): within 2 ulps
+    exact = ref - logits[np.arange(3), targets].astype(np.float64)
+    assert np.all(np.abs(losses - exact) <= 2 * np.spacing(exact.astype(np.float32)))
+
+
 def test_rows_whose_max_rises_across_chunks(vector_lanes):
     # The forward's online log-sum-exp runs over chunks of 1024 logits, rescaling the
     # sum whenever a chunk raises the running max; these rows move that max in every
