@@ -49,34 +49,43 @@ cdef extern from *:
     #undef ADT_W
     #endif
 
-    static float ce_row_logsumexp(int kind, const float* x, ptrdiff_t V, float* row_max) {
-        return ADT_LANES_CALL_X3(kind, ce_row_logsumexp, (x, V, row_max));
+    static void ce_rows_logsumexp(int kind, const float* x, ptrdiff_t ld, ptrdiff_t V, int rows,
+                                  float* row_max, float* log_sum) {
+        ADT_LANES_CALL_X3(kind, ce_rows_logsumexp, (x, ld, V, rows, row_max, log_sum));
     }
     static void ce_row_backward(int kind, float* d, const float* x, float lse, float g,
                                 ptrdiff_t V, ptrdiff_t Vp, int inplace) {
         ADT_LANES_CALL_X3(kind, ce_row_backward, (d, x, lse, g, V, Vp, inplace));
     }
     """
-    float ce_row_logsumexp(int kind, const float* x, Py_ssize_t V, float* row_max) nogil
+    void ce_rows_logsumexp(int kind, const float* x, Py_ssize_t ld, Py_ssize_t V, int rows,
+                           float* row_max, float* log_sum) nogil
     void ce_row_backward(int kind, float* d, const float* x, float lse, float g, Py_ssize_t V,
                          Py_ssize_t Vp, int inplace) nogil
 
 
-cdef void _row_forward(int kind, float* loss, float* lse, const float* x, int32_t target,
-                       Py_ssize_t V) noexcept nogil:
-    cdef float m
-    cdef float log_sum = ce_row_logsumexp(kind, x, V, &m)
-    lse[0] = m + log_sum
-    loss[0] = (m - x[target]) + log_sum
+cdef void _rows_forward(int kind, float* loss, float* lse, const float* x, const int32_t* target,
+                        Py_ssize_t V, Py_ssize_t Vp, int rows) noexcept nogil:
+    # rows (1 or 2) rows of logits, Vp apart, read side by side
+    cdef float m[2]
+    cdef float log_sum[2]
+    cdef int r
+    ce_rows_logsumexp(kind, x, Vp, V, rows, m, log_sum)
+    for r in range(rows):
+        lse[r] = m[r] + log_sum[r]
+        loss[r] = (m[r] - x[r * Vp + target[r]]) + log_sum[r]
 
 
 cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const float* logits,
                                             const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
                                             Py_ssize_t Vp, int n_threads) noexcept nogil:
-    cdef Py_ssize_t r
+    # by pairs of rows (and a last one alone when N is odd)
+    cdef Py_ssize_t p, r
     cdef int kind = lanes_kind()
-    for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        _row_forward(kind, losses + r, lse + r, logits + r * Vp, targets[r], V)
+    for p in prange((N + 1) // 2, schedule='static', nogil=True, num_threads=n_threads):
+        r = 2 * p
+        _rows_forward(kind, losses + r, lse + r, logits + r * Vp, targets + r, V, Vp,
+                      2 if r + 1 < N else 1)
 
 
 cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosses,

@@ -206,6 +206,30 @@ def test_one_and_two_threads_give_identical_results(vector_lanes):
         np.testing.assert_array_equal(one, two)
 
 
+def test_a_row_gives_the_same_bits_paired_or_alone(vector_lanes):
+    # The forward reads rows in pairs (the last alone when there are an odd number);
+    # each row's loss must not depend on its partner.  Partners here differ in how
+    # their sums run: one far past 2^16 (x - max first), one with a masked first
+    # chunk, tails of every length.
+    rng = np.random.default_rng(10)
+    for V, Vp in ((3001, 3008), (2063, 2080), (16, 16), (1030, 1032)):
+        logits = (rng.standard_normal((7, Vp)) * 3).astype(np.float32)
+        logits[1, :V] += 1e5
+        logits[2, :min(V, 1024)] = -np.inf
+        logits[2, V - 1] = 0.5
+        targets = rng.integers(0, V, 7).astype(np.int32)
+        targets[2] = V - 1
+        together = run_forward(loss.softmax_crossentropy_forward, logits, targets, V)
+        for r in range(7):
+            alone = run_forward(loss.softmax_crossentropy_forward, logits[r:r + 1], targets[r:r + 1], V)
+            for both, one in zip(together, alone):
+                np.testing.assert_array_equal(both[r:r + 1], one)
+        # and starting the pairs one row later pairs every row with another partner
+        shifted = run_forward(loss.softmax_crossentropy_forward, logits[1:], targets[1:], V)
+        for both, one in zip(together, shifted):
+            np.testing.assert_array_equal(both[1:], one)
+
+
 def test_targets_checked_at_the_boundary():
     rng = np.random.default_rng(5)
     logits, targets = make_case(rng, 2, 3, 10, 16)
