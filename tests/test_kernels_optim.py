@@ -108,6 +108,26 @@ def test_grad_norm_in_float64(n):
     assert optim.grad_norm(np.zeros(0, np.float32)) == 0.0
 
 
+def test_grad_norm_blocks_alone_or_paired():
+    # The blocks of 16384 go in pairs, k with k + n_blocks // 2, read side by side,
+    # the last alone when their number is odd; a block's sum must not depend on
+    # its partner.  Each block here holds one nonzero value, so the norm of the
+    # whole is exact in float64 and every block can be checked on its own.
+    B = 16384
+    for n_blocks, tail in ((1, 0), (2, 0), (3, 0), (4, 7), (5, B - 1), (6, 17), (7, 1)):
+        n = (n_blocks - 1) * B + (tail or B)
+        grads = np.zeros(n, np.float32)
+        grads[::B] = 2.0 ** np.arange(n_blocks, dtype=np.float32)
+        grads[-1] += 3.0
+        expected = np.sqrt(np.sum(grads.astype(np.float64) ** 2))
+        assert optim.grad_norm(grads) == expected, (n_blocks, tail)
+    # random values: the same sum as blocks summed one by one
+    rng = np.random.default_rng(11)
+    grads = rand(rng, 5 * B + 123)
+    per_block = [optim.grad_norm(grads[k:k + B]) ** 2 for k in range(0, grads.size, B)]
+    assert optim.grad_norm(grads) == pytest.approx(np.sqrt(sum(per_block)), rel=1e-15)
+
+
 def test_grad_norm_float64_accumulation_matters():
     # 2^24 + many ones: a float32 running sum would stop growing at 2^24.
     grads = np.ones(3 * 16384 + 5, np.float32)
