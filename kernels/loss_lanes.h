@@ -101,7 +101,7 @@ ADT_LANES_INLINE void ADT_LANES_FN(ce_chunk_sum)(ADT_LANES_FN(ce_state)* st, con
         s1 += CE_EXP2(xc + i + ADT_W, st, fused);
     }
     s1 = ADT_LANES_FN(ce_chunk_tail)(s1, st, xc, i, n, fused);
-    st->s += fused ? s1 * st->unlo : s1;
+    st->s += s1 * st->unlo;   /* 1 where not fused */
 }
 
 /* The same for one chunk of each of two rows, a and b, read side by side: one core

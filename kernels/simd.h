@@ -85,7 +85,8 @@ ADT_LANE_OPS(16, adt_v16, adt_v16u, adt_v16i)
 ADT_INLINE adt_v8 adt_exp(adt_v8 x) { return adt_exp_bits(x); }
 /* 2^t for t <= 127, where only a sum of exponentials or 1 + 2^t is kept; callers
    fold log2(e) into their own arithmetic (GELU into its cubic's coefficients,
-   cross-entropy into one multiply of x - max), which is why it is 2^t and not exp.
+   cross-entropy into one FMA, x log2(e) - max log2(e); kernels/loss_lanes.h), which
+   is why it is 2^t and not exp.
    t = n + r with n rounded in the low bits of k = t + 1.5 * 2^23 + 127 and r = t - n
    exactly (|r| <= 1/2), 2^r by a degree-5 polynomial (a relative-error fit): within
    4e-7 relative, 2^n exactly.  k's low nine bits hold n + 127, the biased exponent
