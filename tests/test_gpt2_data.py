@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+import regex
 
 from gpt2.data import (DataLoader, default_corpus_tokens, read_llmc_tokens, stdlib_corpus_bytes,
                        text_file_tokens, train_val_loaders, write_llmc_tokens)
@@ -52,7 +53,6 @@ def test_split_pattern_on_ascii():
 
 
 def test_split_pattern_matches_gpt2_regex_on_letters_and_digits():
-    regex = pytest.importorskip("regex")
     gpt2 = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
     samples = ["Ünïcödé façade — naïve café's 42€!", "Привет, мир 2024", "日本語のテキスト。東京",
                "مرحبا ١٢٣ بالعالم", "x = [a_b + 3.14]\n\tif y:  return   z\r\n",
