@@ -16,8 +16,9 @@ Memory is counted the way the engine holds it:
   at most the budget, plus the slabs the tape keeps above it, stays resident;
   checkpointing keeps only block inputs (one per block, or Revolve's snapshots);
 - the working set: the logits' gradient (written over a popped copy of the logits), or
-  one block's gradient buffers plus the block's activations while its backward runs
-  (popped off the byte tape, or recomputed);
+  one block's gradient buffers plus the activations its backward reads (one op's, popped
+  off the byte tape, or the whole block's, recomputed);
+- the allocator's slack: under checkpointing, the heap a re-run block's arrays leave;
 - the process baseline (interpreter, libraries, thread pools) from the profile.
 """
 import math
@@ -36,8 +37,11 @@ MODEL_STATE_ARENAS = 4          # parameters, gradients, AdamW m and v
 # slab kept for the next head (slabs are at most 2 MiB) and a spill unit (1 MiB) in
 # flight to or from the disk.
 TAPE_SLACK_BYTES = 2 * (2 << 20) + (1 << 20)
-# The smallest tape budget considered: a few of the largest slabs.
-MIN_TAPE_BUDGET = 8 << 20
+# The smallest tape budget considered: one spill unit.
+MIN_TAPE_BUDGET = 1 << 20
+HUGE_BYTES = 1 << 62
+# glibc's M_MMAP_THRESHOLD as kernels._openmp.set_malloc_retention sets it.
+MMAP_THRESHOLD_BYTES = 256 << 20
 # Tape budgets listed beside the largest one that fits: these shares of the activations.
 BUDGET_SHARES = (2, 4, 8)
 # Saved arrays that are another op's saved array too (held once by reference).
@@ -134,13 +138,20 @@ class _Accounting:
         self.block_saved = sum(block.values())                     # copies on the byte tape
         self.block_referenced = self.block_saved - sum(v for k, v in block.items() if k in ALIASES)
         self.block_input = e * N * C
+        # Popped off the byte tape one op at a time: the largest op's residuals.
+        ops_saved = [op.saved_bytes for op in ops if op.phase == "fwd" and op.layer == 0]
+        self.largest_op_saved = max(ops_saved)
+        # glibc serves arrays under its mmap threshold from the heap and (with the engine's
+        # malloc retention) keeps what they free: a block's transient arrays leave the heap
+        # that much above the live bytes.  Larger arrays are mapped and unmapped.
+        self.block_heap = sum(v for v in block.values() if v < MMAP_THRESHOLD_BYTES)
         # The logits' gradient is written over the logits popped off the tape (a fresh
         # array when they were held by reference), and the lm_head input's gradient.
         self.head_working = e * N * (spec.padded_vocab + C)
-        # One block's backward: the residual stream's gradient carried down, the MLP's two
-        # hidden-width gradients (gelu output and fc output) or attention's dqkv.
+        # One block's backward at its fullest: the residual gradient coming in and the two
+        # it splits into, with the MLP's two hidden-width gradients (gelu and fc outputs).
         F = spec.ffn_hidden
-        self.block_gradients = e * N * (C + max(2 * F, 3 * C + C) + C)
+        self.block_gradients = e * N * (3 * C + max(2 * F, 3 * C + C))
         self.model_states = MODEL_STATE_ARENAS * FLOAT_BYTES * spec.num_parameters()
 
     def stored(self, checkpointing, snapshots, by_reference):
@@ -160,10 +171,17 @@ class _Accounting:
     def working(self, checkpointing, by_reference):
         """Bytes live beside the stored activations at the backward pass's fullest moment."""
         block = self.block_gradients
-        if checkpointing != "none" or not by_reference:
-            # The block being reversed has its activations back: popped copies or a re-run.
-            block += self.block_saved
+        if checkpointing != "none":
+            block += self.block_saved           # the block being reversed, re-run
+        elif not by_reference:
+            block += self.largest_op_saved      # the op being reversed, popped
         return max(self.head_working, block)
+
+    def heap_slack(self, checkpointing):
+        """Freed heap the allocator keeps above the live bytes: a re-run block's arrays.
+        (Copies onto the byte tape free their originals in step with the next op's
+        allocations, which reuse the space: measured, no slack.)"""
+        return 0.0 if checkpointing == "none" else self.block_heap
 
 
 def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=None, threads=None, flash=False):
@@ -200,7 +218,7 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
             f"so at least {format_size(fixed)} ({int(fixed)} bytes) is needed before any activation")
 
     candidates = []
-    policies = [("none", 0), ("layer", 0)] + [("binomial", s) for s in range(1, spec.n_layer)]
+    policies = _policies(spec)
     for checkpointing, snapshots in policies:
         compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile)
         candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, None, max_memory))
@@ -218,8 +236,7 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
 
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        least = min((_smallest(acc, profile, B, T, flash, c, s, max_memory) for c, s in policies),
-                    key=lambda c: c.predicted_peak_bytes)
+        least = _least_memory(acc, profile, B, T, flash, policies, max_memory)
         raise ValueError(
             f"max_memory {format_size(max_memory)} cannot be met: the policy needing the least memory, "
             f"{least.policy}, peaks at {format_size(least.predicted_peak_bytes)} "
@@ -236,12 +253,30 @@ def _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile):
                                                          flash_attention=flash), profile)
 
 
-def _smallest(acc, profile, B, T, flash, checkpointing, snapshots, max_memory):
-    """The policy's least-memory form: the smallest budget it can run under (one slab without
-    checkpointing, one re-run block's activations with it)."""
-    budget = int(acc.rerun(checkpointing)) or MIN_TAPE_BUDGET
-    compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile)
-    return _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory)
+def _least_memory(acc, profile, B, T, flash, policies, max_memory):
+    """The candidate with the least predicted peak: each policy without a budget and under the
+    smallest budget it can run with (a spill unit without checkpointing, one re-run block's
+    activations with it)."""
+    least = []
+    for checkpointing, snapshots in policies:
+        compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile)
+        for budget in (None, int(acc.rerun(checkpointing)) or MIN_TAPE_BUDGET):
+            least.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory))
+    return min(least, key=lambda c: c.predicted_peak_bytes)
+
+
+def minimum_memory(config, B, T, hardware="this-machine", flash=False):
+    """The least ``max_memory`` (bytes) any policy can train ``config`` at (B, T) within."""
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    spec = ModelSpec.from_config(config)
+    least = _least_memory(_Accounting(spec, B, T, flash), profile, B, T, flash, _policies(spec), HUGE_BYTES)
+    return least.predicted_peak_bytes
+
+
+def _policies(spec):
+    """(checkpointing, snapshots) of every policy: none, per layer, binomial with 1 to n_layer - 1
+    snapshots (n_layer - 1 already stores every block input)."""
+    return [("none", 0), ("layer", 0)] + [("binomial", s) for s in range(1, spec.n_layer)]
 
 
 def _policy_name(checkpointing, snapshots, budget):
@@ -280,7 +315,8 @@ def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memo
         in_forward = max(0.0, stored - budget) / stored if stored else 0.0
         copy_s, spill_s = tape_io_time(copied, spilled, in_forward, forward, backward, profile)
     memory = {"model states": acc.model_states, "activations": resident, "working set": working,
-              "tape slack": slack, "baseline": profile.baseline_rss, "spilled": spilled}
+              "tape slack": slack, "heap slack": acc.heap_slack(checkpointing),
+              "baseline": profile.baseline_rss, "spilled": spilled}
     peak = int(math.ceil(sum(v for k, v in memory.items() if k != "spilled")))
     if not rejected and peak > max_memory:
         rejected = f"over the limit by {format_size(peak - max_memory)}"
