@@ -1,18 +1,20 @@
 """Measure this machine and write its hardware profile.
 
-  python -m gpt2.perfmodel.calibrate [--threads N] [--output PATH] [--quick]
+  python -m gpt2.perfmodel.calibrate [--threads N] [--output PATH] [--quick] [--spill-dir DIR]
+  python -m gpt2.perfmodel.calibrate --disk-only [--spill-dir DIR]   (what the memory planner needs)
 
 Measures, at the model's real shapes (GPT-2 124M at a few (B, T); --quick: the tiny
 preset): float32 sgemm throughput through the kernels' gemm for the forward product and both
 backward products, the peak on a large square sgemm, memory bandwidth by array size,
 the fixed cost of one kernel call and of one tape record, our kernels' throughput by op
 class (attention, layernorm, GELU, residual, embedding, loss, optimizer: whichever are
-built), the spill-file bandwidth and the baseline RSS of a process that imported the
-runtime.  The machine is shared, so every figure is the median of several runs,
+built), the spill device's sequential write and read rates (O_DIRECT: the disk, not
+the page cache) and the baseline RSS of a process that ran one tiny training step.  The machine is shared, so every figure is the median of several runs,
 interleaved across the shapes (one run of each shape per round).
 """
 import argparse
 import datetime
+import mmap
 import os
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from collections import defaultdict
 import numpy as np
 
 from .graph import GraphOptions, step_graph
-from .hardware import PROFILE_DIR, EfficiencyCurve, HardwareProfile, Interconnect, save_profile
+from .hardware import PROFILE_DIR, EfficiencyCurve, HardwareProfile, Interconnect, load_profile, save_profile
 from .spec import ModelSpec, ParallelConfig, Workload
 
 FULL_CONFIGS = ((1, 64), (4, 64), (4, 256))
@@ -255,32 +257,68 @@ def measure_kernels(spec, configs, peak, overhead, repeats):
     return {k: _curve(v) for k, v in points.items()}, notes
 
 
-def measure_disk(path, nbytes):
-    """Bytes/s of writing then reading back a spill-sized file (each direction), through the
-    page cache as the tape's spill I/O goes (no fsync)."""
-    block = os.urandom(1 << 20)
+def measure_disk(path, max_bytes, max_seconds=10.0, chunk=4 << 20):
+    """(write bytes/s, read bytes/s, method) of sequential I/O in ``path``, of the device and not
+    of memory.
+
+    Writes then reads back a file of up to ``max_bytes`` (fewer if ``max_seconds`` pass
+    first) in ``chunk``-byte requests with O_DIRECT, from a page-aligned buffer; where the
+    filesystem refuses O_DIRECT (tmpfs), buffered writes timed through fsync and reads
+    after the file's pages are dropped from the page cache (posix_fadvise DONTNEED).
+    """
+    buf = mmap.mmap(-1, chunk)          # page-aligned, as O_DIRECT requires
+    buf.write(os.urandom(chunk))
     fd, name = tempfile.mkstemp(dir=path, prefix="perfmodel-calib-")
+    os.close(fd)
     try:
-        t0 = time.perf_counter()
-        for _ in range(nbytes >> 20):
-            os.write(fd, block)
-        t1 = time.perf_counter()
-        os.lseek(fd, 0, os.SEEK_SET)
-        while os.read(fd, 1 << 20):
-            pass
-        t2 = time.perf_counter()
+        method = "O_DIRECT"
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_DIRECT)
+        except (AttributeError, OSError):
+            method = "fsync + fadvise(DONTNEED)"
+            fd = os.open(name, os.O_WRONLY)
+        written = 0
+        try:
+            t0 = time.perf_counter()
+            while written < max_bytes and time.perf_counter() - t0 < max_seconds:
+                written += os.write(fd, buf)
+            os.fsync(fd)
+            write_rate = written / (time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+        fd = os.open(name, os.O_RDONLY | (os.O_DIRECT if method == "O_DIRECT" else 0))
+        try:
+            if method != "O_DIRECT":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            read = 0
+            t0 = time.perf_counter()
+            while read < written:
+                n = os.readv(fd, [buf])
+                if n == 0:
+                    break
+                read += n
+            read_rate = read / (time.perf_counter() - t0)
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
         os.unlink(name)
-    return 2.0 * (nbytes >> 20 << 20) / (t2 - t0)
+        buf.close()
+    return write_rate, read_rate, method
 
 
-def measure_baseline_rss():
-    """RSS of a fresh interpreter that imported numpy, the kernels and the tape."""
-    code = ("import numpy, psutil\n"
-            "for m in ('kernels.matmul', 'kernels.layers', 'kernels.attention', 'adtape'):\n"
-            "    try:\n        __import__(m)\n    except ImportError:\n        pass\n"
-            "print(psutil.Process().memory_info().rss)\n")
+def measure_baseline_rss(threads=None):
+    """RSS of a fresh interpreter that imported the runtime and ran one training step of the
+    tiny model (so thread pools and BLAS buffers are in), less that model's own arenas."""
+    code = ("import numpy as np, psutil\n"
+            "from kernels import threads\n"
+            f"threads.set_num_threads({threads!r})\n"
+            "from gpt2.config import GPT2Config\n"
+            "from gpt2.model import GPT2\n"
+            "model = GPT2(GPT2Config.preset('tiny'), seed=0)\n"
+            "ids = np.zeros((1, 8), np.int32)\n"
+            "model.train_step(ids, ids, lr=1e-4, weight_decay=0.1)\n"
+            "arenas = sum(a.nbytes for a in (model.params, model.grads, model.adam_m, model.adam_v))\n"
+            "print(psutil.Process().memory_info().rss - arenas)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.getcwd())
     return float(out.stdout.strip().splitlines()[-1])
@@ -307,8 +345,9 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir):
     bandwidth, memory_curve = measure_memory(mem_sizes, repeats)
     overhead, tape_cost, sources = measure_overheads(repeats)
     kernel_curves, notes = measure_kernels(spec, configs, peak, overhead, repeats)
-    disk = measure_disk(spill_dir or tempfile.gettempdir(), (8 if quick else 256) << 20)
-    baseline = measure_baseline_rss()
+    spill_dir = os.path.abspath(spill_dir or tempfile.gettempdir())
+    disk_write, disk_read, disk_method = measure_disk(spill_dir, (16 if quick else 1024) << 20)
+    baseline = measure_baseline_rss(threads)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return HardwareProfile(
         name="this-machine", kind="cpu",
@@ -316,13 +355,26 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir):
                + (" (quick)" if quick else ""),
         peak_flops={"fp32": peak}, memory_bandwidth=bandwidth,
         memory_capacity=float(psutil.virtual_memory().total), matmul_efficiency=matmul_curves,
-        memory_efficiency=memory_curve, op_overhead=overhead, tape_overhead=tape_cost, disk_bandwidth=disk,
+        memory_efficiency=memory_curve, op_overhead=overhead, tape_overhead=tape_cost,
+        disk_write_bandwidth=disk_write, disk_read_bandwidth=disk_read,
         threads=threads, sram_bytes=0.0, baseline_rss=baseline, interconnect=Interconnect(),
         kernel_efficiency=kernel_curves,
         calibration={"time": now, "threads": threads, "quick": quick, "repeats": repeats,
                      "model": [spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size],
                      "configs": [list(c) for c in configs], "sgemm_flops_per_s": gemm_rates,
-                     "sources": sources, "notes": notes})
+                     "sources": sources, "notes": notes, "spill_dir": spill_dir, "disk_method": disk_method})
+
+
+def calibrate_disk(profile, spill_dir=None, threads=None):
+    """``profile`` with the spill device's rates (in ``spill_dir``) and the baseline RSS measured
+    afresh: what the memory planner needs, in well under a minute."""
+    spill_dir = os.path.abspath(spill_dir or tempfile.gettempdir())
+    disk_write, disk_read, disk_method = measure_disk(spill_dir, 1024 << 20)
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    calibration = dict(profile.calibration, spill_dir=spill_dir, disk_method=disk_method, disk_time=now)
+    return profile.with_changes(disk_write_bandwidth=disk_write, disk_read_bandwidth=disk_read,
+                                baseline_rss=measure_baseline_rss(threads or profile.threads or None),
+                                calibration=calibration)
 
 
 def main(argv=None):
@@ -332,15 +384,29 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats (seconds)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--output", default=os.path.join(PROFILE_DIR, "this-machine.json"))
+    p.add_argument("--spill-dir", default=None,
+                   help="directory whose device the tape spills to (default: the system temp dir)")
+    p.add_argument("--disk-only", action="store_true",
+                   help="re-measure only the spill device's rates and the baseline RSS in the existing profile")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-    profile = calibrate(args.threads, args.quick, repeats=args.repeats)
+    if args.spill_dir is not None and not os.path.isdir(args.spill_dir):
+        raise SystemExit(f"error: --spill-dir {args.spill_dir!r} is not a directory")
+    if args.disk_only:
+        try:
+            profile = calibrate_disk(load_profile(args.output), args.spill_dir, args.threads)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
+    else:
+        profile = calibrate(args.threads, args.quick, repeats=args.repeats, spill_dir=args.spill_dir)
     save_profile(profile, args.output)
     print(f"peak sgemm {profile.peak('fp32') / 1e9:.1f} GFLOP/s, copy bandwidth "
           f"{profile.memory_bandwidth / 1e9:.2f} GB/s, kernel call {profile.op_overhead * 1e6:.2f} us, "
-          f"tape record {profile.tape_overhead * 1e6:.2f} us, spill {profile.disk_bandwidth / 1e9:.2f} GB/s, "
-          f"baseline RSS {profile.baseline_rss / 2**20:.0f} MiB ({profile.threads} threads)")
+          f"tape record {profile.tape_overhead * 1e6:.2f} us, spill write {profile.disk_write_bandwidth / 1e9:.2f} "
+          f"GB/s, read {profile.disk_read_bandwidth / 1e9:.2f} GB/s ({profile.calibration['disk_method']}, "
+          f"{profile.calibration['spill_dir']}), baseline RSS {profile.baseline_rss / 2**20:.0f} MiB "
+          f"({profile.threads} threads)")
     for note in profile.calibration["notes"]:
         print(f"note: {note}")
     print(f"wrote {args.output}")

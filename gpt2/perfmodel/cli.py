@@ -7,10 +7,12 @@ Examples:
       --batch 1536 --micro-batch 1 --hardware a100-80gb-sxm --precision bf16 --layout megatron \\
       --tp 8 --pp 16 --dp 12 --recompute full
   python -m gpt2.perfmodel --model gpt2 --seq 64 --sweep batch=1,2,4,8 --plot sweep.png
+  python -m gpt2.perfmodel --plan --max-memory 8G --model gpt2 --batch 8 --seq 1024
 """
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from .estimate import estimate
 from .graph import GraphOptions
@@ -51,8 +53,9 @@ def build_parser():
                    help="which activations are saved (our tape's set, or Megatron's with dropout)")
     w.add_argument("--causal-flops", action="store_true", help="attention kernels skip the masked half")
     h = p.add_argument_group("hardware and parallelism")
-    h.add_argument("--hardware", default="generic-cpu",
-                   help=f"profile path or name ({', '.join(available_profiles())})")
+    h.add_argument("--hardware", default=None,
+                   help=f"profile path or name ({', '.join(available_profiles())}; default: generic-cpu, "
+                        f"this-machine with --plan)")
     for name in ("dp", "tp", "pp", "ep", "interleave"):
         h.add_argument(f"--{name}", type=int, default=1)
     h.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
@@ -64,11 +67,22 @@ def build_parser():
     h.add_argument("--overlap-dp", action="store_true", help="hide gradient reduction behind backward")
     h.add_argument("--tape-budget", type=float, default=-1.0, help="activation bytes kept in memory (-1: all)")
     h.add_argument("--overlap-spill", action="store_true")
+    pl = p.add_argument_group("memory planner")
+    pl.add_argument("--plan", action="store_true",
+                    help="choose the fastest memory policy of the tape engine within --max-memory")
+    pl.add_argument("--max-memory", type=_size, help="peak RSS limit for --plan, e.g. 8G")
+    pl.add_argument("--spill-dir", default=None, help="where the tape would spill (checked against the profile)")
+    pl.add_argument("--threads", type=int, default=None, help="threads training will use")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the estimate as JSON")
     o.add_argument("--sweep", help="PARAM=v1,v2,... with PARAM in " + ", ".join(SWEEPABLE))
     o.add_argument("--plot", help="PNG path for the sweep plot")
     return p
+
+
+def _size(text):
+    from gpt2.train import parse_size
+    return parse_size(text)
 
 
 def model_from_args(args):
@@ -98,7 +112,26 @@ def setup_from_args(args):
                               flash_attention=args.flash, overlap_dp_comm=args.overlap_dp,
                               tape_budget=args.tape_budget, overlap_spill_io=args.overlap_spill)
     options = GraphOptions(layout=args.layout, causal_attention_flops=args.causal_flops)
-    return spec, workload, parallel, load_profile(args.hardware), options
+    return spec, workload, parallel, load_profile(args.hardware or "generic-cpu"), options
+
+
+def run_plan(args):
+    """Print the memory planner's table for the model and (B, T) of ``args``."""
+    from gpt2.config import GPT2Config
+    from .plan import plan_memory
+    if args.max_memory is None:
+        raise ValueError("--plan needs --max-memory SIZE (e.g. 8G)")
+    spec = model_from_args(args)
+    config = GPT2Config(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size, spec.block_size)
+    plan = plan_memory(config, args.batch, args.seq, args.max_memory, hardware=args.hardware or "this-machine",
+                       spill_dir=args.spill_dir, threads=args.threads, flash=args.flash)
+    if args.json:
+        print(json.dumps({"chosen": plan.describe(), "engine_kwargs": plan.engine_kwargs(),
+                          "candidates": [asdict(c) for c in plan.candidates], "notes": plan.notes}, indent=2))
+    else:
+        print(f"model: {spec.n_layer} layers, C={spec.n_embd}, V={spec.vocab_size}   batch {args.batch} x seq "
+              f"{args.seq}   limit {args.max_memory} bytes")
+        print(plan.table())
 
 
 def _fmt_time(seconds):
@@ -126,7 +159,7 @@ def format_table(est, spec, workload, parallel, hardware):
         lines.append(f"{c:<20}" + "".join(_fmt_time(v).rjust(13) for v in row)
                      + _fmt_time(sum(row)).rjust(13) + f"{sum(row) / est.step_time:8.1%}")
     extra = [("optimizer", est.optimizer)] + [(f"comm {k}", v) for k, v in est.communication.items()] + [
-        ("pipeline bubble", est.bubble), ("tape spill I/O", est.spill_io)]
+        ("pipeline bubble", est.bubble), ("tape copies", est.tape_copy), ("tape spill I/O", est.spill_io)]
     for name, v in extra:
         lines.append(f"{name:<20}" + " " * 39 + _fmt_time(v).rjust(13) + f"{v / est.step_time:8.1%}")
     lines.append(f"{'step':<20}" + " " * 39 + _fmt_time(est.step_time).rjust(13))
@@ -195,6 +228,13 @@ def plot_sweep(name, results, path):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.plan:
+        try:
+            run_plan(args)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         spec, workload, parallel, hardware, options = setup_from_args(args)
         if args.sweep:

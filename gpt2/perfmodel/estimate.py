@@ -5,7 +5,7 @@ FLOPs at the efficiency its size reaches, or its bytes at the bandwidth its size
 reaches, whichever is slower.  A device runs its ops one after the other.  On top:
 tensor-parallel collectives per layer, expert all-to-all, pipeline point-to-point
 transfers and the bubble, the data-parallel gradient reduction (ZeRO/FSDP), and the
-tape's spill I/O.  Every term is zero when its feature is off.
+tape's byte-tape copies and spill I/O.  Every term is zero when its feature is off.
 """
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ class Estimate:
     tokens: int
     world_size: int
     peak_flops: float
+    tape_copy: float = 0.0        # copying saved activations onto the byte tape and back (budget set)
     details: dict = field(default_factory=dict)
 
     @property
@@ -55,7 +56,7 @@ class Estimate:
                 "compute": {f"{p}/{c}": v for (p, c), v in sorted(self.compute.items())},
                 "communication": dict(self.communication), "bubble": self.bubble,
                 "bubble_fraction": self.bubble_fraction, "optimizer": self.optimizer,
-                "spill_io": self.spill_io, "memory": self.memory.as_dict(), "model_flops": self.model_flops,
+                "spill_io": self.spill_io, "tape_copy": self.tape_copy, "memory": self.memory.as_dict(), "model_flops": self.model_flops,
                 "hardware_flops": self.hardware_flops, "mfu": self.mfu, "hfu": self.hfu,
                 "world_size": self.world_size}
 
@@ -152,6 +153,26 @@ def _data_parallel_time(spec, workload, parallel, hardware, stage):
     return total
 
 
+def tape_io_time(copied, spilled, spilled_in_forward, forward, backward, hardware, overlap=True):
+    """(copy seconds, exposed spill seconds) of the byte tape in one micro-batch.
+
+    ``copied`` bytes are pushed onto the byte tape and popped back (a read and a write
+    each way).  ``spilled`` bytes go to disk and come back; ``spilled_in_forward`` is the
+    share of the recorded bytes pushed after the budget filled.  The writes are behind
+    the pushes, so only the forward compute after the budget filled (``forward`` times
+    that share) can hide them; the reads are prefetched ahead of the pops, so the whole
+    ``backward`` (recomputation included) can hide them.  Without ``overlap`` both
+    transfers add to the step in full.
+    """
+    copy = 2 * hardware.memory_time(2 * copied)
+    if spilled <= 0:
+        return copy, 0.0
+    write, read = hardware.spill_times(spilled)
+    if not overlap:
+        return copy, write + read
+    return copy, max(0.0, write - forward * spilled_in_forward) + max(0.0, read - backward)
+
+
 def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
     """Predicted time and memory of one training step on ``hardware`` (one device's view)."""
     n_micro = workload.num_micro_batches(parallel)
@@ -190,17 +211,17 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
         dp_exposed = dp_time
 
     memory = memory_breakdown(spec, workload, parallel, hardware, options, stage, ops)
-    spill_io = 0.0
-    if memory.spilled > 0:
-        if not hardware.disk_bandwidth > 0:
-            raise ValueError(f"tape budget {parallel.tape_budget:.0f} B spills {memory.spilled:.0f} B but the "
-                             f"hardware profile {hardware.name!r} has no disk_bandwidth")
-        # Written during the forward, read back during the backward, per micro-batch.
-        spill_io = 2 * memory.spilled / hardware.disk_bandwidth * n_micro
-        if parallel.overlap_spill_io:
-            spill_io = max(0.0, spill_io - n_micro * micro)
+    tape_copy = spill_io = 0.0
+    if parallel.tape_budget >= 0:
+        stored = memory.activations_unbudgeted
+        forward = sum(v for (phase, _), v in compute.items() if phase == "fwd")
+        tape_copy, spill_io = tape_io_time(stored, memory.spilled, memory.spilled / stored if stored else 0.0,
+                                           forward, sum(compute.values()) - forward, hardware,
+                                           parallel.overlap_spill_io)
+    tape_copy *= n_micro
+    spill_io *= n_micro
 
-    step = busy + bubble + optimizer + dp_exposed + n_micro * p2p_time + spill_io
+    step = busy + bubble + optimizer + dp_exposed + n_micro * p2p_time + tape_copy + spill_io
     tokens = workload.global_batch * workload.seq_len
     # Hardware FLOPs are per device; every device of a stage does the same work, and the
     # stages' work adds up (approximately equal stages).
@@ -214,6 +235,6 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
         bubble=bubble, bubble_fraction=bubble_fraction, optimizer=optimizer, spill_io=spill_io,
         memory=memory, model_flops=model_flops_per_token(spec, workload.seq_len) * tokens,
         hardware_flops=hardware_flops, tokens=tokens, world_size=devices,
-        peak_flops=hardware.peak(workload.precision),
+        peak_flops=hardware.peak(workload.precision), tape_copy=tape_copy,
         details={"stage": stage, "micro_batches": n_micro, "micro_batch_time": micro,
                  "data_parallel_unhidden": dp_time})

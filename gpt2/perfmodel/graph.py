@@ -8,7 +8,8 @@ matmuls, and the tensors its forward saves for the backward pass.
 Two layouts of what is saved:
 - ``"adtape"``: what our kernels need (kernels_api.md): layernorm saves its input and
   mean/rstd, each matmul its input, fused attention saves qkv and the softmax
-  probabilities (B, n_head, T, T); no dropout; activations in the workload's precision.
+  probabilities (B, n_head, T, T), or with FlashAttention qkv, its output and each
+  row's log-sum-exp; no dropout; activations in the workload's precision.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
   1-byte dropout masks after softmax, attention projection and MLP; attention split
   into QK^T, softmax, dropout, AV); this reproduces 34sbh + 5as^2b per layer.
@@ -142,6 +143,10 @@ class _Builder:
             passes = -(-s // block)
             traffic = e * b * heads * s * d * (2 + 2 * passes) + e * out_elems
             saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.lse", 4.0 * b * heads * s))
+            if not self.megatron:
+                # Our kernel's backward reads the output too (D = rowsum(dO * O)); the
+                # projection after it saves the same array as its input.
+                saved += (Saved("attn.out", e * out_elems),)
             fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft, traffic, "", saved, 1, 2 * mm)
             bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft, 2.5 * traffic, gemm_flops=5 * mm)
             return [fwd], [bwd]
@@ -214,7 +219,9 @@ class _Builder:
 
     def embedding(self):
         C, N, e = self.spec.n_embd, self.N, self.e
-        fwd = Op("encoder", "embedding", "fwd", -1, N * C, 4 * N + e * 3 * N * C)
+        # Our encoder keeps the int32 token ids for its backward scatter.
+        saved = () if self.megatron else (Saved("encoder.ids", 4.0 * N),)
+        fwd = Op("encoder", "embedding", "fwd", -1, N * C, 4 * N + e * 3 * N * C, "", saved, len(saved))
         bwd = Op("encoder", "embedding", "bwd", -1, 2 * N * C, 4 * N + e * 5 * N * C)
         return fwd, [bwd]
 
@@ -227,6 +234,8 @@ class _Builder:
         # The loss keeps the log-sum-exp; logits stay alive for the backward (dlogits are
         # written in place over them).
         loss_saved = (Saved("loss.logits", e * N * Vp), Saved("loss.lse", 4.0 * N))
+        if not self.megatron:
+            loss_saved += (Saved("loss.targets", 4.0 * N),)      # int32 target ids
         loss = (Op("loss", "loss", "fwd", -1, SOFTMAX_FLOPS * N * Vp, e * N * Vp + 8 * N, "", loss_saved, 1),
                 [Op("loss", "loss", "bwd", -1, SOFTMAX_FLOPS * N * Vp, e * 2 * N * Vp + 8 * N)])
         return [lnf, logits, loss]

@@ -94,7 +94,8 @@ class HardwareProfile:
     memory_efficiency: EfficiencyCurve
     op_overhead: float = 0.0       # seconds per kernel call (launch, Python call, OpenMP fork)
     tape_overhead: float = 0.0     # seconds per tape record pushed and popped
-    disk_bandwidth: float = 0.0    # bytes/s to the tape's spill directory (write and read back)
+    disk_write_bandwidth: float = 0.0   # bytes/s of sequential writes to the tape's spill device
+    disk_read_bandwidth: float = 0.0    # bytes/s of sequential reads back from it
     threads: int = 0               # CPU: threads the figures were measured with (0: n/a)
     sram_bytes: float = 0.0        # on-chip memory per core/SM, for FlashAttention traffic
     baseline_rss: float = 0.0      # bytes the process holds before any model memory (CPU)
@@ -117,7 +118,8 @@ class HardwareProfile:
         for key in ("memory_bandwidth", "memory_capacity"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"profile {self.name!r}: {key} must be > 0, got {getattr(self, key)!r}")
-        for key in ("op_overhead", "tape_overhead", "disk_bandwidth", "sram_bytes", "baseline_rss"):
+        for key in ("op_overhead", "tape_overhead", "disk_write_bandwidth", "disk_read_bandwidth", "sram_bytes",
+                    "baseline_rss"):
             if getattr(self, key) < 0:
                 raise ValueError(f"profile {self.name!r}: {key} must be >= 0, got {getattr(self, key)!r}")
 
@@ -133,6 +135,15 @@ class HardwareProfile:
         if flops <= 0:
             return 0.0
         return flops / (self.peak(precision) * self.matmul_efficiency[variant](flops))
+
+    def spill_times(self, nbytes):
+        """(seconds to write, seconds to read back) ``nbytes`` of spilled tape to the spill device."""
+        if nbytes <= 0:
+            return 0.0, 0.0
+        if not (self.disk_write_bandwidth > 0 and self.disk_read_bandwidth > 0):
+            raise ValueError(f"profile {self.name!r} has no disk_write_bandwidth / disk_read_bandwidth: "
+                             f"measure them with python -m gpt2.perfmodel.calibrate --disk-only")
+        return nbytes / self.disk_write_bandwidth, nbytes / self.disk_read_bandwidth
 
     def memory_time(self, nbytes):
         """Seconds to stream ``nbytes`` through main memory, without the per-call overhead."""

@@ -1,0 +1,348 @@
+"""Memory planner: the fastest way the tape engine can train GPT-2 within a memory limit.
+
+``plan_memory(config, B, T, max_memory)`` lists the engine's memory policies -
+everything in memory; a tape budget, past which saved activations spill to disk and are
+prefetched back; per-layer checkpointing; binomial (Revolve) checkpointing with 1 to
+n_layer - 1 snapshots; each checkpointing policy under a tape budget - predicts the step
+time and the peak resident memory of each from this machine's profile, drops those over
+the limit and returns the fastest as a ``MemoryPlan``.
+
+Time is ``estimate``'s (the op graph on the calibrated roofline, recomputed blocks
+included), plus the byte tape's copies and the spill I/O that compute does not hide.
+Memory is counted the way the engine holds it:
+- model states: parameters, gradients and both AdamW moments, four float32 arenas;
+- saved activations, from the op graph: without a budget they are held by reference (an
+  array two ops save counts once); with one they are copies on the byte tape, of which
+  at most the budget, plus the slabs the tape keeps above it, stays resident;
+  checkpointing keeps only block inputs (one per block, or Revolve's snapshots);
+- the working set: the logits' gradient (written over a popped copy of the logits), or
+  one block's gradient buffers plus the activations its backward reads (one op's, popped
+  off the byte tape, or the whole block's, recomputed);
+- the allocator's slack: under checkpointing, the heap a re-run block's arrays leave;
+- the process baseline (interpreter, libraries, thread pools) from the profile.
+"""
+import math
+import os
+from dataclasses import dataclass, field
+
+from .estimate import estimate, tape_io_time
+from .graph import step_graph
+from .hardware import HardwareProfile, load_profile
+from .memory import saved_by_layer
+from .spec import ModelSpec, ParallelConfig, Workload
+
+FLOAT_BYTES = 4
+MODEL_STATE_ARENAS = 4          # parameters, gradients, AdamW m and v
+# The byte tape may hold more than its budget: the head slab being filled, one spare
+# slab kept for the next head (slabs are at most 2 MiB) and a spill unit (1 MiB) in
+# flight to or from the disk.
+TAPE_SLACK_BYTES = 2 * (2 << 20) + (1 << 20)
+# The smallest tape budget considered: one spill unit.
+MIN_TAPE_BUDGET = 1 << 20
+HUGE_BYTES = 1 << 62
+# glibc's M_MMAP_THRESHOLD as kernels._openmp.set_malloc_retention sets it.
+MMAP_THRESHOLD_BYTES = 256 << 20
+# Tape budgets listed beside the largest one that fits: these shares of the activations.
+BUDGET_SHARES = (2, 4, 8)
+# Saved arrays that are another op's saved array too (held once by reference).
+ALIASES = ("attn.out",)         # FlashAttention's output is the projection's input
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One policy with its predicted step time and peak memory (``rejected``: why it was not chosen)."""
+    policy: str
+    checkpointing: str              # "none", "layer" or "binomial"
+    snapshots: int                  # binomial: stored block inputs besides the first (0 otherwise)
+    tape_budget: object             # bytes of saved activations kept in RAM, or None (no budget)
+    predicted_ms: float
+    predicted_peak_bytes: int
+    memory: dict                    # component -> bytes
+    time: dict                      # component -> ms
+    rejected: str = ""
+
+    @property
+    def fits(self):
+        return not self.rejected
+
+
+@dataclass
+class MemoryPlan:
+    """The chosen policy, how to run it, and every candidate that was weighed."""
+    policy: str
+    tape_budget: object             # bytes, or None
+    checkpointing: str
+    snapshots: int
+    predicted_ms: float
+    predicted_peak_bytes: int
+    max_memory: int
+    spill_dir: object
+    candidates: list
+    notes: list = field(default_factory=list)
+
+    def describe(self):
+        """One line: which policy, its predicted step time and peak against the limit."""
+        return (f"chose {self.policy}: predicted {self.predicted_ms:.0f} ms/step, peak "
+                f"{format_size(self.predicted_peak_bytes)} of {format_size(self.max_memory)}")
+
+    def engine_kwargs(self):
+        """Keyword arguments of ``GPT2(config, engine="tape", **kwargs)`` that run this plan."""
+        tape_kwargs = {}
+        if self.tape_budget is not None:
+            tape_kwargs["memory_budget"] = self.tape_budget
+            if self.spill_dir is not None:
+                tape_kwargs["spill_dir"] = self.spill_dir
+        return {"tape_kwargs": tape_kwargs, "checkpointing": self.checkpointing, "snapshots": self.snapshots}
+
+    def compare(self, measured_ms, measured_peak_bytes):
+        """One line: measured step time and peak RSS against the prediction."""
+        return (f"measured {measured_ms:.0f} ms/step ({measured_ms / self.predicted_ms - 1:+.1%} vs predicted "
+                f"{self.predicted_ms:.0f}), peak RSS {format_size(measured_peak_bytes)} "
+                f"({measured_peak_bytes / self.predicted_peak_bytes - 1:+.1%} vs predicted "
+                f"{format_size(self.predicted_peak_bytes)})")
+
+    def table(self):
+        """Every candidate, fastest first, with its predicted time, peak and verdict."""
+        lines = [f"{'policy':<52}{'ms/step':>10}{'peak':>12}{'spilled':>12}  verdict"]
+        for c in sorted(self.candidates, key=lambda c: (c.predicted_ms, c.predicted_peak_bytes)):
+            chosen = (c.policy == self.policy and c.tape_budget == self.tape_budget)
+            verdict = "CHOSEN" if chosen else (c.rejected or "fits, slower")
+            lines.append(f"{c.policy:<52}{c.predicted_ms:>10.1f}{format_size(c.predicted_peak_bytes):>12}"
+                         f"{format_size(c.memory['spilled']):>12}  {verdict}")
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append(self.describe())
+        return "\n".join(lines)
+
+
+def format_size(n):
+    """Bytes as a short human-readable figure (binary units)."""
+    n = float(n)
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+class _Accounting:
+    """The engine's bytes at one (B, T): saved activations per block and outside, working sets."""
+
+    def __init__(self, spec, B, T, flash):
+        ops = step_graph(spec, Workload(B, T), ParallelConfig(flash_attention=flash))
+        by_layer = saved_by_layer(ops)
+        head = by_layer.pop(-1, {})
+        block = by_layer[0]
+        e, N, C = FLOAT_BYTES, B * T, spec.n_embd
+        self.n_layer = spec.n_layer
+        self.spec = spec
+        self.head_saved = sum(head.values())                       # lnf input, lm_head input, logits, lse
+        self.block_saved = sum(block.values())                     # copies on the byte tape
+        self.block_referenced = self.block_saved - sum(v for k, v in block.items() if k in ALIASES)
+        self.block_input = e * N * C
+        # Popped off the byte tape one op at a time: the largest op's residuals.
+        ops_saved = [op.saved_bytes for op in ops if op.phase == "fwd" and op.layer == 0]
+        self.largest_op_saved = max(ops_saved)
+        # glibc serves arrays under its mmap threshold from the heap and (with the engine's
+        # malloc retention) keeps what they free: a block's transient arrays leave the heap
+        # that much above the live bytes.  Larger arrays are mapped and unmapped.
+        self.block_heap = sum(v for v in block.values() if v < MMAP_THRESHOLD_BYTES)
+        # The logits' gradient is written over the logits popped off the tape (a fresh
+        # array when they were held by reference), and the lm_head input's gradient.
+        self.head_working = e * N * (spec.padded_vocab + C)
+        # One block's backward at its fullest: the residual gradient coming in and the two
+        # it splits into, with the MLP's two hidden-width gradients (gelu and fc outputs).
+        F = spec.ffn_hidden
+        self.block_gradients = e * N * (3 * C + max(2 * F, 3 * C + C))
+        self.model_states = MODEL_STATE_ARENAS * FLOAT_BYTES * spec.num_parameters()
+
+    def stored(self, checkpointing, snapshots, by_reference):
+        """Saved activation bytes at the end of the forward pass."""
+        if checkpointing == "none":
+            per_block = self.block_referenced if by_reference else self.block_saved
+            return self.head_saved + self.n_layer * per_block
+        if checkpointing == "layer":
+            return self.head_saved + self.n_layer * self.block_input
+        # Revolve holds the loop's input and at most ``snapshots`` states at any time.
+        return self.head_saved + (1 + min(snapshots, self.n_layer - 1)) * self.block_input
+
+    def rerun(self, checkpointing):
+        """Bytes a re-run block records onto the tape during the backward pass."""
+        return 0.0 if checkpointing == "none" else self.block_saved
+
+    def working(self, checkpointing, by_reference):
+        """Bytes live beside the stored activations at the backward pass's fullest moment."""
+        block = self.block_gradients
+        if checkpointing != "none":
+            block += self.block_saved           # the block being reversed, re-run
+        elif not by_reference:
+            block += self.largest_op_saved      # the op being reversed, popped
+        return max(self.head_working, block)
+
+    def heap_slack(self, checkpointing):
+        """Freed heap the allocator keeps above the live bytes: a re-run block's arrays.
+        (Copies onto the byte tape free their originals in step with the next op's
+        allocations, which reuse the space: measured, no slack.)"""
+        return 0.0 if checkpointing == "none" else self.block_heap
+
+
+def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=None, threads=None, flash=False):
+    """The fastest policy that trains ``config`` at (B, T) within ``max_memory`` bytes of RSS.
+
+    ``hardware``: a profile name, path or ``HardwareProfile`` (its disk rates should be
+    the spill directory's: ``python -m gpt2.perfmodel.calibrate --disk-only --spill-dir
+    DIR``); ``threads``: the threads training will use (the profile's compute rates are
+    scaled from the threads they were measured with); ``flash``: the model's attention
+    keeps O(T) per row (FlashAttention) instead of the T x T probabilities.  Raises
+    ValueError naming the least memory needed when no policy fits.
+    """
+    if not isinstance(max_memory, (int, float)) or isinstance(max_memory, bool) or not max_memory > 0:
+        raise ValueError(f"max_memory must be a positive number of bytes, got {max_memory!r}")
+    for name, value in (("B", B), ("T", T)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if T > config.block_size:
+        raise ValueError(f"T={T} exceeds the model's block_size {config.block_size}")
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    notes = []
+    if threads is not None and profile.threads and threads != profile.threads:
+        scale = threads / profile.threads
+        profile = profile.with_changes(peak_flops={k: v * scale for k, v in profile.peak_flops.items()})
+        notes.append(f"compute rates scaled from the profile's {profile.threads} threads to {threads}")
+    notes += _spill_dir_notes(profile, spill_dir)
+    spec = ModelSpec.from_config(config)
+    acc = _Accounting(spec, B, T, flash)
+    fixed = acc.model_states + profile.baseline_rss
+    if fixed > max_memory:
+        raise ValueError(
+            f"max_memory {format_size(max_memory)} cannot be met: parameters, gradients and AdamW moments "
+            f"take {format_size(acc.model_states)} and the process baseline {format_size(profile.baseline_rss)}, "
+            f"so at least {format_size(fixed)} ({int(fixed)} bytes) is needed before any activation")
+
+    candidates = []
+    policies = _policies(spec)
+    for checkpointing, snapshots in policies:
+        compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile)
+        candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, None, max_memory))
+        # The tape's peak holds the stored activations plus, under checkpointing, one re-run block.
+        tape_peak = acc.stored(checkpointing, snapshots, by_reference=False) + acc.rerun(checkpointing)
+        headroom = max_memory - fixed - acc.working(checkpointing, False) - TAPE_SLACK_BYTES
+        # Spilling less is never slower: the largest budget that fits is the one to weigh;
+        # without checkpointing, fixed shares of the activations are listed beside it.
+        budgets = {int(tape_peak) // share for share in BUDGET_SHARES} if checkpointing == "none" else set()
+        if acc.rerun(checkpointing) <= headroom < tape_peak:
+            budgets.add(int(headroom) >> 20 << 20)
+        for budget in sorted(budgets, reverse=True):
+            if budget > 0:
+                candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory))
+
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        least = _least_memory(acc, profile, B, T, flash, policies, max_memory)
+        raise ValueError(
+            f"max_memory {format_size(max_memory)} cannot be met: the policy needing the least memory, "
+            f"{least.policy}, peaks at {format_size(least.predicted_peak_bytes)} "
+            f"({least.predicted_peak_bytes} bytes); that is the required minimum at B={B}, T={T}")
+    best = min(fitting, key=lambda c: (c.predicted_ms, c.predicted_peak_bytes))
+    return MemoryPlan(best.policy, best.tape_budget, best.checkpointing, best.snapshots, best.predicted_ms,
+                      best.predicted_peak_bytes, int(max_memory), spill_dir, candidates, notes)
+
+
+def _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile):
+    """The step's compute (recomputation included) and optimizer time, without a tape budget."""
+    recompute = {"none": "none", "layer": "per_layer", "binomial": "binomial"}[checkpointing]
+    return estimate(spec, Workload(B, T), ParallelConfig(recompute=recompute, checkpoints=snapshots,
+                                                         flash_attention=flash), profile)
+
+
+def _least_memory(acc, profile, B, T, flash, policies, max_memory):
+    """The candidate with the least predicted peak: each policy without a budget and under the
+    smallest budget it can run with (a spill unit without checkpointing, one re-run block's
+    activations with it)."""
+    least = []
+    for checkpointing, snapshots in policies:
+        compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile)
+        for budget in (None, int(acc.rerun(checkpointing)) or MIN_TAPE_BUDGET):
+            least.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory))
+    return min(least, key=lambda c: c.predicted_peak_bytes)
+
+
+def minimum_memory(config, B, T, hardware="this-machine", flash=False):
+    """The least ``max_memory`` (bytes) any policy can train ``config`` at (B, T) within."""
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    spec = ModelSpec.from_config(config)
+    least = _least_memory(_Accounting(spec, B, T, flash), profile, B, T, flash, _policies(spec), HUGE_BYTES)
+    return least.predicted_peak_bytes
+
+
+def _policies(spec):
+    """(checkpointing, snapshots) of every policy: none, per layer, binomial with 1 to n_layer - 1
+    snapshots (n_layer - 1 already stores every block input)."""
+    return [("none", 0), ("layer", 0)] + [("binomial", s) for s in range(1, spec.n_layer)]
+
+
+def _policy_name(checkpointing, snapshots, budget):
+    name = {"none": "in-memory" if budget is None else "",
+            "layer": "layer checkpointing",
+            "binomial": f"binomial checkpointing ({snapshots} snapshot{'s' if snapshots > 1 else ''})"}[checkpointing]
+    if budget is None:
+        return name
+    tape = f"{format_size(budget)} tape budget"
+    return f"{name} + {tape}" if name else tape
+
+
+def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory):
+    """Predicted time and peak of one policy; ``compute`` is its estimate without a tape budget."""
+    by_reference = budget is None
+    stored = acc.stored(checkpointing, snapshots, by_reference)
+    working = acc.working(checkpointing, by_reference)
+    forward = sum(v for (phase, _), v in compute.compute.items() if phase == "fwd")
+    backward = sum(compute.compute.values()) - forward
+    rejected = ""
+    copy_s = spill_s = 0.0
+    spilled = 0.0
+    if by_reference:
+        resident, slack = stored, 0.0
+    else:
+        # A re-run block records onto the same byte tape, above the stored inputs: it
+        # shares the budget with them.
+        rerun = acc.rerun(checkpointing)
+        spilled = max(0.0, stored + rerun - budget)
+        resident, slack = min(stored + rerun, budget), TAPE_SLACK_BYTES
+        if rerun and budget < rerun:
+            rejected = f"budget below one re-run block's activations ({format_size(rerun)})"
+        # Pushed and popped: the stored activations and every re-run block's; the spill
+        # file is written and read through the page cache, one more copy each way.
+        copied = stored + acc.n_layer * rerun + spilled
+        in_forward = max(0.0, stored - budget) / stored if stored else 0.0
+        copy_s, spill_s = tape_io_time(copied, spilled, in_forward, forward, backward, profile)
+    memory = {"model states": acc.model_states, "activations": resident, "working set": working,
+              "tape slack": slack, "heap slack": acc.heap_slack(checkpointing),
+              "baseline": profile.baseline_rss, "spilled": spilled}
+    peak = int(math.ceil(sum(v for k, v in memory.items() if k != "spilled")))
+    if not rejected and peak > max_memory:
+        rejected = f"over the limit by {format_size(peak - max_memory)}"
+    recompute = sum(v for (phase, _), v in compute.compute.items() if phase == "recompute")
+    time = {"compute": (compute.step_time - compute.optimizer - recompute) * 1e3, "recompute": recompute * 1e3,
+            "optimizer": compute.optimizer * 1e3, "tape copies": copy_s * 1e3, "spill I/O exposed": spill_s * 1e3}
+    return Candidate(_policy_name(checkpointing, snapshots, budget), checkpointing, snapshots, budget,
+                     sum(time.values()), peak, memory, time, rejected)
+
+
+def _spill_dir_notes(profile, spill_dir):
+    """A note when the profile's disk rates were measured on another device than ``spill_dir``."""
+    measured = profile.calibration.get("spill_dir")
+    if not measured:
+        return [f"profile {profile.name!r} does not say where its disk rates were measured"]
+    target = spill_dir or _default_spill_dir()
+    try:
+        same = os.stat(measured).st_dev == os.stat(target).st_dev
+    except OSError:
+        same = False
+    if same:
+        return []
+    return [f"disk rates were measured in {measured}, not on {target}'s device: run python -m "
+            f"gpt2.perfmodel.calibrate --disk-only --spill-dir {target}"]
+
+
+def _default_spill_dir():
+    import tempfile
+    return tempfile.gettempdir()

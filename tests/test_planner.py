@@ -1,0 +1,189 @@
+"""The memory planner: its choice respects the limit, an impossible limit fails at once with
+the minimum, its byte counts are the engine's, and training under its plan stays within
+the predicted peak with the in-memory run's losses."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import adtape
+import gpt2
+from gpt2.config import GPT2Config
+from gpt2.model import GPT2
+from gpt2.params import num_parameters
+from gpt2.perfmodel import cli, load_profile
+from gpt2.perfmodel.calibrate import measure_baseline_rss, measure_disk
+from gpt2.perfmodel.plan import minimum_memory, plan_memory
+
+TINY = GPT2Config.preset("tiny")
+GPT2_124M = GPT2Config.preset("gpt2")
+HUGE = 1 << 50
+
+
+@pytest.fixture(scope="module")
+def profile():
+    """This machine's profile with the baseline RSS measured now, as calibrate measures it."""
+    return load_profile("this-machine").with_changes(baseline_rss=measure_baseline_rss())
+
+
+def test_generous_limit_chooses_in_memory(profile):
+    for config, B, T in ((TINY, 4, 64), (GPT2_124M, 4, 256)):
+        plan = plan_memory(config, B, T, HUGE, hardware=profile)
+        assert plan.policy == "in-memory" and plan.tape_budget is None and plan.checkpointing == "none"
+        assert plan.engine_kwargs() == {"tape_kwargs": {}, "checkpointing": "none", "snapshots": 0}
+        assert "chose in-memory" in plan.describe()
+
+
+@pytest.mark.parametrize("limit_gib", [3.6, 4, 5, 6, 8, 12, 16])
+def test_chosen_plan_respects_the_limit(profile, limit_gib):
+    limit = int(limit_gib * (1 << 30))
+    plan = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile)
+    assert plan.predicted_peak_bytes <= limit
+    fitting = [c for c in plan.candidates if c.fits]
+    assert all(c.predicted_peak_bytes <= limit for c in fitting)
+    assert plan.predicted_ms == min(c.predicted_ms for c in fitting)
+    assert all(c.predicted_peak_bytes > limit or c.rejected.startswith("budget below")
+               for c in plan.candidates if not c.fits)
+    kwargs = plan.engine_kwargs()
+    assert kwargs["checkpointing"] == plan.checkpointing
+    assert kwargs["tape_kwargs"].get("memory_budget") == plan.tape_budget
+
+
+def test_less_memory_is_never_faster(profile):
+    for config, B, T in ((GPT2_124M, 8, 1024), (GPT2_124M, 4, 256), (TINY, 32, 64)):
+        need = plan_memory(config, B, T, HUGE, hardware=profile).predicted_peak_bytes
+        times = []
+        for share in np.linspace(0.3, 1.2, 19):
+            try:
+                times.append(plan_memory(config, B, T, int(need * share), hardware=profile).predicted_ms)
+            except ValueError:
+                assert not times, "a larger limit failed after a smaller one fitted"
+        assert len(times) > 5
+        assert all(a >= b for a, b in zip(times, times[1:])), times
+
+
+def test_impossible_limit_names_the_minimum(profile):
+    states = 16 * num_parameters(GPT2_124M)
+    fixed = states + profile.baseline_rss
+    with pytest.raises(ValueError, match=f"at least .* \\({int(fixed)} bytes\\)") as info:
+        plan_memory(GPT2_124M, 8, 1024, int(fixed) - 1, hardware=profile)
+    assert "parameters, gradients and AdamW moments" in str(info.value)
+    # Above the model states but below what any policy's activations need.
+    with pytest.raises(ValueError, match="required minimum") as info:
+        plan_memory(GPT2_124M, 8, 1024, int(fixed) + (1 << 20), hardware=profile)
+    minimum = minimum_memory(GPT2_124M, 8, 1024, hardware=profile)
+    assert f"({minimum} bytes); that is the required minimum" in str(info.value) and minimum > fixed
+    plan = plan_memory(GPT2_124M, 8, 1024, minimum, hardware=profile)
+    assert plan.predicted_peak_bytes <= minimum
+    with pytest.raises(ValueError, match="max_memory"):
+        plan_memory(TINY, 4, 64, -5, hardware=profile)
+
+
+def test_in_memory_prediction_counts_the_engines_bytes(profile):
+    B, T = 4, 64
+    plan = plan_memory(TINY, B, T, HUGE, hardware=profile)
+    chosen = next(c for c in plan.candidates if c.policy == "in-memory")
+    # The model states are the four arenas of gpt2.params' layout, exactly.
+    assert chosen.memory["model states"] == 4 * 4 * num_parameters(TINY)
+    # The stored activations are what the engine's forward pass saved, exactly.
+    model = GPT2(TINY, seed=0)
+    ids = np.random.default_rng(0).integers(0, TINY.vocab_size, (B, T)).astype(np.int32)
+    model.loss_and_grad(ids, ids)
+    assert chosen.memory["activations"] == model._tape_engine.last_forward_bytes
+    model.close()
+    live = sum(v for k, v in chosen.memory.items() if k not in ("spilled", "baseline"))
+    assert chosen.predicted_peak_bytes == pytest.approx(live + profile.baseline_rss, abs=1)
+    # The working set is bounded: at most the stored activations again (here: the logits'
+    # gradient or one block's gradients).
+    assert chosen.memory["working set"] <= chosen.memory["activations"]
+
+
+def test_flash_layout_keeps_no_quadratic_activations(profile):
+    plain = plan_memory(GPT2_124M, 8, 1024, HUGE, hardware=profile)
+    flash = plan_memory(GPT2_124M, 8, 1024, HUGE, hardware=profile, flash=True)
+    act = lambda plan: next(c for c in plan.candidates if c.policy == "in-memory").memory["activations"]  # noqa: E731
+    probs = 4 * 8 * 12 * 1024 * 1024 * 12      # (B, NH, T, T) float32 per layer
+    lse = 4 * 8 * 12 * 1024 * 12               # (B, NH, T) float32 per layer
+    assert act(plain) - act(flash) == probs - lse
+
+
+RUN = """
+import json, sys, threading, time
+import numpy as np, psutil
+from gpt2.config import GPT2Config
+from gpt2.model import GPT2
+kwargs = json.loads(sys.argv[1])
+B, T, steps = 32, 64, 3
+config = GPT2Config.preset("tiny")
+proc = psutil.Process()
+peak = proc.memory_info().rss
+done = threading.Event()
+def sample():
+    global peak
+    while not done.is_set():
+        peak = max(peak, proc.memory_info().rss)
+        time.sleep(0.0005)
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+model = GPT2(config, seed=0, engine="tape", **kwargs)
+rng = np.random.default_rng(0)
+x = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+y = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+losses, times = [], []
+for _ in range(steps):
+    t0 = time.perf_counter()
+    losses.append(model.train_step(x, y, lr=1e-3, weight_decay=0.1)[0])
+    times.append(time.perf_counter() - t0)
+done.set()
+sampler.join()
+peak = max(peak, proc.memory_info().rss)
+print(json.dumps({"losses": [float(l).hex() for l in losses], "peak": peak, "ms": 1e3 * min(times)}))
+"""
+
+
+def _train(kwargs, cwd):
+    roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(roots))
+    out = subprocess.run([sys.executable, "-c", RUN, json.dumps(kwargs)], capture_output=True, text=True,
+                         env=env, cwd=cwd, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_training_under_the_plan_stays_within_its_peak(profile, tmp_path):
+    B, T = 32, 64
+    free = plan_memory(TINY, B, T, HUGE, hardware=profile)
+    least = minimum_memory(TINY, B, T, hardware=profile)
+    # Far below the in-memory need: a quarter of the way up from the least any policy needs.
+    limit = int(least + (free.predicted_peak_bytes - least) / 4)
+    plan = plan_memory(TINY, B, T, limit, hardware=profile, spill_dir=str(tmp_path))
+    assert plan.policy != "in-memory" and plan.predicted_peak_bytes <= limit
+    kwargs = plan.engine_kwargs()
+    if plan.tape_budget is not None:
+        assert kwargs["tape_kwargs"] == {"memory_budget": plan.tape_budget, "spill_dir": str(tmp_path)}
+    planned = _train(kwargs, tmp_path)
+    reference = _train(free.engine_kwargs(), tmp_path)
+    assert planned["losses"] == reference["losses"]
+    assert planned["peak"] <= plan.predicted_peak_bytes, (plan.table(), planned)
+    assert "measured" in plan.compare(planned["ms"], planned["peak"])
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_prints_the_plan_and_errors_in_one_line(capsys):
+    args = ["--plan", "--max-memory", "8G", "--model", "gpt2", "--batch", "8", "--seq", "1024"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "CHOSEN" in out and "in-memory" in out and "layer checkpointing" in out and "chose " in out
+    assert cli.main(args[:2] + ["1G"] + args[3:]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: max_memory 1.0 GiB cannot be met") and err.count("\n") == 1
+
+
+def test_disk_probe_measures_both_directions_and_leaves_nothing(tmp_path):
+    write, read, method = measure_disk(str(tmp_path), 16 << 20, chunk=1 << 20)
+    assert write > 0 and read > 0
+    assert method in ("O_DIRECT", "fsync + fadvise(DONTNEED)")
+    assert os.listdir(tmp_path) == []
