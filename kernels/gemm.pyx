@@ -421,6 +421,17 @@ cdef bint gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_
     cdef int nt = n_threads
     cdef int missed = 0
     cdef int* missed_p = &missed            # shared by the threads (set, never read)
+    cdef Py_ssize_t i, j
+    if M == 0 or N == 0:
+        return a_sums == NULL                     # the caller sums op(A) if it asked
+    if K == 0:
+        # An empty product: C = beta C (+ bias), here, so that no path below (the
+        # skinny kernels leave C as it was) need handle it.  op(A)'s row sums are 0.
+        for i in range(M):
+            for j in range(N):
+                C[i * ldc + j] = ((0.0 if beta == 0.0 else beta * C[i * ldc + j])
+                                  + (0.0 if bias == NULL else bias[j]))
+        return True
     if M * N * K < PARALLEL_MIN_FLOPS or extent < 2 * MIN_BLOCK:
         nt = 1
     if nt > extent // MIN_BLOCK:

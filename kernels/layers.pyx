@@ -446,7 +446,8 @@ cdef inline void _accumulate(float* acc, const float* x, Py_ssize_t n) noexcept 
 
 
 cdef inline Py_ssize_t _slice_width(Py_ssize_t C, int n_slices) noexcept nogil:
-    cdef Py_ssize_t w = (C + n_slices - 1) // n_slices
+    # Never 0, which the slice count divides by (C = 0 gives no slices).
+    cdef Py_ssize_t w = max((C + n_slices - 1) // n_slices, <Py_ssize_t>1)
     return (w + LINE_FLOATS - 1) // LINE_FLOATS * LINE_FLOATS
 
 

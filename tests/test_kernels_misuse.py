@@ -1,0 +1,380 @@
+"""Kernels misused through their Python entry points: zero sizes, absurd thread counts,
+read-only outputs and outputs that overlap inputs or each other.  Each either does the
+right thing or raises ValueError naming the argument; none may crash, write where it
+was not asked to, or return a wrong result.
+
+Cases that used to crash the interpreter (SIGFPE at C=0, SIGSEGV or libgomp's exit for
+65536 threads) run in child processes: one child runs a batch of cases and reports each
+as it finishes, so a crash fails its own case, and the batch goes on in a new child.
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kernels import _openmp, gemm, layers, loss, matmul, optim, threads
+
+# --------------------------------------------------------------------------- kernels
+
+F32 = np.float32
+
+
+def _rand(rng, shape, dtype=F32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _ln_stats(x):
+    mean = x.mean(-1)
+    rstd = 1.0 / np.sqrt(x.var(-1) + 1e-5)
+    return mean.astype(x.dtype), rstd.astype(x.dtype)
+
+
+# Every kernel: its sizes (with the default each takes), its outputs' names, and
+# build(rng, sizes, dtype) -> (outputs dict, inputs dict, call(fn, outputs, inputs, **kw)).
+# The default sizes are small but not tiny, so that an aliasing bug shows.
+
+def _encoder_forward(rng, s, dt):
+    B, T, C, Vp, maxT = s["B"], s["T"], s["C"], s["Vp"], s["maxT"]
+    ins = dict(ids=rng.integers(0, max(Vp, 1), (B, T)).astype(np.int32),
+               wte=_rand(rng, (Vp, C), dt), wpe=_rand(rng, (maxT, C), dt))
+    outs = dict(out=_rand(rng, (B, T, C), dt))
+    return outs, ins, lambda f, o, i, **kw: f(o["out"], i["ids"], i["wte"], i["wpe"], **kw)
+
+
+def _encoder_backward(rng, s, dt):
+    B, T, C, Vp, maxT = s["B"], s["T"], s["C"], s["Vp"], s["maxT"]
+    ins = dict(dout=_rand(rng, (B, T, C), dt),
+               ids=rng.integers(0, max(Vp, 1), (B, T)).astype(np.int32))
+    outs = dict(dwte=_rand(rng, (Vp, C), dt), dwpe=_rand(rng, (maxT, C), dt))
+    return outs, ins, lambda f, o, i, **kw: f(o["dwte"], o["dwpe"], i["dout"], i["ids"], **kw)
+
+
+def _layernorm_forward(rng, s, dt):
+    B, T, C = s["B"], s["T"], s["C"]
+    ins = dict(inp=_rand(rng, (B, T, C), dt), weight=_rand(rng, C, dt), bias=_rand(rng, C, dt))
+    outs = dict(out=_rand(rng, (B, T, C), dt), mean=_rand(rng, (B, T), dt),
+                rstd=_rand(rng, (B, T), dt))
+    return outs, ins, lambda f, o, i, **kw: f(o["out"], o["mean"], o["rstd"], i["inp"],
+                                              i["weight"], i["bias"], **kw)
+
+
+def _layernorm_backward(rng, s, dt):
+    B, T, C = s["B"], s["T"], s["C"]
+    inp = _rand(rng, (B, T, C), dt)
+    mean, rstd = _ln_stats(inp)
+    ins = dict(dout=_rand(rng, (B, T, C), dt), inp=inp, weight=_rand(rng, C, dt),
+               mean=mean, rstd=rstd)
+    outs = dict(dinp=_rand(rng, (B, T, C), dt), dweight=_rand(rng, C, dt),
+                dbias=_rand(rng, C, dt))
+    return outs, ins, lambda f, o, i, **kw: f(o["dinp"], o["dweight"], o["dbias"], i["dout"],
+                                              i["inp"], i["weight"], i["mean"], i["rstd"], **kw)
+
+
+def _gelu_forward(rng, s, dt):
+    shape = (s["B"], s["T"], s["C"])
+    return (dict(out=_rand(rng, shape, dt)), dict(inp=_rand(rng, shape, dt)),
+            lambda f, o, i, **kw: f(o["out"], i["inp"], **kw))
+
+
+def _gelu_backward(rng, s, dt):
+    shape = (s["B"], s["T"], s["C"])
+    return (dict(dinp=_rand(rng, shape, dt)),
+            dict(inp=_rand(rng, shape, dt), dout=_rand(rng, shape, dt)),
+            lambda f, o, i, **kw: f(o["dinp"], i["inp"], i["dout"], **kw))
+
+
+def _residual_forward(rng, s, dt):
+    shape = (s["B"], s["T"], s["C"])
+    return (dict(out=_rand(rng, shape, dt)),
+            dict(inp1=_rand(rng, shape, dt), inp2=_rand(rng, shape, dt)),
+            lambda f, o, i, **kw: f(o["out"], i["inp1"], i["inp2"], **kw))
+
+
+def _residual_backward(rng, s, dt):
+    shape = (s["B"], s["T"], s["C"])
+    return (dict(dinp1=_rand(rng, shape, dt), dinp2=_rand(rng, shape, dt)),
+            dict(dout=_rand(rng, shape, dt)),
+            lambda f, o, i, **kw: f(o["dinp1"], o["dinp2"], i["dout"], **kw))
+
+
+def _matmul_forward(rng, s, dt):
+    B, T, C, OC = s["B"], s["T"], s["C"], s["OC"]
+    ins = dict(inp=_rand(rng, (B, T, C), dt), weight=_rand(rng, (OC, C), dt),
+               bias=_rand(rng, OC, dt))
+    outs = dict(out=_rand(rng, (B, T, OC), dt))
+    return outs, ins, lambda f, o, i, **kw: f(o["out"], i["inp"], i["weight"], i["bias"], **kw)
+
+
+def _matmul_backward(rng, s, dt):
+    B, T, C, OC = s["B"], s["T"], s["C"], s["OC"]
+    ins = dict(dout=_rand(rng, (B, T, OC), dt), inp=_rand(rng, (B, T, C), dt),
+               weight=_rand(rng, (OC, C), dt))
+    outs = dict(dinp=_rand(rng, (B, T, C), dt), dweight=_rand(rng, (OC, C), dt),
+                dbias=_rand(rng, OC, dt))
+    return outs, ins, lambda f, o, i, **kw: f(o["dinp"], o["dweight"], o["dbias"], i["dout"],
+                                              i["inp"], i["weight"], **kw)
+
+
+def _gemm(rng, s, dt):
+    M, N, K = s["M"], s["N"], s["K"]
+    ins = dict(a=_rand(rng, (K, M), dt), b=_rand(rng, (K, N), dt), bias=_rand(rng, N, dt))
+    outs = dict(c=_rand(rng, (M, N), dt))
+    return outs, ins, lambda f, o, i, **kw: f(o["c"], i["a"], i["b"], i["bias"], trans_a=True,
+                                              beta=0.5, **kw)
+
+
+def _ce_inputs(rng, s, dt):
+    B, T, V, Vp = s["B"], s["T"], s["V"], s["Vp"]
+    logits = _rand(rng, (B, T, Vp), dt)
+    targets = rng.integers(0, max(V, 1), (B, T)).astype(np.int32)
+    m = logits[..., :V].max(-1, initial=0) if V else np.zeros((B, T), dt)
+    lse = (m + np.log(np.exp(logits[..., :V] - m[..., None]).sum(-1))).astype(dt)
+    return logits, targets, lse
+
+
+def _ce_forward(rng, s, dt):
+    logits, targets, _ = _ce_inputs(rng, s, dt)
+    lead = logits.shape[:-1]
+    return (dict(losses=_rand(rng, lead, dt), lse=_rand(rng, lead, dt)),
+            dict(logits=logits, targets=targets),
+            lambda f, o, i, **kw: f(o["losses"], o["lse"], i["logits"], i["targets"], s["V"],
+                                    **kw))
+
+
+def _ce_backward(rng, s, dt):
+    logits, targets, lse = _ce_inputs(rng, s, dt)
+    return (dict(dlogits=_rand(rng, logits.shape, dt)),
+            dict(dlosses=_rand(rng, logits.shape[:-1], dt), logits=logits, lse=lse,
+                 targets=targets),
+            lambda f, o, i, **kw: f(o["dlogits"], i["dlosses"], i["logits"], i["lse"],
+                                    i["targets"], s["V"], **kw))
+
+
+def _adamw(rng, s, dt):
+    n = s["n"]
+    return (dict(params=_rand(rng, n, dt), m=_rand(rng, n, dt),
+                 v=np.abs(_rand(rng, n, dt))),
+            dict(grads=_rand(rng, n, dt)),
+            lambda f, o, i, **kw: f(o["params"], i["grads"], o["m"], o["v"], 3, 1e-3,
+                                    weight_decay=0.1, **kw))
+
+
+def _zero_grad(rng, s, dt):
+    return (dict(grads=_rand(rng, s["n"], dt)), {}, lambda f, o, i, **kw: f(o["grads"], **kw))
+
+
+def _grad_norm(rng, s, dt):
+    return ({}, dict(grads=_rand(rng, s["n"], dt)), lambda f, o, i, **kw: f(i["grads"], **kw))
+
+
+def _clip_grad_norm(rng, s, dt):
+    return (dict(grads=_rand(rng, s["n"], dt)), {},
+            lambda f, o, i, **kw: f(o["grads"], 0.5, **kw))
+
+
+BTC = dict(B=2, T=3, C=20)
+# name: (fast kernel, naive twin or None, builder, default sizes, has an overwrite flag)
+KERNELS = {
+    "encoder_forward": (layers.encoder_forward, layers.encoder_forward_naive,
+                        _encoder_forward, dict(BTC, Vp=7, maxT=5), False),
+    "encoder_backward": (layers.encoder_backward, layers.encoder_backward_naive,
+                         _encoder_backward, dict(BTC, Vp=7, maxT=5), True),
+    "layernorm_forward": (layers.layernorm_forward, layers.layernorm_forward_naive,
+                          _layernorm_forward, BTC, False),
+    "layernorm_backward": (layers.layernorm_backward, layers.layernorm_backward_naive,
+                           _layernorm_backward, BTC, True),
+    "gelu_forward": (layers.gelu_forward, layers.gelu_forward_naive, _gelu_forward, BTC, False),
+    "gelu_backward": (layers.gelu_backward, layers.gelu_backward_naive, _gelu_backward, BTC,
+                      True),
+    "residual_forward": (layers.residual_forward, layers.residual_forward_naive,
+                         _residual_forward, BTC, False),
+    "residual_backward": (layers.residual_backward, layers.residual_backward_naive,
+                          _residual_backward, BTC, True),
+    "matmul_forward": (matmul.matmul_forward, matmul.matmul_forward_naive, _matmul_forward,
+                       dict(BTC, OC=24), False),
+    "matmul_backward": (matmul.matmul_backward, matmul.matmul_backward_naive, _matmul_backward,
+                        dict(BTC, OC=24), True),
+    "gemm_rowmajor": (gemm.gemm_rowmajor, None, _gemm, dict(M=6, N=24, K=20), False),
+    "softmax_crossentropy_forward": (loss.softmax_crossentropy_forward,
+                                     loss.softmax_crossentropy_forward_naive, _ce_forward,
+                                     dict(B=2, T=3, V=11, Vp=16), False),
+    "softmax_crossentropy_backward": (loss.softmax_crossentropy_backward,
+                                      loss.softmax_crossentropy_backward_naive, _ce_backward,
+                                      dict(B=2, T=3, V=11, Vp=16), True),
+    "adamw_step": (optim.adamw_step, optim.adamw_step_naive, _adamw, dict(n=40), False),
+    "zero_grad": (optim.zero_grad, optim.zero_grad_naive, _zero_grad, dict(n=40), False),
+    "grad_norm": (optim.grad_norm, optim.grad_norm_naive, _grad_norm, dict(n=40), False),
+    "clip_grad_norm": (optim.clip_grad_norm, optim.clip_grad_norm_naive, _clip_grad_norm,
+                       dict(n=40), False),
+}
+
+
+def _gemm_reference(c, a, b, bias, *, trans_a, beta, n_threads=None):
+    c[...] = a.astype(float).T @ b.astype(float) + beta * c.astype(float) + bias
+    return c
+
+
+def _naive_of(name):
+    fast, naive = KERNELS[name][:2]
+    return naive if naive is not None else _gemm_reference
+
+
+def _copies(arrays):
+    return {k: v.copy() for k, v in arrays.items()}
+
+
+def _outcome(call):
+    """'ok', or the exception as 'TypeName: message'."""
+    try:
+        call()
+    except Exception as e:      # noqa: BLE001 - the outcome is the test's subject
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+# --------------------------------------------------------------------------- cases
+
+def case_zero(name, size, overwrite, n_threads):
+    """``name`` with ``size`` set to 0: the fast kernel gives what its naive twin gives
+    (outputs and return value), or both raise the same ValueError."""
+    fast, naive, build, sizes, _ = KERNELS[name]
+    sizes = {k: 0 if size in (k, "all") else v for k, v in sizes.items()}
+    kw = {"overwrite": overwrite} if overwrite is not None else {}
+    outs, ins, call = build(np.random.default_rng(1), sizes, F32)
+    ref_outs, ref_ins = _copies(outs), _copies(ins)
+    result = {}
+    got = _outcome(lambda: result.setdefault("fast", call(fast, outs, ins, n_threads=n_threads,
+                                                          **kw)))
+    want = _outcome(lambda: result.setdefault("naive", call(_naive_of(name), ref_outs, ref_ins,
+                                                            **kw)))
+    if got != want:
+        return f"fast: {got} / naive: {want}"
+    if got != "ok":
+        return got
+    for key in outs:
+        if not np.allclose(outs[key], ref_outs[key], rtol=1e-4, atol=1e-5):
+            return f"{key} differs from the naive twin's"
+    if not np.allclose(result["fast"] if result["fast"] is not None else 0,
+                       result["naive"] if result["naive"] is not None else 0, rtol=1e-5):
+        return f"returned {result['fast']}, naive {result['naive']}"
+    return "ok"
+
+
+def case_threads(name, twin, n_threads):
+    fast, naive, build, sizes, _ = KERNELS[name]
+    kernel = fast if twin == "fast" else naive
+    outs, ins, call = build(np.random.default_rng(2), sizes, F32)
+    return _outcome(lambda: call(kernel, outs, ins, n_threads=n_threads))
+
+
+def case_set_num_threads(n):
+    return _outcome(lambda: threads.set_num_threads(n))
+
+
+def case_flush_denormal(n):
+    return _outcome(lambda: _openmp.set_flush_denormal(True, n))
+
+
+CASES = {"zero": case_zero, "threads": case_threads, "set_num_threads": case_set_num_threads,
+         "flush_denormal": case_flush_denormal}
+
+
+def _child_main(batch):
+    for key, args in batch:
+        print("START", key, flush=True)
+        print("RESULT", key, CASES[args[0]](*args[1:]), flush=True)
+
+
+TESTS_DIR = str(pathlib.Path(__file__).resolve().parent)
+CHILD = ("import sys, json; sys.path.insert(0, {tests!r}); import test_kernels_misuse as m; "
+         "m._child_main(json.loads(sys.argv[1]))")
+
+
+def run_batch(batch, timeout=120):
+    """{key: outcome} for [(key, (case, *args))], each in a child process; a case that
+    kills its child gets 'crash: ...', and the rest go on in a new child."""
+    import json
+    import kernels
+    root = str(pathlib.Path(kernels.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    results = {}
+    todo = list(batch)
+    while todo:
+        try:
+            run = subprocess.run([sys.executable, "-c", CHILD.format(tests=TESTS_DIR),
+                                  json.dumps(todo)], capture_output=True, text=True,
+                                 timeout=timeout, env=env)
+            stdout, died = run.stdout, f"rc {run.returncode}: {run.stderr.strip()[-300:]}"
+        except subprocess.TimeoutExpired as e:
+            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            died = f"timed out after {timeout} s"
+        started = None
+        for line in stdout.splitlines():
+            word, _, rest = line.partition(" ")
+            key, _, outcome = rest.partition(" ")
+            if word == "START":
+                started = key
+            elif word == "RESULT":
+                results[key] = outcome
+                started = None
+        if started is None:
+            if all(key in results for key, _ in todo):
+                break
+            raise AssertionError(f"the child died outside any case: {died}")
+        results[started] = f"crash ({died})"
+        todo = [(k, a) for k, a in todo if k not in results]
+    return results
+
+
+# --------------------------------------------------------------------------- item 6
+
+ZERO_CASES = [(name, size, ow, nt)
+              for name, (_, _, _, sizes, has_ow) in KERNELS.items()
+              for size in (*sizes, "all")
+              for ow in ((False, True) if has_ow else (None,))
+              for nt in (None, 3)]
+
+# The zero sizes a kernel rejects, with what its ValueError says; every other zero
+# size must give what the naive twin gives.  No row can be normalised over C = 0
+# channels, nor a softmax taken over V = 0 classes; with Vp = 0 rows of wte no id is
+# valid, and wpe needs a row per position.
+ZERO_ERRORS = {
+    ("encoder_forward", "Vp"): r"ids must lie in \[0, 0\)",
+    ("encoder_forward", "maxT"): r"wpe must have shape \(maxT, 20\) with maxT >= T=3",
+    ("encoder_backward", "Vp"): r"ids must lie in \[0, 0\)",
+    ("encoder_backward", "maxT"): r"dwpe must have shape \(maxT, 20\) with maxT >= T=3",
+    ("layernorm_forward", "C"): r"with C >= 1, got \(2, 3, 0\)",
+    ("layernorm_forward", "all"): r"with C >= 1, got \(0, 0, 0\)",
+    ("layernorm_backward", "C"): r"with C >= 1, got \(2, 3, 0\)",
+    ("layernorm_backward", "all"): r"with C >= 1, got \(0, 0, 0\)",
+    ("softmax_crossentropy_forward", "V"): r"V must be an integer in \[1, Vp=16\], got 0",
+    ("softmax_crossentropy_forward", "Vp"): r"V must be an integer in \[1, Vp=0\], got 11",
+    ("softmax_crossentropy_forward", "all"): r"V must be an integer in \[1, Vp=0\], got 0",
+    ("softmax_crossentropy_backward", "V"): r"V must be an integer in \[1, Vp=16\], got 0",
+    ("softmax_crossentropy_backward", "Vp"): r"V must be an integer in \[1, Vp=0\], got 11",
+    ("softmax_crossentropy_backward", "all"): r"V must be an integer in \[1, Vp=0\], got 0",
+}
+
+
+def _key(*parts):
+    return "/".join(str(p) for p in parts)
+
+
+@pytest.fixture(scope="module")
+def zero_results():
+    return run_batch([(_key(*c), ("zero", *c)) for c in ZERO_CASES])
+
+
+@pytest.mark.parametrize("name,size,overwrite,n_threads", ZERO_CASES, ids=_key)
+def test_zero_size_gives_the_naive_result_or_a_value_error(zero_results, name, size,
+                                                           overwrite, n_threads):
+    outcome = zero_results[_key(name, size, overwrite, n_threads)]
+    error = ZERO_ERRORS.get((name, size))
+    if error is None:
+        assert outcome == "ok"
+    else:
+        assert re.fullmatch("ValueError: .*" + error + ".*", outcome), outcome
