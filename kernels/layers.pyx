@@ -18,6 +18,7 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
+from kernels._openmp cimport checked_thread_count
 from kernels.threads import get_num_threads
 
 cnp.import_array()
@@ -272,9 +273,7 @@ cdef int resolve_threads(object n_threads) except -1:
     cdef int default = get_num_threads()
     if n_threads is None:
         return default
-    if not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1:
-        raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
-    return n_threads
+    return checked_thread_count(n_threads, "n_threads")
 
 
 cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept:

@@ -378,3 +378,75 @@ def test_zero_size_gives_the_naive_result_or_a_value_error(zero_results, name, s
         assert outcome == "ok"
     else:
         assert re.fullmatch("ValueError: .*" + error + ".*", outcome), outcome
+
+
+# --------------------------------------------------------------------------- item 7
+
+CAP = 4096          # kernels.threads.MAX_THREADS
+THREAD_COUNTS = (CAP + 1, 65536, 0, -1, True, 2.0)
+THREAD_CASES = [(name, twin, n) for name, k in KERNELS.items()
+                for twin in (("fast", "naive") if k[1] is not None else ("fast",))
+                for n in THREAD_COUNTS]
+
+
+def _thread_error(n, name="n_threads"):
+    return (f"ValueError: {name} must be an integer in [1, {CAP}] "
+            f"(kernels.threads.MAX_THREADS), got {n!r}")
+
+
+@pytest.fixture(scope="module")
+def thread_results():
+    batch = [(_key(*c), ("threads", *c)) for c in THREAD_CASES]
+    batch += [(_key("set_num_threads", n), ("set_num_threads", n)) for n in THREAD_COUNTS]
+    batch += [(_key("set_flush_denormal", n), ("flush_denormal", n)) for n in THREAD_COUNTS]
+    return run_batch(batch)
+
+
+def test_thread_cap_is_documented():
+    assert threads.MAX_THREADS == _openmp.MAX_THREADS == CAP
+
+
+@pytest.mark.parametrize("name,twin,n_threads", THREAD_CASES, ids=_key)
+def test_thread_count_out_of_range_is_a_value_error(thread_results, name, twin, n_threads):
+    assert thread_results[_key(name, twin, n_threads)] == _thread_error(n_threads)
+
+
+@pytest.mark.parametrize("n", THREAD_COUNTS)
+def test_set_num_threads_out_of_range_is_a_value_error(thread_results, n):
+    assert thread_results[_key("set_num_threads", n)] == _thread_error(
+        n, "the number of threads")
+
+
+@pytest.mark.parametrize("n", THREAD_COUNTS)
+def test_set_flush_denormal_thread_count_out_of_range_is_a_value_error(thread_results, n):
+    assert thread_results[_key("set_flush_denormal", n)] == _thread_error(n)
+
+
+def _child(code, **env):
+    import kernels
+    root = str(pathlib.Path(kernels.__file__).resolve().parent.parent)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=root, **env))
+
+
+def test_omp_num_threads_above_the_cap_is_a_value_error():
+    run = _child("from kernels import threads; threads.get_num_threads()",
+                 OMP_NUM_THREADS="40000")
+    assert run.returncode == 1
+    assert run.stderr.strip().endswith(_thread_error(40000, "OMP_NUM_THREADS")), run.stderr
+
+
+def test_the_cap_itself_runs():
+    # A parallel region starts its whole team whatever the work: MAX_THREADS threads
+    # start here (libgomp ends the process where it cannot) and give the one-thread
+    # result.
+    run = _child("import numpy as np\n"
+                 "from kernels import layers, threads, _openmp\n"
+                 "a = np.arange(1 << 16, dtype=np.float32); b = a[::-1].copy()\n"
+                 "one, many = np.empty_like(a), np.empty_like(a)\n"
+                 "layers.residual_forward(one, a, b, n_threads=1)\n"
+                 "layers.residual_forward(many, a, b, n_threads=threads.MAX_THREADS)\n"
+                 "assert (one == many).all() and (one == 65535).all()\n"
+                 "assert threads.set_num_threads(threads.MAX_THREADS) == threads.MAX_THREADS\n"
+                 "assert _openmp.set_flush_denormal(True, threads.MAX_THREADS)\n")
+    assert run.returncode == 0, run.stderr
