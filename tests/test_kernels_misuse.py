@@ -450,3 +450,179 @@ def test_the_cap_itself_runs():
                  "assert threads.set_num_threads(threads.MAX_THREADS) == threads.MAX_THREADS\n"
                  "assert _openmp.set_flush_denormal(True, threads.MAX_THREADS)\n")
     assert run.returncode == 0, run.stderr
+
+
+# --------------------------------------------------------------------------- item 9
+
+def case_read_only(name, twin, output):
+    """``output`` read-only: ValueError naming it, and nothing written anywhere."""
+    fast, naive, build, sizes, _ = KERNELS[name]
+    outs, ins, call = build(np.random.default_rng(3), sizes, F32)
+    before = _copies({**outs, **ins})
+    outs[output].flags.writeable = False
+    got = _outcome(lambda: call(fast if twin == "fast" else naive, outs, ins))
+    if any(not np.array_equal(a, before[k]) for k, a in {**outs, **ins}.items()):
+        return got + " (and wrote)"
+    return got
+
+
+def _placed_together(first, second, offset):
+    """Copies of two arrays in one buffer, the second starting ``offset`` floats into
+    the first (each keeps its values where they do not overlap)."""
+    nbytes = max(first.nbytes, 4 * offset + second.nbytes)
+    buf = np.zeros(nbytes // 4, np.float32)
+    a = buf[:first.size].view(first.dtype).reshape(first.shape)
+    b = buf[offset:offset + second.size].view(second.dtype).reshape(second.shape)
+    a[...] = first
+    b[...] = second
+    return a, b
+
+
+def case_alias(name, twin, output, other, offset):
+    """``output`` placed over ``other`` (an input or another output), ``offset`` floats
+    apart: what the kernel says."""
+    fast, naive, build, sizes, _ = KERNELS[name]
+    outs, ins, call = build(np.random.default_rng(4), sizes, F32)
+    where = outs if other in outs else ins
+    outs[output], where[other] = _placed_together(outs[output], where[other], offset)
+    return _outcome(lambda: call(fast if twin == "fast" else naive, outs, ins))
+
+
+CASES.update(read_only=case_read_only, alias=case_alias)
+
+
+def _twins(name):
+    return ("fast", "naive") if KERNELS[name][1] is not None else ("fast",)
+
+
+def _arrays(name):
+    fast, naive, build, sizes, _ = KERNELS[name]
+    outs, ins, _ = build(np.random.default_rng(0), sizes, F32)
+    return outs, ins
+
+
+READ_ONLY_CASES = [(name, twin, output) for name in KERNELS for twin in _twins(name)
+                   for output in _arrays(name)[0]]
+
+# Pairs a kernel documents as in place, when they are the very same memory.
+SAME_OK = {("residual_forward", "out", "inp1"), ("residual_forward", "out", "inp2"),
+           ("softmax_crossentropy_backward", "dlogits", "logits"),
+           ("layernorm_backward", "dweight", "dbias"), ("matmul_backward", "dinp", "dweight")}
+
+
+def _alias_cases():
+    cases = []
+    for name in KERNELS:
+        outs, ins = _arrays(name)
+        names = list(outs) + list(ins)
+        for i, output in enumerate(outs):
+            for other in names[i + 1:]:
+                smaller = min(outs[output].size, {**outs, **ins}[other].size)
+                for offset in sorted({0, smaller // 2, smaller - 1}):
+                    for twin in _twins(name):
+                        cases.append((name, twin, output, other, offset))
+    return cases
+
+
+ALIAS_CASES = _alias_cases()
+
+
+@pytest.fixture(scope="module")
+def misuse_results():
+    return run_batch([(_key(*c), ("read_only", *c)) for c in READ_ONLY_CASES]
+                     + [(_key(*c), ("alias", *c)) for c in ALIAS_CASES])
+
+
+@pytest.mark.parametrize("name,twin,output", READ_ONLY_CASES, ids=_key)
+def test_read_only_output_is_a_value_error(misuse_results, name, twin, output):
+    assert misuse_results[_key(name, twin, output)] == (
+        f"ValueError: {output} must be writable (it is an output)")
+
+
+def test_gemm_does_not_write_into_bytes():
+    a = np.ones((4, 4), np.float32)
+    frozen = bytes(64)
+    c = np.frombuffer(frozen, np.float32).reshape(4, 4)
+    with pytest.raises(ValueError, match="^c must be writable"):
+        gemm.gemm_rowmajor(c, a, a)
+    assert frozen == bytes(64)
+
+
+@pytest.mark.parametrize("name,twin,output,other,offset", ALIAS_CASES, ids=_key)
+def test_output_overlapping_an_input_or_output_is_a_value_error(misuse_results, name, twin,
+                                                                output, other, offset):
+    outcome = misuse_results[_key(name, twin, output, other, offset)]
+    outs, ins = _arrays(name)
+    same = offset == 0 and outs[output].nbytes == {**outs, **ins}[other].nbytes
+    if same and (name, output, other) in SAME_OK:
+        assert outcome == "ok"
+    else:
+        assert outcome.startswith(f"ValueError: {output} overlaps {other}: "), outcome
+
+
+def _shared_grads(kernel, call, shape, flags):
+    """The gradient a kernel leaves in one array given as both of two outputs
+    (overwrite ``flags`` for them), and what two separate arrays give added up."""
+    rng = np.random.default_rng(5)
+    prior = _rand(rng, shape)
+    first, second = np.zeros(shape, F32), np.zeros(shape, F32)
+    call(kernel, first, second, (False, False))
+    shared = np.full(shape, np.nan, F32) if flags[0] else prior.copy()
+    call(kernel, shared, shared, flags)
+    return shared, (0 if flags[0] else prior) + first + second
+
+
+@pytest.mark.parametrize("flags", [(False, False), (True, False)])
+@pytest.mark.parametrize("twin", ["fast", "naive"])
+def test_layernorm_dweight_may_be_dbias(flags, twin):
+    rng = np.random.default_rng(6)
+    outs, ins, _ = _layernorm_backward(rng, BTC, F32)
+    kernel = KERNELS["layernorm_backward"][0 if twin == "fast" else 1]
+
+    def call(k, dw, db, ow):
+        k(outs["dinp"], dw, db, ins["dout"], ins["inp"], ins["weight"], ins["mean"],
+          ins["rstd"], overwrite=(False, *ow))
+    got, want = _shared_grads(kernel, call, (BTC["C"],), flags)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [(False, False), (True, False)])
+@pytest.mark.parametrize("twin", ["fast", "naive"])
+def test_matmul_dinp_may_be_dweight(flags, twin):
+    rng = np.random.default_rng(7)
+    C = 20
+    x, dout = _rand(rng, (C, C)), _rand(rng, (C, C))     # N = OC: dinp and dweight alike
+    kernel = KERNELS["matmul_backward"][0 if twin == "fast" else 1]
+
+    def call(k, dinp, dw, ow):
+        k(dinp, dw, None, dout, x, x, overwrite=(*ow, False))
+    got, want = _shared_grads(kernel, call, (C, C), flags)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("twin", ["fast", "naive"])
+def test_second_of_one_shared_output_may_not_be_overwritten(twin):
+    rng = np.random.default_rng(8)
+    outs, ins, _ = _layernorm_backward(rng, BTC, F32)
+    kernel = KERNELS["layernorm_backward"][0 if twin == "fast" else 1]
+    dw = outs["dweight"]
+    with pytest.raises(ValueError, match="^dbias is dweight: overwrite may be set for dweight"):
+        kernel(outs["dinp"], dw, dw, ins["dout"], ins["inp"], ins["weight"], ins["mean"],
+               ins["rstd"], overwrite=(False, True, True))
+    x = _rand(rng, (4, 4))
+    kernel = KERNELS["matmul_backward"][0 if twin == "fast" else 1]
+    d = np.zeros((4, 4), F32)
+    with pytest.raises(ValueError, match="^dweight is dinp: overwrite may be set for dinp"):
+        kernel(d, d, None, x, x, x, overwrite=(False, True, False))
+
+
+@pytest.mark.parametrize("twin", ["fast", "naive"])
+@pytest.mark.parametrize("which", ["inp1", "inp2"])
+def test_residual_forward_in_place(twin, which):
+    rng = np.random.default_rng(9)
+    a, b = _rand(rng, 50), _rand(rng, 50)
+    want = a + b
+    kernel = KERNELS["residual_forward"][0 if twin == "fast" else 1]
+    out = a if which == "inp1" else b
+    kernel(out, a, b)
+    np.testing.assert_array_equal(out, want)
