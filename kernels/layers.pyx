@@ -273,12 +273,13 @@ cdef inline bint _spans_overlap(cnp.ndarray a, cnp.ndarray b) noexcept:
 
 
 cdef int check_disjoint(tuple outputs, tuple inputs, tuple same_ok=()) except -1:
-    cdef Py_ssize_t i
-    for i in range(len(outputs)):
+    cdef Py_ssize_t i, j, n_out = len(outputs), n = n_out + len(inputs)
+    for i in range(n_out):
         name, arr = outputs[i]
         if arr is None:
             continue
-        for other_name, other in outputs[i + 1:] + inputs:
+        for j in range(i + 1, n):
+            other_name, other = outputs[j] if j < n_out else inputs[j - n_out]
             if other is None or not _spans_overlap(arr, other):
                 continue
             if ((name, other_name) in same_ok
