@@ -52,6 +52,31 @@ cdef void par_memcpy(char* dst, const char* src, size_t n) noexcept nogil:
         memcpy(dst, src, n)
 
 
+cdef enum:
+    # The most threads a kernel accepts (n_threads, set_num_threads, OMP_NUM_THREADS):
+    # over 5 times the hardware threads of the largest two-socket x86 servers
+    # (2 x 192 cores x 2), so never a limit on real use, and a fixed figure, so the
+    # same call succeeds or fails on every machine.  libgomp ends the process where
+    # it cannot start a team: on a 2-core VM with 23 GiB, 4096 threads (8 MiB
+    # stacks) ran, 40000 made it exit ("Thread creation failed"), 65536 segfaulted.
+    OMP_MAX_THREADS = 4096
+
+MAX_THREADS = OMP_MAX_THREADS
+
+
+cdef int checked_thread_count(object n, str name) except -1:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= OMP_MAX_THREADS:
+        raise ValueError(f"{name} must be an integer in [1, {OMP_MAX_THREADS}] "
+                         f"(kernels.threads.MAX_THREADS), got {n!r}")
+    return n
+
+
+def check_thread_count(n, name="n_threads"):
+    """``n`` if it is a thread count in [1, MAX_THREADS], else ValueError naming
+    ``name``, the value and the cap."""
+    return checked_thread_count(n, name)
+
+
 def openmp_enabled():
     """True when the kernels were built with OpenMP."""
     IF ADTAPE_OPENMP:
@@ -85,18 +110,18 @@ cdef inline void _apply_ftz(bint enable) noexcept nogil:
         _mm_setcsr(_mm_getcsr() & ~(<unsigned int>(MXCSR_FTZ | MXCSR_DAZ)))
 
 
-def set_flush_denormal(bint enable, int n_threads=0):
+def set_flush_denormal(bint enable, n_threads=None):
     """Set (or clear) flush-to-zero and denormals-are-zero in this thread and every
-    OpenMP worker.  MXCSR is per thread; threads created later inherit the creating
-    thread's, so call this before BLAS starts its pool to cover BLAS threads too.
+    OpenMP worker (``n_threads`` of them; None: OpenMP's current count).  MXCSR is
+    per thread; threads created later inherit the creating thread's, so call this
+    before BLAS starts its pool to cover BLAS threads too.
     Returns True when the calling thread's MXCSR has both bits as asked."""
     cdef int i
-    if n_threads <= 0:
-        n_threads = omp_get_max_threads_safe()
+    cdef int nt = (omp_get_max_threads_safe() if n_threads is None
+                   else checked_thread_count(n_threads, "n_threads"))
     _apply_ftz(enable)
     IF ADTAPE_OPENMP:
-        for i in prange(n_threads, schedule='static', chunksize=1, nogil=True,
-                        num_threads=n_threads):
+        for i in prange(nt, schedule='static', chunksize=1, nogil=True, num_threads=nt):
             _apply_ftz(enable)
     return flush_denormal_enabled() == bool(enable)
 

@@ -13,7 +13,7 @@ from cython.parallel cimport prange
 from scipy.linalg.cython_blas cimport sgemm
 from libc.string cimport memcpy
 
-from kernels.layers cimport resolve_threads
+from kernels.layers cimport check_disjoint, checked_data, resolve_threads
 
 cdef extern from "<stdlib.h>" nogil:
     void* aligned_alloc(size_t alignment, size_t size)
@@ -421,6 +421,17 @@ cdef bint gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_
     cdef int nt = n_threads
     cdef int missed = 0
     cdef int* missed_p = &missed            # shared by the threads (set, never read)
+    cdef Py_ssize_t i, j
+    if M == 0 or N == 0:
+        return a_sums == NULL                     # the caller sums op(A) if it asked
+    if K == 0:
+        # An empty product: C = beta C (+ bias), here, so that no path below (the
+        # skinny kernels leave C as it was) need handle it.  op(A)'s row sums are 0.
+        for i in range(M):
+            for j in range(N):
+                C[i * ldc + j] = ((0.0 if beta == 0.0 else beta * C[i * ldc + j])
+                                  + (0.0 if bias == NULL else bias[j]))
+        return True
     if M * N * K < PARALLEL_MIN_FLOPS or extent < 2 * MIN_BLOCK:
         nt = 1
     if nt > extent // MIN_BLOCK:
@@ -453,21 +464,17 @@ def gemm_rowmajor(c, a, b, bias=None, *, bint trans_a=False, bint trans_b=False,
     The Python entry to ``gemm``, for tests and benchmarks; shapes are checked here.
     """
     for name, arr in (("c", c), ("a", a), ("b", b)):
-        if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.ndim != 2:
-            raise TypeError(f"gemm_rowmajor: {name} must be a 2-D float32 array")
-        if not arr.flags.c_contiguous:
-            raise ValueError(f"gemm_rowmajor: {name} must be C-contiguous")
+        checked_data(name, arr, cnp.NPY_FLOAT32, None, name == "c")
+        if arr.ndim != 2:
+            raise ValueError(f"gemm_rowmajor: {name} must be 2-D, got shape {arr.shape}")
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     K2, N = (b.shape[1], b.shape[0]) if trans_b else b.shape
     if K != K2 or c.shape != (M, N):
         raise ValueError(f"gemm_rowmajor: op(a) is {(M, K)}, op(b) is {(K2, N)}, c is {c.shape}")
     cdef const float* bias_p = NULL
     if bias is not None:
-        if (not isinstance(bias, np.ndarray) or bias.dtype != np.float32 or bias.shape != (N,)
-                or not bias.flags.c_contiguous):
-            raise ValueError(f"gemm_rowmajor: bias must be a contiguous float32 array of "
-                             f"shape {(N,)}")
-        bias_p = <const float*>cnp.PyArray_DATA(bias)
+        bias_p = <const float*>checked_data("bias", bias, cnp.NPY_FLOAT32, (N,), False)
+    check_disjoint((("c", c),), (("a", a), ("b", b), ("bias", bias)))
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t m = M, n = N, k = K, lda = a.shape[1], ldb = b.shape[1], ldc = N
     cdef const float* ap = <const float*>cnp.PyArray_DATA(a)

@@ -111,6 +111,13 @@ cdef inline float max_f32(const float* x, Py_ssize_t n) noexcept nogil:
 # NumPy type number `typenum`, C-contiguous, of shape `shape` (None: any) and,
 # when `writable`, writeable; otherwise it raises TypeError/ValueError naming `name`.
 cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint writable) except? NULL
+# Raises ValueError "<output> overlaps <other>" where an output's memory overlaps an
+# input's or another output's.  `outputs` and `inputs` are (name, array) pairs (an
+# array of None is skipped) that checked_data has passed: each is C-contiguous, so
+# it spans [data, data + nbytes) and the check compares bounds, never elements.
+# `same_ok` names (output, other) pairs that may be the very same memory (an
+# in-place use the kernel documents); a partial overlap is an error all the same.
+cdef int check_disjoint(tuple outputs, tuple inputs, tuple same_ok=*) except -1
 # The NumPy type number the naive twins run in: float64 for float64 arrays, else
 # float32 (checked_data then names any other dtype).
 cdef int float_type(object arr) noexcept

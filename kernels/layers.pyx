@@ -18,6 +18,7 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
+from kernels._openmp cimport checked_thread_count
 from kernels.threads import get_num_threads
 
 cnp.import_array()
@@ -265,6 +266,33 @@ cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint wri
     return cnp.PyArray_DATA(a)
 
 
+cdef inline bint _spans_overlap(cnp.ndarray a, cnp.ndarray b) noexcept:
+    cdef char* a0 = <char*>cnp.PyArray_DATA(a)
+    cdef char* b0 = <char*>cnp.PyArray_DATA(b)
+    return a0 < b0 + cnp.PyArray_NBYTES(b) and b0 < a0 + cnp.PyArray_NBYTES(a)
+
+
+cdef int check_disjoint(tuple outputs, tuple inputs, tuple same_ok=()) except -1:
+    cdef Py_ssize_t i, j, n_out = len(outputs), n = n_out + len(inputs)
+    for i in range(n_out):
+        name, arr = outputs[i]
+        if arr is None:
+            continue
+        for j in range(i + 1, n):
+            other_name, other = outputs[j] if j < n_out else inputs[j - n_out]
+            if other is None or not _spans_overlap(arr, other):
+                continue
+            if ((name, other_name) in same_ok
+                    and cnp.PyArray_DATA(<cnp.ndarray>arr) == cnp.PyArray_DATA(<cnp.ndarray>other)
+                    and arr.nbytes == other.nbytes):
+                continue
+            raise ValueError(f"{name} overlaps {other_name}: an output may share memory with "
+                             f"no input and no other output"
+                             + (f" (it may be {other_name} itself)"
+                                if (name, other_name) in same_ok else ""))
+    return 0
+
+
 cdef int resolve_threads(object n_threads) except -1:
     # Resolving the policy also sets BLAS to one thread inside ours: an explicit
     # count on the first call must not leave BLAS's own pool running (2 x 2
@@ -272,9 +300,7 @@ cdef int resolve_threads(object n_threads) except -1:
     cdef int default = get_num_threads()
     if n_threads is None:
         return default
-    if not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1:
-        raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
-    return n_threads
+    return checked_thread_count(n_threads, "n_threads")
 
 
 cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept:
@@ -305,6 +331,7 @@ cdef tuple _check_encoder_forward(out, ids, wte, wpe, int ft):
     if wpe.ndim != 2 or wpe.shape[1] != C or wpe.shape[0] < T:
         raise ValueError(f"wpe must have shape (maxT, {C}) with maxT >= T={T}, got {wpe.shape}")
     checked_data("out", out, ft, (B, T, C), True)
+    check_disjoint((("out", out),), (("ids", ids), ("wte", wte), ("wpe", wpe)))
     _check_ids(ids, Vp)
     return B, T, C
 
@@ -322,6 +349,8 @@ cdef tuple _check_encoder_backward(dwte, dwpe, dout, ids, int ft):
     if dwpe.ndim != 2 or dwpe.shape[1] != C or dwpe.shape[0] < T:
         raise ValueError(f"dwpe must have shape (maxT, {C}) with maxT >= T={T}, got {dwpe.shape}")
     checked_data("dout", dout, ft, (B, T, C), False)
+    # dwte and dwpe are scattered into in one pass: one array for both would lose adds
+    check_disjoint((("dwte", dwte), ("dwpe", dwpe)), (("dout", dout), ("ids", ids)))
     _check_ids(ids, Vp)
     return B, T, C
 
@@ -348,10 +377,16 @@ cdef tuple _check_layernorm_forward(out, mean, rstd, inp, weight, bias, int ft):
     checked_data("out", out, ft, inp.shape, True)
     checked_data("mean", mean, ft, lead, True)
     checked_data("rstd", rstd, ft, lead, True)
+    check_disjoint((("out", out), ("mean", mean), ("rstd", rstd)),
+                   (("inp", inp), ("weight", weight), ("bias", bias)))
     return N, C
 
 
-cdef tuple _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, int ft):
+cdef tuple _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, int ft,
+                                     tuple flags):
+    # -> (N, C).  dweight may be dbias itself (a weight that is also the bias, in the AD
+    # runtime): the kernel finishes each slice of dweight before adding dbias's into
+    # it, so overwrite may be set for dweight only.
     N, C, lead = _check_rows("inp", inp, ft, False)
     checked_data("weight", weight, ft, (C,), False)
     checked_data("mean", mean, ft, lead, False)
@@ -360,10 +395,17 @@ cdef tuple _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, me
     checked_data("dinp", dinp, ft, inp.shape, True)
     checked_data("dweight", dweight, ft, (C,), True)
     checked_data("dbias", dbias, ft, (C,), True)
+    check_disjoint((("dinp", dinp), ("dweight", dweight), ("dbias", dbias)),
+                   (("dout", dout), ("inp", inp), ("weight", weight), ("mean", mean),
+                    ("rstd", rstd)), (("dweight", "dbias"),))
+    if flags[2] and _f32(dweight) == _f32(dbias):
+        raise ValueError("dbias is dweight: overwrite may be set for dweight only, which "
+                         "takes its gradient first")
     return N, C
 
 
-cdef Py_ssize_t _check_pointwise(outputs, inputs, int ft) except -1:
+cdef Py_ssize_t _check_pointwise(tuple outputs, tuple inputs, int ft,
+                                 tuple same_ok=()) except -1:
     # Every array has the first input's shape; returns the element count.
     first_name, first = inputs[0]
     checked_data(first_name, first, ft, None, False)
@@ -372,6 +414,7 @@ cdef Py_ssize_t _check_pointwise(outputs, inputs, int ft) except -1:
         checked_data(name, arr, ft, shape, False)
     for name, arr in outputs:
         checked_data(name, arr, ft, shape, True)
+    check_disjoint(outputs, inputs, same_ok)
     return first.size
 
 
@@ -446,7 +489,8 @@ cdef inline void _accumulate(float* acc, const float* x, Py_ssize_t n) noexcept 
 
 
 cdef inline Py_ssize_t _slice_width(Py_ssize_t C, int n_slices) noexcept nogil:
-    cdef Py_ssize_t w = (C + n_slices - 1) // n_slices
+    # Never 0, which the slice count divides by (C = 0 gives no slices).
+    cdef Py_ssize_t w = max((C + n_slices - 1) // n_slices, <Py_ssize_t>1)
     return (w + LINE_FLOATS - 1) // LINE_FLOATS * LINE_FLOATS
 
 
@@ -695,9 +739,10 @@ def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *,
     one per output: that output is set instead)."""
     cdef int nt = resolve_threads(n_threads)
     cdef bint ow_i, ow_w, ow_b
-    ow_i, ow_w, ow_b = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
+    flags = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
+    ow_i, ow_w, ow_b = flags
     N, C = _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
-                                     cnp.NPY_FLOAT32)
+                                     cnp.NPY_FLOAT32, flags)
     nt = serial_if_small(nt, n_threads, N * C)
     cdef float* dip = _f32(dinp)
     cdef float* dwp = _f32(dweight)
@@ -770,7 +815,7 @@ def layernorm_backward_naive(dinp, dweight, dbias, dout, inp, weight, mean, rstd
     resolve_threads(n_threads)
     flags = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     N, C = _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
-                                     float_type(inp))
+                                     float_type(inp), flags)
     for arr, flag in zip((dinp, dweight, dbias), flags):
         if flag:
             arr[...] = 0
@@ -883,11 +928,15 @@ cdef void residual_backward_core(float* dinp1, float* dinp2, const float* dout, 
                          min(<Py_ssize_t>CHUNK, n - k * CHUNK), ow1, ow2, True)
 
 
+# Each element is read before it is written: out may be inp1 or inp2 itself.
+_RESIDUAL_IN_PLACE = (("out", "inp1"), ("out", "inp2"))
+
+
 def residual_forward(out, inp1, inp2, *, n_threads=None):
     """out = inp1 + inp2; any shape (out may be inp1 or inp2)."""
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_pointwise((("out", out),), (("inp1", inp1), ("inp2", inp2)),
-                                         cnp.NPY_FLOAT32)
+                                         cnp.NPY_FLOAT32, _RESIDUAL_IN_PLACE)
     nt = serial_if_small(nt, n_threads, n)
     cdef float* o = _f32(out)
     cdef const float* p1 = _f32(inp1)
@@ -904,8 +953,6 @@ def residual_backward(dinp1, dinp2, dout, *, overwrite=False, n_threads=None):
     cdef Py_ssize_t n = _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),),
                                          cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, n)
-    if dinp1 is dinp2 or cnp.PyArray_DATA(<cnp.ndarray>dinp1) == cnp.PyArray_DATA(<cnp.ndarray>dinp2):
-        raise ValueError("dinp1 and dinp2 must be different arrays")
     cdef float* d1 = _f32(dinp1)
     cdef float* d2 = _f32(dinp2)
     cdef const float* dop = _f32(dout)
@@ -929,7 +976,8 @@ def _residual_backward_naive(floating[::1] dinp1, floating[::1] dinp2, const flo
 def residual_forward_naive(out, inp1, inp2, *, n_threads=None):
     """Serial twin of residual_forward (float32 or float64)."""
     resolve_threads(n_threads)
-    _check_pointwise((("out", out),), (("inp1", inp1), ("inp2", inp2)), float_type(inp1))
+    _check_pointwise((("out", out),), (("inp1", inp1), ("inp2", inp2)), float_type(inp1),
+                     _RESIDUAL_IN_PLACE)
     _residual_forward_naive(out.reshape(-1), inp1.reshape(-1), inp2.reshape(-1))
 
 
@@ -938,8 +986,6 @@ def residual_backward_naive(dinp1, dinp2, dout, *, overwrite=False, n_threads=No
     resolve_threads(n_threads)
     flags = overwrite_flags(overwrite, ("dinp1", "dinp2"))
     _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),), float_type(dout))
-    if dinp1 is dinp2:
-        raise ValueError("dinp1 and dinp2 must be different arrays")
     for arr, flag in zip((dinp1, dinp2), flags):
         if flag:
             arr[...] = 0

@@ -16,7 +16,8 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels.layers cimport checked_data, float_type, lanes_kind, resolve_threads, serial_if_small
+from kernels.layers cimport (check_disjoint, checked_data, float_type, lanes_kind,
+                             resolve_threads, serial_if_small)
 
 cnp.import_array()
 
@@ -132,6 +133,7 @@ cdef tuple _check_forward(losses, lse, logits, targets, V, int ft):
     N, Vp, lead = _check_logits(logits, targets, V, ft)
     checked_data("losses", losses, ft, lead, True)
     checked_data("lse", lse, ft, lead, True)
+    check_disjoint((("losses", losses), ("lse", lse)), (("logits", logits), ("targets", targets)))
     return N, Vp
 
 
@@ -141,9 +143,10 @@ cdef tuple _check_backward(dlogits, dlosses, logits, lse, targets, V, int ft):
     checked_data("dlogits", dlogits, ft, logits.shape, True)
     checked_data("dlosses", dlosses, ft, lead, False)
     checked_data("lse", lse, ft, lead, False)
+    check_disjoint((("dlogits", dlogits),), (("logits", logits), ("dlosses", dlosses),
+                                            ("lse", lse), ("targets", targets)),
+                   (("dlogits", "logits"),))
     in_place = (cnp.PyArray_DATA(<cnp.ndarray>dlogits) == cnp.PyArray_DATA(<cnp.ndarray>logits))
-    if not in_place and np.may_share_memory(dlogits, logits):
-        raise ValueError("dlogits must be either logits itself or not overlap it")
     return N, Vp, in_place
 
 

@@ -17,7 +17,7 @@ from cython.parallel cimport prange
 from libc.stdlib cimport calloc, free
 
 from kernels.gemm cimport gemm
-from kernels.layers cimport checked_data, float_type, resolve_threads
+from kernels.layers cimport check_disjoint, checked_data, float_type, resolve_threads
 
 import numpy as np
 
@@ -136,6 +136,22 @@ def _matmul_shapes(inp, weight):
     return lead, N, C, OC
 
 
+cdef _check_forward_overlap(out, inp, weight, bias):
+    check_disjoint((("out", out),), (("inp", inp), ("weight", weight), ("bias", bias)))
+
+
+cdef _check_backward_overlap(dinp, dweight, dbias, dout, inp, weight, tuple flags):
+    # dinp may be dweight itself (an input that is also the weight, in the AD runtime):
+    # dinp's product is finished before dweight's reads or adds, so overwrite may be
+    # set for dinp only.
+    check_disjoint((("dinp", dinp), ("dweight", dweight), ("dbias", dbias)),
+                   (("dout", dout), ("inp", inp), ("weight", weight)), (("dinp", "dweight"),))
+    if (flags[1] and dinp is not None
+            and cnp.PyArray_DATA(<cnp.ndarray>dinp) == cnp.PyArray_DATA(<cnp.ndarray>dweight)):
+        raise ValueError("dweight is dinp: overwrite may be set for dinp only, which takes "
+                         "its gradient first")
+
+
 def matmul_forward(out, inp, weight, bias, *, n_threads=None):
     """out = inp @ weight.T + bias.  inp (N, C) or (B, T, C); weight (OC, C);
     bias (OC,) or None; out (N, OC) or (B, T, OC), overwritten."""
@@ -147,6 +163,7 @@ def matmul_forward(out, inp, weight, bias, *, n_threads=None):
     if bias is not None:
         b_p = <float*>checked_data("bias", bias, cnp.NPY_FLOAT32, (OC,), False)
     cdef float* out_p = <float*>checked_data("out", out, cnp.NPY_FLOAT32, lead + (OC,), True)
+    _check_forward_overlap(out, inp, weight, bias)
     cdef int nt = resolve_threads(n_threads)
     with nogil:
         matmul_forward_c(out_p, inp_p, w_p, b_p, N, C, OC, nt)
@@ -161,7 +178,8 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
     set instead, its old contents never read."""
     cdef Py_ssize_t N, C, OC
     cdef bint ow_i, ow_w, ow_b
-    ow_i, ow_w, ow_b = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
+    flags = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
+    ow_i, ow_w, ow_b = flags
     lead, N, C, OC = _matmul_shapes(inp, weight)
     cdef float* inp_p = <float*>checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
     cdef float* w_p = <float*>checked_data("weight", weight, cnp.NPY_FLOAT32, (OC, C), False)
@@ -173,6 +191,7 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
         dinp_p = <float*>checked_data("dinp", dinp, cnp.NPY_FLOAT32, lead + (C,), True)
     if dbias is not None:
         db_p = <float*>checked_data("dbias", dbias, cnp.NPY_FLOAT32, (OC,), True)
+    _check_backward_overlap(dinp, dweight, dbias, dout, inp, weight, flags)
     cdef int nt = resolve_threads(n_threads)
     with nogil:
         matmul_backward_c(dinp_p, dw_p, db_p, dout_p, inp_p, w_p, N, C, OC, nt, ow_i, ow_w,
@@ -218,6 +237,7 @@ def matmul_forward_naive(out, inp, weight, bias, *, n_threads=None):
     if bias is not None:
         checked_data("bias", bias, ft, (OC,), False)
     checked_data("out", out, ft, lead + (OC,), True)
+    _check_forward_overlap(out, inp, weight, bias)
     resolve_threads(n_threads)
     bias_or_dummy = bias if bias is not None else np.zeros(1, inp.dtype)
     if ft == cnp.NPY_FLOAT32:
@@ -242,6 +262,7 @@ def matmul_backward_naive(dinp, dweight, dbias, dout, inp, weight, *, overwrite=
         checked_data("dinp", dinp, ft, lead + (C,), True)
     if dbias is not None:
         checked_data("dbias", dbias, ft, (OC,), True)
+    _check_backward_overlap(dinp, dweight, dbias, dout, inp, weight, flags)
     resolve_threads(n_threads)
     for arr, flag in zip((dinp, dweight, dbias), flags):
         if flag and arr is not None:

@@ -13,7 +13,8 @@ from libc.stdlib cimport malloc, free
 import numpy as np
 cimport numpy as cnp
 
-from kernels.layers cimport checked_data, resolve_threads, serial_if_small, zero_core
+from kernels.layers cimport (check_disjoint, checked_data, resolve_threads, serial_if_small,
+                             zero_core)
 
 cnp.import_array()
 
@@ -195,11 +196,8 @@ cdef _check_adamw(params, grads, m, v, step, lr, beta1, beta2, eps, weight_decay
             raise ValueError(f"{name} must be finite and in [{low}, {high}), got {value!r}")
     if not isfinite(grad_scale) or grad_scale < 0:
         raise ValueError(f"grad_scale must be finite and >= 0, got {grad_scale!r}")
-    arrays = (params, grads, m, v)
-    for i in range(4):
-        for j in range(i + 1, 4):
-            if np.may_share_memory(arrays[i], arrays[j]):
-                raise ValueError("params, grads, m and v must be four separate buffers")
+    # all four are read and three written (grads too, with zero_grads)
+    check_disjoint((("params", params), ("m", m), ("v", v)), (("grads", grads),))
     return n
 
 

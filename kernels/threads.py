@@ -15,6 +15,10 @@ from threadpoolctl import threadpool_limits
 
 from kernels import _openmp
 
+# The most threads set_num_threads and every kernel's n_threads accept (see
+# kernels/_openmp.pyx for why this many).
+MAX_THREADS = _openmp.MAX_THREADS
+
 _num_threads = None
 _blas_limits = None
 
@@ -35,21 +39,20 @@ def _resolve_default():
         except ValueError:
             raise ValueError(f"OMP_NUM_THREADS={env!r} is not an integer") from None
         if n >= 1:
-            return n
-    return available_cores()
+            return _openmp.check_thread_count(n, "OMP_NUM_THREADS")
+    return min(available_cores(), MAX_THREADS)
 
 
 def set_num_threads(n=None):
     """Use ``n`` OpenMP threads for the kernels, BLAS single-threaded inside them
-    (``None``: resolve the default).
+    (``None``: resolve the default).  ``n`` lies in [1, MAX_THREADS].
 
     Returns the count in force.
     """
     global _num_threads, _blas_limits
     if n is None:
         n = _resolve_default()
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"number of threads must be a positive integer, got {n!r}")
+    _openmp.check_thread_count(n, "the number of threads")
     _openmp._set_omp_threads(n)
     # threadpoolctl limits only libraries already loaded: load SciPy's BLAS (the
     # one the kernels call) first, or the limit would silently miss it.
