@@ -516,17 +516,20 @@ def export_hf_gpt2(path, params, write_config=False):
     tensors["ln_f.bias"] = params.lnfb
     write_safetensors(path, tensors, metadata={"format": "pt"})
     if write_config:
-        config_path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))),
-                                   "config.json")
-        with atomic_writer(config_path) as f:
+        with atomic_writer(hf_config_path(path)) as f:
             f.write(json.dumps(hf_config_dict(c), indent=2).encode("utf-8"))
+
+
+def hf_config_path(path):
+    """Where the config.json of a Hugging Face weights file is read from: beside it."""
+    return os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), "config.json")
 
 
 def _hf_n_head(path, n_head, inferred):
     """n_head from the argument or from config.json beside the file (weights cannot tell it)."""
     if n_head is not None:
         return n_head
-    config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    config_path = hf_config_path(path)
     if not os.path.exists(config_path):
         raise ValueError(f"cannot tell n_head of {path!r}: pass n_head= or config=, or put the "
                          "model's config.json beside it")
