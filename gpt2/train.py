@@ -324,28 +324,32 @@ def read_log(path, up_to_step):
     A last row cut short (a crash while it was written) is dropped.
     """
     try:
-        f = open(path, newline="")
+        with open(path, newline="") as f:
+            lines = f.read().splitlines(keepends=True)
     except FileNotFoundError:
         return []
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # cut short by a crash while it was written
+    reader = csv.DictReader(lines)
+    records = list(reader)
     rows = []
-    with f:
-        reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != LOG_FIELDS:
-            raise ValueError(f"{path} is not a log of this program: its columns are "
-                             f"{reader.fieldnames}, expected {list(LOG_FIELDS)}; move it away "
-                             f"or pass another --out-dir")
-        records = list(reader)
-        if records and None in records[-1].values():
-            records.pop()
-        for record in records:
-            try:
-                row = {k: float(v) if v else None for k, v in record.items()}
-                row["step"] = int(record["step"])
-            except (TypeError, ValueError):
-                raise ValueError(f"{path} line {reader.line_num}: not a row of numbers: "
-                                 f"{record}") from None
-            if row["step"] <= up_to_step:
-                rows.append(row)
+    if not records:  # nothing to keep (older versions left just a header after a resume)
+        return rows
+    if tuple(reader.fieldnames) != LOG_FIELDS:
+        raise ValueError(f"{path} is not a log of this program: its columns are "
+                         f"{reader.fieldnames}, expected {list(LOG_FIELDS)}; move it away to "
+                         f"resume without the history")
+    for line, record in enumerate(records, 2):
+        try:
+            if None in record or None in record.values():
+                raise ValueError("wrong number of fields")
+            row = {k: float(v) if v else None for k, v in record.items()}
+            row["step"] = int(record["step"])
+        except ValueError:
+            raise ValueError(f"{path} line {line}: not a row of numbers: "
+                             f"{list(record.values())}") from None
+        if row["step"] <= up_to_step:
+            rows.append(row)
     return rows
 
 
@@ -408,6 +412,7 @@ class RunInputs:
     model_name: str
     params: object          # ParamArena of --init-from, or None
     resumed: object         # checkpoint.Checkpoint header of --resume, or None
+    history: list           # log rows of the resumed run up to its checkpoint
     tokens: object
     tokenizer: object
     prompt_ids: list
@@ -499,9 +504,15 @@ def _prepare(args, explicit):
     if args.eval_interval:
         val = DataLoader(tokens, args.batch_size, args.seq_len, config.vocab_size, split="val",
                          val_fraction=args.val_fraction, shuffle=False, seed=args.seed)
+    history = []
+    if resumed is not None:
+        # The run's log lies beside its checkpoint; rows past the checkpoint will be redone.
+        with blame("--resume"):
+            history = read_log(os.path.join(os.path.dirname(args.resume) or ".", "log.csv"),
+                               resumed.step)
     return RunInputs(config=config, model_name=model_name, params=params, resumed=resumed,
-                     tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids, train=train,
-                     val=val)
+                     history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
+                     train=train, val=val)
 
 
 def _model_config(args, explicit, resumed):
@@ -562,20 +573,18 @@ def _train_model(args, inputs, model, n_threads):
     config, train, val = inputs.config, inputs.train, inputs.val
     if inputs.params is not None:
         model.params.copy_(inputs.params)
-    start_step, history = 0, []
+    start_step = 0
     if inputs.resumed is not None:
         with blame("--resume"):
             state = ckpt.load_checkpoint(args.resume, config, params=model.params,
                                          adam_m=model.adam_m, adam_v=model.adam_v)
-            history = read_log(os.path.join(os.path.dirname(args.resume) or ".", "log.csv"),
-                               state.step)
         model.adam_step = state.adam_step
         start_step = state.step
     with blame("--out-dir"):
         os.makedirs(args.out_dir, exist_ok=True)
         ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
         ckpt.remove_stale_temporaries(ckpt_path)
-        log = RunLog(os.path.join(args.out_dir, "log.csv"), history)
+        log = RunLog(os.path.join(args.out_dir, "log.csv"), inputs.history)
 
     n_params = sum(v.size for v in model.params.views.values())
     print(f"GPT-2 {inputs.model_name}: {n_params / 1e6:.2f}M parameters, L={config.n_layer} "

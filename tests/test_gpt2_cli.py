@@ -74,6 +74,9 @@ def inputs(tmp_path_factory):
                     adam_v=ParamArena(config), adam_step=1, data_state=loader.state(),
                     extra={"args": {"data": str(d / "tokens.bin"), "batch_size": 2,
                                     "seq_len": 16, "steps": 5, "val_fraction": 0.1}})
+    (d / "foreign").mkdir()
+    (d / "foreign" / "ck.bin").write_bytes((d / "ck.bin").read_bytes())
+    (d / "foreign" / "log.csv").write_text("epoch,accuracy\n1,0.5\n")
     return d
 
 
@@ -95,6 +98,8 @@ BAD_INPUTS = {
     "resume with init-from": (["--resume", "ck.bin", "--init-from", "tiny.bin"],
                               ["exclude each other"]),
     "resume with another -B": (["--resume", "ck.bin", "-B", "3"], ["batch_size: saved 2"]),
+    "resume beside a foreign log": (["--resume", "foreign/ck.bin"],
+                                    ["log.csv is not a log of this program"]),
     "init-from garbage llm.c": (["--init-from", "garbage.bin"], ["--init-from", "truncated"]),
     "init-from garbage safetensors": (["--init-from", "garbage.safetensors"],
                                       ["not a safetensors file"]),

@@ -2,6 +2,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -141,3 +143,31 @@ def test_the_log_is_written_as_the_run_goes(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="power cut"):
         run(quick_run_args(out, 10))
     assert log_steps(out) == [1, 2, 3]
+
+
+def test_a_run_removes_the_temporaries_of_saves_that_were_killed(tmp_path):
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+    out = tmp_path / "run"
+    out.mkdir()
+    stale = out / f".checkpoint.bin.{int(finished.stdout)}-0123abcd.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    run(quick_run_args(out, 1, "--no-checkpoint"))
+    assert not stale.exists()
+
+
+def test_a_log_cut_short_by_a_crash_or_emptied_by_an_older_version_resumes(tmp_path):
+    out = tmp_path / "run"
+    run(quick_run_args(out, 3))
+    log = out / "log.csv"
+    full = log.read_text()
+    log.write_text(full[:-10])   # the last row half written
+    run(["--resume", str(out / "checkpoint.bin"), "--steps", "4"])
+    assert log_steps(out) == [1, 2, 4]
+    assert log.read_text().startswith(full.rsplit("\n", 2)[0])
+    log.write_text("step\n")     # what a resume used to leave
+    run(["--resume", str(out / "checkpoint.bin"), "--steps", "5"])
+    assert log_steps(out) == [5]
+    log.write_text(full.replace("\n2,", "\n2x,"))
+    with pytest.raises(train_cli.UsageError, match="line 3: not a row of numbers"):
+        run(["--resume", str(out / "checkpoint.bin"), "--steps", "6"])
