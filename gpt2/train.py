@@ -437,7 +437,10 @@ def _run(args, explicit):
         _openmp.set_flush_denormal(not args.no_flush_denormal, n_threads)
         return _train(args, inputs, n_threads)
     finally:
-        _openmp.set_flush_denormal(ftz_before, n_threads or 0)
+        if n_threads is None:  # the thread count was refused: OpenMP keeps its own
+            _openmp.set_flush_denormal(ftz_before)
+        else:
+            _openmp.set_flush_denormal(ftz_before, n_threads)
 
 
 def _prepare(args, explicit):
