@@ -2,7 +2,9 @@
 
 Every writer goes through ``atomic_writer``: the bytes go to a temporary file in the target's
 directory, are flushed and fsynced, and only then renamed over the target, so a crash or an
-error while saving leaves the previous file intact (and no temporary file behind).
+error while saving leaves the previous file intact. An error removes the temporary at once; a
+writer killed outright (SIGKILL, power loss) cannot, so temporaries are named after their
+writer's pid and the next write of the same file removes those whose process is gone.
 Every reader validates magic, version, sizes and config before trusting the data, and names the
 file and the broken constraint when it refuses one.
 """
@@ -10,8 +12,9 @@ import contextlib
 import json
 import math
 import os
+import re
+import secrets
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 
@@ -21,18 +24,62 @@ from gpt2.config import GPT2Config
 from gpt2.params import ParamArena, num_parameters
 
 
-@contextlib.contextmanager
-def atomic_writer(path):
-    """Binary file object whose contents replace ``path`` only if the block completes."""
+_TEMP_NAME = re.compile(r"\.(?P<target>.+)\.(?P<pid>[0-9]+)-[0-9a-f]{8}\.tmp")
+
+
+def _temporary_name(target_name):
+    """Hidden name of a temporary for ``target_name``, carrying the writer's pid."""
+    return f".{target_name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path):
+    """Remove temporaries of ``path`` left by writers that died mid-save (kill -9, power loss).
+
+    A temporary is stale when the process named in it no longer runs; a live writer's
+    temporary is never touched. Returns the names removed.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp_path = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                                    dir=directory)
+    target = os.path.basename(path)
+    removed = []
     try:
-        # mkstemp creates the file 0600; give it the mode a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        match = _TEMP_NAME.fullmatch(name)
+        if match is None or match["target"] != target or _pid_alive(int(match["pid"])):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another process removed it first
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_writer(path):
+    """Binary file object whose contents replace ``path`` only if the block completes.
+
+    Temporaries that dead writers left beside ``path`` are removed first.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    remove_stale_temporaries(path)
+    tmp_path = os.path.join(directory, _temporary_name(os.path.basename(path)))
+    # O_EXCL: never write through a file (or link) that is already there; the mode is a plain
+    # open()'s (0666 less the umask).
+    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -90,8 +137,11 @@ def _as_flat(arr, config, name):
 # --------------------------------------------------------------------------------------------
 
 CHECKPOINT_MAGIC = b"ADTGPT2\x00"
-CHECKPOINT_VERSION = 1
-_PREAMBLE = struct.Struct("<8sIIQ")  # magic, format version, reserved, JSON header length
+# Version 2 stores the CRC32 of the JSON header in the preamble; version 1 left that field
+# zero and is still read (its header unchecked), so older runs can be resumed.
+CHECKPOINT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+_PREAMBLE = struct.Struct("<8sIIQ")  # magic, format version, header CRC32, JSON header length
 _SECTION_ALIGN = 64
 _MAX_HEADER_BYTES = 1 << 26
 
@@ -148,7 +198,8 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
     data_start = _align(_PREAMBLE.size + len(header_bytes))
     header_bytes = header_bytes.ljust(data_start - _PREAMBLE.size, b" ")
     with atomic_writer(path) as f:
-        f.write(_PREAMBLE.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, 0, len(header_bytes)))
+        f.write(_PREAMBLE.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, zlib.crc32(header_bytes),
+                               len(header_bytes)))
         f.write(header_bytes)
         for entry, (_, flat) in zip(table, sections):
             f.seek(data_start + entry["offset"])
@@ -159,15 +210,19 @@ def _parse_checkpoint_header(f, path, file_size):
     preamble = f.read(_PREAMBLE.size)
     if len(preamble) < _PREAMBLE.size or preamble[:8] != CHECKPOINT_MAGIC:
         raise ValueError(f"{path!r} is not an adtape GPT-2 checkpoint (bad magic)")
-    _, version, _, header_len = _PREAMBLE.unpack(preamble)
-    if version != CHECKPOINT_VERSION:
+    _, version, header_crc, header_len = _PREAMBLE.unpack(preamble)
+    if version not in _READABLE_VERSIONS:
         raise ValueError(f"checkpoint {path!r} has format version {version}; this adtape reads "
-                         f"version {CHECKPOINT_VERSION}")
+                         f"versions {', '.join(map(str, _READABLE_VERSIONS))}")
     if header_len > min(_MAX_HEADER_BYTES, file_size - _PREAMBLE.size):
         raise ValueError(f"checkpoint {path!r} is truncated or corrupt: header length "
                          f"{header_len} exceeds the {file_size} byte file")
+    header_bytes = _read_exact(f, header_len, path, "the JSON header")
+    if version >= 2 and zlib.crc32(header_bytes) != header_crc:
+        raise ValueError(f"checkpoint {path!r} has a corrupt header: it fails its CRC32 check "
+                         "(the file was damaged or edited)")
     try:
-        header = json.loads(_read_exact(f, header_len, path, "the JSON header"))
+        header = json.loads(header_bytes)
         config = GPT2Config.from_dict(header["config"])
         sections = {}
         for s in header["sections"]:
@@ -182,6 +237,20 @@ def _parse_checkpoint_header(f, path, file_size):
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"checkpoint {path!r} has a corrupt header: {e!r}") from None
     return header, config, sections, _PREAMBLE.size + header_len
+
+
+def read_checkpoint_header(path):
+    """What a checkpoint holds, without its tensors: a ``Checkpoint`` whose params are None.
+
+    For deciding how to build a model before loading into it; the header is validated (and
+    CRC-checked) as ``load_checkpoint`` does.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        header, config, _, _ = _parse_checkpoint_header(f, path, os.fstat(f.fileno()).st_size)
+    return Checkpoint(config=config, params=None, step=header["step"],
+                      adam_step=header["adam_step"], data_state=header["data_state"],
+                      extra=header["extra"])
 
 
 def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None):
@@ -447,17 +516,20 @@ def export_hf_gpt2(path, params, write_config=False):
     tensors["ln_f.bias"] = params.lnfb
     write_safetensors(path, tensors, metadata={"format": "pt"})
     if write_config:
-        config_path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))),
-                                   "config.json")
-        with atomic_writer(config_path) as f:
+        with atomic_writer(hf_config_path(path)) as f:
             f.write(json.dumps(hf_config_dict(c), indent=2).encode("utf-8"))
+
+
+def hf_config_path(path):
+    """Where the config.json of a Hugging Face weights file is read from: beside it."""
+    return os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), "config.json")
 
 
 def _hf_n_head(path, n_head, inferred):
     """n_head from the argument or from config.json beside the file (weights cannot tell it)."""
     if n_head is not None:
         return n_head
-    config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    config_path = hf_config_path(path)
     if not os.path.exists(config_path):
         raise ValueError(f"cannot tell n_head of {path!r}: pass n_head= or config=, or put the "
                          "model's config.json beside it")

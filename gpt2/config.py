@@ -60,6 +60,10 @@ class GPT2Config:
                              f"{', '.join(PRESETS)}") from None
         return cls(**sizes)
 
+    def preset_name(self):
+        """The name of the preset with exactly these sizes, or None."""
+        return next((name for name, sizes in PRESETS.items() if sizes == self.to_dict()), None)
+
     def to_dict(self):
         return asdict(self)
 

@@ -152,6 +152,12 @@ def write_llmc_tokens(path, tokens):
         f.write(tokens.astype("<u2").tobytes())
 
 
+def split_sizes(n_tokens, val_fraction):
+    """(train, val) token counts of a corpus of ``n_tokens``: val is the last ``val_fraction``."""
+    n_val = int(round(n_tokens * val_fraction))
+    return n_tokens - n_val, n_val
+
+
 class DataLoader:
     """Batches (inputs, targets), int32 (B, T), from one split of a token array.
 
@@ -184,7 +190,7 @@ class DataLoader:
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"DataLoader: token ids must lie in [0, {vocab_size}) (vocab_size), "
                              f"the corpus has ids in [{lo}, {hi}]")
-        n_train = tokens.size - int(round(tokens.size * val_fraction))
+        n_train, _ = split_sizes(tokens.size, val_fraction)
         part = tokens[:n_train] if split == "train" else tokens[n_train:]
         needed = batch_size * seq_len + 1
         if part.size < needed:

@@ -1,13 +1,15 @@
-"""Train GPT-2 on the CPU: ``python -m gpt2.train`` (or the ``gpt2-train`` command).
+"""Train GPT-2 on the CPU: the gpt2-train command, or python -m gpt2.train.
 
-With no arguments it trains a small byte-level GPT-2 on the built-in corpus (the
-Python standard library's own source files, so nothing is downloaded), shows
-loss, tokens/s and ms/step in a progress bar, evaluates on a held-out split,
-writes a CSV log, a JSON summary and a loss-curve PNG to ``--out-dir``, and
-prints a text sample at the end.  ``--help`` lists every option.
+With no arguments it trains a small byte-level GPT-2 on a built-in corpus (the Python
+standard library's own source files, so nothing is downloaded), shows loss, tokens/s and
+ms/step in a progress bar, evaluates on a held-out split, writes a CSV log, a JSON summary,
+a loss-curve PNG and a checkpoint to the output directory, and prints a text sample at the end.
 """
 import argparse
+import contextlib
 import csv
+import dataclasses
+import io
 import json
 import math
 import os
@@ -16,6 +18,39 @@ import time
 
 SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                  "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+DEFAULT_OUT_DIR = "gpt2_run"
+DEFAULT_MODEL = "small"
+LOG_FIELDS = ("step", "loss", "lr", "ms", "tokens_per_s", "grad_norm", "val_loss")
+# What --resume takes from the checkpoint unless given again: everything that decides what
+# the run computes. Where and how fast it runs (threads, engine, memory, output) is this
+# invocation's own.
+RESUMED_OPTIONS = ("data", "tokenizer", "corpus_bytes", "val_fraction", "batch_size", "seq_len",
+                   "steps", "lr", "min_lr", "warmup", "schedule", "weight_decay", "grad_clip",
+                   "seed", "eval_interval", "eval_batches", "checkpoint_interval",
+                   "no_checkpoint", "sample_tokens", "temperature", "top_k", "prompt")
+
+EPILOG = f"""\
+Output goes to --out-dir (default: {DEFAULT_OUT_DIR} in the current directory; with --resume,
+the checkpoint's directory): log.csv (one row per step, written as the run goes),
+summary.json, loss.png and checkpoint.bin.
+
+--resume FILE continues the run saved in FILE up to --steps: the model comes from FILE, and
+every training and data option not given again is the saved run's; log.csv and loss.png
+cover the whole run.
+
+Exit status: 0 on success, 2 on a bad option or input (one line on stderr; --debug shows
+the traceback).
+"""
+
+
+class UsageError(Exception):
+    """A bad option or input file: the command reports it in one line, exit status 2."""
+
+
+def program_name():
+    """gpt2-train when run as the console script, python -m gpt2.train when run as a module."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m gpt2.train" if name in ("", "-c", "train.py", "__main__.py") else name
 
 
 def parse_size(text):
@@ -29,76 +64,159 @@ def parse_size(text):
         value = float(number)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a size cannot be negative: {text!r}")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"a size must be finite and non-negative: {text!r}")
     return int(value * SIZE_SUFFIXES[suffix])
 
 
-def positive_int(text):
-    value = int(text)
+def positive_size(text):
+    value = parse_size(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return value
 
 
-def build_parser():
-    p = argparse.ArgumentParser(prog="python -m gpt2.train", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _integer(text, low):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(
+            f"must be {'a positive' if low == 1 else 'a non-negative'} integer, got {text}")
+    return value
+
+
+def positive_int(text):
+    return _integer(text, 1)
+
+
+def non_negative_int(text):
+    return _integer(text, 0)
+
+
+def non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def fraction(text):
+    value = non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1), got {text}")
+    return value
+
+
+def build_parser(prog=None):
+    from gpt2.config import PRESETS
+    p = argparse.ArgumentParser(prog=prog or program_name(), description=__doc__,
+                                epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="small",
-                   help="preset: tiny, small, gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl")
-    m.add_argument("--init-from", default=None,
-                   help="start from weights: an llm.c gpt2_124M.bin or a Hugging Face "
-                        "model.safetensors (its config.json beside it)")
+    m.add_argument("--model", choices=tuple(PRESETS), default=None,
+                   help=f"size preset, gpt2 being the 124M GPT-2 (default: {DEFAULT_MODEL}, or "
+                        f"the sizes of --init-from or --resume, which it must match if given)")
+    m.add_argument("--init-from", default=None, metavar="FILE",
+                   help="start from weights: an llm.c model file (gpt2_124M.bin) or a Hugging "
+                        "Face model.safetensors with its config.json in the same directory")
     m.add_argument("--engine", choices=("tape", "manual"), default="tape",
-                   help="tape: backward derived by the adtape tape; manual: hand-sequenced")
+                   help="tape: backward derived by the adtape tape; manual: hand-sequenced "
+                        "(default: %(default)s)")
     d = p.add_argument_group("data")
-    d.add_argument("--data", default=None,
-                   help="a text file or an llm.c token file (.bin); default: the built-in corpus")
-    d.add_argument("--tokenizer", default=None,
-                   help="bytes (default for text), or a tiktoken .tiktoken file for GPT-2 BPE")
-    d.add_argument("--corpus-bytes", type=parse_size, default="3M",
-                   help="size of the built-in corpus")
-    d.add_argument("--val-fraction", type=float, default=0.05)
+    d.add_argument("--data", default=None, metavar="FILE",
+                   help="a text file or an llm.c token file (.bin) (default: the built-in corpus)")
+    d.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="'bytes', or a tiktoken file (r50k_base.tiktoken) for GPT-2 BPE "
+                        "(default: bytes)")
+    d.add_argument("--corpus-bytes", type=positive_size, default="3M", metavar="SIZE",
+                   help="size of the built-in corpus (default: 3M)")
+    d.add_argument("--val-fraction", type=fraction, metavar="F", default=0.05,
+                   help="fraction of the tokens held out for validation, at the end of the "
+                        "data; 0 needs --eval-interval 0 (default: %(default)s)")
     t = p.add_argument_group("training")
-    t.add_argument("-B", "--batch-size", type=positive_int, default=8)
-    t.add_argument("-T", "--seq-len", type=positive_int, default=None,
-                   help="sequence length (default: 128 or the model's block_size if smaller)")
-    t.add_argument("--steps", type=positive_int, default=1500)
-    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    t.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
-    t.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
-    t.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--grad-clip", type=float, default=1.0, help="max global norm (0: off)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--threads", type=positive_int, default=None,
-                   help="OpenMP and BLAS threads (default: OMP_NUM_THREADS or all cores)")
+    t.add_argument("-B", "--batch-size", type=positive_int, metavar="N", default=8,
+                   help="sequences per step (default: %(default)s)")
+    t.add_argument("-T", "--seq-len", type=positive_int, metavar="N", default=None,
+                   help="sequence length (default: 128, or the model's block_size if smaller)")
+    t.add_argument("--steps", type=positive_int, metavar="N", default=1500,
+                   help="total optimizer steps of the run, counting those before a --resume "
+                        "(default: %(default)s)")
+    t.add_argument("--lr", type=non_negative_float, default=3e-3,
+                   help="peak learning rate (default: %(default)s)")
+    t.add_argument("--min-lr", type=non_negative_float, default=None,
+                   help="floor of the cosine schedule (default: --lr / 10)")
+    t.add_argument("--warmup", type=non_negative_int, metavar="N", default=20,
+                   help="steps of linear warmup (default: %(default)s)")
+    t.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                   help="learning rate after the warmup: cosine decay to --min-lr, or constant "
+                        "(default: %(default)s)")
+    t.add_argument("--weight-decay", type=non_negative_float, metavar="WD", default=0.1,
+                   help="AdamW weight decay (default: %(default)s)")
+    t.add_argument("--grad-clip", type=non_negative_float, metavar="NORM", default=1.0,
+                   help="max global gradient norm, 0: off (default: %(default)s)")
+    t.add_argument("--seed", type=non_negative_int, metavar="N", default=0,
+                   help="seed of the initialization, the batch order and the sample "
+                        "(default: %(default)s)")
+    t.add_argument("--threads", type=positive_int, metavar="N", default=None,
+                   help="OpenMP threads (default: OMP_NUM_THREADS, or all cores)")
     t.add_argument("--no-flush-denormal", action="store_true",
                    help="keep denormal floats (slow); by default FTZ/DAZ are set")
     mem = p.add_argument_group("memory")
-    mem.add_argument("--tape-budget", type=parse_size, default=None,
-                     help="bytes of saved activations kept in RAM; the rest spills to disk")
-    mem.add_argument("--spill-dir", default=None, help="directory of the tape's spill file")
+    mem.add_argument("--tape-budget", type=parse_size, default=None, metavar="SIZE",
+                     help="bytes of saved activations kept in RAM, the rest spills to disk "
+                          "(default: no limit)")
+    mem.add_argument("--spill-dir", default=None, metavar="DIR",
+                     help="existing directory for the tape's spill file (default: the system's "
+                          "temporary directory)")
     mem.add_argument("--checkpointing", choices=("none", "layer", "binomial"), default="none",
                      help="recompute activations in the backward pass: none, per layer, or a "
-                          "binomial (Revolve) schedule over the layers")
-    mem.add_argument("--snapshots", type=positive_int, default=2,
-                     help="snapshots for --checkpointing binomial")
+                          "binomial (Revolve) schedule over the layers (default: %(default)s)")
+    mem.add_argument("--snapshots", type=positive_int, metavar="N", default=2,
+                     help="snapshots for --checkpointing binomial (default: %(default)s)")
     o = p.add_argument_group("evaluation and output")
-    o.add_argument("--eval-interval", type=int, default=250)
-    o.add_argument("--eval-batches", type=positive_int, default=8)
-    o.add_argument("--out-dir", default="gpt2_run", help="log, plot and checkpoints go here")
-    o.add_argument("--checkpoint-interval", type=int, default=0,
-                   help="save a checkpoint every N steps (0: only at the end)")
+    o.add_argument("--eval-interval", type=non_negative_int, metavar="N", default=250,
+                   help="evaluate every N steps and at the end, 0: never (default: %(default)s)")
+    o.add_argument("--eval-batches", type=positive_int, metavar="N", default=8,
+                   help="validation batches per evaluation (default: %(default)s)")
+    o.add_argument("--out-dir", default=None, metavar="DIR",
+                   help=f"where log, plot, summary and checkpoint go (default: {DEFAULT_OUT_DIR} "
+                        f"in the current directory; with --resume, the checkpoint's directory)")
+    o.add_argument("--checkpoint-interval", type=non_negative_int, metavar="N", default=0,
+                   help="save a checkpoint every N steps, 0: only at the end "
+                        "(default: %(default)s)")
     o.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint at all")
-    o.add_argument("--resume", default=None, help="continue from this checkpoint file")
-    o.add_argument("--sample-tokens", type=int, default=300)
-    o.add_argument("--temperature", type=float, default=0.8)
-    o.add_argument("--top-k", type=int, default=40)
-    o.add_argument("--prompt", default="def ", help="text the sample starts from")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar (log lines)")
+    o.add_argument("--resume", default=None, metavar="FILE",
+                   help="continue the run saved in this checkpoint (see below)")
+    o.add_argument("--sample-tokens", type=non_negative_int, metavar="N", default=300,
+                   help="tokens to sample at the end, 0: no sample (default: %(default)s)")
+    o.add_argument("--temperature", type=non_negative_float, metavar="T", default=0.8,
+                   help="sampling temperature, 0: always the likeliest token "
+                        "(default: %(default)s)")
+    o.add_argument("--top-k", type=non_negative_int, metavar="K", default=40,
+                   help="sample among the k likeliest tokens, 0: all (default: %(default)s)")
+    o.add_argument("--prompt", default="def ", metavar="TEXT",
+                   help="text the sample starts from (default: %(default)r)")
+    o.add_argument("--no-progress", action="store_true",
+                   help="log lines instead of a progress bar")
+    o.add_argument("--debug", action="store_true",
+                   help="show the traceback of an error instead of one line")
     return p
+
+
+def explicit_options(argv):
+    """The options given on the command line ``argv`` (dest -> value), without the defaults."""
+    parser = build_parser()
+    # argparse fills in a default only where the namespace lacks the attribute: preset every
+    # one to a marker, and what the command line set is what no longer holds it.
+    unset = object()
+    given = parser.parse_args(argv, argparse.Namespace(
+        **dict.fromkeys(vars(parser.parse_args([])), unset)))
+    return {name: value for name, value in vars(given).items() if value is not unset}
 
 
 def learning_rate(step, args):
@@ -113,25 +231,50 @@ def learning_rate(step, args):
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def load_tokens(args, vocab_size_hint):
+def _one_line(error):
+    if isinstance(error, OSError) and error.strerror:
+        text = error.strerror
+        if error.filename and str(error.filename) not in text:
+            text += f": {error.filename!r}"
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split())
+
+
+INPUT_ERRORS = (ValueError, TypeError, OSError, MemoryError)
+
+
+@contextlib.contextmanager
+def blame(what, errors=INPUT_ERRORS):
+    """Turn a failure while reading or checking ``what`` (an option) into a UsageError."""
+    try:
+        yield
+    except errors as e:
+        raise UsageError(f"{what}: {_one_line(e)}") from e
+
+
+def load_tokens(args):
     """(tokens, tokenizer) for --data/--tokenizer, or the built-in corpus."""
     from gpt2 import data, tokenizer as tok
     if args.tokenizer in (None, "bytes"):
         tokenizer = tok.ByteTokenizer()
     else:
-        tokenizer = tok.GPT2BPETokenizer(args.tokenizer)
+        with blame("--tokenizer"):
+            tokenizer = tok.GPT2BPETokenizer(args.tokenizer)
     if args.data is None:
-        return data.default_corpus_tokens(tokenizer, max_bytes=args.corpus_bytes), tokenizer
-    if args.data.endswith(".bin"):
-        return data.read_llmc_tokens(args.data), tokenizer
-    return data.text_file_tokens(args.data, tokenizer), tokenizer
+        with blame("--corpus-bytes"):
+            return data.default_corpus_tokens(tokenizer, max_bytes=args.corpus_bytes), tokenizer
+    with blame("--data"):
+        if args.data.endswith(".bin"):
+            return data.read_llmc_tokens(args.data), tokenizer
+        return data.text_file_tokens(args.data, tokenizer), tokenizer
 
 
-def sample(model, tokenizer, prompt, n_tokens, temperature, top_k, rng):
-    """Autoregressive sampling with temperature and top-k; returns the text."""
+def sample(model, prompt_ids, n_tokens, temperature, top_k, rng):
+    """Autoregressive sampling with temperature and top-k; returns every token id."""
     import numpy as np
     cfg = model.config
-    ids = list(tokenizer.encode(prompt)) or [0]
+    ids = list(prompt_ids) or [0]
     for _ in range(n_tokens):
         context = np.array([ids[-cfg.block_size:]], dtype=np.int32)
         logits, _ = model.forward(context)
@@ -143,7 +286,7 @@ def sample(model, tokenizer, prompt, n_tokens, temperature, top_k, rng):
         probs = np.exp(row)
         probs /= probs.sum()
         ids.append(int(rng.choice(row.size, p=probs)))
-    return tokenizer.decode(ids)
+    return ids
 
 
 def evaluate(model, loader, n_batches):
@@ -175,166 +318,381 @@ def plot_losses(path, rows):
     plt.close(fig)
 
 
+def read_log(path, up_to_step):
+    """Rows of an earlier run's log.csv with step <= up_to_step; [] where there is none.
+
+    A last row cut short (a crash while it was written) is dropped.
+    """
+    try:
+        with open(path, newline="") as f:
+            lines = f.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # cut short by a crash while it was written
+    reader = csv.DictReader(lines)
+    records = list(reader)
+    rows = []
+    if not records:  # nothing to keep (older versions left just a header after a resume)
+        return rows
+    if tuple(reader.fieldnames) != LOG_FIELDS:
+        raise ValueError(f"{path} is not a log of this program: its columns are "
+                         f"{reader.fieldnames}, expected {list(LOG_FIELDS)}; move it away to "
+                         f"resume without the history")
+    for line, record in enumerate(records, 2):
+        try:
+            if None in record or None in record.values():
+                raise ValueError("wrong number of fields")
+            row = {k: float(v) if v else None for k, v in record.items()}
+            row["step"] = int(record["step"])
+        except ValueError:
+            raise ValueError(f"{path} line {line}: not a row of numbers: "
+                             f"{list(record.values())}") from None
+        if row["step"] <= up_to_step:
+            rows.append(row)
+    return rows
+
+
+class RunLog:
+    """log.csv of the run: the history kept from before a resume, then one row per step,
+    each flushed as it is written, so a crash loses no finished step."""
+
+    def __init__(self, path, history):
+        from gpt2.checkpoint import atomic_writer
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=LOG_FIELDS)
+        writer.writeheader()
+        writer.writerows(history)
+        # Atomic: on a resume the history being rewritten is the file's own.
+        with atomic_writer(path) as f:
+            f.write(text.getvalue().encode("utf-8"))
+        self.rows = list(history)
+        self._file = open(path, "a", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=LOG_FIELDS)
+
+    def append(self, row):
+        self._writer.writerow(row)
+        self._file.flush()
+        self.rows.append(row)
+
+    def close(self):
+        self._file.close()
+
+
 def main(argv=None):
-    """Console entry point: train, return the exit status."""
-    run(argv)
+    """Console entry point: train; returns the exit status (2 on a bad option or input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _run(args, explicit_options(argv))
+    except UsageError as e:
+        if args.debug:
+            raise
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
 def run(argv=None):
-    """Train as the command line says; returns the run's summary (also in summary.json).
+    """Train as the command line ``argv`` says; returns the run's summary (also in
+    summary.json), or None when a resumed run has no steps left.
 
-    Flush-to-zero is set for the run (unless --no-flush-denormal) and the previous
-    floating-point mode is restored afterwards, in this thread and the OpenMP pool.
+    Raises UsageError for a bad option or input. Flush-to-zero is set for the run (unless
+    --no-flush-denormal) and the previous floating-point mode is restored afterwards, in this
+    thread and the OpenMP pool.
     """
-    args = build_parser().parse_args(argv)
+    return _run(build_parser().parse_args(argv), explicit_options(argv))
+
+
+@dataclasses.dataclass
+class RunInputs:
+    """Everything a run starts from, checked before anything is written or computed."""
+
+    config: object
+    model_name: str
+    params: object          # ParamArena of --init-from, or None
+    resumed: object         # checkpoint.Checkpoint header of --resume, or None
+    history: list           # log rows of the resumed run up to its checkpoint
+    tokens: object
+    tokenizer: object
+    prompt_ids: list
+    train: object           # DataLoader, at the resumed position
+    val: object             # DataLoader, or None without evaluation
+
+
+def _run(args, explicit):
+    inputs = _prepare(args, explicit)
+    if inputs is None:
+        return None
     from kernels import _openmp, threads
     ftz_before = _openmp.flush_denormal_enabled()
     # FTZ/DAZ first: threads started later inherit this thread's MXCSR.
     _openmp.set_flush_denormal(not args.no_flush_denormal)
-    # Every step frees and reallocates the same large buffers: keep them mapped.
-    _openmp.set_malloc_retention()
-    n_threads = threads.set_num_threads(args.threads)
-    _openmp.set_flush_denormal(not args.no_flush_denormal, n_threads)
+    n_threads = None
     try:
-        return _train(args, n_threads)
+        # Every step frees and reallocates the same large buffers: keep them mapped.
+        _openmp.set_malloc_retention()
+        with blame("--threads"):
+            n_threads = threads.set_num_threads(args.threads)
+        _openmp.set_flush_denormal(not args.no_flush_denormal, n_threads)
+        return _train(args, inputs, n_threads)
     finally:
-        _openmp.set_flush_denormal(ftz_before, n_threads)
-
-
-def _train(args, n_threads):
-    """The training run proper, with threads and floating-point mode already set."""
-    import numpy as np
-    from tqdm import tqdm
-
-    from gpt2 import checkpoint as ckpt
-    from gpt2.config import GPT2Config
-    from gpt2.data import DataLoader
-    from gpt2.model import GPT2
-
-    if args.init_from:
-        if args.init_from.endswith(".bin"):
-            params = ckpt.import_llmc(args.init_from)
+        if n_threads is None:  # the thread count was refused: OpenMP keeps its own
+            _openmp.set_flush_denormal(ftz_before)
         else:
-            params = ckpt.import_hf_gpt2(args.init_from)
-        config = params.config
-    else:
-        params = None
-        config = GPT2Config.preset(args.model)
+            _openmp.set_flush_denormal(ftz_before, n_threads)
+
+
+def _prepare(args, explicit):
+    """Check the options and read the inputs; None when a resumed run has nothing left to do."""
+    from gpt2 import checkpoint as ckpt
+    from gpt2.data import DataLoader, split_sizes
+    resumed = None
+    if args.resume:
+        if args.init_from:
+            raise UsageError("--resume and --init-from exclude each other: the checkpoint "
+                             "holds the weights")
+        with blame("--resume"):
+            resumed = ckpt.read_checkpoint_header(args.resume)
+        saved = (resumed.extra or {}).get("args") or {}
+        for name in RESUMED_OPTIONS:
+            if name in saved and name not in explicit:
+                setattr(args, name, saved[name])
+        if args.out_dir is None:
+            args.out_dir = os.path.dirname(args.resume) or "."
+        if resumed.step >= args.steps:
+            print(f"{args.resume} is at step {resumed.step} of --steps {args.steps}: nothing "
+                  f"left to do (pass a larger --steps to train further); "
+                  f"{args.out_dir} is unchanged", flush=True)
+            return None
+    if args.out_dir is None:
+        args.out_dir = DEFAULT_OUT_DIR
+    if args.val_fraction == 0 and args.eval_interval:
+        raise UsageError(f"--val-fraction 0 leaves no validation data for --eval-interval "
+                         f"{args.eval_interval}: pass --eval-interval 0 too, or a fraction in "
+                         f"(0, 1)")
+    if args.spill_dir is not None and not os.path.isdir(args.spill_dir):
+        raise UsageError(f"--spill-dir {args.spill_dir}: "
+                         + ("not a directory" if os.path.exists(args.spill_dir)
+                            else "no such directory"))
+
+    config, params, model_name = _model_config(args, explicit, resumed)
     if args.seq_len is None:
         args.seq_len = min(128, config.block_size)
     if args.seq_len > config.block_size:
-        raise SystemExit(f"error: -T {args.seq_len} exceeds the model's block_size "
-                         f"{config.block_size}")
-    tokens, tokenizer = load_tokens(args, config.vocab_size)
+        raise UsageError(f"-T {args.seq_len} exceeds the model's block_size {config.block_size}")
+    tokens, tokenizer = load_tokens(args)
     if tokens.size and int(tokens.max()) >= config.vocab_size:
-        raise SystemExit(f"error: the data has token id {int(tokens.max())}, outside the "
-                         f"model's vocabulary of {config.vocab_size}; use a matching tokenizer")
+        raise UsageError(f"the data has token id {int(tokens.max())}, outside the model's "
+                         f"vocabulary of {config.vocab_size}; use a matching --tokenizer")
+    needed = args.batch_size * args.seq_len + 1
+    n_train, n_val = split_sizes(tokens.size, args.val_fraction)
+    for split, n, wanted in (("training", n_train, True),
+                             ("validation", n_val, bool(args.eval_interval))):
+        if wanted and n < needed:
+            raise UsageError(f"the {split} data has {n} tokens, too few for one batch of "
+                             f"-B {args.batch_size} x -T {args.seq_len} (needs {needed}); use a "
+                             f"smaller -B or -T, more data, or another --val-fraction")
+    prompt_ids = tokenizer.encode(args.prompt).tolist() if args.sample_tokens else []
+    if prompt_ids and max(prompt_ids) >= config.vocab_size:
+        raise UsageError(f"--prompt {args.prompt!r} has token id {max(prompt_ids)}, outside "
+                         f"the model's vocabulary of {config.vocab_size}; use a matching "
+                         f"--tokenizer, or --sample-tokens 0")
     train = DataLoader(tokens, args.batch_size, args.seq_len, config.vocab_size, split="train",
                        val_fraction=args.val_fraction, seed=args.seed)
-    val = DataLoader(tokens, args.batch_size, args.seq_len, config.vocab_size, split="val",
-                     val_fraction=args.val_fraction, shuffle=False, seed=args.seed)
+    if resumed is not None and resumed.data_state:
+        with blame("--resume"):
+            train.load_state(resumed.data_state)
+    val = None
+    if args.eval_interval:
+        val = DataLoader(tokens, args.batch_size, args.seq_len, config.vocab_size, split="val",
+                         val_fraction=args.val_fraction, shuffle=False, seed=args.seed)
+    history = []
+    if resumed is not None:
+        # The run's log lies beside its checkpoint; rows past the checkpoint will be redone.
+        with blame("--resume"):
+            history = read_log(os.path.join(os.path.dirname(args.resume) or ".", "log.csv"),
+                               resumed.step)
+    return RunInputs(config=config, model_name=model_name, params=params, resumed=resumed,
+                     history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
+                     train=train, val=val)
 
+
+def _model_config(args, explicit, resumed):
+    """(config, params or None, what the model is called): from --resume, --init-from or --model."""
+    from gpt2 import checkpoint as ckpt
+    from gpt2.config import GPT2Config
+    params = None
+    if resumed is not None:
+        config, source = resumed.config, args.resume
+    elif args.init_from:
+        if args.init_from.endswith(".bin"):
+            with blame("--init-from"):
+                params = ckpt.import_llmc(args.init_from)
+        else:
+            with blame("--init-from"):
+                ckpt.SafetensorsFile(args.init_from)
+            # The weights do not tell n_head; Hugging Face keeps it in config.json.
+            if not os.path.exists(ckpt.hf_config_path(args.init_from)):
+                raise UsageError(f"--init-from {args.init_from}: a safetensors file needs the "
+                                 f"model's config.json (from the same Hugging Face repository) "
+                                 f"beside it, at {ckpt.hf_config_path(args.init_from)}")
+            with blame("--init-from"):
+                params = ckpt.import_hf_gpt2(args.init_from)
+        config, source = params.config, args.init_from
+    else:
+        return GPT2Config.preset(args.model or DEFAULT_MODEL), None, args.model or DEFAULT_MODEL
+    if "model" in explicit and GPT2Config.preset(args.model) != config:
+        raise UsageError(f"--model {args.model} does not match {source}, which holds "
+                         f"{config.preset_name() or 'a model'} with "
+                         + ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
+                         + "; leave --model out to use the file's sizes")
+    return config, params, config.preset_name() or source
+
+
+def _train(args, inputs, n_threads):
+    """The training run proper, with threads and floating-point mode already set."""
+    from gpt2.model import GPT2
     tape_kwargs = {}
     if args.tape_budget is not None:
         tape_kwargs["memory_budget"] = args.tape_budget
     if args.spill_dir is not None:
         tape_kwargs["spill_dir"] = args.spill_dir
-    model = GPT2(config, seed=args.seed, engine=args.engine, tape_kwargs=tape_kwargs,
-                 checkpointing=args.checkpointing, snapshots=args.snapshots)
-    if params is not None:
-        model.params.copy_(params)
+    with blame("model"):
+        model = GPT2(inputs.config, seed=args.seed, engine=args.engine, tape_kwargs=tape_kwargs,
+                     checkpointing=args.checkpointing, snapshots=args.snapshots)
+    try:
+        return _train_model(args, inputs, model, n_threads)
+    finally:
+        model.close()
+
+
+def _train_model(args, inputs, model, n_threads):
+    """Load the starting state, then the training loop, logging and saving as it goes."""
+    from tqdm import tqdm
+
+    from gpt2 import checkpoint as ckpt
+
+    config, train, val = inputs.config, inputs.train, inputs.val
+    if inputs.params is not None:
+        model.params.copy_(inputs.params)
     start_step = 0
-    if args.resume:
-        state = ckpt.load_checkpoint(args.resume, config, params=model.params,
-                                     adam_m=model.adam_m, adam_v=model.adam_v)
+    if inputs.resumed is not None:
+        with blame("--resume"):
+            state = ckpt.load_checkpoint(args.resume, config, params=model.params,
+                                         adam_m=model.adam_m, adam_v=model.adam_v)
         model.adam_step = state.adam_step
         start_step = state.step
-        if state.data_state:
-            train.load_state(state.data_state)
-    os.makedirs(args.out_dir, exist_ok=True)
-    log_path = os.path.join(args.out_dir, "log.csv")
-    ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
+    with blame("--out-dir"):
+        os.makedirs(args.out_dir, exist_ok=True)
+        ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
+        ckpt.remove_stale_temporaries(ckpt_path)
+        log = RunLog(os.path.join(args.out_dir, "log.csv"), inputs.history)
 
-    n_params = sum(v.size for k, v in model.params.views.items())
-    print(f"GPT-2 {args.model if not args.init_from else args.init_from}: {n_params / 1e6:.2f}M "
-          f"parameters, L={config.n_layer} H={config.n_head} C={config.n_embd} "
-          f"V={config.vocab_size}; B={args.batch_size} T={args.seq_len}, {n_threads} threads, "
-          f"engine={args.engine}, corpus {tokens.size:,} tokens", flush=True)
+    n_params = sum(v.size for v in model.params.views.values())
+    print(f"GPT-2 {inputs.model_name}: {n_params / 1e6:.2f}M parameters, L={config.n_layer} "
+          f"H={config.n_head} C={config.n_embd} V={config.vocab_size}; B={args.batch_size} "
+          f"T={args.seq_len}, {n_threads} threads, engine={args.engine}, corpus "
+          f"{inputs.tokens.size:,} tokens"
+          + (f"; resuming at step {start_step}" if start_step else ""), flush=True)
+    saved_args = dict(vars(args))
+    for name in ("data", "tokenizer"):
+        # The resumed run may start elsewhere: keep where the files are, not how they were named.
+        if saved_args[name] not in (None, "bytes"):
+            saved_args[name] = os.path.abspath(saved_args[name])
 
     def save(step):
         ckpt.save_checkpoint(ckpt_path, model.params, step=step, adam_m=model.adam_m,
                              adam_v=model.adam_v, adam_step=model.adam_step,
-                             data_state=train.state(), extra={"args": vars(args)})
+                             data_state=train.state(), extra={"args": saved_args})
 
     rows = []
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps,
                disable=args.no_progress, unit="step", dynamic_ncols=True)
     try:
-        for step in bar:
-            x, y = train.next_batch()
-            lr = learning_rate(step, args)
-            t0 = time.perf_counter()
-            loss, norm = model.train_step(x, y, lr, weight_decay=args.weight_decay,
-                                          grad_clip=args.grad_clip or None)
-            dt = time.perf_counter() - t0
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"the loss became {loss} at step {step}; "
-                                         f"try a lower --lr")
-            row = {"step": step + 1, "loss": loss, "lr": lr, "ms": dt * 1e3,
-                   "tokens_per_s": tokens_per_step / dt,
-                   "grad_norm": None if norm is None else float(norm), "val_loss": None}
-            last = step + 1 == args.steps
-            if args.eval_interval and ((step + 1) % args.eval_interval == 0 or last):
-                val.reset()
-                row["val_loss"] = evaluate(model, val, min(args.eval_batches, val.num_batches))
-            rows.append(row)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                            ms=f"{row['ms']:.0f}")
-            if args.no_progress and (step % 20 == 0 or last or row["val_loss"] is not None):
-                print(f"step {step + 1}/{args.steps} loss {loss:.4f} "
-                      f"{row['tokens_per_s']:.0f} tok/s {row['ms']:.0f} ms"
-                      + (f" val {row['val_loss']:.4f}" if row["val_loss"] is not None else ""),
-                      flush=True)
-            if (not args.no_checkpoint and args.checkpoint_interval
-                    and (step + 1) % args.checkpoint_interval == 0):
-                save(step + 1)
+        # A full disk (spill file, checkpoint, log) or memory is the machine's limit, not a
+        # bug: one line. Anything else here is a bug and keeps its traceback.
+        with blame("training", (OSError, MemoryError)):
+            for step in bar:
+                x, y = train.next_batch()
+                lr = learning_rate(step, args)
+                t0 = time.perf_counter()
+                loss, norm = model.train_step(x, y, lr, weight_decay=args.weight_decay,
+                                              grad_clip=args.grad_clip or None)
+                dt = time.perf_counter() - t0
+                if not math.isfinite(loss):
+                    raise UsageError(f"the loss became {loss} at step {step + 1}; try a lower "
+                                     f"--lr")
+                row = {"step": step + 1, "loss": loss, "lr": lr, "ms": dt * 1e3,
+                       "tokens_per_s": tokens_per_step / dt,
+                       "grad_norm": None if norm is None else float(norm), "val_loss": None}
+                last = step + 1 == args.steps
+                if val is not None and ((step + 1) % args.eval_interval == 0 or last):
+                    val.reset()
+                    row["val_loss"] = evaluate(model, val,
+                                               min(args.eval_batches, val.num_batches))
+                log.append(row)
+                rows.append(row)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                ms=f"{row['ms']:.0f}")
+                if args.no_progress and (step % 20 == 0 or last or row["val_loss"] is not None):
+                    print(f"step {step + 1}/{args.steps} loss {loss:.4f} "
+                          f"{row['tokens_per_s']:.0f} tok/s {row['ms']:.0f} ms"
+                          + (f" val {row['val_loss']:.4f}" if row["val_loss"] is not None
+                             else ""), flush=True)
+                if (not args.no_checkpoint and args.checkpoint_interval
+                        and (step + 1) % args.checkpoint_interval == 0):
+                    save(step + 1)
+            if not args.no_checkpoint:
+                save(args.steps)
     finally:
         bar.close()
-    if not args.no_checkpoint:
-        save(args.steps)
-    with open(log_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["step"])
-        writer.writeheader()
-        writer.writerows(rows)
-    if rows:
-        plot_losses(os.path.join(args.out_dir, "loss.png"), rows)
+        log.close()
+    return _finish(args, inputs, model, n_threads, log.rows, rows, start_step)
+
+
+def _finish(args, inputs, model, n_threads, all_rows, rows, start_step):
+    """summary.json and loss.png of the whole run, then the sample."""
+    import numpy as np
+    config, tokenizer = inputs.config, inputs.tokenizer
+    if all_rows:
+        plot_losses(os.path.join(args.out_dir, "loss.png"), all_rows)
+    # A run's first step includes one-time set-up; time the steady state.
     timed = [r["ms"] for r in rows[1:]] or [r["ms"] for r in rows]
-    summary = {"model": args.model, "config": config.to_dict(), "engine": args.engine,
-               "B": args.batch_size, "T": args.seq_len, "threads": n_threads,
-               "steps": args.steps, "first_loss": rows[0]["loss"] if rows else None,
-               "final_loss": rows[-1]["loss"] if rows else None,
-               "final_val_loss": next((r["val_loss"] for r in reversed(rows)
+    median_ms = float(np.median(timed)) if timed else None
+    summary = {"model": inputs.model_name, "init_from": args.init_from, "resumed_from": args.resume,
+               "config": config.to_dict(), "engine": args.engine, "B": args.batch_size,
+               "T": args.seq_len, "threads": n_threads, "start_step": start_step,
+               "steps": args.steps,
+               "first_loss": all_rows[0]["loss"] if all_rows else None,
+               "final_loss": all_rows[-1]["loss"] if all_rows else None,
+               "final_val_loss": next((r["val_loss"] for r in reversed(all_rows)
                                        if r["val_loss"] is not None), None),
-               "median_ms_per_step": float(np.median(timed)) if timed else None,
-               "tokens_per_s": tokens_per_step / (np.median(timed) / 1e3) if timed else None}
+               "median_ms_per_step": median_ms,
+               "tokens_per_s": args.batch_size * args.seq_len / (median_ms / 1e3)
+                               if median_ms else None}
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    if rows:
-        print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
-              + (f" (validation {summary['final_val_loss']:.3f})"
-                 if summary["final_val_loss"] is not None else "")
-              + f"; {summary['median_ms_per_step']:.0f} ms/step, "
-                f"{summary['tokens_per_s']:.0f} tokens/s; log, plot and checkpoint in "
-                f"{args.out_dir}/")
-    if args.sample_tokens > 0:
-        text = sample(model, tokenizer, args.prompt, args.sample_tokens, args.temperature,
-                      args.top_k, np.random.default_rng(args.seed))
+    print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+          + (f" (validation {summary['final_val_loss']:.3f})"
+             if summary["final_val_loss"] is not None else "")
+          + f"; {median_ms:.0f} ms/step, {summary['tokens_per_s']:.0f} tokens/s; log, plot "
+            f"and {'checkpoint' if not args.no_checkpoint else 'summary'} in {args.out_dir}/",
+          flush=True)
+    if args.sample_tokens:
+        ids = sample(model, inputs.prompt_ids, args.sample_tokens, args.temperature, args.top_k,
+                     np.random.default_rng(args.seed))
         print("----- sample -----")
-        print(text)
+        if tokenizer.vocab_size < config.vocab_size:
+            print(f"(token ids: the model's vocabulary has {config.vocab_size} tokens, the "
+                  f"{'byte' if args.tokenizer in (None, 'bytes') else 'given'} tokenizer "
+                  f"{tokenizer.vocab_size}; pass --tokenizer with the model's tiktoken file, "
+                  f"e.g. r50k_base.tiktoken for GPT-2, to see text)")
+            print(" ".join(map(str, ids)))
+        else:
+            print(tokenizer.decode(ids))
         print("------------------")
-    model.close()
     return summary
 
 

@@ -136,7 +136,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, failing):
     np.testing.assert_array_equal(load_checkpoint(path).params.flat, params.flat)
 
 
-def test_process_killed_while_saving_keeps_previous_checkpoint(tmp_path):
+def test_process_killed_while_saving_keeps_previous_checkpoint_and_next_save_cleans_up(tmp_path):
     path, params, *_ = saved_state(tmp_path)
     before = path.read_bytes()
     # The child writes a new checkpoint and is SIGKILLed after the data, before the rename.
@@ -162,6 +162,50 @@ def test_process_killed_while_saving_keeps_previous_checkpoint(tmp_path):
     ck = load_checkpoint(path)
     assert ck.step == 123
     np.testing.assert_array_equal(ck.params.flat, params.flat)
+
+    # A live writer's temporary (this process's pid) beside it must survive the next save.
+    live = tmp_path / f".ck.bin.{os.getpid()}-0123abcd.tmp"
+    live.write_bytes(b"in progress")
+    save_checkpoint(path, params, step=124)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck.bin", live.name])
+    assert load_checkpoint(path).step == 124
+
+
+def test_stale_temporaries_of_other_files_are_left_alone(tmp_path):
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+    dead_pid = int(finished.stdout)
+    mine = tmp_path / f".ck.bin.{dead_pid}-89abcdef.tmp"
+    other = tmp_path / f".other.bin.{dead_pid}-89abcdef.tmp"
+    for p in (mine, other):
+        p.write_bytes(b"x")
+    assert ckpt.remove_stale_temporaries(tmp_path / "ck.bin") == [mine.name]
+    assert sorted(os.listdir(tmp_path)) == [other.name]
+
+
+def test_edited_header_fails_its_crc(tmp_path):
+    path, *_ = saved_state(tmp_path)
+    good = path.read_bytes()
+    assert b'"step": 123' in good
+    path.write_bytes(good.replace(b'"step": 123', b'"step": 923'))
+    with pytest.raises(ValueError, match="corrupt header: it fails its CRC32 check"):
+        load_checkpoint(path)
+    with pytest.raises(ValueError, match="CRC32"):
+        ckpt.read_checkpoint_header(path)
+
+
+def test_version_1_checkpoints_still_load(tmp_path):
+    """Version 1 had the same layout with the header CRC field zero (and unchecked)."""
+    path, params, *_ = saved_state(tmp_path)
+    good = path.read_bytes()
+    magic, version, _, header_len = struct.unpack("<8sIIQ", good[:24])
+    assert version == 2
+    path.write_bytes(struct.pack("<8sIIQ", magic, 1, 0, header_len) + good[24:])
+    ck = load_checkpoint(path)
+    assert ck.step == 123
+    np.testing.assert_array_equal(ck.params.flat, params.flat)
+    info = ckpt.read_checkpoint_header(path)
+    assert info.step == 123 and info.config == TINY and info.params is None
 
 
 # ---------------------------------------------------------------------------- llm.c

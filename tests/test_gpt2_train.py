@@ -1,16 +1,16 @@
-"""The training script end to end, checkpointing policies, resume and bad input."""
+"""The training script end to end, checkpointing policies, resume and the run's history."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-import adtape
-import gpt2
 from gpt2.config import GPT2Config
 from gpt2.model import GPT2
+from gpt2 import train as train_cli
 from gpt2.train import learning_rate, parse_size, run
 
 
@@ -59,9 +59,9 @@ def test_training_script_end_to_end_and_resume(tmp_path, capsys):
     more = list(args)
     more[more.index("--steps") + 1] = "40"
     resumed = run(more + ["--resume", str(out / "checkpoint.bin")])
-    log = (out / "log.csv").read_text().splitlines()
-    assert log[1].startswith("31,")   # the resumed run starts at step 31
-    assert resumed["steps"] == 40
+    steps = [int(line.split(",")[0]) for line in (out / "log.csv").read_text().splitlines()[1:]]
+    assert steps == list(range(1, 41))   # the first run's 30 rows, then the resumed 10
+    assert resumed["steps"] == 40 and resumed["start_step"] == 30
 
 
 def test_schedule_and_sizes():
@@ -75,35 +75,99 @@ def test_schedule_and_sizes():
     assert parse_size("64k") == 65536 and parse_size("2G") == 2 << 30 and parse_size("100") == 100
 
 
-def run_cli(cwd, *args):
-    """``python -m gpt2.train`` run from ``cwd``: never from the source tree, whose
-    unbuilt packages ``-m`` would put first on sys.path."""
-    roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(roots))
-    return subprocess.run([sys.executable, "-m", "gpt2.train", *args], capture_output=True,
-                          text=True, env=env, cwd=cwd)
+def quick_run_args(out, steps, *extra):
+    return ["--model", "tiny", "-B", "2", "-T", "16", "--steps", str(steps), "--corpus-bytes",
+            "50k", "--eval-interval", "2", "--eval-batches", "1", "--sample-tokens", "0",
+            "--no-progress", "--out-dir", str(out), *extra]
 
 
-def test_cli_bad_input_gets_clear_errors(tmp_path):
-    proc = run_cli(tmp_path, "--model", "tiny", "-T", "65", "--out-dir", str(tmp_path))
-    assert proc.returncode != 0 and "block_size" in proc.stderr
-    proc = run_cli(tmp_path, "--model", "nano", "--out-dir", str(tmp_path))
-    assert proc.returncode != 0 and "unknown GPT-2 preset" in proc.stderr
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
-    proc = run_cli(tmp_path, "--model", "tiny", "--data", str(empty), "--out-dir", str(tmp_path))
-    assert proc.returncode != 0 and "empty" in proc.stderr
-    bad = tmp_path / "bad.bin"
-    bad.write_bytes(b"\0" * 100)
-    proc = run_cli(tmp_path, "--model", "tiny", "--resume", str(bad), "--out-dir", str(tmp_path))
-    assert proc.returncode != 0 and "not an adtape GPT-2 checkpoint" in proc.stderr
-    proc = run_cli(tmp_path, "--model", "tiny", "--data", str(tmp_path / "missing.txt"))
-    assert proc.returncode != 0 and "missing.txt" in proc.stderr
+def log_steps(out):
+    return [int(line.split(",")[0]) for line in (out / "log.csv").read_text().splitlines()[1:]]
 
 
-def test_cli_success_exits_zero(tmp_path):
-    proc = run_cli(tmp_path, "--model", "tiny", "-B", "2", "-T", "16", "--steps", "2", "--eval-interval", "0",
-                   "--corpus-bytes", "50k", "--sample-tokens", "5", "--no-progress",
-                   "--out-dir", str(tmp_path / "run"))
-    assert proc.returncode == 0, proc.stderr
-    assert "loss" in proc.stdout and "----- sample -----" in proc.stdout
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    run(quick_run_args(out, 4))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["checkpoint.bin", "log.csv", "loss.png", "summary.json"]
+    capsys.readouterr()
+    # Only --resume: the model, the data and --steps come from the checkpoint.
+    assert run(["--resume", str(out / "checkpoint.bin")]) is None
+    assert "at step 4 of --steps 4: nothing left to do" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_resume_appends_to_the_log_and_plots_and_summarizes_the_whole_run(tmp_path,
+                                                                          monkeypatch):
+    out = tmp_path / "run"
+    first = run(quick_run_args(out, 4))
+    first_log = (out / "log.csv").read_text()
+    plotted = []
+    monkeypatch.setattr(train_cli, "plot_losses",
+                        lambda path, rows: plotted.append([r["step"] for r in rows]))
+    resumed = run(["--resume", str(out / "checkpoint.bin"), "--steps", "7"])
+    log = (out / "log.csv").read_text()
+    assert log.startswith(first_log)   # the first run's rows, byte for byte
+    assert log_steps(out) == list(range(1, 8))
+    assert plotted == [list(range(1, 8))]
+    assert resumed["first_loss"] == first["first_loss"] and resumed["start_step"] == 4
+    assert json.loads((out / "summary.json").read_text())["first_loss"] == first["first_loss"]
+
+
+def test_resume_from_an_earlier_checkpoint_drops_the_later_rows(tmp_path):
+    out = tmp_path / "run"
+    run(quick_run_args(out, 3))
+    shutil.copy(out / "checkpoint.bin", tmp_path / "step3.bin")
+    shutil.copy(out / "log.csv", tmp_path / "log.csv")
+    run(["--resume", str(out / "checkpoint.bin"), "--steps", "6"])
+    assert log_steps(out) == list(range(1, 7))
+    # Step 3's checkpoint, resumed into a new directory, takes its history from beside it.
+    again = tmp_path / "again"
+    run(["--resume", str(tmp_path / "step3.bin"), "--steps", "5", "--out-dir", str(again)])
+    assert log_steps(again) == list(range(1, 6))
+    assert log_steps(out) == list(range(1, 7))   # the other run's log is untouched
+
+
+def test_the_log_is_written_as_the_run_goes(tmp_path, monkeypatch):
+    calls = []
+    real_train_step = GPT2.train_step
+
+    def dies_at_step_4(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("power cut")
+        return real_train_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT2, "train_step", dies_at_step_4)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="power cut"):
+        run(quick_run_args(out, 10))
+    assert log_steps(out) == [1, 2, 3]
+
+
+def test_a_run_removes_the_temporaries_of_saves_that_were_killed(tmp_path):
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+    out = tmp_path / "run"
+    out.mkdir()
+    stale = out / f".checkpoint.bin.{int(finished.stdout)}-0123abcd.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    run(quick_run_args(out, 1, "--no-checkpoint"))
+    assert not stale.exists()
+
+
+def test_a_log_cut_short_by_a_crash_or_emptied_by_an_older_version_resumes(tmp_path):
+    out = tmp_path / "run"
+    run(quick_run_args(out, 3))
+    log = out / "log.csv"
+    full = log.read_text()
+    log.write_text(full[:-10])   # the last row half written
+    run(["--resume", str(out / "checkpoint.bin"), "--steps", "4"])
+    assert log_steps(out) == [1, 2, 4]
+    assert log.read_text().startswith(full.rsplit("\n", 2)[0])
+    log.write_text("step\n")     # what a resume used to leave
+    run(["--resume", str(out / "checkpoint.bin"), "--steps", "5"])
+    assert log_steps(out) == [5]
+    log.write_text(full.replace("\n2,", "\n2x,"))
+    with pytest.raises(train_cli.UsageError, match="line 3: not a row of numbers"):
+        run(["--resume", str(out / "checkpoint.bin"), "--steps", "6"])
