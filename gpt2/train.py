@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import resource
 import sys
 import time
 
@@ -178,6 +179,11 @@ def build_parser(prog=None):
                           "binomial (Revolve) schedule over the layers (default: %(default)s)")
     mem.add_argument("--snapshots", type=positive_int, metavar="N", default=2,
                      help="snapshots for --checkpointing binomial (default: %(default)s)")
+    mem.add_argument("--max-memory", type=positive_size, default=None, metavar="SIZE",
+                     help="choose --tape-budget and --checkpointing to stay within SIZE of "
+                          "RAM at the fastest predicted step (the performance model's profile "
+                          "of this machine: python -m gpt2.perfmodel.calibrate); excludes "
+                          "those two options (default: no limit)")
     o = p.add_argument_group("evaluation and output")
     o.add_argument("--eval-interval", type=non_negative_int, metavar="N", default=250,
                    help="evaluate every N steps and at the end, 0: never (default: %(default)s)")
@@ -418,6 +424,7 @@ class RunInputs:
     prompt_ids: list
     train: object           # DataLoader, at the resumed position
     val: object             # DataLoader, or None without evaluation
+    plan: object = None     # gpt2.perfmodel.plan.MemoryPlan of --max-memory, or None
 
 
 def _run(args, explicit):
@@ -481,6 +488,15 @@ def _prepare(args, explicit):
         args.seq_len = min(128, config.block_size)
     if args.seq_len > config.block_size:
         raise UsageError(f"-T {args.seq_len} exceeds the model's block_size {config.block_size}")
+    if args.max_memory is not None:
+        clash = [f"--{n.replace('_', '-')}" for n in ("tape_budget", "checkpointing", "snapshots")
+                 if n in explicit]
+        if clash:
+            raise UsageError(f"--max-memory chooses the memory policy itself: leave out "
+                             f"{' and '.join(clash)}")
+        if args.engine != "tape":
+            raise UsageError("--max-memory plans the tape engine's memory: leave out "
+                             "--engine manual")
     tokens, tokenizer = load_tokens(args)
     if tokens.size and int(tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(tokens.max())}, outside the model's "
@@ -507,6 +523,18 @@ def _prepare(args, explicit):
     if args.eval_interval:
         val = DataLoader(tokens, args.batch_size, args.seq_len, config.vocab_size, split="val",
                          val_fraction=args.val_fraction, shuffle=False, seed=args.seed)
+    plan = None
+    if args.max_memory is not None:
+        import psutil
+        from tqdm import tqdm  # noqa: F401  (loaded before the baseline is taken)
+
+        import gpt2.model  # noqa: F401
+        import gpt2.tape_engine  # noqa: F401
+        from gpt2.perfmodel.plan import plan_memory
+        with blame("--max-memory"):
+            plan = plan_memory(config, args.batch_size, args.seq_len, args.max_memory,
+                               spill_dir=args.spill_dir, threads=args.threads, flash=True,
+                               baseline_bytes=psutil.Process().memory_info().rss)
     history = []
     if resumed is not None:
         # The run's log lies beside its checkpoint; rows past the checkpoint will be redone.
@@ -515,7 +543,7 @@ def _prepare(args, explicit):
                                resumed.step)
     return RunInputs(config=config, model_name=model_name, params=params, resumed=resumed,
                      history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
-                     train=train, val=val)
+                     train=train, val=val, plan=plan)
 
 
 def _model_config(args, explicit, resumed):
@@ -553,6 +581,11 @@ def _model_config(args, explicit, resumed):
 def _train(args, inputs, n_threads):
     """The training run proper, with threads and floating-point mode already set."""
     from gpt2.model import GPT2
+    if inputs.plan is not None:
+        print(f"--max-memory {args.max_memory:,} bytes: {inputs.plan.describe()}", flush=True)
+        policy = inputs.plan.engine_kwargs()
+        args.tape_budget = policy["tape_kwargs"].get("memory_budget")
+        args.checkpointing, args.snapshots = policy["checkpointing"], policy["snapshots"]
     tape_kwargs = {}
     if args.tape_budget is not None:
         tape_kwargs["memory_budget"] = args.tape_budget
@@ -649,10 +682,13 @@ def _train_model(args, inputs, model, n_threads):
     finally:
         bar.close()
         log.close()
-    return _finish(args, inputs, model, n_threads, log.rows, rows, start_step)
+    # The training's peak resident memory (the kernel's count), before the plot loads its
+    # libraries.
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _finish(args, inputs, model, n_threads, log.rows, rows, start_step, peak_rss)
 
 
-def _finish(args, inputs, model, n_threads, all_rows, rows, start_step):
+def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss):
     """summary.json and loss.png of the whole run, then the sample."""
     import numpy as np
     config, tokenizer = inputs.config, inputs.tokenizer
@@ -672,6 +708,14 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step):
                "median_ms_per_step": median_ms,
                "tokens_per_s": args.batch_size * args.seq_len / (median_ms / 1e3)
                                if median_ms else None}
+    summary["peak_rss_bytes"] = peak_rss
+    if inputs.plan is not None:
+        summary["memory_plan"] = {"policy": inputs.plan.policy, "max_memory": args.max_memory,
+                                  "tape_budget": args.tape_budget,
+                                  "checkpointing": args.checkpointing,
+                                  "snapshots": args.snapshots,
+                                  "predicted_ms": inputs.plan.predicted_ms,
+                                  "predicted_peak_bytes": inputs.plan.predicted_peak_bytes}
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
@@ -680,6 +724,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step):
           + f"; {median_ms:.0f} ms/step, {summary['tokens_per_s']:.0f} tokens/s; log, plot "
             f"and {'checkpoint' if not args.no_checkpoint else 'summary'} in {args.out_dir}/",
           flush=True)
+    if inputs.plan is not None and median_ms is not None:
+        print(f"--max-memory: {inputs.plan.compare(median_ms, peak_rss)}", flush=True)
     if args.sample_tokens:
         ids = sample(model, inputs.prompt_ids, args.sample_tokens, args.temperature, args.top_k,
                      np.random.default_rng(args.seed))

@@ -184,14 +184,17 @@ class _Accounting:
         return 0.0 if checkpointing == "none" else self.block_heap
 
 
-def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=None, threads=None, flash=False):
+def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=None, threads=None, flash=False,
+                baseline_bytes=None):
     """The fastest policy that trains ``config`` at (B, T) within ``max_memory`` bytes of RSS.
 
     ``hardware``: a profile name, path or ``HardwareProfile`` (its disk rates should be
     the spill directory's: ``python -m gpt2.perfmodel.calibrate --disk-only --spill-dir
     DIR``); ``threads``: the threads training will use (the profile's compute rates are
     scaled from the threads they were measured with); ``flash``: the model's attention
-    keeps O(T) per row (FlashAttention) instead of the T x T probabilities.  Raises
+    keeps O(T) per row (FlashAttention) instead of the T x T probabilities;
+    ``baseline_bytes``: the resident memory of the process before the model exists
+    (interpreter, libraries, the data set), when it is larger than the profile's.  Raises
     ValueError naming the least memory needed when no policy fits.
     """
     if not isinstance(max_memory, (int, float)) or isinstance(max_memory, bool) or not max_memory > 0:
@@ -208,6 +211,8 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
         profile = profile.with_changes(peak_flops={k: v * scale for k, v in profile.peak_flops.items()})
         notes.append(f"compute rates scaled from the profile's {profile.threads} threads to {threads}")
     notes += _spill_dir_notes(profile, spill_dir)
+    if baseline_bytes is not None and baseline_bytes > profile.baseline_rss:
+        profile = profile.with_changes(baseline_rss=float(baseline_bytes))
     spec = ModelSpec.from_config(config)
     acc = _Accounting(spec, B, T, flash)
     fixed = acc.model_states + profile.baseline_rss
