@@ -138,6 +138,7 @@ cdef struct TapeStruct:
     int io_started
     int io_stop
     int io_busy
+    int prefetch_slabs       # slabs queued for a prefetch read and not yet finished
     IORequest* queue_head
     IORequest* queue_tail
     int io_errno             # set by a failed background write, reported at the next slow path

@@ -320,13 +320,34 @@ cdef int read_all(int fd, char* p, size_t n, off_t off) noexcept nogil:
     return 0
 
 
-cdef void reclaim_file(TapeStruct* t, Slab* s) noexcept nogil:
-    """A slab's file bytes are free again: shrink the spill file from the top (io_mu held)."""
-    if s.file_offset + <off_t>s.used == t.file_end:
-        t.file_end = s.file_offset
-    if t.file_size - t.file_end >= <off_t>(8 * t.spill_unit) or (t.file_end == 0 and t.file_size > 0):
+cdef void shrink_file(TapeStruct* t) noexcept nogil:
+    """Give back the file bytes above file_end once they exceed one spill unit (io_mu held).
+
+    Keeping up to one unit spares a truncate per reload when pushes and pops
+    alternate at the spill boundary; any more would let the file outgrow what it holds.
+    """
+    if t.fd >= 0 and t.file_size - t.file_end > <off_t>t.spill_unit:
         if ftruncate(t.fd, t.file_end) == 0:
             t.file_size = t.file_end
+
+
+cdef void reclaim_file(TapeStruct* t, Slab* s) noexcept nogil:
+    """Slab s was read back: lower file_end to the top of the highest slab whose bytes the
+    file still holds (io_mu held).
+
+    Spill offsets rise along the chain, so the live file bytes end at the highest
+    non-resident slab.  A prefetched unit completes lowest slab first, so when
+    the slab that ends at file_end comes back, the resident slabs below it
+    (read back earlier, out of order) are skipped too; lowering file_end only by
+    the slab that ended exactly at it left their bytes stranded for good.
+    """
+    cdef Slab* p
+    if s.file_offset + <off_t>s.used == t.file_end:
+        p = s.prev
+        while p != NULL and p.state == SLAB_RESIDENT:
+            p = p.prev
+        t.file_end = 0 if p == NULL else p.file_offset + <off_t>p.used
+    shrink_file(t)
 
 
 cdef int load_slab_data(TapeStruct* t, Slab* s) noexcept nogil:
@@ -420,6 +441,7 @@ cdef void* io_main(void* arg) noexcept nogil:
             for i in range(req.count):
                 finish_load(t, s, s.io_result, 1)
                 s = s.next
+            t.prefetch_slabs -= req.count
         free(req)
         t.io_busy = 0
         pthread_cond_broadcast(&t.done_cv)
@@ -484,6 +506,7 @@ cdef int report_io_error(TapeStruct* t) noexcept nogil:
     set_err(t, ERR_IO, err, t.io_err_offset, msg)
     if t.io_rollback_end < t.file_end:
         t.file_end = t.io_rollback_end
+    shrink_file(t)
     t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
     t.io_errno = 0
     return -1
@@ -494,10 +517,16 @@ cdef int spill_oldest(TapeStruct* t) noexcept nogil:
 
     Returns 1 if a batch was queued, 0 if nothing can be spilled, -1 on error.
     """
-    cdef Slab* s = t.inline_slab.next
+    cdef Slab* s
     cdef Slab* first
     cdef size_t batch = 0
     cdef int count = 0
+    # A prefetched slab finishing below a slab written now would leave its file
+    # bytes as a hole under it: let the reads land first, so the slabs they bring
+    # back are the oldest resident ones and are the first written out again.
+    while t.prefetch_slabs > 0:
+        pthread_cond_wait(&t.done_cv, &t.io_mu)
+    s = t.inline_slab.next
     while s != NULL and s != t.head and s.state != SLAB_RESIDENT:
         s = s.next
     if s == NULL or s == t.head:
@@ -593,9 +622,13 @@ cdef void prefetch(TapeStruct* t) noexcept nogil:
     cdef Slab* s = t.head.prev
     cdef Slab* low
     cdef size_t unit_bytes
-    cdef int units = 0, count, window
+    cdef int units = 0, count, window, i
     window = t.prefetch_depth * (<int>(t.spill_unit // t.slab_bytes) + 1) + 2
     while s != NULL and units < t.prefetch_depth and window > 0:
+        if s.state == SLAB_WRITING:
+            # Reading below a slab still being written would leave a hole in the
+            # file under it: the file would hold more than the bytes spilled.
+            return
         if s.state != SLAB_ON_DISK:
             s = s.prev
             window -= 1
@@ -617,8 +650,15 @@ cdef void prefetch(TapeStruct* t) noexcept nogil:
         if count == 0:
             return
         if enqueue(t, 0, low, count) < 0:
+            # A prefetch is only a hint: put the slabs back on disk as they were.
             t.err_code = ERR_NONE
+            s = low
+            for i in range(count):
+                recycle_buffer(t, s)
+                s.state = SLAB_ON_DISK
+                s = s.next
             return
+        t.prefetch_slabs += count
         units += 1
         window -= count
 
@@ -783,9 +823,7 @@ cdef void recompute_file_end(TapeStruct* t, Slab* s) noexcept nogil:
     while s != NULL and s.state != SLAB_ON_DISK and s.state != SLAB_CORRUPT:
         s = s.prev
     t.file_end = 0 if s == NULL else s.file_offset + <off_t>s.used
-    if t.fd >= 0 and (t.file_end == 0 or t.file_size - t.file_end >= <off_t>(8 * t.spill_unit)):
-        if ftruncate(t.fd, t.file_end) == 0:
-            t.file_size = t.file_end
+    shrink_file(t)
 
 
 cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_bytes,
