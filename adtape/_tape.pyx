@@ -29,6 +29,7 @@ from libc.string cimport memcpy, memset, strncpy, strerror
 from kernels._openmp cimport par_memcpy
 from posix.types cimport off_t
 
+import ast
 import atexit
 import os
 import tempfile
@@ -36,6 +37,7 @@ import threading
 import weakref
 
 import numpy as np
+from numpy.lib import format as npformat
 cimport numpy as cnp
 
 cnp.import_array()
@@ -1186,11 +1188,26 @@ cdef void tape_close(TapeStruct* t) noexcept nogil:
     tape_unlock(t)
 
 
+cdef int bad_array_record(TapeStruct* t, RecordTrailer* tr, char* meta_end, size_t popped,
+                          const char* why) noexcept nogil:
+    """Put back what was popped of a malformed array record and report it as corrupt
+    (tape lock held).  Returns -1."""
+    cdef char msg[512]
+    cdef unsigned long long n = tr.nbytes
+    unpop_record(t, tr, meta_end - popped, popped, NULL, 0)
+    snprintf(msg, sizeof(msg), "the top array record (%llu bytes) is corrupt: %s", n, why)
+    set_err(t, ERR_CORRUPT, 0, 0, msg)
+    return -1
+
+
 # ---------------------------------------------------------------------------
 # Python API
 # ---------------------------------------------------------------------------
 
 DEF MAX_NDIM = 64
+DEF MAX_DTYPE_CODE = 2048
+DEF ARRAY_META_MAX = MAX_DTYPE_CODE + 8 * (MAX_NDIM + 3)
+DEF ARRAY_MAGIC = 0x41445441505952   # "RYPATDA": ends every array record's header
 _DTYPES = {np.dtype(np.float64): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
 _open_tapes = weakref.WeakSet()
 
@@ -1465,32 +1482,48 @@ cdef class Tape:
         return out
 
     def push_array(self, a):
-        """Push a copy of an array (any numeric dtype and shape) as one record."""
+        """Push a copy of an array as one record.
+
+        Any dtype that round-trips exactly is taken: byte order, item size,
+        datetime unit, string lengths and structured fields all come back as
+        pushed.  Arrays holding Python objects (object fields, StringDType) and
+        dtypes that cannot be described exactly raise TypeError, and the tape is
+        left as it was.
+        """
         cdef cnp.ndarray arr
-        cdef int64_t meta[MAX_NDIM + 2]
+        cdef char meta[ARRAY_META_MAX]
+        cdef int64_t* ints
+        cdef const unsigned char[::1] code_view
         cdef int ndim, k, rc
-        cdef size_t nbytes
+        cdef size_t nbytes, code_len, meta_len
         cdef const char* src
         if not isinstance(a, np.ndarray):
             raise TypeError(f"push_array takes a numpy array, got {type(a).__name__}")
-        if a.dtype.hasobject:
-            raise TypeError("push_array cannot store arrays of Python objects")
+        code = _dtype_code(a.dtype)
         arr = a if a.flags.c_contiguous else a.copy(order="C")
         ndim = arr.ndim
         if ndim > MAX_NDIM:
             raise ValueError(f"push_array: {ndim} dimensions exceed the limit of {MAX_NDIM}")
+        # Record payload: data, dtype code (8-byte padded), shape, then ndim, code
+        # length and a magic word: pop_array reads it from the top down.
+        code_len = len(code)
+        code_view = code
+        meta_len = round8(code_len) + 8 * (ndim + 3)
+        memset(meta, 0, round8(code_len))
+        memcpy(meta, &code_view[0], code_len)
+        ints = <int64_t*>(meta + round8(code_len))
         for k in range(ndim):
-            meta[k] = arr.shape[k]
-        meta[ndim] = ndim
-        meta[ndim + 1] = cnp.PyArray_TYPE(arr)
+            ints[k] = arr.shape[k]
+        ints[ndim] = ndim
+        ints[ndim + 1] = <int64_t>code_len
+        ints[ndim + 2] = ARRAY_MAGIC
         nbytes = arr.nbytes
         src = <const char*>cnp.PyArray_DATA(arr)
         with nogil:
             tape_lock(&self.t)
             rc = check_open(&self.t)
             if rc == 0:
-                rc = push_record_parts(&self.t, src, nbytes, <char*>meta,
-                                       8 * (ndim + 2), RECORD_ARRAY)
+                rc = push_record_parts(&self.t, src, nbytes, meta, meta_len, RECORD_ARRAY)
             tape_unlock(&self.t)
         if rc:
             self.check(rc)
@@ -1498,10 +1531,11 @@ cdef class Tape:
     def pop_array(self, out=None):
         """Pop the top array record; returns a new array, or fills ``out`` (same dtype, shape)."""
         cdef RecordTrailer tr
-        cdef int64_t meta[MAX_NDIM + 2]
-        cdef char* meta_end = <char*>&meta[MAX_NDIM + 2]
-        cdef size_t done = 0, meta_len = 16, nbytes
-        cdef int64_t ndim
+        cdef char meta[ARRAY_META_MAX]
+        cdef char* meta_end = meta + ARRAY_META_MAX
+        cdef int64_t tail[3]
+        cdef size_t done = 0, meta_len = 24, nbytes, code_len = 0
+        cdef int64_t ndim = 0, magic = 0
         cdef cnp.ndarray result
         cdef char* dst
         cdef int rc
@@ -1510,19 +1544,45 @@ cdef class Tape:
         if rc:
             tape_unlock(&self.t)
             self.check(rc)
-        rc = read_bytes(&self.t, meta_end - 16, 16, &done)
+        if tr.nbytes < 24:
+            rc = bad_array_record(&self.t, &tr, meta_end, 0, "its payload is shorter than its header")
+        else:
+            rc = read_bytes(&self.t, meta_end - 24, 24, &done)
+            if rc:
+                unpop_record(&self.t, &tr, meta_end - done, done, NULL, 0)
         if rc == 0:
-            ndim = meta[MAX_NDIM]
-            meta_len = 16 + 8 * ndim
-            rc = read_bytes(&self.t, meta_end - meta_len, 8 * ndim, &done)
-            done += 16
+            memcpy(tail, meta_end - 24, 24)
+            ndim, code_len, magic = tail[0], <size_t>tail[1], tail[2]
+            if magic != ARRAY_MAGIC or ndim < 0 or ndim > MAX_NDIM or code_len == 0 \
+                    or code_len > MAX_DTYPE_CODE:
+                rc = bad_array_record(&self.t, &tr, meta_end, 24, "its header does not check out")
+            else:
+                meta_len = 24 + 8 * ndim + round8(code_len)
+                if meta_len > tr.nbytes:
+                    rc = bad_array_record(&self.t, &tr, meta_end, 24,
+                                                "its header is longer than the record")
+                else:
+                    rc = read_bytes(&self.t, meta_end - meta_len, meta_len - 24, &done)
+                    if rc:
+                        unpop_record(&self.t, &tr, meta_end - 24 - done, done + 24, NULL, 0)
         if rc:
-            unpop_record(&self.t, &tr, meta_end - done, done, NULL, 0)
             tape_unlock(&self.t)
             self.check(rc)
         try:
-            shape = tuple(meta[MAX_NDIM - ndim + k] for k in range(ndim))
-            dtype = cnp.PyArray_DescrFromType(meta[MAX_NDIM + 1])
+            shape = tuple((<int64_t*>(meta_end - 24 - 8 * ndim))[k] for k in range(ndim))
+            dtype = _dtype_from_code(PyBytes_FromStringAndSize(meta_end - meta_len, code_len))
+            valid = (dtype is not None and all(d >= 0 for d in shape)
+                     and tr.nbytes - meta_len == _array_nbytes(dtype, shape))
+        except BaseException:
+            unpop_record(&self.t, &tr, meta_end - meta_len, meta_len, NULL, 0)
+            tape_unlock(&self.t)
+            raise
+        if not valid:
+            bad_array_record(&self.t, &tr, meta_end, meta_len,
+                             "its dtype or shape does not match its size")
+            tape_unlock(&self.t)
+            self.check(-1)
+        try:
             if out is None:
                 result = np.empty(shape, dtype=dtype)
             else:
@@ -1700,6 +1760,66 @@ def _default_slab_bytes(memory_budget):
         while size > (64 << 10) and size > memory_budget // 32:
             size //= 2
     return size
+
+
+_DTYPE_CODES = {}      # dtype -> the bytes that describe it in an array record
+_CODE_DTYPES = {}      # and back
+
+
+def _dtype_code(dt):
+    """The exact description of an array dtype stored in its record, or TypeError.
+
+    A dtype without fields is its ``dtype.str`` ('>f8', '<M8[ns]', '|S5');
+    a structured one is the ``.npy`` format's descr (names, formats, padding).
+    Whatever does not decode back to an equal dtype is refused, as are Python
+    objects (their bytes are pointers, meaningless once popped).
+    """
+    code = _DTYPE_CODES.get(dt)
+    if code is not None:
+        return code
+    if dt.hasobject:
+        raise TypeError(f"push_array cannot store arrays of Python objects (dtype {dt})")
+    try:
+        if dt.fields is None and dt.subdtype is None:
+            code = b"s" + dt.str.encode("ascii")
+        else:
+            code = b"d" + repr(npformat.dtype_to_descr(dt)).encode("ascii")
+    except (ValueError, TypeError, UnicodeEncodeError) as exc:
+        raise TypeError(f"push_array cannot describe dtype {dt} exactly: {exc}") from None
+    if len(code) > MAX_DTYPE_CODE:
+        raise TypeError(f"push_array: the description of dtype {dt} takes {len(code)} bytes, "
+                        f"over the limit of {MAX_DTYPE_CODE}")
+    back = _dtype_from_code(code)
+    if back is None or back != dt or back.itemsize != dt.itemsize:
+        raise TypeError(f"push_array cannot store dtype {dt}: it does not round-trip exactly "
+                        f"(it would come back as {back})")
+    _DTYPE_CODES[dt] = code
+    _CODE_DTYPES[code] = back
+    return code
+
+
+def _dtype_from_code(code):
+    """The dtype an array record describes, or None if the description is not valid."""
+    dt = _CODE_DTYPES.get(code)
+    if dt is not None:
+        return dt
+    try:
+        text = code[1:].decode("ascii")
+        if code[:1] == b"s":
+            dt = np.dtype(text)
+        elif code[:1] == b"d":
+            dt = npformat.descr_to_dtype(ast.literal_eval(text))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    # Bytes popped into an object array would be taken for pointers.
+    return None if dt is None or dt.hasobject else dt
+
+
+def _array_nbytes(dt, shape):
+    n = dt.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 def _count(name, value):
