@@ -65,6 +65,7 @@ cdef enum TapeErr:
     ERR_IO = 5           # SpillError (OSError) with errno
     ERR_CORRUPT = 6      # TapeCorruptionError
     ERR_MARK = 7         # ValueError: mark no longer valid
+    ERR_FORKED = 8       # TapeForkError: the tape belongs to the parent of a fork
 
 cdef struct RecordTrailer:
     uint64_t nbytes          # payload bytes (the record occupies nbytes + sizeof trailer)
@@ -101,7 +102,7 @@ cdef struct TapeStruct:
     int locked_word
     int threadsafe
     int itemsize
-    int closed
+    int closed               # 1 closed, 2 inherited by a forked child (see abandon_inherited)
 
     Slab* head
     Slab inline_slab
@@ -126,6 +127,7 @@ cdef struct TapeStruct:
     int64_t heap_slabs
 
     # Spill file and the I/O thread.
+    int owner_pid            # the process that created the tape, spill file and I/O thread
     int fd
     char spill_path[4096]
     char spill_dir[4096]

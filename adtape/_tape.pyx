@@ -52,6 +52,9 @@ cdef extern from "unistd.h" nogil:
 cdef extern from "stdlib.h" nogil:
     int mkstemp(char* template)
 
+cdef extern from "unistd.h" nogil:
+    int getpid()
+
 cdef extern from "sys/mman.h" nogil:
     void* mmap(void* addr, size_t length, int prot, int flags, int fd, off_t offset)
     int munmap(void* addr, size_t length)
@@ -100,6 +103,10 @@ class TapeCorruptionError(TapeError):
 
 class SpillError(TapeError, OSError):
     """Writing to or creating the spill file failed (full disk, unwritable dir)."""
+
+
+class TapeForkError(TapeError, RuntimeError):
+    """A forked child used a tape inherited from its parent (it must create its own)."""
 
 
 cdef void set_err(TapeStruct* t, int code, int err, off_t offset, const char* msg) noexcept nogil:
@@ -875,9 +882,37 @@ cdef int undo_write(TapeStruct* t, size_t pos0) noexcept nogil:
 
 
 cdef int check_open(TapeStruct* t) noexcept nogil:
+    cdef char msg[512]
+    if t.closed == 2:
+        snprintf(msg, sizeof(msg),
+                 "this tape belongs to process %d and was inherited through fork(): its "
+                 "spill file and I/O thread are the parent's, so a child cannot use it; "
+                 "create a new Tape in the child", t.owner_pid)
+        return fail(t, ERR_FORKED, msg)
     if t.closed:
         return fail(t, ERR_CLOSED, "the tape is closed")
     return 0
+
+
+cdef void abandon_inherited(TapeStruct* t) noexcept nogil:
+    """In a forked child: let go of a tape inherited from the parent without touching
+    what the parent still uses.
+
+    The spill file's descriptor shares its offset-free pwrite/pread target with
+    the parent, and the I/O thread does not exist here: truncating the file or
+    joining the thread (as close() would) destroys the parent's spilled data or
+    hangs.  Only the child's copy of the descriptor is closed; the copied slabs
+    are left to the child's exit.  Every later operation fails in check_open.
+    """
+    if t.closed:
+        return
+    if t.fd >= 0:
+        close(t.fd)
+        t.fd = -1
+    t.io_started = 0
+    t.locked_word = 0
+    t.closed = 2
+    t.top = t.limit = t.floor = t.fence = NULL
 
 
 # ---------------------------------------------------------------------------
@@ -896,6 +931,7 @@ cdef int tape_init(TapeStruct* t, int itemsize, size_t sbo_bytes, char* inline_b
     t.prefetch_depth = prefetch_depth
     t.max_free_slabs = 2 + prefetch_depth
     t.fd = -1
+    t.owner_pid = getpid()
     t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
     strncpy(t.spill_dir, spill_dir, sizeof(t.spill_dir) - 1)
     t.inline_buf = inline_buf
@@ -1160,7 +1196,15 @@ cdef int tape_clear(TapeStruct* t) noexcept nogil:
 
 
 cdef void tape_close(TapeStruct* t) noexcept nogil:
-    """Free every slab, stop the I/O thread and close the spill file.  Idempotent."""
+    """Free every slab, stop the I/O thread and close the spill file.  Idempotent.
+
+    In a child forked without the Python fork hook (a fork from C), only the
+    child's descriptor is let go: the file and the thread are the parent's.
+    """
+    if not t.closed and getpid() != t.owner_pid:
+        abandon_inherited(t)
+    if t.closed:
+        return
     tape_lock(t)
     if t.closed:
         tape_unlock(t)
@@ -1216,6 +1260,15 @@ _open_tapes = weakref.WeakSet()
 def _close_open_tapes():
     for tape in list(_open_tapes):
         tape.close()
+
+
+def _abandon_inherited_tapes():
+    for tape in list(_open_tapes):
+        abandon_inherited(&(<Tape>tape).t)
+    _open_tapes.clear()
+
+
+os.register_at_fork(after_in_child=_abandon_inherited_tapes)
 
 
 class TapeMark:
@@ -1330,13 +1383,14 @@ cdef class Tape:
             raise TapeCorruptionError(msg)
         if code == ERR_MARK:
             raise ValueError(msg)
+        if code == ERR_FORKED:
+            raise TapeForkError(msg)
         raise TapeError(msg or "tape operation failed")
 
     cdef int require_open(self) except -1:
         if self.t.closed:
-            raise TapeClosedError("the tape is closed")
+            self.check(check_open(&self.t))
         return 0
-
     # -- scalars ------------------------------------------------------------
 
     @cython.always_allow_keywords(False)
