@@ -72,6 +72,14 @@ cdef struct RecordTrailer:
     int64_t kind
     int64_t prev_record_end  # logical position after the previous record (its fence)
 
+# One entry per record on the tape, bottom first: what a mark and a popped
+# trailer are checked against, so neither can make the tape misread its bytes.
+cdef struct RecordEntry:
+    uint64_t serial          # unique on this tape: a record popped and replaced differs
+    int64_t start            # logical position of the record's first byte
+    int64_t end              # and just past its trailer
+    int64_t cum_bytes        # record_bytes with this record the top one
+
 cdef struct Slab:
     char* data               # NULL while the bytes live only on disk
     Slab* prev
@@ -117,6 +125,10 @@ cdef struct TapeStruct:
     int64_t n_records
     int64_t record_bytes
     int64_t last_record_end
+    RecordEntry* records     # n_records entries used, records_cap allocated
+    int64_t records_cap
+    uint64_t next_record_serial
+    uint64_t tape_serial     # unique per Tape in this process (marks name it)
 
     # Memory accounting and the free-slab pool.
     size_t resident_bytes    # heap slab bytes allocated (including the pool)

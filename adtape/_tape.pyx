@@ -23,7 +23,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from libc.errno cimport errno, EINTR, EIO
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcpy, memset, strncpy, strerror
 
 from kernels._openmp cimport par_memcpy
@@ -31,6 +31,7 @@ from posix.types cimport off_t
 
 import ast
 import atexit
+import itertools
 import os
 import tempfile
 import threading
@@ -1027,12 +1028,44 @@ cdef int tape_pop_many(TapeStruct* t, char* dst, size_t n) noexcept nogil:
     return rc
 
 
+cdef int reserve_record_entry(TapeStruct* t) noexcept nogil:
+    """Room in the record table for one more record, taken before the record is written
+    so that a failure leaves the tape unchanged."""
+    cdef int64_t cap
+    cdef RecordEntry* grown
+    if t.n_records < t.records_cap:
+        return 0
+    cap = 64 if t.records_cap == 0 else 2 * t.records_cap
+    grown = <RecordEntry*>realloc(t.records, cap * sizeof(RecordEntry))
+    if grown == NULL:
+        return fail(t, ERR_NOMEM, "out of memory growing the tape's record table")
+    t.records = grown
+    t.records_cap = cap
+    return 0
+
+
+cdef void finish_record_push(TapeStruct* t, size_t start, size_t payload) noexcept nogil:
+    """Account a record just written from start up to the top (entry reserved)."""
+    cdef RecordEntry* e = &t.records[t.n_records]
+    t.next_record_serial += 1
+    t.n_records += 1
+    t.record_bytes += round8(payload) + TRAILER
+    t.last_record_end = <int64_t>cur_pos(t)
+    t.fence = t.top
+    e.serial = t.next_record_serial
+    e.start = <int64_t>start
+    e.end = t.last_record_end
+    e.cum_bytes = t.record_bytes
+
+
 cdef int push_record_parts(TapeStruct* t, const char* a, size_t na, const char* b, size_t nb,
                            int kind) noexcept nogil:
     """Push one record whose payload is a ++ b (tape lock held)."""
     cdef RecordTrailer tr
     cdef size_t pos0 = cur_pos(t)
     cdef size_t payload = na + nb
+    if reserve_record_entry(t) < 0:
+        return -1
     tr.nbytes = payload
     tr.kind = kind
     tr.prev_record_end = t.last_record_end
@@ -1040,10 +1073,28 @@ cdef int push_record_parts(TapeStruct* t, const char* a, size_t na, const char* 
             or write_bytes(t, NULL, round8(payload) - payload) < 0
             or write_bytes(t, <char*>&tr, TRAILER) < 0):
         return undo_write(t, pos0)
-    t.n_records += 1
-    t.record_bytes += round8(payload) + TRAILER
-    t.last_record_end = <int64_t>cur_pos(t)
-    t.fence = t.top
+    finish_record_push(t, pos0, payload)
+    return 0
+
+
+cdef int check_trailer(TapeStruct* t, RecordTrailer* tr, size_t pos) noexcept nogil:
+    """Whether the trailer just popped from pos describes the top record of the record
+    table; a tape that misread it would read or write outside the record."""
+    cdef RecordEntry* e
+    cdef int64_t below = 0 if t.n_records < 2 else t.records[t.n_records - 2].end
+    cdef char msg[512]
+    cdef int ok = t.n_records >= 1 and (tr.kind == RECORD_BYTES or tr.kind == RECORD_ARRAY)
+    if ok:
+        e = &t.records[t.n_records - 1]
+        ok = (tr.nbytes <= pos and e.end == <int64_t>pos and tr.prev_record_end == below
+              and e.start == <int64_t>(pos - round8(tr.nbytes) - TRAILER))
+    if not ok:
+        snprintf(msg, sizeof(msg), "the top record's trailer at byte %zu does not check out "
+                 "(kind %lld, %llu bytes, previous record ending at %lld): the tape is corrupt",
+                 pos, <long long>tr.kind, <unsigned long long>tr.nbytes,
+                 <long long>tr.prev_record_end)
+        set_err(t, ERR_CORRUPT, 0, 0, msg)
+        return -1
     return 0
 
 
@@ -1059,6 +1110,9 @@ cdef int pop_trailer(TapeStruct* t, RecordTrailer* tr, int kind) noexcept nogil:
         return fail(t, ERR_KIND, "the top entry is a scalar, not a byte record: take it with pop()")
     if read_bytes(t, <char*>tr, TRAILER, &done) < 0:
         write_bytes(t, <char*>tr + TRAILER - done, done)
+        return -1
+    if check_trailer(t, tr, pos) < 0:
+        write_bytes(t, <char*>tr, TRAILER)
         return -1
     if tr.kind != kind:
         write_bytes(t, <char*>tr, TRAILER)
@@ -1162,12 +1216,9 @@ cdef int tape_commit_record(TapeStruct* t, size_t nbytes, int kind) noexcept nog
     tr.nbytes = nbytes
     tr.kind = kind
     tr.prev_record_end = t.last_record_end
-    if write_bytes(t, <char*>&tr, TRAILER) < 0:
+    if reserve_record_entry(t) < 0 or write_bytes(t, <char*>&tr, TRAILER) < 0:
         return undo_write(t, pos0)
-    t.n_records += 1
-    t.record_bytes += round8(nbytes) + TRAILER
-    t.last_record_end = <int64_t>cur_pos(t)
-    t.fence = t.top
+    finish_record_push(t, pos0, nbytes)
     return 0
 
 
@@ -1224,12 +1275,36 @@ cdef void tape_close(TapeStruct* t) noexcept nogil:
     while t.pool != NULL:
         free_pooled(t)
     pthread_mutex_unlock(&t.io_mu)
+    free(t.records)
+    t.records = NULL
+    t.records_cap = 0
     pthread_mutex_destroy(&t.io_mu)
     pthread_cond_destroy(&t.io_cv)
     pthread_cond_destroy(&t.done_cv)
     t.closed = 1
     t.top = t.limit = t.floor = t.fence = NULL
     tape_unlock(t)
+
+
+cdef int rewind_to_mark(TapeStruct* t, size_t pos, int64_t k, uint64_t serial) noexcept nogil:
+    """Rewind to a mark after checking it against the record table (tape lock held).
+
+    Valid: the mark's top record (its k-th) is still the k-th record, every record
+    above it starts at or above the mark, and the mark lies on a scalar boundary
+    at or below the top.  Anything else is a stale or foreign mark.
+    """
+    cdef int64_t end = 0, cum = 0
+    if k < 0 or k > t.n_records or pos > cur_pos(t):
+        return fail(t, ERR_MARK, "the mark lies above the tape's top: it was popped past")
+    if k > 0:
+        if t.records[k - 1].serial != serial:
+            return fail(t, ERR_MARK, "the mark is stale: a record below it was popped since")
+        end = t.records[k - 1].end
+        cum = t.records[k - 1].cum_bytes
+    if (<int64_t>pos < end or (k < t.n_records and t.records[k].start < <int64_t>pos)
+            or (<int64_t>pos - end) % t.itemsize != 0):
+        return fail(t, ERR_MARK, "the mark is stale: the entries below it were popped since")
+    return rewind_to(t, pos, k, cum, end)
 
 
 cdef int bad_array_record(TapeStruct* t, RecordTrailer* tr, char* meta_end, size_t popped,
@@ -1272,19 +1347,26 @@ os.register_at_fork(after_in_child=_abandon_inherited_tapes)
 
 
 class TapeMark:
-    """A position on one tape, returned by Tape.mark() and accepted by Tape.rewind()."""
-    __slots__ = ("tape_id", "nbytes", "n_records", "record_bytes", "last_record_end", "length")
+    """A position on one tape, returned by Tape.mark() and accepted by Tape.rewind().
 
-    def __init__(self, tape_id, nbytes, n_records, record_bytes, last_record_end, length):
+    It names its tape by a serial number unique in the process (not id(), which a
+    later tape can reuse) and the record then on top by its serial, so a mark is
+    refused once a record below it was popped, even if another took its place.
+    """
+    __slots__ = ("tape_id", "nbytes", "n_records", "record_serial", "length")
+
+    def __init__(self, tape_id, nbytes, n_records, record_serial, length):
         self.tape_id = tape_id
         self.nbytes = nbytes
         self.n_records = n_records
-        self.record_bytes = record_bytes
-        self.last_record_end = last_record_end
+        self.record_serial = record_serial
         self.length = length
 
     def __repr__(self):
         return f"TapeMark(length={self.length}, nbytes={self.nbytes})"
+
+
+_tape_serials = itertools.count(1)
 
 
 cdef class Tape:
@@ -1351,6 +1433,7 @@ cdef class Tape:
         tape_init(&self.t, itemsize, sbo_size * itemsize, self.sbo,
                   slab_size * itemsize, budget, encoded, prefetch_depth,
                   1 if threadsafe else 0, max(spill_unit, 1))
+        self.t.tape_serial = next(_tape_serials)
         if keep_free_slabs is not None:
             self.t.max_free_slabs = _count("keep_free_slabs", keep_free_slabs)
         elif budget < 0:
@@ -1686,11 +1769,17 @@ cdef class Tape:
         return bool(self.t.closed)
 
     def mark(self):
-        """Remember the current top; rewind(mark) later discards everything pushed after it."""
+        """Remember the current top; rewind(mark) later discards everything pushed after it.
+
+        The mark stays valid while the entries below it stay on the tape: once a
+        record at or below it is popped, rewind(mark) raises ValueError.
+        """
+        cdef int64_t k
         self.require_open()
         tape_lock(&self.t)
-        m = TapeMark(id(self), tape_nbytes(&self.t), self.t.n_records, self.t.record_bytes,
-                     self.t.last_record_end, tape_len(&self.t))
+        k = self.t.n_records
+        m = TapeMark(self.t.tape_serial, tape_nbytes(&self.t), k,
+                     self.t.records[k - 1].serial if k > 0 else 0, tape_len(&self.t))
         tape_unlock(&self.t)
         return m
 
@@ -1698,19 +1787,18 @@ cdef class Tape:
         """Discard every entry pushed after ``mark`` (from this tape's mark())."""
         cdef int rc = 0
         cdef size_t pos
-        cdef int64_t n_records, record_bytes, last_record_end
-        if not isinstance(mark, TapeMark) or mark.tape_id != id(self):
+        cdef int64_t k
+        cdef uint64_t serial
+        if not isinstance(mark, TapeMark) or mark.tape_id != self.t.tape_serial:
             raise ValueError("rewind takes a TapeMark returned by this tape's mark()")
         self.require_open()
-        pos, n_records = mark.nbytes, mark.n_records
-        record_bytes, last_record_end = mark.record_bytes, mark.last_record_end
+        try:
+            pos, k, serial = mark.nbytes, mark.n_records, mark.record_serial
+        except (TypeError, OverflowError):
+            raise ValueError(f"{mark!r} is not a mark this tape made") from None
         with nogil:
             tape_lock(&self.t)
-            if (pos > tape_nbytes(&self.t) or n_records > self.t.n_records
-                    or last_record_end > <int64_t>tape_nbytes(&self.t)):
-                rc = fail(&self.t, ERR_MARK, "the mark lies above the tape's top: it was popped past")
-            else:
-                rc = rewind_to(&self.t, pos, n_records, record_bytes, last_record_end)
+            rc = rewind_to_mark(&self.t, pos, k, serial)
             tape_unlock(&self.t)
         if rc:
             self.check(rc)
@@ -1791,6 +1879,15 @@ cdef class Tape:
         pthread_mutex_lock(&self.t.io_mu)
         self.t.inject_write_errno = err
         pthread_mutex_unlock(&self.t.io_mu)
+
+    def _overwrite_top(self, data):
+        """Overwrite the top len(data) bytes in place, as memory corruption would.  For
+        tests of the record checks; the bytes must lie in the head slab."""
+        cdef const unsigned char[::1] view = bytes(data)
+        self.require_open()
+        if view.shape[0] == 0 or <size_t>(self.t.top - self.t.floor) < <size_t>view.shape[0]:
+            raise ValueError("_overwrite_top: the bytes must lie in the head slab")
+        memcpy(self.t.top - view.shape[0], &view[0], view.shape[0])
 
     def _spill_fd(self):
         """The spill file's descriptor (-1 before the first spill).  For tests."""
