@@ -9,7 +9,8 @@
 # resident; everything else goes through the *_slow functions in _tape.pyx.
 #
 # Every function returning int returns 0 on success and -1 on error, with the
-# error kept in TapeStruct.err (see tape_raise in _tape.pyx).
+# error kept in the calling thread's error slot, so that threads sharing a tape
+# each get their own (Tape.check in _tape.pyx raises it).
 
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
@@ -55,7 +56,7 @@ cdef enum RecordKind:
     RECORD_BYTES = 1
     RECORD_ARRAY = 2
 
-# Error codes kept in TapeStruct.err_code.
+# Error codes, kept in the calling thread's error slot (last_error in _tape.pyx).
 cdef enum TapeErr:
     ERR_NONE = 0
     ERR_EMPTY = 1        # IndexError
@@ -167,11 +168,6 @@ cdef struct TapeStruct:
     int64_t prefetch_hits
     int64_t prefetch_misses
 
-    # Last error.
-    int err_code
-    int err_errno
-    off_t err_offset
-    char err_msg[512]
 
 ctypedef TapeStruct* TapePtr
 

@@ -110,12 +110,27 @@ class TapeForkError(TapeError, RuntimeError):
     """A forked child used a tape inherited from its parent (it must create its own)."""
 
 
+# The error of the last failed call, one slot per thread: a call's error is set and
+# read back by the same thread, whatever other threads do to the tape meanwhile.
+cdef extern from *:
+    """
+    typedef struct { int code; int errnum; long long offset; char msg[512]; } adtape_error_t;
+    static __thread adtape_error_t adtape_last_error;
+    """
+    ctypedef struct adtape_error_t:
+        int code
+        int errnum
+        long long offset
+        char msg[512]
+    adtape_error_t last_error "adtape_last_error"
+
+
 cdef void set_err(TapeStruct* t, int code, int err, off_t offset, const char* msg) noexcept nogil:
-    t.err_code = code
-    t.err_errno = err
-    t.err_offset = offset
-    strncpy(t.err_msg, msg, 511)
-    t.err_msg[511] = 0
+    last_error.code = code
+    last_error.errnum = err
+    last_error.offset = offset
+    strncpy(last_error.msg, msg, 511)
+    last_error.msg[511] = 0
 
 
 cdef int fail(TapeStruct* t, int code, const char* msg) noexcept nogil:
@@ -650,7 +665,7 @@ cdef void prefetch(TapeStruct* t) noexcept nogil:
                and (t.memory_budget < 0 or <int64_t>(t.resident_bytes + s.cap) <= t.memory_budget
                     or (s.cap == t.slab_bytes and t.pool != NULL))):
             if give_buffer(t, s) < 0:
-                t.err_code = ERR_NONE
+                last_error.code = ERR_NONE
                 break
             s.state = SLAB_LOADING
             unit_bytes += s.used
@@ -661,7 +676,7 @@ cdef void prefetch(TapeStruct* t) noexcept nogil:
             return
         if enqueue(t, 0, low, count) < 0:
             # A prefetch is only a hint: put the slabs back on disk as they were.
-            t.err_code = ERR_NONE
+            last_error.code = ERR_NONE
             s = low
             for i in range(count):
                 recycle_buffer(t, s)
@@ -822,10 +837,10 @@ cdef int read_bytes(TapeStruct* t, char* dst, size_t n, size_t* done) noexcept n
 
 
 cdef void keep_error_while(TapeStruct* t, int code, int err, off_t offset, char* msg_copy) noexcept nogil:
-    t.err_code = code
-    t.err_errno = err
-    t.err_offset = offset
-    memcpy(t.err_msg, msg_copy, 512)
+    last_error.code = code
+    last_error.errnum = err
+    last_error.offset = offset
+    memcpy(last_error.msg, msg_copy, 512)
 
 
 cdef void recompute_file_end(TapeStruct* t, Slab* s) noexcept nogil:
@@ -874,9 +889,9 @@ cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_
 cdef int undo_write(TapeStruct* t, size_t pos0) noexcept nogil:
     """Roll a failed multi-slab write back to pos0, keeping the write's error."""
     cdef char msg[512]
-    cdef int code = t.err_code, err = t.err_errno
-    cdef off_t offset = t.err_offset
-    memcpy(msg, t.err_msg, 512)
+    cdef int code = last_error.code, err = last_error.errnum
+    cdef off_t offset = last_error.offset
+    memcpy(msg, last_error.msg, 512)
     rewind_to(t, pos0, t.n_records, t.record_bytes, t.last_record_end)
     keep_error_while(t, code, err, offset, msg)
     return -1
@@ -1138,9 +1153,9 @@ cdef void unpop_record(TapeStruct* t, RecordTrailer* tr, const char* a, size_t n
     """Re-push the popped part of a record (a ++ b, then padding and trailer) after a
     failed read, keeping the read's error."""
     cdef char msg[512]
-    cdef int code = t.err_code, err = t.err_errno
-    cdef off_t offset = t.err_offset
-    memcpy(msg, t.err_msg, 512)
+    cdef int code = last_error.code, err = last_error.errnum
+    cdef off_t offset = last_error.offset
+    memcpy(msg, last_error.msg, 512)
     write_bytes(t, a, na)
     write_bytes(t, b, nb)
     write_bytes(t, NULL, round8(tr.nbytes) - tr.nbytes)
@@ -1448,9 +1463,9 @@ cdef class Tape:
         """Raise the tape's last error as the matching Python exception."""
         if rc == 0:
             return 0
-        code = self.t.err_code
-        msg = self.t.err_msg.decode("utf-8", "replace")
-        self.t.err_code = ERR_NONE
+        code = last_error.code
+        msg = last_error.msg.decode("utf-8", "replace")
+        last_error.code = ERR_NONE
         if code == ERR_EMPTY:
             raise IndexError(msg)
         if code == ERR_KIND:
@@ -1461,7 +1476,7 @@ cdef class Tape:
             raise MemoryError(msg)
         if code == ERR_IO:
             path = self.t.spill_path.decode("utf-8", "replace") or self.t.spill_dir.decode()
-            raise SpillError(self.t.err_errno, msg, path)
+            raise SpillError(last_error.errnum, msg, path)
         if code == ERR_CORRUPT:
             raise TapeCorruptionError(msg)
         if code == ERR_MARK:
