@@ -67,6 +67,7 @@ cdef enum TapeErr:
     ERR_CORRUPT = 6      # TapeCorruptionError
     ERR_MARK = 7         # ValueError: mark no longer valid
     ERR_FORKED = 8       # TapeForkError: the tape belongs to the parent of a fork
+    ERR_SHARED = 9       # RuntimeError: a threadsafe=False tape used by two threads
 
 cdef struct RecordTrailer:
     uint64_t nbytes          # payload bytes (the record occupies nbytes + sizeof trailer)

@@ -897,6 +897,48 @@ cdef int undo_write(TapeStruct* t, size_t pos0) noexcept nogil:
     return -1
 
 
+cdef extern from *:
+    """
+    static inline int adtape_try_claim(volatile int *word) {
+        return __atomic_exchange_n(word, 1, __ATOMIC_ACQUIRE) == 0;
+    }
+    """
+    int adtape_try_claim(int *word) nogil
+
+cdef const char* SHARED_MSG = (
+    b"a Tape(threadsafe=False) was used by two threads at once: give each thread its "
+    b"own tape (ThreadLocalTapes) or create the tape with threadsafe=True")
+
+
+cdef int bulk_lock(TapeStruct* t) noexcept nogil:
+    """tape_lock for the bulk and GIL-releasing paths.
+
+    A threadsafe=False tape has no lock, so its lock word serves as an in-use
+    flag here: a second thread entering while the first is inside (and has
+    released the GIL) gets an error instead of corrupting the slabs.
+    """
+    if t.threadsafe:
+        adtape_spin_lock(&t.locked_word)
+        return 0
+    if adtape_try_claim(&t.locked_word):
+        return 0
+    return fail(t, ERR_SHARED, SHARED_MSG)
+
+
+cdef inline void bulk_unlock(TapeStruct* t) noexcept nogil:
+    adtape_spin_unlock(&t.locked_word)
+
+
+cdef int lock_or_raise(Tape tape) except -1:
+    if bulk_lock(&tape.t) < 0:
+        tape.check(-1)
+    return 0
+
+
+cdef int raise_shared() except -1:
+    raise RuntimeError(SHARED_MSG.decode())
+
+
 cdef int check_open(TapeStruct* t) noexcept nogil:
     cdef char msg[512]
     if t.closed == 2:
@@ -1006,14 +1048,15 @@ cdef int tape_push_many(TapeStruct* t, const char* src, size_t n) noexcept nogil
     """Push n elements of the tape's dtype from src."""
     cdef size_t pos0
     cdef int rc = 0
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     if check_open(t) < 0:
         rc = -1
     else:
         pos0 = cur_pos(t)
         if write_bytes(t, src, n * t.itemsize) < 0:
             rc = undo_write(t, pos0)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
@@ -1022,7 +1065,8 @@ cdef int tape_pop_many(TapeStruct* t, char* dst, size_t n) noexcept nogil:
     cdef size_t pos, have, done = 0
     cdef char msg[512]
     cdef int rc = 0
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     if check_open(t) < 0:
         rc = -1
     else:
@@ -1039,7 +1083,7 @@ cdef int tape_pop_many(TapeStruct* t, char* dst, size_t n) noexcept nogil:
         elif read_bytes(t, dst, n * t.itemsize, &done) < 0:
             write_bytes(t, dst + n * t.itemsize - done, done)
             rc = -1
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
@@ -1165,23 +1209,25 @@ cdef void unpop_record(TapeStruct* t, RecordTrailer* tr, const char* a, size_t n
 
 cdef int tape_push_record(TapeStruct* t, const char* src, size_t nbytes, int kind) noexcept nogil:
     cdef int rc
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     rc = check_open(t)
     if rc == 0:
         rc = push_record_parts(t, src, nbytes, NULL, 0, kind)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
 cdef int tape_top_record(TapeStruct* t, RecordTrailer* out) noexcept nogil:
     """Read the top record's trailer without popping it."""
     cdef int rc
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     rc = pop_trailer(t, out, RECORD_BYTES)
     if rc == 0:
         write_bytes(t, NULL, round8(out.nbytes) - out.nbytes)
         write_bytes(t, <char*>out, TRAILER)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
@@ -1191,7 +1237,8 @@ cdef int tape_pop_record(TapeStruct* t, char* dst, size_t nbytes, int kind) noex
     cdef size_t done = 0
     cdef char msg[512]
     cdef int rc
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     rc = pop_trailer(t, &tr, kind)
     if rc == 0 and tr.nbytes != nbytes:
         unpop_record(t, &tr, NULL, 0, NULL, 0)
@@ -1204,7 +1251,7 @@ cdef int tape_pop_record(TapeStruct* t, char* dst, size_t nbytes, int kind) noex
             rc = -1
         else:
             finish_record_pop(t, &tr)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
@@ -1247,7 +1294,8 @@ cdef size_t tape_nbytes(TapeStruct* t) noexcept nogil:
 
 cdef int tape_clear(TapeStruct* t) noexcept nogil:
     cdef int rc
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     rc = check_open(t)
     if rc == 0:
         rc = rewind_to(t, 0, 0, 0, 0)
@@ -1257,7 +1305,7 @@ cdef int tape_clear(TapeStruct* t) noexcept nogil:
         t.io_errno = 0
         t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
         pthread_mutex_unlock(&t.io_mu)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
@@ -1397,7 +1445,12 @@ cdef class Tape:
         are written to a spill file.  None: no limit.
     spill_dir : directory of the spill file (default: the system temp dir).
     prefetch_depth : spilled units read ahead of need while popping.
-    threadsafe : take the tape's lock on every operation.
+    threadsafe : take the tape's lock on every operation.  With False, the tape
+        belongs to one thread at a time (see ThreadLocalTapes): a second thread
+        entering a bulk or GIL-releasing call (push_many, pop_many, the array and
+        bytes records, rewind, clear, close), or a Python-level push/pop/peek while
+        another thread is inside one, raises RuntimeError instead of corrupting the
+        tape.  Cython code calling the unlocked fast paths is not checked.
     spill_unit : minimum bytes written or read per I/O request (default 1 MiB).
     keep_free_slabs : emptied slabs kept for reuse before they are freed (default:
         256 MiB worth without a budget, so a tape refilled every training step does
@@ -1483,6 +1536,8 @@ cdef class Tape:
             raise ValueError(msg)
         if code == ERR_FORKED:
             raise TapeForkError(msg)
+        if code == ERR_SHARED:
+            raise RuntimeError(msg)
         raise TapeError(msg or "tape operation failed")
 
     cdef int require_open(self) except -1:
@@ -1498,6 +1553,8 @@ cdef class Tape:
         cdef float f
         cdef int64_t i
         cdef int rc
+        if not self.t.threadsafe and self.t.locked_word:
+            raise_shared()
         if self.kind == 0:
             d = value
             rc = tape_push_f64(&self.t, d)
@@ -1519,6 +1576,8 @@ cdef class Tape:
         cdef float f
         cdef int64_t i
         cdef int rc
+        if not self.t.threadsafe and self.t.locked_word:
+            raise_shared()
         if self.kind == 0:
             rc = tape_pop_f64(&self.t, &d)
             if rc:
@@ -1539,6 +1598,8 @@ cdef class Tape:
         """Return the most recently pushed scalar without popping it."""
         cdef char buf[8]
         cdef int rc = 0
+        if not self.t.threadsafe and self.t.locked_word:
+            raise_shared()
         tape_lock(&self.t)
         if <size_t>(self.t.top - self.t.fence) >= <size_t>self.t.itemsize:
             memcpy(buf, self.t.top - self.t.itemsize, self.t.itemsize)
@@ -1612,23 +1673,23 @@ cdef class Tape:
         cdef RecordTrailer tr
         cdef size_t done = 0
         cdef int rc
-        tape_lock(&self.t)
+        lock_or_raise(self)
         rc = pop_trailer(&self.t, &tr, RECORD_BYTES)
         if rc:
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             self.check(rc)
         try:
             out = PyBytes_FromStringAndSize(NULL, tr.nbytes)
         except MemoryError:
             unpop_record(&self.t, &tr, NULL, 0, NULL, 0)
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             raise
         rc = read_bytes(&self.t, PyBytes_AS_STRING(out), tr.nbytes, &done)
         if rc:
             unpop_record(&self.t, &tr, PyBytes_AS_STRING(out) + tr.nbytes - done, done, NULL, 0)
         else:
             finish_record_pop(&self.t, &tr)
-        tape_unlock(&self.t)
+        bulk_unlock(&self.t)
         if rc:
             self.check(rc)
         return out
@@ -1672,11 +1733,12 @@ cdef class Tape:
         nbytes = arr.nbytes
         src = <const char*>cnp.PyArray_DATA(arr)
         with nogil:
-            tape_lock(&self.t)
-            rc = check_open(&self.t)
+            rc = bulk_lock(&self.t)
             if rc == 0:
-                rc = push_record_parts(&self.t, src, nbytes, meta, meta_len, RECORD_ARRAY)
-            tape_unlock(&self.t)
+                rc = check_open(&self.t)
+                if rc == 0:
+                    rc = push_record_parts(&self.t, src, nbytes, meta, meta_len, RECORD_ARRAY)
+                bulk_unlock(&self.t)
         if rc:
             self.check(rc)
 
@@ -1691,10 +1753,10 @@ cdef class Tape:
         cdef cnp.ndarray result
         cdef char* dst
         cdef int rc
-        tape_lock(&self.t)
+        lock_or_raise(self)
         rc = pop_trailer(&self.t, &tr, RECORD_ARRAY)
         if rc:
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             self.check(rc)
         if tr.nbytes < 24:
             rc = bad_array_record(&self.t, &tr, meta_end, 0, "its payload is shorter than its header")
@@ -1718,7 +1780,7 @@ cdef class Tape:
                     if rc:
                         unpop_record(&self.t, &tr, meta_end - 24 - done, done + 24, NULL, 0)
         if rc:
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             self.check(rc)
         try:
             shape = tuple((<int64_t*>(meta_end - 24 - 8 * ndim))[k] for k in range(ndim))
@@ -1727,12 +1789,12 @@ cdef class Tape:
                      and tr.nbytes - meta_len == _array_nbytes(dtype, shape))
         except BaseException:
             unpop_record(&self.t, &tr, meta_end - meta_len, meta_len, NULL, 0)
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             raise
         if not valid:
             bad_array_record(&self.t, &tr, meta_end, meta_len,
                              "its dtype or shape does not match its size")
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             self.check(-1)
         try:
             if out is None:
@@ -1745,7 +1807,7 @@ cdef class Tape:
                 result = out
         except BaseException:
             unpop_record(&self.t, &tr, meta_end - meta_len, meta_len, NULL, 0)
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             raise
         nbytes = result.nbytes
         dst = <char*>cnp.PyArray_DATA(result)
@@ -1755,7 +1817,7 @@ cdef class Tape:
                 unpop_record(&self.t, &tr, dst + nbytes - done, done, meta_end - meta_len, meta_len)
             else:
                 finish_record_pop(&self.t, &tr)
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
         if rc:
             self.check(rc)
         return result
@@ -1765,9 +1827,9 @@ cdef class Tape:
     def __len__(self):
         cdef int64_t n
         self.require_open()
-        tape_lock(&self.t)
+        lock_or_raise(self)
         n = tape_len(&self.t)
-        tape_unlock(&self.t)
+        bulk_unlock(&self.t)
         return n
 
     @property
@@ -1791,11 +1853,11 @@ cdef class Tape:
         """
         cdef int64_t k
         self.require_open()
-        tape_lock(&self.t)
+        lock_or_raise(self)
         k = self.t.n_records
         m = TapeMark(self.t.tape_serial, tape_nbytes(&self.t), k,
                      self.t.records[k - 1].serial if k > 0 else 0, tape_len(&self.t))
-        tape_unlock(&self.t)
+        bulk_unlock(&self.t)
         return m
 
     def rewind(self, mark):
@@ -1812,9 +1874,10 @@ cdef class Tape:
         except (TypeError, OverflowError):
             raise ValueError(f"{mark!r} is not a mark this tape made") from None
         with nogil:
-            tape_lock(&self.t)
-            rc = rewind_to_mark(&self.t, pos, k, serial)
-            tape_unlock(&self.t)
+            rc = bulk_lock(&self.t)
+            if rc == 0:
+                rc = rewind_to_mark(&self.t, pos, k, serial)
+                bulk_unlock(&self.t)
         if rc:
             self.check(rc)
 
@@ -1829,6 +1892,8 @@ cdef class Tape:
 
     def close(self):
         """Free everything and remove the spill file.  Further use raises TapeClosedError."""
+        if not self.t.threadsafe and self.t.locked_word:
+            raise_shared()
         if not self.t.closed:
             with nogil:
                 tape_close(&self.t)
@@ -1849,7 +1914,7 @@ cdef class Tape:
         cdef Slab* s
         cdef int64_t n_slabs = 0, resident_slabs = 0
         self.require_open()
-        tape_lock(t)
+        lock_or_raise(self)
         pthread_mutex_lock(&t.io_mu)
         s = t.head
         while s != NULL:
@@ -1878,7 +1943,7 @@ cdef class Tape:
             "prefetch_misses": t.prefetch_misses,
         }
         pthread_mutex_unlock(&t.io_mu)
-        tape_unlock(t)
+        bulk_unlock(t)
         return out
 
     def __repr__(self):
