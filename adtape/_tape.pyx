@@ -20,6 +20,8 @@ and never seen by the I/O thread.
 
 cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from cpython.number cimport PyNumber_Index
+from libc.math cimport isinf
 from libc.errno cimport errno, EINTR, EIO
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
@@ -1548,7 +1550,14 @@ cdef class Tape:
 
     @cython.always_allow_keywords(False)
     def push(self, value):
-        """Push one scalar of the tape's dtype."""
+        """Push one scalar of the tape's dtype.
+
+        Nothing is rounded away silently: a float32 tape refuses a finite value
+        beyond float32's range with OverflowError (inf and nan themselves are
+        stored), and an int64 tape takes only integers (int, NumPy integers,
+        anything with ``__index__``): floats, Decimal and Fraction raise
+        TypeError even when their value is integral, as ``range()`` does.
+        """
         cdef double d
         cdef float f
         cdef int64_t i
@@ -1559,12 +1568,19 @@ cdef class Tape:
             d = value
             rc = tape_push_f64(&self.t, d)
         elif self.kind == 1:
-            f = value
+            d = value
+            f = <float>d
+            if isinf(f) and not isinf(d):
+                raise OverflowError(f"{value!r} overflows float32 (largest finite value "
+                                    f"3.4028235e+38)")
             rc = tape_push_f32(&self.t, f)
         else:
-            if isinstance(value, float):
-                raise TypeError(f"an int64 tape takes integers, got float {value!r}")
-            i = value
+            try:
+                integer = PyNumber_Index(value)
+            except TypeError:
+                raise TypeError(f"an int64 tape takes integers, got {type(value).__name__} "
+                                f"{value!r}") from None
+            i = integer
             rc = tape_push_i64(&self.t, i)
         if rc:
             self.check(rc)
