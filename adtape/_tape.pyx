@@ -28,7 +28,7 @@ from libc.stdio cimport snprintf
 from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcpy, memset, strncpy, strerror
 
-from kernels._openmp cimport par_memcpy
+from adtape._parcopy cimport par_memcpy
 from posix.types cimport off_t
 
 import ast
