@@ -168,6 +168,12 @@ cdef struct TapeStruct:
     int64_t n_reloads
     int64_t prefetch_hits
     int64_t prefetch_misses
+    int64_t io_wait_ns       # time pops spent waiting for spilled slabs
+    int64_t push_wait_ns     # time pushes spent waiting for writes to free memory
+    int64_t bytes_written
+    int64_t bytes_read
+    int64_t read_bytes_timed # bytes and time of reads, for the device rate (readahead_bytes)
+    int64_t read_ns
 
 
 ctypedef TapeStruct* TapePtr

@@ -30,6 +30,7 @@ from libc.string cimport memcpy, memset, strncpy, strerror
 
 from adtape._parcopy cimport par_memcpy
 from posix.types cimport off_t
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 import ast
 import atexit
@@ -86,6 +87,7 @@ DEF TRAILER = 24          # sizeof(RecordTrailer)
 DEF MMAP_MIN = 131072     # slabs this large are mapped, so freeing returns memory to the OS
 DEF HUGE_PAGE = 2097152   # slabs this large are huge-page aligned
 DEF MAX_SBO_BYTES = 2048
+DEF READAHEAD_NS = 50000000.0   # prefetch window: what the device reads in 50 ms
 
 
 # ---------------------------------------------------------------------------
@@ -143,6 +145,12 @@ cdef int fail(TapeStruct* t, int code, const char* msg) noexcept nogil:
 # ---------------------------------------------------------------------------
 # Slab memory and checksums
 # ---------------------------------------------------------------------------
+
+cdef inline int64_t now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
 
 cdef inline size_t round8(size_t n) noexcept nogil:
     return (n + 7) & ~(<size_t>7)
@@ -394,6 +402,7 @@ cdef void finish_load(TapeStruct* t, Slab* s, int err, int prefetched) noexcept 
         s.prefetched = prefetched
         t.spilled_bytes -= s.used
         t.n_reloads += 1
+        t.bytes_read += s.used
         reclaim_file(t, s)
     else:
         data_free(s.data, s.cap)
@@ -401,6 +410,28 @@ cdef void finish_load(TapeStruct* t, Slab* s, int err, int prefetched) noexcept 
         s.data = NULL
         s.state = SLAB_CORRUPT
         s.prefetched = err      # kept for the error message: -1 checksum, else errno
+
+
+cdef void run_read(TapeStruct* t, IORequest* req) noexcept nogil:
+    """Read a queued prefetch unit and publish it (io_mu held, released while reading).
+    Run by the I/O thread, or by a pop waiting on an earlier unit."""
+    cdef Slab* s = req.first
+    cdef int i
+    cdef int64_t started, elapsed
+    pthread_mutex_unlock(&t.io_mu)
+    started = now_ns()
+    for i in range(req.count):
+        s.io_result = load_slab_data(t, s)
+        s = s.next
+    elapsed = now_ns() - started
+    pthread_mutex_lock(&t.io_mu)
+    t.read_ns += elapsed
+    s = req.first
+    for i in range(req.count):
+        t.read_bytes_timed += s.used
+        finish_load(t, s, s.io_result, 1)
+        s = s.next
+    t.prefetch_slabs -= req.count
 
 
 cdef void* io_main(void* arg) noexcept nogil:
@@ -447,6 +478,7 @@ cdef void* io_main(void* arg) noexcept nogil:
                     recycle_buffer(t, s)
                     s.state = SLAB_ON_DISK
                     t.spilled_bytes += s.used
+                    t.bytes_written += s.used
                     t.n_spills += 1
                 else:
                     s.state = SLAB_RESIDENT
@@ -458,17 +490,7 @@ cdef void* io_main(void* arg) noexcept nogil:
                 if req.first.file_offset < t.io_rollback_end:
                     t.io_rollback_end = req.first.file_offset
         else:
-            pthread_mutex_unlock(&t.io_mu)
-            s = req.first
-            for i in range(req.count):
-                s.io_result = load_slab_data(t, s)
-                s = s.next
-            pthread_mutex_lock(&t.io_mu)
-            s = req.first
-            for i in range(req.count):
-                finish_load(t, s, s.io_result, 1)
-                s = s.next
-            t.prefetch_slabs -= req.count
+            run_read(t, req)
         free(req)
         t.io_busy = 0
         pthread_cond_broadcast(&t.done_cv)
@@ -586,7 +608,7 @@ cdef int enforce_budget(TapeStruct* t) noexcept nogil:
     """
     cdef int rc
     cdef int64_t budget = t.memory_budget
-    cdef int64_t ahead, in_use
+    cdef int64_t ahead, in_use, started
     if budget < 0:
         return 0
     while True:
@@ -603,7 +625,9 @@ cdef int enforce_budget(TapeStruct* t) noexcept nogil:
                 continue
         if t.writing_bytes > 0:
             # Finished writes hand their buffers to the pool, out of in_use.
+            started = now_ns()
             pthread_cond_wait(&t.done_cv, &t.io_mu)
+            t.push_wait_ns += now_ns() - started
             continue
         break
     # Keep one spare buffer above the budget for the next head, so a steady
@@ -640,26 +664,44 @@ cdef int give_buffer(TapeStruct* t, Slab* s) noexcept nogil:
     return 0
 
 
-cdef void prefetch(TapeStruct* t) noexcept nogil:
-    """Queue reads of the next prefetch_depth spilled units below the head (io_mu held).
+cdef size_t readahead_bytes(TapeStruct* t) noexcept nogil:
+    """How far below the head the prefetch keeps data resident or in flight.
 
-    Looks only a bounded window below the head, and reads only while the
-    buffers fit in the budget: a prefetch never pushes the tape over it.
+    At least prefetch_depth spill units; beyond that, what the device has been
+    measured to read in READAHEAD_NS, so a fast device gets the long window a
+    fast reverse sweep needs.  The budget caps it (see prefetch).
+    """
+    cdef size_t floor = <size_t>t.prefetch_depth * t.spill_unit
+    cdef double by_rate = 0.0
+    if t.read_ns > 0:
+        by_rate = <double>t.read_bytes_timed / <double>t.read_ns * READAHEAD_NS
+    return floor if by_rate < <double>floor else <size_t>by_rate
+
+
+cdef void prefetch(TapeStruct* t) noexcept nogil:
+    """Queue reads of the spilled slabs below the head, highest first, in units of
+    spill_unit bytes, until readahead_bytes of data below the head are resident or
+    in flight, or the budget has no room left (io_mu held).
+
+    The window is in bytes, not slabs: a reverse sweep popping large records
+    crosses many slabs per record, and the reads must start while it is still
+    popping the resident slabs above them.
     """
     cdef Slab* s = t.head.prev
     cdef Slab* low
-    cdef size_t unit_bytes
-    cdef int units = 0, count, window, i
-    window = t.prefetch_depth * (<int>(t.spill_unit // t.slab_bytes) + 1) + 2
-    while s != NULL and units < t.prefetch_depth and window > 0:
+    cdef size_t unit_bytes, ahead = 0
+    cdef size_t target = readahead_bytes(t)
+    cdef int count, i
+    while s != NULL and s.state != SLAB_ON_DISK:
         if s.state == SLAB_WRITING:
             # Reading below a slab still being written would leave a hole in the
             # file under it: the file would hold more than the bytes spilled.
             return
-        if s.state != SLAB_ON_DISK:
-            s = s.prev
-            window -= 1
-            continue
+        ahead += s.used
+        if ahead >= target:
+            return
+        s = s.prev
+    while s != NULL and s.state == SLAB_ON_DISK and ahead < target:
         count = 0
         unit_bytes = 0
         low = s
@@ -686,13 +728,14 @@ cdef void prefetch(TapeStruct* t) noexcept nogil:
                 s = s.next
             return
         t.prefetch_slabs += count
-        units += 1
-        window -= count
+        ahead += unit_bytes
 
 
 cdef int ensure_resident(TapeStruct* t, Slab* s) noexcept nogil:
     """Make slab s resident, waiting for or doing the read (io_mu held)."""
     cdef int err
+    cdef int64_t started, elapsed
+    cdef IORequest* req
     cdef int waited = 0
     cdef char msg[512]
     while True:
@@ -720,15 +763,33 @@ cdef int ensure_resident(TapeStruct* t, Slab* s) noexcept nogil:
             s.state = SLAB_LOADING
             t.prefetch_misses += 1
             pthread_mutex_unlock(&t.io_mu)
+            started = now_ns()
             err = load_slab_data(t, s)
+            elapsed = now_ns() - started
             pthread_mutex_lock(&t.io_mu)
+            t.io_wait_ns += elapsed
+            t.read_ns += elapsed
+            t.read_bytes_timed += s.used
             finish_load(t, s, err, 0)
             continue
         # WRITING or LOADING: the I/O thread owns it for now.
         if not waited:
             t.prefetch_misses += 1
             waited = 1
-        pthread_cond_wait(&t.done_cv, &t.io_mu)
+        started = now_ns()
+        if t.queue_head != NULL and not t.queue_head.is_write:
+            # A pop outruns one reader (checksums included): while the I/O thread
+            # reads this slab, read the next queued unit here, in parallel.
+            req = t.queue_head
+            t.queue_head = req.next
+            if t.queue_head == NULL:
+                t.queue_tail = NULL
+            run_read(t, req)
+            free(req)
+            pthread_cond_broadcast(&t.done_cv)
+        else:
+            pthread_cond_wait(&t.done_cv, &t.io_mu)
+        t.io_wait_ns += now_ns() - started
 
 
 cdef int tape_grow(TapeStruct* t, size_t need) noexcept nogil:
@@ -1925,7 +1986,10 @@ cdef class Tape:
 
     @property
     def stats(self):
-        """Counters: bytes resident/spilled, slabs, spills, reloads, prefetch hits and misses."""
+        """Counters: bytes resident/spilled, slabs, spills, reloads, prefetch hits and misses,
+        bytes written to and read from the spill file, the nanoseconds pops waited on
+        reads (io_wait_ns) and pushes on writes (push_wait_ns), and the prefetch's
+        current read-ahead window in bytes."""
         cdef TapeStruct* t = &self.t
         cdef Slab* s
         cdef int64_t n_slabs = 0, resident_slabs = 0
@@ -1957,6 +2021,11 @@ cdef class Tape:
             "reloads": t.n_reloads,
             "prefetch_hits": t.prefetch_hits,
             "prefetch_misses": t.prefetch_misses,
+            "io_wait_ns": t.io_wait_ns,
+            "push_wait_ns": t.push_wait_ns,
+            "bytes_written": t.bytes_written,
+            "bytes_read": t.bytes_read,
+            "readahead_bytes": readahead_bytes(t) if t.memory_budget >= 0 else 0,
         }
         pthread_mutex_unlock(&t.io_mu)
         bulk_unlock(t)
