@@ -5,8 +5,10 @@ inside the Tape object; past it, fixed-size slabs are linked, so growth never
 moves stored bytes.  With a ``memory_budget``, the oldest slabs (for a LIFO the
 least recently used) are written to an unlinked spill file by a background I/O
 thread, in units of at least ``spill_unit`` bytes, each slab with a checksum;
-popping reads them back, and the I/O thread prefetches the next
-``prefetch_depth`` units below the head before they are needed.
+popping reads them back, and the I/O thread prefetches the spilled units below
+the head before they are needed: a read-ahead window of at least
+``prefetch_depth`` units, widened to what the device is measured to read in
+50 ms, within the budget.
 
 Concurrency model: every push/pop/peek takes the tape's spin lock (unless
 ``threadsafe=False``), so threads sharing one tape keep the multiset of entries
@@ -1507,7 +1509,8 @@ cdef class Tape:
     memory_budget : bytes of heap slabs kept in memory; past it the oldest slabs
         are written to a spill file.  None: no limit.
     spill_dir : directory of the spill file (default: the system temp dir).
-    prefetch_depth : spilled units read ahead of need while popping.
+    prefetch_depth : spilled units read ahead of need while popping, at least (the
+        window widens to what the device reads in 50 ms, within the budget); 0: none.
     threadsafe : take the tape's lock on every operation.  With False, the tape
         belongs to one thread at a time (see ThreadLocalTapes): a second thread
         entering a bulk or GIL-releasing call (push_many, pop_many, the array and
