@@ -13,7 +13,8 @@ import os as _os
 
 try:
     from adtape._tape import (Tape, TapeMark, TapeError, TapeClosedError,
-                              TapeCorruptionError, SpillError, ThreadLocalTapes)
+                              TapeCorruptionError, TapeForkError, SpillError,
+                              ThreadLocalTapes)
 except ImportError as exc:  # pragma: no cover - only hit from an unbuilt source tree
     _here = _os.path.dirname(_os.path.abspath(__file__))
     raise ImportError(
@@ -34,8 +35,8 @@ from adtape.checkpointing import checkpoint, checkpoint_loop, revolve_cost, revo
 
 __all__ = [
     # the tape
-    "Tape", "TapeMark", "TapeError", "TapeClosedError", "TapeCorruptionError", "SpillError",
-    "ThreadLocalTapes",
+    "Tape", "TapeMark", "TapeError", "TapeClosedError", "TapeCorruptionError", "TapeForkError",
+    "SpillError", "ThreadLocalTapes",
     # tensor mode
     "Tensor", "OpTape", "Primitive", "primitive", "defvjp", "defvjp_accumulate", "custom_vjp",
     "no_grad", "enable_grad", "is_grad_enabled", "current_op_tape", "tensor",

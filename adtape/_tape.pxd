@@ -9,7 +9,8 @@
 # resident; everything else goes through the *_slow functions in _tape.pyx.
 #
 # Every function returning int returns 0 on success and -1 on error, with the
-# error kept in TapeStruct.err (see tape_raise in _tape.pyx).
+# error kept in the calling thread's error slot, so that threads sharing a tape
+# each get their own (Tape.check in _tape.pyx raises it).
 
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
@@ -55,7 +56,7 @@ cdef enum RecordKind:
     RECORD_BYTES = 1
     RECORD_ARRAY = 2
 
-# Error codes kept in TapeStruct.err_code.
+# Error codes, kept in the calling thread's error slot (last_error in _tape.pyx).
 cdef enum TapeErr:
     ERR_NONE = 0
     ERR_EMPTY = 1        # IndexError
@@ -65,11 +66,21 @@ cdef enum TapeErr:
     ERR_IO = 5           # SpillError (OSError) with errno
     ERR_CORRUPT = 6      # TapeCorruptionError
     ERR_MARK = 7         # ValueError: mark no longer valid
+    ERR_FORKED = 8       # TapeForkError: the tape belongs to the parent of a fork
+    ERR_SHARED = 9       # RuntimeError: a threadsafe=False tape used by two threads
 
 cdef struct RecordTrailer:
     uint64_t nbytes          # payload bytes (the record occupies nbytes + sizeof trailer)
     int64_t kind
     int64_t prev_record_end  # logical position after the previous record (its fence)
+
+# One entry per record on the tape, bottom first: what a mark and a popped
+# trailer are checked against, so neither can make the tape misread its bytes.
+cdef struct RecordEntry:
+    uint64_t serial          # unique on this tape: a record popped and replaced differs
+    int64_t start            # logical position of the record's first byte
+    int64_t end              # and just past its trailer
+    int64_t cum_bytes        # record_bytes with this record the top one
 
 cdef struct Slab:
     char* data               # NULL while the bytes live only on disk
@@ -101,7 +112,7 @@ cdef struct TapeStruct:
     int locked_word
     int threadsafe
     int itemsize
-    int closed
+    int closed               # 1 closed, 2 inherited by a forked child (see abandon_inherited)
 
     Slab* head
     Slab inline_slab
@@ -116,6 +127,10 @@ cdef struct TapeStruct:
     int64_t n_records
     int64_t record_bytes
     int64_t last_record_end
+    RecordEntry* records     # n_records entries used, records_cap allocated
+    int64_t records_cap
+    uint64_t next_record_serial
+    uint64_t tape_serial     # unique per Tape in this process (marks name it)
 
     # Memory accounting and the free-slab pool.
     size_t resident_bytes    # heap slab bytes allocated (including the pool)
@@ -126,6 +141,7 @@ cdef struct TapeStruct:
     int64_t heap_slabs
 
     # Spill file and the I/O thread.
+    int owner_pid            # the process that created the tape, spill file and I/O thread
     int fd
     char spill_path[4096]
     char spill_dir[4096]
@@ -138,6 +154,7 @@ cdef struct TapeStruct:
     int io_started
     int io_stop
     int io_busy
+    int prefetch_slabs       # slabs queued for a prefetch read and not yet finished
     IORequest* queue_head
     IORequest* queue_tail
     int io_errno             # set by a failed background write, reported at the next slow path
@@ -151,12 +168,13 @@ cdef struct TapeStruct:
     int64_t n_reloads
     int64_t prefetch_hits
     int64_t prefetch_misses
+    int64_t io_wait_ns       # time pops spent waiting for spilled slabs
+    int64_t push_wait_ns     # time pushes spent waiting for writes to free memory
+    int64_t bytes_written
+    int64_t bytes_read
+    int64_t read_bytes_timed # bytes and time of reads, for the device rate (readahead_bytes)
+    int64_t read_ns
 
-    # Last error.
-    int err_code
-    int err_errno
-    off_t err_offset
-    char err_msg[512]
 
 ctypedef TapeStruct* TapePtr
 

@@ -5,8 +5,10 @@ inside the Tape object; past it, fixed-size slabs are linked, so growth never
 moves stored bytes.  With a ``memory_budget``, the oldest slabs (for a LIFO the
 least recently used) are written to an unlinked spill file by a background I/O
 thread, in units of at least ``spill_unit`` bytes, each slab with a checksum;
-popping reads them back, and the I/O thread prefetches the next
-``prefetch_depth`` units below the head before they are needed.
+popping reads them back, and the I/O thread prefetches the spilled units below
+the head before they are needed: a read-ahead window of at least
+``prefetch_depth`` units, widened to what the device is measured to read in
+50 ms, within the budget.
 
 Concurrency model: every push/pop/peek takes the tape's spin lock (unless
 ``threadsafe=False``), so threads sharing one tape keep the multiset of entries
@@ -20,22 +22,28 @@ and never seen by the I/O thread.
 
 cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from cpython.number cimport PyNumber_Index
+from libc.math cimport isinf
 from libc.errno cimport errno, EINTR, EIO
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcpy, memset, strncpy, strerror
 
-from kernels._openmp cimport par_memcpy
+from adtape._parcopy cimport par_memcpy
 from posix.types cimport off_t
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
+import ast
 import atexit
+import itertools
 import os
 import tempfile
 import threading
 import weakref
 
 import numpy as np
+from numpy.lib import format as npformat
 cimport numpy as cnp
 
 cnp.import_array()
@@ -49,6 +57,9 @@ cdef extern from "unistd.h" nogil:
 
 cdef extern from "stdlib.h" nogil:
     int mkstemp(char* template)
+
+cdef extern from "unistd.h" nogil:
+    int getpid()
 
 cdef extern from "sys/mman.h" nogil:
     void* mmap(void* addr, size_t length, int prot, int flags, int fd, off_t offset)
@@ -78,6 +89,7 @@ DEF TRAILER = 24          # sizeof(RecordTrailer)
 DEF MMAP_MIN = 131072     # slabs this large are mapped, so freeing returns memory to the OS
 DEF HUGE_PAGE = 2097152   # slabs this large are huge-page aligned
 DEF MAX_SBO_BYTES = 2048
+DEF READAHEAD_NS = 50000000.0   # prefetch window: what the device reads in 50 ms
 
 
 # ---------------------------------------------------------------------------
@@ -100,12 +112,31 @@ class SpillError(TapeError, OSError):
     """Writing to or creating the spill file failed (full disk, unwritable dir)."""
 
 
+class TapeForkError(TapeError, RuntimeError):
+    """A forked child used a tape inherited from its parent (it must create its own)."""
+
+
+# The error of the last failed call, one slot per thread: a call's error is set and
+# read back by the same thread, whatever other threads do to the tape meanwhile.
+cdef extern from *:
+    """
+    typedef struct { int code; int errnum; long long offset; char msg[512]; } adtape_error_t;
+    static __thread adtape_error_t adtape_last_error;
+    """
+    ctypedef struct adtape_error_t:
+        int code
+        int errnum
+        long long offset
+        char msg[512]
+    adtape_error_t last_error "adtape_last_error"
+
+
 cdef void set_err(TapeStruct* t, int code, int err, off_t offset, const char* msg) noexcept nogil:
-    t.err_code = code
-    t.err_errno = err
-    t.err_offset = offset
-    strncpy(t.err_msg, msg, 511)
-    t.err_msg[511] = 0
+    last_error.code = code
+    last_error.errnum = err
+    last_error.offset = offset
+    strncpy(last_error.msg, msg, 511)
+    last_error.msg[511] = 0
 
 
 cdef int fail(TapeStruct* t, int code, const char* msg) noexcept nogil:
@@ -116,6 +147,12 @@ cdef int fail(TapeStruct* t, int code, const char* msg) noexcept nogil:
 # ---------------------------------------------------------------------------
 # Slab memory and checksums
 # ---------------------------------------------------------------------------
+
+cdef inline int64_t now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
 
 cdef inline size_t round8(size_t n) noexcept nogil:
     return (n + 7) & ~(<size_t>7)
@@ -320,13 +357,34 @@ cdef int read_all(int fd, char* p, size_t n, off_t off) noexcept nogil:
     return 0
 
 
-cdef void reclaim_file(TapeStruct* t, Slab* s) noexcept nogil:
-    """A slab's file bytes are free again: shrink the spill file from the top (io_mu held)."""
-    if s.file_offset + <off_t>s.used == t.file_end:
-        t.file_end = s.file_offset
-    if t.file_size - t.file_end >= <off_t>(8 * t.spill_unit) or (t.file_end == 0 and t.file_size > 0):
+cdef void shrink_file(TapeStruct* t) noexcept nogil:
+    """Give back the file bytes above file_end once they exceed one spill unit (io_mu held).
+
+    Keeping up to one unit spares a truncate per reload when pushes and pops
+    alternate at the spill boundary; any more would let the file outgrow what it holds.
+    """
+    if t.fd >= 0 and t.file_size - t.file_end > <off_t>t.spill_unit:
         if ftruncate(t.fd, t.file_end) == 0:
             t.file_size = t.file_end
+
+
+cdef void reclaim_file(TapeStruct* t, Slab* s) noexcept nogil:
+    """Slab s was read back: lower file_end to the top of the highest slab whose bytes the
+    file still holds (io_mu held).
+
+    Spill offsets rise along the chain, so the live file bytes end at the highest
+    non-resident slab.  A prefetched unit completes lowest slab first, so when
+    the slab that ends at file_end comes back, the resident slabs below it
+    (read back earlier, out of order) are skipped too; lowering file_end only by
+    the slab that ended exactly at it left their bytes stranded for good.
+    """
+    cdef Slab* p
+    if s.file_offset + <off_t>s.used == t.file_end:
+        p = s.prev
+        while p != NULL and p.state == SLAB_RESIDENT:
+            p = p.prev
+        t.file_end = 0 if p == NULL else p.file_offset + <off_t>p.used
+    shrink_file(t)
 
 
 cdef int load_slab_data(TapeStruct* t, Slab* s) noexcept nogil:
@@ -346,6 +404,7 @@ cdef void finish_load(TapeStruct* t, Slab* s, int err, int prefetched) noexcept 
         s.prefetched = prefetched
         t.spilled_bytes -= s.used
         t.n_reloads += 1
+        t.bytes_read += s.used
         reclaim_file(t, s)
     else:
         data_free(s.data, s.cap)
@@ -353,6 +412,28 @@ cdef void finish_load(TapeStruct* t, Slab* s, int err, int prefetched) noexcept 
         s.data = NULL
         s.state = SLAB_CORRUPT
         s.prefetched = err      # kept for the error message: -1 checksum, else errno
+
+
+cdef void run_read(TapeStruct* t, IORequest* req) noexcept nogil:
+    """Read a queued prefetch unit and publish it (io_mu held, released while reading).
+    Run by the I/O thread, or by a pop waiting on an earlier unit."""
+    cdef Slab* s = req.first
+    cdef int i
+    cdef int64_t started, elapsed
+    pthread_mutex_unlock(&t.io_mu)
+    started = now_ns()
+    for i in range(req.count):
+        s.io_result = load_slab_data(t, s)
+        s = s.next
+    elapsed = now_ns() - started
+    pthread_mutex_lock(&t.io_mu)
+    t.read_ns += elapsed
+    s = req.first
+    for i in range(req.count):
+        t.read_bytes_timed += s.used
+        finish_load(t, s, s.io_result, 1)
+        s = s.next
+    t.prefetch_slabs -= req.count
 
 
 cdef void* io_main(void* arg) noexcept nogil:
@@ -399,6 +480,7 @@ cdef void* io_main(void* arg) noexcept nogil:
                     recycle_buffer(t, s)
                     s.state = SLAB_ON_DISK
                     t.spilled_bytes += s.used
+                    t.bytes_written += s.used
                     t.n_spills += 1
                 else:
                     s.state = SLAB_RESIDENT
@@ -410,16 +492,7 @@ cdef void* io_main(void* arg) noexcept nogil:
                 if req.first.file_offset < t.io_rollback_end:
                     t.io_rollback_end = req.first.file_offset
         else:
-            pthread_mutex_unlock(&t.io_mu)
-            s = req.first
-            for i in range(req.count):
-                s.io_result = load_slab_data(t, s)
-                s = s.next
-            pthread_mutex_lock(&t.io_mu)
-            s = req.first
-            for i in range(req.count):
-                finish_load(t, s, s.io_result, 1)
-                s = s.next
+            run_read(t, req)
         free(req)
         t.io_busy = 0
         pthread_cond_broadcast(&t.done_cv)
@@ -484,6 +557,7 @@ cdef int report_io_error(TapeStruct* t) noexcept nogil:
     set_err(t, ERR_IO, err, t.io_err_offset, msg)
     if t.io_rollback_end < t.file_end:
         t.file_end = t.io_rollback_end
+    shrink_file(t)
     t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
     t.io_errno = 0
     return -1
@@ -494,10 +568,16 @@ cdef int spill_oldest(TapeStruct* t) noexcept nogil:
 
     Returns 1 if a batch was queued, 0 if nothing can be spilled, -1 on error.
     """
-    cdef Slab* s = t.inline_slab.next
+    cdef Slab* s
     cdef Slab* first
     cdef size_t batch = 0
     cdef int count = 0
+    # A prefetched slab finishing below a slab written now would leave its file
+    # bytes as a hole under it: let the reads land first, so the slabs they bring
+    # back are the oldest resident ones and are the first written out again.
+    while t.prefetch_slabs > 0:
+        pthread_cond_wait(&t.done_cv, &t.io_mu)
+    s = t.inline_slab.next
     while s != NULL and s != t.head and s.state != SLAB_RESIDENT:
         s = s.next
     if s == NULL or s == t.head:
@@ -530,7 +610,7 @@ cdef int enforce_budget(TapeStruct* t) noexcept nogil:
     """
     cdef int rc
     cdef int64_t budget = t.memory_budget
-    cdef int64_t ahead, in_use
+    cdef int64_t ahead, in_use, started
     if budget < 0:
         return 0
     while True:
@@ -547,7 +627,9 @@ cdef int enforce_budget(TapeStruct* t) noexcept nogil:
                 continue
         if t.writing_bytes > 0:
             # Finished writes hand their buffers to the pool, out of in_use.
+            started = now_ns()
             pthread_cond_wait(&t.done_cv, &t.io_mu)
+            t.push_wait_ns += now_ns() - started
             continue
         break
     # Keep one spare buffer above the budget for the next head, so a steady
@@ -584,22 +666,44 @@ cdef int give_buffer(TapeStruct* t, Slab* s) noexcept nogil:
     return 0
 
 
-cdef void prefetch(TapeStruct* t) noexcept nogil:
-    """Queue reads of the next prefetch_depth spilled units below the head (io_mu held).
+cdef size_t readahead_bytes(TapeStruct* t) noexcept nogil:
+    """How far below the head the prefetch keeps data resident or in flight.
 
-    Looks only a bounded window below the head, and reads only while the
-    buffers fit in the budget: a prefetch never pushes the tape over it.
+    At least prefetch_depth spill units; beyond that, what the device has been
+    measured to read in READAHEAD_NS, so a fast device gets the long window a
+    fast reverse sweep needs.  The budget caps it (see prefetch).
+    """
+    cdef size_t floor = <size_t>t.prefetch_depth * t.spill_unit
+    cdef double by_rate = 0.0
+    if t.read_ns > 0:
+        by_rate = <double>t.read_bytes_timed / <double>t.read_ns * READAHEAD_NS
+    return floor if by_rate < <double>floor else <size_t>by_rate
+
+
+cdef void prefetch(TapeStruct* t) noexcept nogil:
+    """Queue reads of the spilled slabs below the head, highest first, in units of
+    spill_unit bytes, until readahead_bytes of data below the head are resident or
+    in flight, or the budget has no room left (io_mu held).
+
+    The window is in bytes, not slabs: a reverse sweep popping large records
+    crosses many slabs per record, and the reads must start while it is still
+    popping the resident slabs above them.
     """
     cdef Slab* s = t.head.prev
     cdef Slab* low
-    cdef size_t unit_bytes
-    cdef int units = 0, count, window
-    window = t.prefetch_depth * (<int>(t.spill_unit // t.slab_bytes) + 1) + 2
-    while s != NULL and units < t.prefetch_depth and window > 0:
-        if s.state != SLAB_ON_DISK:
-            s = s.prev
-            window -= 1
-            continue
+    cdef size_t unit_bytes, ahead = 0
+    cdef size_t target = readahead_bytes(t)
+    cdef int count, i
+    while s != NULL and s.state != SLAB_ON_DISK:
+        if s.state == SLAB_WRITING:
+            # Reading below a slab still being written would leave a hole in the
+            # file under it: the file would hold more than the bytes spilled.
+            return
+        ahead += s.used
+        if ahead >= target:
+            return
+        s = s.prev
+    while s != NULL and s.state == SLAB_ON_DISK and ahead < target:
         count = 0
         unit_bytes = 0
         low = s
@@ -607,7 +711,7 @@ cdef void prefetch(TapeStruct* t) noexcept nogil:
                and (t.memory_budget < 0 or <int64_t>(t.resident_bytes + s.cap) <= t.memory_budget
                     or (s.cap == t.slab_bytes and t.pool != NULL))):
             if give_buffer(t, s) < 0:
-                t.err_code = ERR_NONE
+                last_error.code = ERR_NONE
                 break
             s.state = SLAB_LOADING
             unit_bytes += s.used
@@ -617,15 +721,23 @@ cdef void prefetch(TapeStruct* t) noexcept nogil:
         if count == 0:
             return
         if enqueue(t, 0, low, count) < 0:
-            t.err_code = ERR_NONE
+            # A prefetch is only a hint: put the slabs back on disk as they were.
+            last_error.code = ERR_NONE
+            s = low
+            for i in range(count):
+                recycle_buffer(t, s)
+                s.state = SLAB_ON_DISK
+                s = s.next
             return
-        units += 1
-        window -= count
+        t.prefetch_slabs += count
+        ahead += unit_bytes
 
 
 cdef int ensure_resident(TapeStruct* t, Slab* s) noexcept nogil:
     """Make slab s resident, waiting for or doing the read (io_mu held)."""
     cdef int err
+    cdef int64_t started, elapsed
+    cdef IORequest* req
     cdef int waited = 0
     cdef char msg[512]
     while True:
@@ -653,15 +765,33 @@ cdef int ensure_resident(TapeStruct* t, Slab* s) noexcept nogil:
             s.state = SLAB_LOADING
             t.prefetch_misses += 1
             pthread_mutex_unlock(&t.io_mu)
+            started = now_ns()
             err = load_slab_data(t, s)
+            elapsed = now_ns() - started
             pthread_mutex_lock(&t.io_mu)
+            t.io_wait_ns += elapsed
+            t.read_ns += elapsed
+            t.read_bytes_timed += s.used
             finish_load(t, s, err, 0)
             continue
         # WRITING or LOADING: the I/O thread owns it for now.
         if not waited:
             t.prefetch_misses += 1
             waited = 1
-        pthread_cond_wait(&t.done_cv, &t.io_mu)
+        started = now_ns()
+        if t.queue_head != NULL and not t.queue_head.is_write:
+            # A pop outruns one reader (checksums included): while the I/O thread
+            # reads this slab, read the next queued unit here, in parallel.
+            req = t.queue_head
+            t.queue_head = req.next
+            if t.queue_head == NULL:
+                t.queue_tail = NULL
+            run_read(t, req)
+            free(req)
+            pthread_cond_broadcast(&t.done_cv)
+        else:
+            pthread_cond_wait(&t.done_cv, &t.io_mu)
+        t.io_wait_ns += now_ns() - started
 
 
 cdef int tape_grow(TapeStruct* t, size_t need) noexcept nogil:
@@ -772,10 +902,10 @@ cdef int read_bytes(TapeStruct* t, char* dst, size_t n, size_t* done) noexcept n
 
 
 cdef void keep_error_while(TapeStruct* t, int code, int err, off_t offset, char* msg_copy) noexcept nogil:
-    t.err_code = code
-    t.err_errno = err
-    t.err_offset = offset
-    memcpy(t.err_msg, msg_copy, 512)
+    last_error.code = code
+    last_error.errnum = err
+    last_error.offset = offset
+    memcpy(last_error.msg, msg_copy, 512)
 
 
 cdef void recompute_file_end(TapeStruct* t, Slab* s) noexcept nogil:
@@ -783,9 +913,7 @@ cdef void recompute_file_end(TapeStruct* t, Slab* s) noexcept nogil:
     while s != NULL and s.state != SLAB_ON_DISK and s.state != SLAB_CORRUPT:
         s = s.prev
     t.file_end = 0 if s == NULL else s.file_offset + <off_t>s.used
-    if t.fd >= 0 and (t.file_end == 0 or t.file_size - t.file_end >= <off_t>(8 * t.spill_unit)):
-        if ftruncate(t.fd, t.file_end) == 0:
-            t.file_size = t.file_end
+    shrink_file(t)
 
 
 cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_bytes,
@@ -826,18 +954,88 @@ cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_
 cdef int undo_write(TapeStruct* t, size_t pos0) noexcept nogil:
     """Roll a failed multi-slab write back to pos0, keeping the write's error."""
     cdef char msg[512]
-    cdef int code = t.err_code, err = t.err_errno
-    cdef off_t offset = t.err_offset
-    memcpy(msg, t.err_msg, 512)
+    cdef int code = last_error.code, err = last_error.errnum
+    cdef off_t offset = last_error.offset
+    memcpy(msg, last_error.msg, 512)
     rewind_to(t, pos0, t.n_records, t.record_bytes, t.last_record_end)
     keep_error_while(t, code, err, offset, msg)
     return -1
 
 
+cdef extern from *:
+    """
+    static inline int adtape_try_claim(volatile int *word) {
+        return __atomic_exchange_n(word, 1, __ATOMIC_ACQUIRE) == 0;
+    }
+    """
+    int adtape_try_claim(int *word) nogil
+
+cdef const char* SHARED_MSG = (
+    b"a Tape(threadsafe=False) was used by two threads at once: give each thread its "
+    b"own tape (ThreadLocalTapes) or create the tape with threadsafe=True")
+
+
+cdef int bulk_lock(TapeStruct* t) noexcept nogil:
+    """tape_lock for the bulk and GIL-releasing paths.
+
+    A threadsafe=False tape has no lock, so its lock word serves as an in-use
+    flag here: a second thread entering while the first is inside (and has
+    released the GIL) gets an error instead of corrupting the slabs.
+    """
+    if t.threadsafe:
+        adtape_spin_lock(&t.locked_word)
+        return 0
+    if adtape_try_claim(&t.locked_word):
+        return 0
+    return fail(t, ERR_SHARED, SHARED_MSG)
+
+
+cdef inline void bulk_unlock(TapeStruct* t) noexcept nogil:
+    adtape_spin_unlock(&t.locked_word)
+
+
+cdef int lock_or_raise(Tape tape) except -1:
+    if bulk_lock(&tape.t) < 0:
+        tape.check(-1)
+    return 0
+
+
+cdef int raise_shared() except -1:
+    raise RuntimeError(SHARED_MSG.decode())
+
+
 cdef int check_open(TapeStruct* t) noexcept nogil:
+    cdef char msg[512]
+    if t.closed == 2:
+        snprintf(msg, sizeof(msg),
+                 "this tape belongs to process %d and was inherited through fork(): its "
+                 "spill file and I/O thread are the parent's, so a child cannot use it; "
+                 "create a new Tape in the child", t.owner_pid)
+        return fail(t, ERR_FORKED, msg)
     if t.closed:
         return fail(t, ERR_CLOSED, "the tape is closed")
     return 0
+
+
+cdef void abandon_inherited(TapeStruct* t) noexcept nogil:
+    """In a forked child: let go of a tape inherited from the parent without touching
+    what the parent still uses.
+
+    The spill file's descriptor shares its offset-free pwrite/pread target with
+    the parent, and the I/O thread does not exist here: truncating the file or
+    joining the thread (as close() would) destroys the parent's spilled data or
+    hangs.  Only the child's copy of the descriptor is closed; the copied slabs
+    are left to the child's exit.  Every later operation fails in check_open.
+    """
+    if t.closed:
+        return
+    if t.fd >= 0:
+        close(t.fd)
+        t.fd = -1
+    t.io_started = 0
+    t.locked_word = 0
+    t.closed = 2
+    t.top = t.limit = t.floor = t.fence = NULL
 
 
 # ---------------------------------------------------------------------------
@@ -856,6 +1054,7 @@ cdef int tape_init(TapeStruct* t, int itemsize, size_t sbo_bytes, char* inline_b
     t.prefetch_depth = prefetch_depth
     t.max_free_slabs = 2 + prefetch_depth
     t.fd = -1
+    t.owner_pid = getpid()
     t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
     strncpy(t.spill_dir, spill_dir, sizeof(t.spill_dir) - 1)
     t.inline_buf = inline_buf
@@ -914,14 +1113,15 @@ cdef int tape_push_many(TapeStruct* t, const char* src, size_t n) noexcept nogil
     """Push n elements of the tape's dtype from src."""
     cdef size_t pos0
     cdef int rc = 0
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     if check_open(t) < 0:
         rc = -1
     else:
         pos0 = cur_pos(t)
         if write_bytes(t, src, n * t.itemsize) < 0:
             rc = undo_write(t, pos0)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
@@ -930,7 +1130,8 @@ cdef int tape_pop_many(TapeStruct* t, char* dst, size_t n) noexcept nogil:
     cdef size_t pos, have, done = 0
     cdef char msg[512]
     cdef int rc = 0
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     if check_open(t) < 0:
         rc = -1
     else:
@@ -947,8 +1148,38 @@ cdef int tape_pop_many(TapeStruct* t, char* dst, size_t n) noexcept nogil:
         elif read_bytes(t, dst, n * t.itemsize, &done) < 0:
             write_bytes(t, dst + n * t.itemsize - done, done)
             rc = -1
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
+
+
+cdef int reserve_record_entry(TapeStruct* t) noexcept nogil:
+    """Room in the record table for one more record, taken before the record is written
+    so that a failure leaves the tape unchanged."""
+    cdef int64_t cap
+    cdef RecordEntry* grown
+    if t.n_records < t.records_cap:
+        return 0
+    cap = 64 if t.records_cap == 0 else 2 * t.records_cap
+    grown = <RecordEntry*>realloc(t.records, cap * sizeof(RecordEntry))
+    if grown == NULL:
+        return fail(t, ERR_NOMEM, "out of memory growing the tape's record table")
+    t.records = grown
+    t.records_cap = cap
+    return 0
+
+
+cdef void finish_record_push(TapeStruct* t, size_t start, size_t payload) noexcept nogil:
+    """Account a record just written from start up to the top (entry reserved)."""
+    cdef RecordEntry* e = &t.records[t.n_records]
+    t.next_record_serial += 1
+    t.n_records += 1
+    t.record_bytes += round8(payload) + TRAILER
+    t.last_record_end = <int64_t>cur_pos(t)
+    t.fence = t.top
+    e.serial = t.next_record_serial
+    e.start = <int64_t>start
+    e.end = t.last_record_end
+    e.cum_bytes = t.record_bytes
 
 
 cdef int push_record_parts(TapeStruct* t, const char* a, size_t na, const char* b, size_t nb,
@@ -957,6 +1188,8 @@ cdef int push_record_parts(TapeStruct* t, const char* a, size_t na, const char* 
     cdef RecordTrailer tr
     cdef size_t pos0 = cur_pos(t)
     cdef size_t payload = na + nb
+    if reserve_record_entry(t) < 0:
+        return -1
     tr.nbytes = payload
     tr.kind = kind
     tr.prev_record_end = t.last_record_end
@@ -964,10 +1197,28 @@ cdef int push_record_parts(TapeStruct* t, const char* a, size_t na, const char* 
             or write_bytes(t, NULL, round8(payload) - payload) < 0
             or write_bytes(t, <char*>&tr, TRAILER) < 0):
         return undo_write(t, pos0)
-    t.n_records += 1
-    t.record_bytes += round8(payload) + TRAILER
-    t.last_record_end = <int64_t>cur_pos(t)
-    t.fence = t.top
+    finish_record_push(t, pos0, payload)
+    return 0
+
+
+cdef int check_trailer(TapeStruct* t, RecordTrailer* tr, size_t pos) noexcept nogil:
+    """Whether the trailer just popped from pos describes the top record of the record
+    table; a tape that misread it would read or write outside the record."""
+    cdef RecordEntry* e
+    cdef int64_t below = 0 if t.n_records < 2 else t.records[t.n_records - 2].end
+    cdef char msg[512]
+    cdef int ok = t.n_records >= 1 and (tr.kind == RECORD_BYTES or tr.kind == RECORD_ARRAY)
+    if ok:
+        e = &t.records[t.n_records - 1]
+        ok = (tr.nbytes <= pos and e.end == <int64_t>pos and tr.prev_record_end == below
+              and e.start == <int64_t>(pos - round8(tr.nbytes) - TRAILER))
+    if not ok:
+        snprintf(msg, sizeof(msg), "the top record's trailer at byte %zu does not check out "
+                 "(kind %lld, %llu bytes, previous record ending at %lld): the tape is corrupt",
+                 pos, <long long>tr.kind, <unsigned long long>tr.nbytes,
+                 <long long>tr.prev_record_end)
+        set_err(t, ERR_CORRUPT, 0, 0, msg)
+        return -1
     return 0
 
 
@@ -983,6 +1234,9 @@ cdef int pop_trailer(TapeStruct* t, RecordTrailer* tr, int kind) noexcept nogil:
         return fail(t, ERR_KIND, "the top entry is a scalar, not a byte record: take it with pop()")
     if read_bytes(t, <char*>tr, TRAILER, &done) < 0:
         write_bytes(t, <char*>tr + TRAILER - done, done)
+        return -1
+    if check_trailer(t, tr, pos) < 0:
+        write_bytes(t, <char*>tr, TRAILER)
         return -1
     if tr.kind != kind:
         write_bytes(t, <char*>tr, TRAILER)
@@ -1008,9 +1262,9 @@ cdef void unpop_record(TapeStruct* t, RecordTrailer* tr, const char* a, size_t n
     """Re-push the popped part of a record (a ++ b, then padding and trailer) after a
     failed read, keeping the read's error."""
     cdef char msg[512]
-    cdef int code = t.err_code, err = t.err_errno
-    cdef off_t offset = t.err_offset
-    memcpy(msg, t.err_msg, 512)
+    cdef int code = last_error.code, err = last_error.errnum
+    cdef off_t offset = last_error.offset
+    memcpy(msg, last_error.msg, 512)
     write_bytes(t, a, na)
     write_bytes(t, b, nb)
     write_bytes(t, NULL, round8(tr.nbytes) - tr.nbytes)
@@ -1020,23 +1274,25 @@ cdef void unpop_record(TapeStruct* t, RecordTrailer* tr, const char* a, size_t n
 
 cdef int tape_push_record(TapeStruct* t, const char* src, size_t nbytes, int kind) noexcept nogil:
     cdef int rc
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     rc = check_open(t)
     if rc == 0:
         rc = push_record_parts(t, src, nbytes, NULL, 0, kind)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
 cdef int tape_top_record(TapeStruct* t, RecordTrailer* out) noexcept nogil:
     """Read the top record's trailer without popping it."""
     cdef int rc
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     rc = pop_trailer(t, out, RECORD_BYTES)
     if rc == 0:
         write_bytes(t, NULL, round8(out.nbytes) - out.nbytes)
         write_bytes(t, <char*>out, TRAILER)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
@@ -1046,7 +1302,8 @@ cdef int tape_pop_record(TapeStruct* t, char* dst, size_t nbytes, int kind) noex
     cdef size_t done = 0
     cdef char msg[512]
     cdef int rc
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     rc = pop_trailer(t, &tr, kind)
     if rc == 0 and tr.nbytes != nbytes:
         unpop_record(t, &tr, NULL, 0, NULL, 0)
@@ -1059,7 +1316,7 @@ cdef int tape_pop_record(TapeStruct* t, char* dst, size_t nbytes, int kind) noex
             rc = -1
         else:
             finish_record_pop(t, &tr)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
@@ -1086,12 +1343,9 @@ cdef int tape_commit_record(TapeStruct* t, size_t nbytes, int kind) noexcept nog
     tr.nbytes = nbytes
     tr.kind = kind
     tr.prev_record_end = t.last_record_end
-    if write_bytes(t, <char*>&tr, TRAILER) < 0:
+    if reserve_record_entry(t) < 0 or write_bytes(t, <char*>&tr, TRAILER) < 0:
         return undo_write(t, pos0)
-    t.n_records += 1
-    t.record_bytes += round8(nbytes) + TRAILER
-    t.last_record_end = <int64_t>cur_pos(t)
-    t.fence = t.top
+    finish_record_push(t, pos0, nbytes)
     return 0
 
 
@@ -1105,7 +1359,8 @@ cdef size_t tape_nbytes(TapeStruct* t) noexcept nogil:
 
 cdef int tape_clear(TapeStruct* t) noexcept nogil:
     cdef int rc
-    tape_lock(t)
+    if bulk_lock(t) < 0:
+        return -1
     rc = check_open(t)
     if rc == 0:
         rc = rewind_to(t, 0, 0, 0, 0)
@@ -1115,12 +1370,20 @@ cdef int tape_clear(TapeStruct* t) noexcept nogil:
         t.io_errno = 0
         t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
         pthread_mutex_unlock(&t.io_mu)
-    tape_unlock(t)
+    bulk_unlock(t)
     return rc
 
 
 cdef void tape_close(TapeStruct* t) noexcept nogil:
-    """Free every slab, stop the I/O thread and close the spill file.  Idempotent."""
+    """Free every slab, stop the I/O thread and close the spill file.  Idempotent.
+
+    In a child forked without the Python fork hook (a fork from C), only the
+    child's descriptor is let go: the file and the thread are the parent's.
+    """
+    if not t.closed and getpid() != t.owner_pid:
+        abandon_inherited(t)
+    if t.closed:
+        return
     tape_lock(t)
     if t.closed:
         tape_unlock(t)
@@ -1140,6 +1403,9 @@ cdef void tape_close(TapeStruct* t) noexcept nogil:
     while t.pool != NULL:
         free_pooled(t)
     pthread_mutex_unlock(&t.io_mu)
+    free(t.records)
+    t.records = NULL
+    t.records_cap = 0
     pthread_mutex_destroy(&t.io_mu)
     pthread_cond_destroy(&t.io_cv)
     pthread_cond_destroy(&t.done_cv)
@@ -1148,11 +1414,47 @@ cdef void tape_close(TapeStruct* t) noexcept nogil:
     tape_unlock(t)
 
 
+cdef int rewind_to_mark(TapeStruct* t, size_t pos, int64_t k, uint64_t serial) noexcept nogil:
+    """Rewind to a mark after checking it against the record table (tape lock held).
+
+    Valid: the mark's top record (its k-th) is still the k-th record, every record
+    above it starts at or above the mark, and the mark lies on a scalar boundary
+    at or below the top.  Anything else is a stale or foreign mark.
+    """
+    cdef int64_t end = 0, cum = 0
+    if k < 0 or k > t.n_records or pos > cur_pos(t):
+        return fail(t, ERR_MARK, "the mark lies above the tape's top: it was popped past")
+    if k > 0:
+        if t.records[k - 1].serial != serial:
+            return fail(t, ERR_MARK, "the mark is stale: a record below it was popped since")
+        end = t.records[k - 1].end
+        cum = t.records[k - 1].cum_bytes
+    if (<int64_t>pos < end or (k < t.n_records and t.records[k].start < <int64_t>pos)
+            or (<int64_t>pos - end) % t.itemsize != 0):
+        return fail(t, ERR_MARK, "the mark is stale: the entries below it were popped since")
+    return rewind_to(t, pos, k, cum, end)
+
+
+cdef int bad_array_record(TapeStruct* t, RecordTrailer* tr, char* meta_end, size_t popped,
+                          const char* why) noexcept nogil:
+    """Put back what was popped of a malformed array record and report it as corrupt
+    (tape lock held).  Returns -1."""
+    cdef char msg[512]
+    cdef unsigned long long n = tr.nbytes
+    unpop_record(t, tr, meta_end - popped, popped, NULL, 0)
+    snprintf(msg, sizeof(msg), "the top array record (%llu bytes) is corrupt: %s", n, why)
+    set_err(t, ERR_CORRUPT, 0, 0, msg)
+    return -1
+
+
 # ---------------------------------------------------------------------------
 # Python API
 # ---------------------------------------------------------------------------
 
 DEF MAX_NDIM = 64
+DEF MAX_DTYPE_CODE = 2048
+DEF ARRAY_META_MAX = MAX_DTYPE_CODE + 8 * (MAX_NDIM + 3)
+DEF ARRAY_MAGIC = 0x41445441505952   # "RYPATDA": ends every array record's header
 _DTYPES = {np.dtype(np.float64): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
 _open_tapes = weakref.WeakSet()
 
@@ -1163,20 +1465,36 @@ def _close_open_tapes():
         tape.close()
 
 
-class TapeMark:
-    """A position on one tape, returned by Tape.mark() and accepted by Tape.rewind()."""
-    __slots__ = ("tape_id", "nbytes", "n_records", "record_bytes", "last_record_end", "length")
+def _abandon_inherited_tapes():
+    for tape in list(_open_tapes):
+        abandon_inherited(&(<Tape>tape).t)
+    _open_tapes.clear()
 
-    def __init__(self, tape_id, nbytes, n_records, record_bytes, last_record_end, length):
+
+os.register_at_fork(after_in_child=_abandon_inherited_tapes)
+
+
+class TapeMark:
+    """A position on one tape, returned by Tape.mark() and accepted by Tape.rewind().
+
+    It names its tape by a serial number unique in the process (not id(), which a
+    later tape can reuse) and the record then on top by its serial, so a mark is
+    refused once a record below it was popped, even if another took its place.
+    """
+    __slots__ = ("tape_id", "nbytes", "n_records", "record_serial", "length")
+
+    def __init__(self, tape_id, nbytes, n_records, record_serial, length):
         self.tape_id = tape_id
         self.nbytes = nbytes
         self.n_records = n_records
-        self.record_bytes = record_bytes
-        self.last_record_end = last_record_end
+        self.record_serial = record_serial
         self.length = length
 
     def __repr__(self):
         return f"TapeMark(length={self.length}, nbytes={self.nbytes})"
+
+
+_tape_serials = itertools.count(1)
 
 
 cdef class Tape:
@@ -1191,8 +1509,14 @@ cdef class Tape:
     memory_budget : bytes of heap slabs kept in memory; past it the oldest slabs
         are written to a spill file.  None: no limit.
     spill_dir : directory of the spill file (default: the system temp dir).
-    prefetch_depth : spilled units read ahead of need while popping.
-    threadsafe : take the tape's lock on every operation.
+    prefetch_depth : spilled units read ahead of need while popping, at least (the
+        window widens to what the device reads in 50 ms, within the budget); 0: none.
+    threadsafe : take the tape's lock on every operation.  With False, the tape
+        belongs to one thread at a time (see ThreadLocalTapes): a second thread
+        entering a bulk or GIL-releasing call (push_many, pop_many, the array and
+        bytes records, rewind, clear, close), or a Python-level push/pop/peek while
+        another thread is inside one, raises RuntimeError instead of corrupting the
+        tape.  Cython code calling the unlocked fast paths is not checked.
     spill_unit : minimum bytes written or read per I/O request (default 1 MiB).
     keep_free_slabs : emptied slabs kept for reuse before they are freed (default:
         256 MiB worth without a budget, so a tape refilled every training step does
@@ -1243,6 +1567,7 @@ cdef class Tape:
         tape_init(&self.t, itemsize, sbo_size * itemsize, self.sbo,
                   slab_size * itemsize, budget, encoded, prefetch_depth,
                   1 if threadsafe else 0, max(spill_unit, 1))
+        self.t.tape_serial = next(_tape_serials)
         if keep_free_slabs is not None:
             self.t.max_free_slabs = _count("keep_free_slabs", keep_free_slabs)
         elif budget < 0:
@@ -1257,9 +1582,9 @@ cdef class Tape:
         """Raise the tape's last error as the matching Python exception."""
         if rc == 0:
             return 0
-        code = self.t.err_code
-        msg = self.t.err_msg.decode("utf-8", "replace")
-        self.t.err_code = ERR_NONE
+        code = last_error.code
+        msg = last_error.msg.decode("utf-8", "replace")
+        last_error.code = ERR_NONE
         if code == ERR_EMPTY:
             raise IndexError(msg)
         if code == ERR_KIND:
@@ -1270,37 +1595,56 @@ cdef class Tape:
             raise MemoryError(msg)
         if code == ERR_IO:
             path = self.t.spill_path.decode("utf-8", "replace") or self.t.spill_dir.decode()
-            raise SpillError(self.t.err_errno, msg, path)
+            raise SpillError(last_error.errnum, msg, path)
         if code == ERR_CORRUPT:
             raise TapeCorruptionError(msg)
         if code == ERR_MARK:
             raise ValueError(msg)
+        if code == ERR_FORKED:
+            raise TapeForkError(msg)
+        if code == ERR_SHARED:
+            raise RuntimeError(msg)
         raise TapeError(msg or "tape operation failed")
 
     cdef int require_open(self) except -1:
         if self.t.closed:
-            raise TapeClosedError("the tape is closed")
+            self.check(check_open(&self.t))
         return 0
-
     # -- scalars ------------------------------------------------------------
 
     @cython.always_allow_keywords(False)
     def push(self, value):
-        """Push one scalar of the tape's dtype."""
+        """Push one scalar of the tape's dtype.
+
+        Nothing is rounded away silently: a float32 tape refuses a finite value
+        beyond float32's range with OverflowError (inf and nan themselves are
+        stored), and an int64 tape takes only integers (int, NumPy integers,
+        anything with ``__index__``): floats, Decimal and Fraction raise
+        TypeError even when their value is integral, as ``range()`` does.
+        """
         cdef double d
         cdef float f
         cdef int64_t i
         cdef int rc
+        if not self.t.threadsafe and self.t.locked_word:
+            raise_shared()
         if self.kind == 0:
             d = value
             rc = tape_push_f64(&self.t, d)
         elif self.kind == 1:
-            f = value
+            d = value
+            f = <float>d
+            if isinf(f) and not isinf(d):
+                raise OverflowError(f"{value!r} overflows float32 (largest finite value "
+                                    f"3.4028235e+38)")
             rc = tape_push_f32(&self.t, f)
         else:
-            if isinstance(value, float):
-                raise TypeError(f"an int64 tape takes integers, got float {value!r}")
-            i = value
+            try:
+                integer = PyNumber_Index(value)
+            except TypeError:
+                raise TypeError(f"an int64 tape takes integers, got {type(value).__name__} "
+                                f"{value!r}") from None
+            i = integer
             rc = tape_push_i64(&self.t, i)
         if rc:
             self.check(rc)
@@ -1312,6 +1656,8 @@ cdef class Tape:
         cdef float f
         cdef int64_t i
         cdef int rc
+        if not self.t.threadsafe and self.t.locked_word:
+            raise_shared()
         if self.kind == 0:
             rc = tape_pop_f64(&self.t, &d)
             if rc:
@@ -1332,6 +1678,8 @@ cdef class Tape:
         """Return the most recently pushed scalar without popping it."""
         cdef char buf[8]
         cdef int rc = 0
+        if not self.t.threadsafe and self.t.locked_word:
+            raise_shared()
         tape_lock(&self.t)
         if <size_t>(self.t.top - self.t.fence) >= <size_t>self.t.itemsize:
             memcpy(buf, self.t.top - self.t.itemsize, self.t.itemsize)
@@ -1405,86 +1753,130 @@ cdef class Tape:
         cdef RecordTrailer tr
         cdef size_t done = 0
         cdef int rc
-        tape_lock(&self.t)
+        lock_or_raise(self)
         rc = pop_trailer(&self.t, &tr, RECORD_BYTES)
         if rc:
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             self.check(rc)
         try:
             out = PyBytes_FromStringAndSize(NULL, tr.nbytes)
         except MemoryError:
             unpop_record(&self.t, &tr, NULL, 0, NULL, 0)
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             raise
         rc = read_bytes(&self.t, PyBytes_AS_STRING(out), tr.nbytes, &done)
         if rc:
             unpop_record(&self.t, &tr, PyBytes_AS_STRING(out) + tr.nbytes - done, done, NULL, 0)
         else:
             finish_record_pop(&self.t, &tr)
-        tape_unlock(&self.t)
+        bulk_unlock(&self.t)
         if rc:
             self.check(rc)
         return out
 
     def push_array(self, a):
-        """Push a copy of an array (any numeric dtype and shape) as one record."""
+        """Push a copy of an array as one record.
+
+        Any dtype that round-trips exactly is taken: byte order, item size,
+        datetime unit, string lengths and structured fields all come back as
+        pushed.  Arrays holding Python objects (object fields, StringDType) and
+        dtypes that cannot be described exactly raise TypeError, and the tape is
+        left as it was.
+        """
         cdef cnp.ndarray arr
-        cdef int64_t meta[MAX_NDIM + 2]
+        cdef char meta[ARRAY_META_MAX]
+        cdef int64_t* ints
+        cdef const unsigned char[::1] code_view
         cdef int ndim, k, rc
-        cdef size_t nbytes
+        cdef size_t nbytes, code_len, meta_len
         cdef const char* src
         if not isinstance(a, np.ndarray):
             raise TypeError(f"push_array takes a numpy array, got {type(a).__name__}")
-        if a.dtype.hasobject:
-            raise TypeError("push_array cannot store arrays of Python objects")
+        code = _dtype_code(a.dtype)
         arr = a if a.flags.c_contiguous else a.copy(order="C")
         ndim = arr.ndim
         if ndim > MAX_NDIM:
             raise ValueError(f"push_array: {ndim} dimensions exceed the limit of {MAX_NDIM}")
+        # Record payload: data, dtype code (8-byte padded), shape, then ndim, code
+        # length and a magic word: pop_array reads it from the top down.
+        code_len = len(code)
+        code_view = code
+        meta_len = round8(code_len) + 8 * (ndim + 3)
+        memset(meta, 0, round8(code_len))
+        memcpy(meta, &code_view[0], code_len)
+        ints = <int64_t*>(meta + round8(code_len))
         for k in range(ndim):
-            meta[k] = arr.shape[k]
-        meta[ndim] = ndim
-        meta[ndim + 1] = cnp.PyArray_TYPE(arr)
+            ints[k] = arr.shape[k]
+        ints[ndim] = ndim
+        ints[ndim + 1] = <int64_t>code_len
+        ints[ndim + 2] = ARRAY_MAGIC
         nbytes = arr.nbytes
         src = <const char*>cnp.PyArray_DATA(arr)
         with nogil:
-            tape_lock(&self.t)
-            rc = check_open(&self.t)
+            rc = bulk_lock(&self.t)
             if rc == 0:
-                rc = push_record_parts(&self.t, src, nbytes, <char*>meta,
-                                       8 * (ndim + 2), RECORD_ARRAY)
-            tape_unlock(&self.t)
+                rc = check_open(&self.t)
+                if rc == 0:
+                    rc = push_record_parts(&self.t, src, nbytes, meta, meta_len, RECORD_ARRAY)
+                bulk_unlock(&self.t)
         if rc:
             self.check(rc)
 
     def pop_array(self, out=None):
         """Pop the top array record; returns a new array, or fills ``out`` (same dtype, shape)."""
         cdef RecordTrailer tr
-        cdef int64_t meta[MAX_NDIM + 2]
-        cdef char* meta_end = <char*>&meta[MAX_NDIM + 2]
-        cdef size_t done = 0, meta_len = 16, nbytes
-        cdef int64_t ndim
+        cdef char meta[ARRAY_META_MAX]
+        cdef char* meta_end = meta + ARRAY_META_MAX
+        cdef int64_t tail[3]
+        cdef size_t done = 0, meta_len = 24, nbytes, code_len = 0
+        cdef int64_t ndim = 0, magic = 0
         cdef cnp.ndarray result
         cdef char* dst
         cdef int rc
-        tape_lock(&self.t)
+        lock_or_raise(self)
         rc = pop_trailer(&self.t, &tr, RECORD_ARRAY)
         if rc:
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             self.check(rc)
-        rc = read_bytes(&self.t, meta_end - 16, 16, &done)
+        if tr.nbytes < 24:
+            rc = bad_array_record(&self.t, &tr, meta_end, 0, "its payload is shorter than its header")
+        else:
+            rc = read_bytes(&self.t, meta_end - 24, 24, &done)
+            if rc:
+                unpop_record(&self.t, &tr, meta_end - done, done, NULL, 0)
         if rc == 0:
-            ndim = meta[MAX_NDIM]
-            meta_len = 16 + 8 * ndim
-            rc = read_bytes(&self.t, meta_end - meta_len, 8 * ndim, &done)
-            done += 16
+            memcpy(tail, meta_end - 24, 24)
+            ndim, code_len, magic = tail[0], <size_t>tail[1], tail[2]
+            if magic != ARRAY_MAGIC or ndim < 0 or ndim > MAX_NDIM or code_len == 0 \
+                    or code_len > MAX_DTYPE_CODE:
+                rc = bad_array_record(&self.t, &tr, meta_end, 24, "its header does not check out")
+            else:
+                meta_len = 24 + 8 * ndim + round8(code_len)
+                if meta_len > tr.nbytes:
+                    rc = bad_array_record(&self.t, &tr, meta_end, 24,
+                                                "its header is longer than the record")
+                else:
+                    rc = read_bytes(&self.t, meta_end - meta_len, meta_len - 24, &done)
+                    if rc:
+                        unpop_record(&self.t, &tr, meta_end - 24 - done, done + 24, NULL, 0)
         if rc:
-            unpop_record(&self.t, &tr, meta_end - done, done, NULL, 0)
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             self.check(rc)
         try:
-            shape = tuple(meta[MAX_NDIM - ndim + k] for k in range(ndim))
-            dtype = cnp.PyArray_DescrFromType(meta[MAX_NDIM + 1])
+            shape = tuple((<int64_t*>(meta_end - 24 - 8 * ndim))[k] for k in range(ndim))
+            dtype = _dtype_from_code(PyBytes_FromStringAndSize(meta_end - meta_len, code_len))
+            valid = (dtype is not None and all(d >= 0 for d in shape)
+                     and tr.nbytes - meta_len == _array_nbytes(dtype, shape))
+        except BaseException:
+            unpop_record(&self.t, &tr, meta_end - meta_len, meta_len, NULL, 0)
+            bulk_unlock(&self.t)
+            raise
+        if not valid:
+            bad_array_record(&self.t, &tr, meta_end, meta_len,
+                             "its dtype or shape does not match its size")
+            bulk_unlock(&self.t)
+            self.check(-1)
+        try:
             if out is None:
                 result = np.empty(shape, dtype=dtype)
             else:
@@ -1495,7 +1887,7 @@ cdef class Tape:
                 result = out
         except BaseException:
             unpop_record(&self.t, &tr, meta_end - meta_len, meta_len, NULL, 0)
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
             raise
         nbytes = result.nbytes
         dst = <char*>cnp.PyArray_DATA(result)
@@ -1505,7 +1897,7 @@ cdef class Tape:
                 unpop_record(&self.t, &tr, dst + nbytes - done, done, meta_end - meta_len, meta_len)
             else:
                 finish_record_pop(&self.t, &tr)
-            tape_unlock(&self.t)
+            bulk_unlock(&self.t)
         if rc:
             self.check(rc)
         return result
@@ -1515,9 +1907,9 @@ cdef class Tape:
     def __len__(self):
         cdef int64_t n
         self.require_open()
-        tape_lock(&self.t)
+        lock_or_raise(self)
         n = tape_len(&self.t)
-        tape_unlock(&self.t)
+        bulk_unlock(&self.t)
         return n
 
     @property
@@ -1534,32 +1926,38 @@ cdef class Tape:
         return bool(self.t.closed)
 
     def mark(self):
-        """Remember the current top; rewind(mark) later discards everything pushed after it."""
+        """Remember the current top; rewind(mark) later discards everything pushed after it.
+
+        The mark stays valid while the entries below it stay on the tape: once a
+        record at or below it is popped, rewind(mark) raises ValueError.
+        """
+        cdef int64_t k
         self.require_open()
-        tape_lock(&self.t)
-        m = TapeMark(id(self), tape_nbytes(&self.t), self.t.n_records, self.t.record_bytes,
-                     self.t.last_record_end, tape_len(&self.t))
-        tape_unlock(&self.t)
+        lock_or_raise(self)
+        k = self.t.n_records
+        m = TapeMark(self.t.tape_serial, tape_nbytes(&self.t), k,
+                     self.t.records[k - 1].serial if k > 0 else 0, tape_len(&self.t))
+        bulk_unlock(&self.t)
         return m
 
     def rewind(self, mark):
         """Discard every entry pushed after ``mark`` (from this tape's mark())."""
         cdef int rc = 0
         cdef size_t pos
-        cdef int64_t n_records, record_bytes, last_record_end
-        if not isinstance(mark, TapeMark) or mark.tape_id != id(self):
+        cdef int64_t k
+        cdef uint64_t serial
+        if not isinstance(mark, TapeMark) or mark.tape_id != self.t.tape_serial:
             raise ValueError("rewind takes a TapeMark returned by this tape's mark()")
         self.require_open()
-        pos, n_records = mark.nbytes, mark.n_records
-        record_bytes, last_record_end = mark.record_bytes, mark.last_record_end
+        try:
+            pos, k, serial = mark.nbytes, mark.n_records, mark.record_serial
+        except (TypeError, OverflowError):
+            raise ValueError(f"{mark!r} is not a mark this tape made") from None
         with nogil:
-            tape_lock(&self.t)
-            if (pos > tape_nbytes(&self.t) or n_records > self.t.n_records
-                    or last_record_end > <int64_t>tape_nbytes(&self.t)):
-                rc = fail(&self.t, ERR_MARK, "the mark lies above the tape's top: it was popped past")
-            else:
-                rc = rewind_to(&self.t, pos, n_records, record_bytes, last_record_end)
-            tape_unlock(&self.t)
+            rc = bulk_lock(&self.t)
+            if rc == 0:
+                rc = rewind_to_mark(&self.t, pos, k, serial)
+                bulk_unlock(&self.t)
         if rc:
             self.check(rc)
 
@@ -1574,6 +1972,8 @@ cdef class Tape:
 
     def close(self):
         """Free everything and remove the spill file.  Further use raises TapeClosedError."""
+        if not self.t.threadsafe and self.t.locked_word:
+            raise_shared()
         if not self.t.closed:
             with nogil:
                 tape_close(&self.t)
@@ -1589,12 +1989,15 @@ cdef class Tape:
 
     @property
     def stats(self):
-        """Counters: bytes resident/spilled, slabs, spills, reloads, prefetch hits and misses."""
+        """Counters: bytes resident/spilled, slabs, spills, reloads, prefetch hits and misses,
+        bytes written to and read from the spill file, the nanoseconds pops waited on
+        reads (io_wait_ns) and pushes on writes (push_wait_ns), and the prefetch's
+        current read-ahead window in bytes."""
         cdef TapeStruct* t = &self.t
         cdef Slab* s
         cdef int64_t n_slabs = 0, resident_slabs = 0
         self.require_open()
-        tape_lock(t)
+        lock_or_raise(self)
         pthread_mutex_lock(&t.io_mu)
         s = t.head
         while s != NULL:
@@ -1621,9 +2024,14 @@ cdef class Tape:
             "reloads": t.n_reloads,
             "prefetch_hits": t.prefetch_hits,
             "prefetch_misses": t.prefetch_misses,
+            "io_wait_ns": t.io_wait_ns,
+            "push_wait_ns": t.push_wait_ns,
+            "bytes_written": t.bytes_written,
+            "bytes_read": t.bytes_read,
+            "readahead_bytes": readahead_bytes(t) if t.memory_budget >= 0 else 0,
         }
         pthread_mutex_unlock(&t.io_mu)
-        tape_unlock(t)
+        bulk_unlock(t)
         return out
 
     def __repr__(self):
@@ -1639,6 +2047,15 @@ cdef class Tape:
         pthread_mutex_lock(&self.t.io_mu)
         self.t.inject_write_errno = err
         pthread_mutex_unlock(&self.t.io_mu)
+
+    def _overwrite_top(self, data):
+        """Overwrite the top len(data) bytes in place, as memory corruption would.  For
+        tests of the record checks; the bytes must lie in the head slab."""
+        cdef const unsigned char[::1] view = bytes(data)
+        self.require_open()
+        if view.shape[0] == 0 or <size_t>(self.t.top - self.t.floor) < <size_t>view.shape[0]:
+            raise ValueError("_overwrite_top: the bytes must lie in the head slab")
+        memcpy(self.t.top - view.shape[0], &view[0], view.shape[0])
 
     def _spill_fd(self):
         """The spill file's descriptor (-1 before the first spill).  For tests."""
@@ -1662,6 +2079,66 @@ def _default_slab_bytes(memory_budget):
         while size > (64 << 10) and size > memory_budget // 32:
             size //= 2
     return size
+
+
+_DTYPE_CODES = {}      # dtype -> the bytes that describe it in an array record
+_CODE_DTYPES = {}      # and back
+
+
+def _dtype_code(dt):
+    """The exact description of an array dtype stored in its record, or TypeError.
+
+    A dtype without fields is its ``dtype.str`` ('>f8', '<M8[ns]', '|S5');
+    a structured one is the ``.npy`` format's descr (names, formats, padding).
+    Whatever does not decode back to an equal dtype is refused, as are Python
+    objects (their bytes are pointers, meaningless once popped).
+    """
+    code = _DTYPE_CODES.get(dt)
+    if code is not None:
+        return code
+    if dt.hasobject:
+        raise TypeError(f"push_array cannot store arrays of Python objects (dtype {dt})")
+    try:
+        if dt.fields is None and dt.subdtype is None:
+            code = b"s" + dt.str.encode("ascii")
+        else:
+            code = b"d" + repr(npformat.dtype_to_descr(dt)).encode("ascii")
+    except (ValueError, TypeError, UnicodeEncodeError) as exc:
+        raise TypeError(f"push_array cannot describe dtype {dt} exactly: {exc}") from None
+    if len(code) > MAX_DTYPE_CODE:
+        raise TypeError(f"push_array: the description of dtype {dt} takes {len(code)} bytes, "
+                        f"over the limit of {MAX_DTYPE_CODE}")
+    back = _dtype_from_code(code)
+    if back is None or back != dt or back.itemsize != dt.itemsize:
+        raise TypeError(f"push_array cannot store dtype {dt}: it does not round-trip exactly "
+                        f"(it would come back as {back})")
+    _DTYPE_CODES[dt] = code
+    _CODE_DTYPES[code] = back
+    return code
+
+
+def _dtype_from_code(code):
+    """The dtype an array record describes, or None if the description is not valid."""
+    dt = _CODE_DTYPES.get(code)
+    if dt is not None:
+        return dt
+    try:
+        text = code[1:].decode("ascii")
+        if code[:1] == b"s":
+            dt = np.dtype(text)
+        elif code[:1] == b"d":
+            dt = npformat.descr_to_dtype(ast.literal_eval(text))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    # Bytes popped into an object array would be taken for pointers.
+    return None if dt is None or dt.hasobject else dt
+
+
+def _array_nbytes(dt, shape):
+    n = dt.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 def _count(name, value):
