@@ -1,7 +1,5 @@
 """The OpenMP shim: thread-count queries with serial fallbacks when OpenMP is absent."""
 
-from libc.string cimport memcpy
-
 IF ADTAPE_OPENMP:
     cimport openmp
     from cython.parallel cimport prange
@@ -21,35 +19,6 @@ cdef int omp_get_thread_num_safe() noexcept nogil:
 cdef void omp_set_num_threads_safe(int n) noexcept nogil:
     IF ADTAPE_OPENMP:
         openmp.omp_set_num_threads(n)
-
-
-DEF PAR_COPY_MIN = 1 << 20      # below this one thread copies faster than a team starts
-DEF COPY_ALIGN = 4096
-
-cdef void par_memcpy(char* dst, const char* src, size_t n) noexcept nogil:
-    """memcpy split into one contiguous, page-aligned range per OpenMP thread.
-
-    One core's copy reaches about half of the machine's copy bandwidth; the AD
-    tape's pushes and pops of activations go through here.  Safe to call from
-    any thread (a team of its own) and without OpenMP (one memcpy).
-    """
-    cdef int nt = omp_get_max_threads_safe()
-    cdef Py_ssize_t k
-    cdef size_t per, lo, hi
-    if n < PAR_COPY_MIN or nt < 2:
-        memcpy(dst, src, n)
-        return
-    per = (n // <size_t>nt + COPY_ALIGN - 1) // COPY_ALIGN * COPY_ALIGN
-    IF ADTAPE_OPENMP:
-        for k in prange(nt, schedule="static", chunksize=1, num_threads=nt):
-            lo = <size_t>k * per
-            if lo < n:
-                hi = lo + per
-                if hi > n:
-                    hi = n
-                memcpy(dst + lo, src + lo, hi - lo)
-    ELSE:
-        memcpy(dst, src, n)
 
 
 cdef enum:
