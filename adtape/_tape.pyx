@@ -60,6 +60,7 @@ cdef extern from "stdlib.h" nogil:
 
 cdef extern from "unistd.h" nogil:
     int getpid()
+    int usleep(unsigned usec)
 
 cdef extern from "sys/mman.h" nogil:
     void* mmap(void* addr, size_t length, int prot, int flags, int fd, off_t offset)
@@ -448,6 +449,11 @@ cdef void* io_main(void* arg) noexcept nogil:
             pthread_cond_wait(&t.io_cv, &t.io_mu)
         if t.queue_head == NULL:
             break
+        if not t.io_stop and t.io_hold_until_ns > now_ns():
+            pthread_mutex_unlock(&t.io_mu)
+            usleep(1000)
+            pthread_mutex_lock(&t.io_mu)
+            continue
         req = t.queue_head
         t.queue_head = req.next
         if t.queue_head == NULL:
@@ -600,49 +606,62 @@ cdef int spill_oldest(TapeStruct* t) noexcept nogil:
     return 1
 
 
-cdef int enforce_budget(TapeStruct* t) noexcept nogil:
-    """Bring resident bytes within the budget (io_mu held).
+cdef inline int64_t write_behind_bytes(TapeStruct* t) noexcept nogil:
+    """The write-behind window W: min(2 spill units, budget / 4).
 
-    Slabs in use (the chain, including those being written) are kept within the
-    budget by spilling the oldest; pooled spare buffers are freed down to one
-    spare slab above it.  Writes start early (write-ahead) so that a steady
-    stream of pushes rarely waits for the disk.
+    Writes start once the slabs in use pass memory_budget - W, and a push waits
+    for them only when its new slab would take allocated slab memory past
+    memory_budget + W: the writes of a steady stream of pushes run while the
+    pushes go on, instead of each push past the budget waiting for one.
+    """
+    cdef int64_t w = <int64_t>(2 * t.spill_unit)
+    return w if w < t.memory_budget // 4 else t.memory_budget // 4
+
+
+cdef int make_room(TapeStruct* t, size_t cap) noexcept nogil:
+    """Before a head slab of cap bytes is taken: queue writes and, if need be, wait for
+    them, so that allocated slab memory stays within memory_budget + W (io_mu held).
+
+    Write-behind: the oldest resident slabs are queued, one spill unit per request,
+    until the slabs in use, the new one included, will be at most memory_budget - W
+    once the queued writes land.  The push waits only while the slabs in use would
+    pass memory_budget + W.  Pooled spare buffers count against the same bound.
+    When nothing is left to spill (the head slab alone is that large), the slab is
+    taken anyway: the bound then gives way, never the push.
     """
     cdef int rc
     cdef int64_t budget = t.memory_budget
-    cdef int64_t ahead, in_use, started
+    cdef int64_t w, in_use, started, after
     if budget < 0:
         return 0
+    w = write_behind_bytes(t)
     while True:
         if t.io_errno:
             return report_io_error(t)
         in_use = <int64_t>(t.resident_bytes - t.pool_count * t.slab_bytes)
-        if in_use <= budget:
-            break
-        if in_use - <int64_t>t.writing_bytes > budget:
+        if in_use + <int64_t>cap - <int64_t>t.writing_bytes > budget - w:
             rc = spill_oldest(t)
             if rc < 0:
                 return -1
             if rc == 1:
                 continue
-        if t.writing_bytes > 0:
-            # Finished writes hand their buffers to the pool, out of in_use.
-            started = now_ns()
-            pthread_cond_wait(&t.done_cv, &t.io_mu)
-            t.push_wait_ns += now_ns() - started
-            continue
-        break
-    # Keep one spare buffer above the budget for the next head, so a steady
-    # stream of pushes reuses spilled buffers instead of mapping fresh memory.
-    while t.pool != NULL and <int64_t>t.resident_bytes > budget + <int64_t>t.slab_bytes:
+        if in_use + <int64_t>cap <= budget + w or t.writing_bytes == 0:
+            break
+        # Finished writes hand their buffers to the pool, out of in_use.
+        started = now_ns()
+        pthread_cond_wait(&t.done_cv, &t.io_mu)
+        t.push_wait_ns += now_ns() - started
+    # Spares a new head can reuse are kept (no fresh pages to fault in) while they fit;
+    # the last one stays when the new head takes it, which adds nothing.
+    while t.pool != NULL:
+        after = <int64_t>t.resident_bytes
+        if cap > t.slab_bytes:
+            after += <int64_t>cap
+        elif t.pool_count == 1:
+            break
+        if after <= budget + w:
+            break
         free_pooled(t)
-    ahead = <int64_t>(2 * t.spill_unit)
-    if ahead > budget // 4:
-        ahead = budget // 4
-    in_use = <int64_t>(t.resident_bytes - t.pool_count * t.slab_bytes)
-    if t.writing_bytes == 0 and in_use > budget - ahead:
-        if spill_oldest(t) < 0:
-            return -1
     return 0
 
 
@@ -733,6 +752,44 @@ cdef void prefetch(TapeStruct* t) noexcept nogil:
         ahead += unit_bytes
 
 
+cdef int cancel_queued_write(TapeStruct* t, Slab* s) noexcept nogil:
+    """Take slab s out of its write request if that request has not started: a pop needs
+    the bytes back before they would reach the disk (io_mu held).  Returns 1 if taken.
+
+    A pop reaches slabs from the top down and the head is never written, so a slab it
+    reaches is the last of its request, and the last bytes given a file offset.
+    """
+    cdef IORequest* req = t.queue_head
+    cdef IORequest* prev = NULL
+    cdef Slab* last
+    cdef int i
+    while req != NULL:
+        if req.is_write:
+            last = req.first
+            for i in range(req.count - 1):
+                last = last.next
+            if last == s:
+                break
+        prev = req
+        req = req.next
+    if req == NULL:
+        return 0
+    req.count -= 1
+    if req.count == 0:
+        if prev == NULL:
+            t.queue_head = req.next
+        else:
+            prev.next = req.next
+        if t.queue_tail == req:
+            t.queue_tail = prev
+        free(req)
+    s.state = SLAB_RESIDENT
+    t.writing_bytes -= s.cap
+    t.bytes_cancelled += s.used
+    reclaim_file(t, s)
+    return 1
+
+
 cdef int ensure_resident(TapeStruct* t, Slab* s) noexcept nogil:
     """Make slab s resident, waiting for or doing the read (io_mu held)."""
     cdef int err
@@ -774,7 +831,9 @@ cdef int ensure_resident(TapeStruct* t, Slab* s) noexcept nogil:
             t.read_bytes_timed += s.used
             finish_load(t, s, err, 0)
             continue
-        # WRITING or LOADING: the I/O thread owns it for now.
+        if s.state == SLAB_WRITING and cancel_queued_write(t, s):
+            continue
+        # Being written, or LOADING: the I/O thread owns it for now.
         if not waited:
             t.prefetch_misses += 1
             waited = 1
@@ -798,14 +857,13 @@ cdef int tape_grow(TapeStruct* t, size_t need) noexcept nogil:
     """Link a new head slab with at least need bytes (tape lock held)."""
     cdef Slab* h = t.head
     cdef Slab* s
-    cdef int rc
+    cdef size_t cap = round8(need)
     h.used = <size_t>(t.top - t.floor)
     pthread_mutex_lock(&t.io_mu)
-    if t.io_errno:
-        rc = report_io_error(t)
+    if make_room(t, cap if cap > t.slab_bytes else t.slab_bytes) < 0:
         pthread_mutex_unlock(&t.io_mu)
-        return rc
-    s = take_slab(t, round8(need))
+        return -1
+    s = take_slab(t, cap)
     if s == NULL:
         pthread_mutex_unlock(&t.io_mu)
         return fail(t, ERR_NOMEM, "out of memory allocating a tape slab")
@@ -813,9 +871,8 @@ cdef int tape_grow(TapeStruct* t, size_t need) noexcept nogil:
     s.prev = h
     h.next = s
     set_window(t, s, 0)
-    rc = enforce_budget(t)
     pthread_mutex_unlock(&t.io_mu)
-    return rc
+    return 0
 
 
 cdef int move_down(TapeStruct* t) noexcept nogil:
@@ -1507,7 +1564,15 @@ cdef class Tape:
     slab_size : elements per heap slab (default: 2 MiB worth, one huge page; with
         a memory_budget at most budget / 32, down to 64 KiB).
     memory_budget : bytes of heap slabs kept in memory; past it the oldest slabs
-        are written to a spill file.  None: no limit.
+        are written to a spill file.  None: no limit.  Writes are behind the pushes:
+        with W = min(2 * spill_unit, memory_budget / 4), the oldest slabs are queued
+        for writing once the slabs in use pass memory_budget - W, and pushes go on
+        past the budget while those writes run; a push waits for them only when its
+        new slab would take allocated slab memory (pooled spares included) past
+        memory_budget + W.  So peak_resident_bytes stays within memory_budget + W
+        while pushing, unless one slab alone is larger (a record reserved in place
+        gets a slab of its own size).  A pop that reaches a slab whose write has not
+        started takes it back instead of waiting for it.
     spill_dir : directory of the spill file (default: the system temp dir).
     prefetch_depth : spilled units read ahead of need while popping, at least (the
         window widens to what the device reads in 50 ms, within the budget); 0: none.
@@ -1990,9 +2055,11 @@ cdef class Tape:
     @property
     def stats(self):
         """Counters: bytes resident/spilled, slabs, spills, reloads, prefetch hits and misses,
-        bytes written to and read from the spill file, the nanoseconds pops waited on
-        reads (io_wait_ns) and pushes on writes (push_wait_ns), and the prefetch's
-        current read-ahead window in bytes."""
+        bytes written to and read from the spill file, bytes queued or being written
+        (writing_bytes), bytes whose queued write a pop took back before it started
+        (bytes_cancelled), the nanoseconds pops waited on reads (io_wait_ns) and
+        pushes on writes (push_wait_ns), and the prefetch's current read-ahead window
+        in bytes."""
         cdef TapeStruct* t = &self.t
         cdef Slab* s
         cdef int64_t n_slabs = 0, resident_slabs = 0
@@ -2028,6 +2095,8 @@ cdef class Tape:
             "push_wait_ns": t.push_wait_ns,
             "bytes_written": t.bytes_written,
             "bytes_read": t.bytes_read,
+            "writing_bytes": t.writing_bytes,
+            "bytes_cancelled": t.bytes_cancelled,
             "readahead_bytes": readahead_bytes(t) if t.memory_budget >= 0 else 0,
         }
         pthread_mutex_unlock(&t.io_mu)
@@ -2056,6 +2125,15 @@ cdef class Tape:
         if view.shape[0] == 0 or <size_t>(self.t.top - self.t.floor) < <size_t>view.shape[0]:
             raise ValueError("_overwrite_top: the bytes must lie in the head slab")
         memcpy(self.t.top - view.shape[0], &view[0], view.shape[0])
+
+    def _hold_io(self, double seconds):
+        """Keep the I/O thread from starting any request for ``seconds`` (0 lets it go);
+        closing the tape lets it go too.  For tests of the write-behind."""
+        self.require_open()
+        pthread_mutex_lock(&self.t.io_mu)
+        self.t.io_hold_until_ns = now_ns() + <int64_t>(seconds * 1e9) if seconds > 0 else 0
+        pthread_cond_broadcast(&self.t.io_cv)
+        pthread_mutex_unlock(&self.t.io_mu)
 
     def _spill_fd(self):
         """The spill file's descriptor (-1 before the first spill).  For tests."""
