@@ -606,35 +606,39 @@ cdef int spill_oldest(TapeStruct* t) noexcept nogil:
     return 1
 
 
-cdef inline int64_t write_behind_bytes(TapeStruct* t) noexcept nogil:
-    """The write-behind window W: min(2 spill units, budget / 4).
-
-    Writes start once the slabs in use pass memory_budget - W, and a push waits
-    for them only when its new slab would take allocated slab memory past
-    memory_budget + W: the writes of a steady stream of pushes run while the
-    pushes go on, instead of each push past the budget waiting for one.
-    """
+cdef inline int64_t write_ahead_bytes(TapeStruct* t) noexcept nogil:
+    """W: writes start once the slabs in use pass memory_budget - W = min(2 spill
+    units, budget / 4), so they run while the pushes go on to the budget."""
     cdef int64_t w = <int64_t>(2 * t.spill_unit)
     return w if w < t.memory_budget // 4 else t.memory_budget // 4
 
 
+cdef inline int64_t write_slack_bytes(TapeStruct* t) noexcept nogil:
+    """S: how far past the budget pushes go on while writes are in flight,
+    min(W, budget / 32); small, so that the process's RSS stays within a few
+    percent of the budget."""
+    cdef int64_t w = write_ahead_bytes(t)
+    return w if w < t.memory_budget // 32 else t.memory_budget // 32
+
+
 cdef int make_room(TapeStruct* t, size_t cap) noexcept nogil:
     """Before a head slab of cap bytes is taken: queue writes and, if need be, wait for
-    them, so that allocated slab memory stays within memory_budget + W (io_mu held).
+    them, so that allocated slab memory stays within memory_budget + S (io_mu held).
 
     Write-behind: the oldest resident slabs are queued, one spill unit per request,
     until the slabs in use, the new one included, will be at most memory_budget - W
     once the queued writes land.  The push waits only while the slabs in use would
-    pass memory_budget + W.  Pooled spare buffers count against the same bound.
+    pass memory_budget + S.  Pooled spare buffers count against the same bound.
     When nothing is left to spill (the head slab alone is that large), the slab is
     taken anyway: the bound then gives way, never the push.
     """
     cdef int rc
     cdef int64_t budget = t.memory_budget
-    cdef int64_t w, in_use, started, after
+    cdef int64_t w, limit, in_use, started, after
     if budget < 0:
         return 0
-    w = write_behind_bytes(t)
+    w = write_ahead_bytes(t)
+    limit = budget + write_slack_bytes(t)
     while True:
         if t.io_errno:
             return report_io_error(t)
@@ -645,7 +649,7 @@ cdef int make_room(TapeStruct* t, size_t cap) noexcept nogil:
                 return -1
             if rc == 1:
                 continue
-        if in_use + <int64_t>cap <= budget + w or t.writing_bytes == 0:
+        if in_use + <int64_t>cap <= limit or t.writing_bytes == 0:
             break
         # Finished writes hand their buffers to the pool, out of in_use.
         started = now_ns()
@@ -659,7 +663,7 @@ cdef int make_room(TapeStruct* t, size_t cap) noexcept nogil:
             after += <int64_t>cap
         elif t.pool_count == 1:
             break
-        if after <= budget + w:
+        if after <= limit:
             break
         free_pooled(t)
     return 0
@@ -1565,14 +1569,14 @@ cdef class Tape:
         a memory_budget at most budget / 32, down to 64 KiB).
     memory_budget : bytes of heap slabs kept in memory; past it the oldest slabs
         are written to a spill file.  None: no limit.  Writes are behind the pushes:
-        with W = min(2 * spill_unit, memory_budget / 4), the oldest slabs are queued
-        for writing once the slabs in use pass memory_budget - W, and pushes go on
-        past the budget while those writes run; a push waits for them only when its
-        new slab would take allocated slab memory (pooled spares included) past
-        memory_budget + W.  So peak_resident_bytes stays within memory_budget + W
-        while pushing, unless one slab alone is larger (a record reserved in place
-        gets a slab of its own size).  A pop that reaches a slab whose write has not
-        started takes it back instead of waiting for it.
+        the oldest slabs are queued for writing once the slabs in use pass
+        memory_budget - W, W = min(2 * spill_unit, memory_budget / 4), and pushes go
+        on while those writes run; a push waits for them only when its new slab would
+        take allocated slab memory (pooled spares included) past memory_budget + S,
+        the slack S = min(W, memory_budget / 32).  So peak_resident_bytes stays
+        within memory_budget + S while pushing, unless one slab alone is larger (a
+        record reserved in place gets a slab of its own size).  A pop that reaches a
+        slab whose write has not started takes it back instead of waiting for it.
     spill_dir : directory of the spill file (default: the system temp dir).
     prefetch_depth : spilled units read ahead of need while popping, at least (the
         window widens to what the device reads in 50 ms, within the budget); 0: none.

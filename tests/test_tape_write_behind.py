@@ -1,5 +1,5 @@
 """Write-behind (issue 24): writes start below the budget, pushes run past it while the
-writes are held up, within memory_budget + W, and a pop takes back a queued write instead
+writes are held up, within memory_budget + S, and a pop takes back a queued write instead
 of waiting for it.  The I/O thread is held (Tape._hold_io), so what a push or pop would
 wait for cannot finish early: the counters are structural, not timings."""
 import numpy as np
@@ -10,7 +10,8 @@ KiB = 1 << 10
 MiB = 1 << 20
 BUDGET = 4 * MiB
 UNIT = 256 * KiB
-W = 2 * UNIT              # min(2 spill units, budget / 4)
+W = 2 * UNIT              # writes start at BUDGET - W: min(2 spill units, budget / 4)
+S = BUDGET // 32          # the slack past the budget: min(W, budget / 32)
 SLAB = 64 * KiB
 CHUNK = SLAB // 8         # float64 per push_many: one slab
 
@@ -34,7 +35,7 @@ def pop_slabs(tape, count):
 def test_pushes_run_past_the_budget_while_writes_are_held_and_pops_take_them_back(tmp_path):
     with make_tape(tmp_path) as tape:
         tape._hold_io(30.0)
-        n = (BUDGET + W) // SLAB              # the most slabs the bound lets in
+        n = (BUDGET + S) // SLAB              # the most slabs the bound lets in
         push_slabs(tape, 0, (BUDGET - W) // SLAB + 1)
         st = tape.stats
         assert st["writing_bytes"] > 0, "writes must start below the budget"
@@ -42,7 +43,7 @@ def test_pushes_run_past_the_budget_while_writes_are_held_and_pops_take_them_bac
         st = tape.stats
         assert st["push_wait_ns"] == 0, "a push waited on a write although the bound held"
         assert st["resident_bytes"] == n * SLAB > BUDGET
-        assert st["peak_resident_bytes"] <= BUDGET + W
+        assert st["peak_resident_bytes"] <= BUDGET + S
         assert st["spilled_bytes"] == 0 and st["bytes_written"] == 0
         queued = st["writing_bytes"]
         assert queued >= (n * SLAB) - (BUDGET - W)
@@ -57,13 +58,13 @@ def test_pushes_run_past_the_budget_while_writes_are_held_and_pops_take_them_bac
 def test_a_push_past_budget_plus_w_waits_and_the_bound_holds(tmp_path):
     with make_tape(tmp_path) as tape:
         tape._hold_io(0.5)
-        n = (BUDGET + W) // SLAB
+        n = (BUDGET + S) // SLAB
         push_slabs(tape, 0, n)
         assert tape.stats["push_wait_ns"] == 0
         push_slabs(tape, n, 3 * n)            # the first of these must wait for the hold
         st = tape.stats
         assert st["push_wait_ns"] > 0
-        assert st["peak_resident_bytes"] <= BUDGET + W
+        assert st["peak_resident_bytes"] <= BUDGET + S
         assert st["bytes_written"] > 0
         tape._sync()
         st = tape.stats
@@ -78,8 +79,8 @@ def test_cancelled_writes_leave_the_file_consistent_when_pushing_resumes(tmp_pat
     # Push, take the top queued write back by popping into it, push again: every value
     # survives the round trip through the file, which never holds more than it should.
     with make_tape(tmp_path) as tape:
-        n = (BUDGET + W) // SLAB
-        keep = 12                             # below the top queued request (slabs 13-16)
+        n = (BUDGET + S) // SLAB
+        keep = 8                              # below the top queued request (slabs 9-12)
         tape._hold_io(30.0)
         push_slabs(tape, 0, n)
         queued = tape.stats["writing_bytes"]
@@ -93,6 +94,6 @@ def test_cancelled_writes_leave_the_file_consistent_when_pushing_resumes(tmp_pat
         tape._sync()
         st = tape.stats
         assert st["spill_file_bytes"] <= st["spilled_bytes"] + UNIT
-        assert st["peak_resident_bytes"] <= BUDGET + W
+        assert st["peak_resident_bytes"] <= BUDGET + S
         pop_slabs(tape, keep + 2 * n)
         assert len(tape) == 0 and tape.stats["spilled_bytes"] == 0
