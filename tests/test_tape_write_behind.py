@@ -57,7 +57,7 @@ def test_pushes_run_past_the_budget_while_writes_are_held_and_pops_take_them_bac
 
 def test_a_push_past_budget_plus_w_waits_and_the_bound_holds(tmp_path):
     with make_tape(tmp_path) as tape:
-        tape._hold_io(0.5)
+        tape._hold_io(1.0)                    # outlasts the pushes up to the bound
         n = (BUDGET + S) // SLAB
         push_slabs(tape, 0, n)
         assert tape.stats["push_wait_ns"] == 0
