@@ -162,6 +162,7 @@ cdef struct TapeStruct:
     off_t io_rollback_end    # lowest file offset of a failed write: file_end returns there
     size_t writing_bytes     # resident bytes queued for writing
     int inject_write_errno   # fault injection for tests: next write fails with this errno
+    int64_t io_hold_until_ns # test hook: the I/O thread starts no request before this time
 
     # Counters for stats.
     int64_t n_spills
@@ -172,6 +173,7 @@ cdef struct TapeStruct:
     int64_t push_wait_ns     # time pushes spent waiting for writes to free memory
     int64_t bytes_written
     int64_t bytes_read
+    int64_t bytes_cancelled  # bytes whose queued write a pop took back before it started
     int64_t read_bytes_timed # bytes and time of reads, for the device rate (readahead_bytes)
     int64_t read_ns
 

@@ -18,6 +18,10 @@ per thread (``ThreadLocalTapes``).  Slab states (resident, writing, on disk,
 loading, corrupt) change only under ``io_mu``, taken by the slow paths and the
 I/O thread; the fast paths touch only the head slab, which is always resident
 and never seen by the I/O thread.
+
+This file is the in-memory stack (slab memory and the pool, push/pop, records,
+marks, the C API and the Python class); the disk tier (I/O thread, spill file,
+checksums, write-behind, prefetch) is _spill.pxi, included below the pool.
 """
 
 cimport cython
@@ -49,17 +53,8 @@ cimport numpy as cnp
 cnp.import_array()
 
 cdef extern from "unistd.h" nogil:
-    ssize_t pread(int fd, void* buf, size_t count, off_t offset)
-    ssize_t pwrite(int fd, const void* buf, size_t count, off_t offset)
-    int ftruncate(int fd, off_t length)
-    int close(int fd)
-    int unlink(const char* path)
-
-cdef extern from "stdlib.h" nogil:
-    int mkstemp(char* template)
-
-cdef extern from "unistd.h" nogil:
     int getpid()
+    int close(int fd)
 
 cdef extern from "sys/mman.h" nogil:
     void* mmap(void* addr, size_t length, int prot, int flags, int fd, off_t offset)
@@ -89,7 +84,7 @@ DEF TRAILER = 24          # sizeof(RecordTrailer)
 DEF MMAP_MIN = 131072     # slabs this large are mapped, so freeing returns memory to the OS
 DEF HUGE_PAGE = 2097152   # slabs this large are huge-page aligned
 DEF MAX_SBO_BYTES = 2048
-DEF READAHEAD_NS = 50000000.0   # prefetch window: what the device reads in 50 ms
+
 
 
 # ---------------------------------------------------------------------------
@@ -145,7 +140,7 @@ cdef int fail(TapeStruct* t, int code, const char* msg) noexcept nogil:
 
 
 # ---------------------------------------------------------------------------
-# Slab memory and checksums
+# Slab memory
 # ---------------------------------------------------------------------------
 
 cdef inline int64_t now_ns() noexcept nogil:
@@ -189,29 +184,6 @@ cdef void data_free(char* p, size_t cap) noexcept nogil:
         munmap(p, cap)
     else:
         free(p)
-
-
-cdef uint64_t checksum(const char* p, size_t n) noexcept nogil:
-    """Four independent multiply-xor lanes over 8-byte words, then the tail."""
-    cdef uint64_t h0 = 0x9E3779B97F4A7C15ULL, h1 = 0xC2B2AE3D27D4EB4FULL
-    cdef uint64_t h2 = 0x165667B19E3779F9ULL, h3 = 0x27D4EB2F165667C5ULL
-    cdef uint64_t w0, w1, w2, w3, tail = 0
-    cdef uint64_t M = 0x9FB21C651E98DF25ULL
-    cdef size_t i = 0
-    while i + 32 <= n:
-        memcpy(&w0, p + i, 8); memcpy(&w1, p + i + 8, 8)
-        memcpy(&w2, p + i + 16, 8); memcpy(&w3, p + i + 24, 8)
-        h0 = (h0 ^ w0) * M; h1 = (h1 ^ w1) * M
-        h2 = (h2 ^ w2) * M; h3 = (h3 ^ w3) * M
-        i += 32
-    while i < n:
-        tail = (tail ^ <unsigned char>p[i]) * 0x100000001B3ULL
-        i += 1
-    h0 ^= (h1 << 17 | h1 >> 47) ^ (h2 << 31 | h2 >> 33) ^ (h3 << 47 | h3 >> 17) ^ tail ^ n
-    h0 ^= h0 >> 33
-    h0 *= 0xFF51AFD7ED558CCDULL
-    h0 ^= h0 >> 33
-    return h0
 
 
 # ---------------------------------------------------------------------------
@@ -290,27 +262,6 @@ cdef Slab* take_slab(TapeStruct* t, size_t cap) noexcept nogil:
     return s
 
 
-cdef void recycle_buffer(TapeStruct* t, Slab* s) noexcept nogil:
-    """Take a spilled slab's buffer: into the pool for the next head (no fresh pages to
-    fault in), else free it (io_mu held)."""
-    cdef Slab* spare = NULL
-    if s.cap == t.slab_bytes and t.pool_count < t.max_free_slabs:
-        spare = <Slab*>malloc(sizeof(Slab))
-    if spare != NULL:
-        memset(spare, 0, sizeof(Slab))
-        spare.data = s.data
-        spare.cap = s.cap
-        spare.heap = 1
-        spare.next = t.pool
-        t.pool = spare
-        t.pool_count += 1
-        t.heap_slabs += 1
-    else:
-        data_free(s.data, s.cap)
-        t.resident_bytes -= s.cap
-    s.data = NULL
-
-
 cdef void free_pooled(TapeStruct* t) noexcept nogil:
     cdef Slab* s = t.pool
     t.pool = s.next
@@ -321,491 +272,25 @@ cdef void free_pooled(TapeStruct* t) noexcept nogil:
     free(s)
 
 
+# The disk tier: write-behind, read-back, prefetch (make_room, ensure_resident, ...).
+include "_spill.pxi"
+
+
 # ---------------------------------------------------------------------------
-# The I/O thread
+# Growing and shrinking the chain of slabs (tape lock held)
 # ---------------------------------------------------------------------------
-
-cdef int write_all(int fd, const char* p, size_t n, off_t off) noexcept nogil:
-    cdef ssize_t w
-    while n > 0:
-        w = pwrite(fd, p, n, off)
-        if w < 0:
-            if errno == EINTR:
-                continue
-            return errno
-        if w == 0:
-            return EIO
-        p += w
-        n -= w
-        off += w
-    return 0
-
-
-cdef int read_all(int fd, char* p, size_t n, off_t off) noexcept nogil:
-    cdef ssize_t r
-    while n > 0:
-        r = pread(fd, p, n, off)
-        if r < 0:
-            if errno == EINTR:
-                continue
-            return errno
-        if r == 0:
-            return EIO
-        p += r
-        n -= r
-        off += r
-    return 0
-
-
-cdef void shrink_file(TapeStruct* t) noexcept nogil:
-    """Give back the file bytes above file_end once they exceed one spill unit (io_mu held).
-
-    Keeping up to one unit spares a truncate per reload when pushes and pops
-    alternate at the spill boundary; any more would let the file outgrow what it holds.
-    """
-    if t.fd >= 0 and t.file_size - t.file_end > <off_t>t.spill_unit:
-        if ftruncate(t.fd, t.file_end) == 0:
-            t.file_size = t.file_end
-
-
-cdef void reclaim_file(TapeStruct* t, Slab* s) noexcept nogil:
-    """Slab s was read back: lower file_end to the top of the highest slab whose bytes the
-    file still holds (io_mu held).
-
-    Spill offsets rise along the chain, so the live file bytes end at the highest
-    non-resident slab.  A prefetched unit completes lowest slab first, so when
-    the slab that ends at file_end comes back, the resident slabs below it
-    (read back earlier, out of order) are skipped too; lowering file_end only by
-    the slab that ended exactly at it left their bytes stranded for good.
-    """
-    cdef Slab* p
-    if s.file_offset + <off_t>s.used == t.file_end:
-        p = s.prev
-        while p != NULL and p.state == SLAB_RESIDENT:
-            p = p.prev
-        t.file_end = 0 if p == NULL else p.file_offset + <off_t>p.used
-    shrink_file(t)
-
-
-cdef int load_slab_data(TapeStruct* t, Slab* s) noexcept nogil:
-    """Read a LOADING slab's bytes and check them (io_mu NOT held).  Returns errno or -1 on checksum."""
-    cdef int err = read_all(t.fd, s.data, s.used, s.file_offset)
-    if err:
-        return err
-    if checksum(s.data, s.used) != s.checksum:
-        return -1
-    return 0
-
-
-cdef void finish_load(TapeStruct* t, Slab* s, int err, int prefetched) noexcept nogil:
-    """Publish the result of a read (io_mu held)."""
-    if err == 0:
-        s.state = SLAB_RESIDENT
-        s.prefetched = prefetched
-        t.spilled_bytes -= s.used
-        t.n_reloads += 1
-        t.bytes_read += s.used
-        reclaim_file(t, s)
-    else:
-        data_free(s.data, s.cap)
-        t.resident_bytes -= s.cap
-        s.data = NULL
-        s.state = SLAB_CORRUPT
-        s.prefetched = err      # kept for the error message: -1 checksum, else errno
-
-
-cdef void run_read(TapeStruct* t, IORequest* req) noexcept nogil:
-    """Read a queued prefetch unit and publish it (io_mu held, released while reading).
-    Run by the I/O thread, or by a pop waiting on an earlier unit."""
-    cdef Slab* s = req.first
-    cdef int i
-    cdef int64_t started, elapsed
-    pthread_mutex_unlock(&t.io_mu)
-    started = now_ns()
-    for i in range(req.count):
-        s.io_result = load_slab_data(t, s)
-        s = s.next
-    elapsed = now_ns() - started
-    pthread_mutex_lock(&t.io_mu)
-    t.read_ns += elapsed
-    s = req.first
-    for i in range(req.count):
-        t.read_bytes_timed += s.used
-        finish_load(t, s, s.io_result, 1)
-        s = s.next
-    t.prefetch_slabs -= req.count
-
-
-cdef void* io_main(void* arg) noexcept nogil:
-    cdef TapeStruct* t = <TapeStruct*>arg
-    cdef IORequest* req
-    cdef Slab* s
-    cdef int i, err
-    cdef off_t bad_offset
-    pthread_mutex_lock(&t.io_mu)
-    while True:
-        while t.queue_head == NULL and not t.io_stop:
-            pthread_cond_wait(&t.io_cv, &t.io_mu)
-        if t.queue_head == NULL:
-            break
-        req = t.queue_head
-        t.queue_head = req.next
-        if t.queue_head == NULL:
-            t.queue_tail = NULL
-        t.io_busy = 1
-        if req.is_write:
-            # Once a write failed, later queued writes fail too, so the spilled
-            # slabs stay a prefix of the chain until the error is reported.
-            err = t.io_errno
-            if err == 0:
-                err = t.inject_write_errno
-            bad_offset = req.first.file_offset
-            pthread_mutex_unlock(&t.io_mu)
-            s = req.first
-            if err == 0:
-                for i in range(req.count):
-                    s.checksum = checksum(s.data, s.used)
-                    err = write_all(t.fd, s.data, s.used, s.file_offset)
-                    if err:
-                        bad_offset = s.file_offset
-                        break
-                    s = s.next
-            pthread_mutex_lock(&t.io_mu)
-            s = req.first
-            for i in range(req.count):
-                t.writing_bytes -= s.cap
-                if err == 0:
-                    if s.file_offset + <off_t>s.used > t.file_size:
-                        t.file_size = s.file_offset + <off_t>s.used
-                    recycle_buffer(t, s)
-                    s.state = SLAB_ON_DISK
-                    t.spilled_bytes += s.used
-                    t.bytes_written += s.used
-                    t.n_spills += 1
-                else:
-                    s.state = SLAB_RESIDENT
-                s = s.next
-            if err:
-                if t.io_errno == 0:
-                    t.io_errno = err
-                    t.io_err_offset = bad_offset
-                if req.first.file_offset < t.io_rollback_end:
-                    t.io_rollback_end = req.first.file_offset
-        else:
-            run_read(t, req)
-        free(req)
-        t.io_busy = 0
-        pthread_cond_broadcast(&t.done_cv)
-    pthread_mutex_unlock(&t.io_mu)
-    return NULL
-
-
-cdef int open_spill_file(TapeStruct* t) noexcept nogil:
-    """Create the spill file and unlink it at once, so no path outlives the process."""
-    cdef char msg[512]
-    snprintf(t.spill_path, sizeof(t.spill_path), "%s/adtape-spill-XXXXXX", t.spill_dir)
-    t.fd = mkstemp(t.spill_path)
-    if t.fd < 0:
-        snprintf(msg, sizeof(msg), "cannot create a spill file in spill_dir %s: %s",
-                 t.spill_dir, strerror(errno))
-        set_err(t, ERR_IO, errno, 0, msg)
-        return -1
-    unlink(t.spill_path)
-    return 0
-
-
-cdef int start_io_thread(TapeStruct* t) noexcept nogil:
-    if t.io_started:
-        return 0
-    if pthread_create(&t.io_thread, NULL, io_main, t) != 0:
-        return fail(t, ERR_NOMEM, "cannot start the tape's I/O thread")
-    t.io_started = 1
-    return 0
-
-
-cdef int enqueue(TapeStruct* t, int is_write, Slab* first, int count) noexcept nogil:
-    cdef IORequest* req = <IORequest*>malloc(sizeof(IORequest))
-    if req == NULL:
-        return fail(t, ERR_NOMEM, "out of memory queueing tape I/O")
-    req.is_write = is_write
-    req.first = first
-    req.count = count
-    req.next = NULL
-    if t.queue_tail == NULL:
-        t.queue_head = req
-    else:
-        t.queue_tail.next = req
-    t.queue_tail = req
-    pthread_cond_signal(&t.io_cv)
-    return 0
-
-
-cdef int report_io_error(TapeStruct* t) noexcept nogil:
-    """Turn a failed background write into this call's error (io_mu held).
-
-    Waits until no write is in flight, so that file_end can go back to the
-    lowest failed offset; every failed slab is resident again, nothing is lost.
-    """
-    cdef char msg[512]
-    cdef int err = t.io_errno
-    while t.io_busy or t.queue_head != NULL:
-        pthread_cond_wait(&t.done_cv, &t.io_mu)
-    snprintf(msg, sizeof(msg),
-             "writing to the spill file %s (unlinked) at offset %lld failed: %s; "
-             "the data stays in memory and the tape is unchanged",
-             t.spill_path, <long long>t.io_err_offset, strerror(err))
-    set_err(t, ERR_IO, err, t.io_err_offset, msg)
-    if t.io_rollback_end < t.file_end:
-        t.file_end = t.io_rollback_end
-    shrink_file(t)
-    t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
-    t.io_errno = 0
-    return -1
-
-
-cdef int spill_oldest(TapeStruct* t) noexcept nogil:
-    """Queue the oldest run of resident heap slabs below the head for writing (io_mu held).
-
-    Returns 1 if a batch was queued, 0 if nothing can be spilled, -1 on error.
-    """
-    cdef Slab* s
-    cdef Slab* first
-    cdef size_t batch = 0
-    cdef int count = 0
-    # A prefetched slab finishing below a slab written now would leave its file
-    # bytes as a hole under it: let the reads land first, so the slabs they bring
-    # back are the oldest resident ones and are the first written out again.
-    while t.prefetch_slabs > 0:
-        pthread_cond_wait(&t.done_cv, &t.io_mu)
-    s = t.inline_slab.next
-    while s != NULL and s != t.head and s.state != SLAB_RESIDENT:
-        s = s.next
-    if s == NULL or s == t.head:
-        return 0
-    if t.fd < 0 and open_spill_file(t) < 0:
-        return -1
-    if start_io_thread(t) < 0:
-        return -1
-    first = s
-    while s != t.head and s.state == SLAB_RESIDENT and batch < t.spill_unit:
-        s.state = SLAB_WRITING
-        s.file_offset = t.file_end
-        t.file_end += s.used
-        t.writing_bytes += s.cap
-        batch += s.used
-        count += 1
-        s = s.next
-    if enqueue(t, 1, first, count) < 0:
-        return -1
-    return 1
-
-
-cdef int enforce_budget(TapeStruct* t) noexcept nogil:
-    """Bring resident bytes within the budget (io_mu held).
-
-    Slabs in use (the chain, including those being written) are kept within the
-    budget by spilling the oldest; pooled spare buffers are freed down to one
-    spare slab above it.  Writes start early (write-ahead) so that a steady
-    stream of pushes rarely waits for the disk.
-    """
-    cdef int rc
-    cdef int64_t budget = t.memory_budget
-    cdef int64_t ahead, in_use, started
-    if budget < 0:
-        return 0
-    while True:
-        if t.io_errno:
-            return report_io_error(t)
-        in_use = <int64_t>(t.resident_bytes - t.pool_count * t.slab_bytes)
-        if in_use <= budget:
-            break
-        if in_use - <int64_t>t.writing_bytes > budget:
-            rc = spill_oldest(t)
-            if rc < 0:
-                return -1
-            if rc == 1:
-                continue
-        if t.writing_bytes > 0:
-            # Finished writes hand their buffers to the pool, out of in_use.
-            started = now_ns()
-            pthread_cond_wait(&t.done_cv, &t.io_mu)
-            t.push_wait_ns += now_ns() - started
-            continue
-        break
-    # Keep one spare buffer above the budget for the next head, so a steady
-    # stream of pushes reuses spilled buffers instead of mapping fresh memory.
-    while t.pool != NULL and <int64_t>t.resident_bytes > budget + <int64_t>t.slab_bytes:
-        free_pooled(t)
-    ahead = <int64_t>(2 * t.spill_unit)
-    if ahead > budget // 4:
-        ahead = budget // 4
-    in_use = <int64_t>(t.resident_bytes - t.pool_count * t.slab_bytes)
-    if t.writing_bytes == 0 and in_use > budget - ahead:
-        if spill_oldest(t) < 0:
-            return -1
-    return 0
-
-
-cdef int give_buffer(TapeStruct* t, Slab* s) noexcept nogil:
-    """Attach a data buffer to an on-disk slab about to be read (io_mu held)."""
-    cdef Slab* spare
-    if s.cap == t.slab_bytes and t.pool != NULL:
-        spare = t.pool
-        t.pool = spare.next
-        t.pool_count -= 1
-        s.data = spare.data
-        t.heap_slabs -= 1
-        free(spare)
-        return 0
-    s.data = data_alloc(s.cap)
-    if s.data == NULL:
-        return fail(t, ERR_NOMEM, "out of memory reading a spilled slab back")
-    t.resident_bytes += s.cap
-    if t.resident_bytes > t.peak_resident_bytes:
-        t.peak_resident_bytes = t.resident_bytes
-    return 0
-
-
-cdef size_t readahead_bytes(TapeStruct* t) noexcept nogil:
-    """How far below the head the prefetch keeps data resident or in flight.
-
-    At least prefetch_depth spill units; beyond that, what the device has been
-    measured to read in READAHEAD_NS, so a fast device gets the long window a
-    fast reverse sweep needs.  The budget caps it (see prefetch).
-    """
-    cdef size_t floor = <size_t>t.prefetch_depth * t.spill_unit
-    cdef double by_rate = 0.0
-    if t.read_ns > 0:
-        by_rate = <double>t.read_bytes_timed / <double>t.read_ns * READAHEAD_NS
-    return floor if by_rate < <double>floor else <size_t>by_rate
-
-
-cdef void prefetch(TapeStruct* t) noexcept nogil:
-    """Queue reads of the spilled slabs below the head, highest first, in units of
-    spill_unit bytes, until readahead_bytes of data below the head are resident or
-    in flight, or the budget has no room left (io_mu held).
-
-    The window is in bytes, not slabs: a reverse sweep popping large records
-    crosses many slabs per record, and the reads must start while it is still
-    popping the resident slabs above them.
-    """
-    cdef Slab* s = t.head.prev
-    cdef Slab* low
-    cdef size_t unit_bytes, ahead = 0
-    cdef size_t target = readahead_bytes(t)
-    cdef int count, i
-    while s != NULL and s.state != SLAB_ON_DISK:
-        if s.state == SLAB_WRITING:
-            # Reading below a slab still being written would leave a hole in the
-            # file under it: the file would hold more than the bytes spilled.
-            return
-        ahead += s.used
-        if ahead >= target:
-            return
-        s = s.prev
-    while s != NULL and s.state == SLAB_ON_DISK and ahead < target:
-        count = 0
-        unit_bytes = 0
-        low = s
-        while (s != NULL and s.state == SLAB_ON_DISK and unit_bytes < t.spill_unit
-               and (t.memory_budget < 0 or <int64_t>(t.resident_bytes + s.cap) <= t.memory_budget
-                    or (s.cap == t.slab_bytes and t.pool != NULL))):
-            if give_buffer(t, s) < 0:
-                last_error.code = ERR_NONE
-                break
-            s.state = SLAB_LOADING
-            unit_bytes += s.used
-            count += 1
-            low = s
-            s = s.prev
-        if count == 0:
-            return
-        if enqueue(t, 0, low, count) < 0:
-            # A prefetch is only a hint: put the slabs back on disk as they were.
-            last_error.code = ERR_NONE
-            s = low
-            for i in range(count):
-                recycle_buffer(t, s)
-                s.state = SLAB_ON_DISK
-                s = s.next
-            return
-        t.prefetch_slabs += count
-        ahead += unit_bytes
-
-
-cdef int ensure_resident(TapeStruct* t, Slab* s) noexcept nogil:
-    """Make slab s resident, waiting for or doing the read (io_mu held)."""
-    cdef int err
-    cdef int64_t started, elapsed
-    cdef IORequest* req
-    cdef int waited = 0
-    cdef char msg[512]
-    while True:
-        if s.state == SLAB_RESIDENT:
-            if s.prefetched:
-                s.prefetched = 0
-                if not waited:
-                    t.prefetch_hits += 1
-            return 0
-        if s.state == SLAB_CORRUPT:
-            if s.prefetched == -1:
-                snprintf(msg, sizeof(msg),
-                         "spill file %s (unlinked), offset %lld, %zu bytes: checksum mismatch",
-                         t.spill_path, <long long>s.file_offset, s.used)
-                set_err(t, ERR_CORRUPT, 0, s.file_offset, msg)
-            else:
-                snprintf(msg, sizeof(msg),
-                         "reading spill file %s (unlinked) at offset %lld failed: %s",
-                         t.spill_path, <long long>s.file_offset, strerror(s.prefetched))
-                set_err(t, ERR_CORRUPT, s.prefetched, s.file_offset, msg)
-            return -1
-        if s.state == SLAB_ON_DISK:
-            if give_buffer(t, s) < 0:
-                return -1
-            s.state = SLAB_LOADING
-            t.prefetch_misses += 1
-            pthread_mutex_unlock(&t.io_mu)
-            started = now_ns()
-            err = load_slab_data(t, s)
-            elapsed = now_ns() - started
-            pthread_mutex_lock(&t.io_mu)
-            t.io_wait_ns += elapsed
-            t.read_ns += elapsed
-            t.read_bytes_timed += s.used
-            finish_load(t, s, err, 0)
-            continue
-        # WRITING or LOADING: the I/O thread owns it for now.
-        if not waited:
-            t.prefetch_misses += 1
-            waited = 1
-        started = now_ns()
-        if t.queue_head != NULL and not t.queue_head.is_write:
-            # A pop outruns one reader (checksums included): while the I/O thread
-            # reads this slab, read the next queued unit here, in parallel.
-            req = t.queue_head
-            t.queue_head = req.next
-            if t.queue_head == NULL:
-                t.queue_tail = NULL
-            run_read(t, req)
-            free(req)
-            pthread_cond_broadcast(&t.done_cv)
-        else:
-            pthread_cond_wait(&t.done_cv, &t.io_mu)
-        t.io_wait_ns += now_ns() - started
-
 
 cdef int tape_grow(TapeStruct* t, size_t need) noexcept nogil:
     """Link a new head slab with at least need bytes (tape lock held)."""
     cdef Slab* h = t.head
     cdef Slab* s
-    cdef int rc
+    cdef size_t cap = round8(need)
     h.used = <size_t>(t.top - t.floor)
     pthread_mutex_lock(&t.io_mu)
-    if t.io_errno:
-        rc = report_io_error(t)
+    if make_room(t, cap if cap > t.slab_bytes else t.slab_bytes) < 0:
         pthread_mutex_unlock(&t.io_mu)
-        return rc
-    s = take_slab(t, round8(need))
+        return -1
+    s = take_slab(t, cap)
     if s == NULL:
         pthread_mutex_unlock(&t.io_mu)
         return fail(t, ERR_NOMEM, "out of memory allocating a tape slab")
@@ -813,9 +298,8 @@ cdef int tape_grow(TapeStruct* t, size_t need) noexcept nogil:
     s.prev = h
     h.next = s
     set_window(t, s, 0)
-    rc = enforce_budget(t)
     pthread_mutex_unlock(&t.io_mu)
-    return rc
+    return 0
 
 
 cdef int move_down(TapeStruct* t) noexcept nogil:
@@ -908,14 +392,6 @@ cdef void keep_error_while(TapeStruct* t, int code, int err, off_t offset, char*
     memcpy(last_error.msg, msg_copy, 512)
 
 
-cdef void recompute_file_end(TapeStruct* t, Slab* s) noexcept nogil:
-    """file_end after discarding everything above slab s (io_mu held)."""
-    while s != NULL and s.state != SLAB_ON_DISK and s.state != SLAB_CORRUPT:
-        s = s.prev
-    t.file_end = 0 if s == NULL else s.file_offset + <off_t>s.used
-    shrink_file(t)
-
-
 cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_bytes,
                    int64_t last_record_end) noexcept nogil:
     """Discard everything above logical position pos (tape lock held).
@@ -926,8 +402,7 @@ cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_
     cdef Slab* s
     cdef Slab* nxt
     pthread_mutex_lock(&t.io_mu)
-    while t.io_busy or t.queue_head != NULL:
-        pthread_cond_wait(&t.done_cv, &t.io_mu)
+    wait_io_idle(t)
     # At a slab boundary the lower slab ends exactly at pos: prefer it when it is
     # resident, so clear() frees every heap slab and nothing is read back in vain.
     while target.prev != NULL and (target.base > pos or (
@@ -1389,16 +864,7 @@ cdef void tape_close(TapeStruct* t) noexcept nogil:
         tape_unlock(t)
         return
     rewind_to(t, 0, 0, 0, 0)
-    pthread_mutex_lock(&t.io_mu)
-    t.io_stop = 1
-    pthread_cond_signal(&t.io_cv)
-    pthread_mutex_unlock(&t.io_mu)
-    if t.io_started:
-        pthread_join(t.io_thread, NULL)
-        t.io_started = 0
-    if t.fd >= 0:
-        close(t.fd)
-        t.fd = -1
+    spill_close(t)
     pthread_mutex_lock(&t.io_mu)
     while t.pool != NULL:
         free_pooled(t)
@@ -1507,7 +973,15 @@ cdef class Tape:
     slab_size : elements per heap slab (default: 2 MiB worth, one huge page; with
         a memory_budget at most budget / 32, down to 64 KiB).
     memory_budget : bytes of heap slabs kept in memory; past it the oldest slabs
-        are written to a spill file.  None: no limit.
+        are written to a spill file.  None: no limit.  Writes are behind the pushes:
+        the oldest slabs are queued for writing once the slabs in use pass
+        memory_budget - W, W = min(2 * spill_unit, memory_budget / 4), and pushes go
+        on while those writes run; a push waits for them only when its new slab would
+        take allocated slab memory (pooled spares included) past memory_budget + S,
+        the slack S = min(W, memory_budget / 32).  So peak_resident_bytes stays
+        within memory_budget + S while pushing, unless one slab alone is larger (a
+        record reserved in place gets a slab of its own size).  A pop that reaches a
+        slab whose write has not started takes it back instead of waiting for it.
     spill_dir : directory of the spill file (default: the system temp dir).
     prefetch_depth : spilled units read ahead of need while popping, at least (the
         window widens to what the device reads in 50 ms, within the budget); 0: none.
@@ -1990,9 +1464,11 @@ cdef class Tape:
     @property
     def stats(self):
         """Counters: bytes resident/spilled, slabs, spills, reloads, prefetch hits and misses,
-        bytes written to and read from the spill file, the nanoseconds pops waited on
-        reads (io_wait_ns) and pushes on writes (push_wait_ns), and the prefetch's
-        current read-ahead window in bytes."""
+        bytes written to and read from the spill file, bytes queued or being written
+        (writing_bytes), bytes whose queued write a pop took back before it started
+        (bytes_cancelled), the nanoseconds pops waited on reads (io_wait_ns) and
+        pushes on writes (push_wait_ns), and the prefetch's current read-ahead window
+        in bytes."""
         cdef TapeStruct* t = &self.t
         cdef Slab* s
         cdef int64_t n_slabs = 0, resident_slabs = 0
@@ -2028,6 +1504,8 @@ cdef class Tape:
             "push_wait_ns": t.push_wait_ns,
             "bytes_written": t.bytes_written,
             "bytes_read": t.bytes_read,
+            "writing_bytes": t.writing_bytes,
+            "bytes_cancelled": t.bytes_cancelled,
             "readahead_bytes": readahead_bytes(t) if t.memory_budget >= 0 else 0,
         }
         pthread_mutex_unlock(&t.io_mu)
@@ -2057,6 +1535,15 @@ cdef class Tape:
             raise ValueError("_overwrite_top: the bytes must lie in the head slab")
         memcpy(self.t.top - view.shape[0], &view[0], view.shape[0])
 
+    def _hold_io(self, double seconds):
+        """Keep the I/O thread from starting any request for ``seconds`` (0 lets it go);
+        closing the tape lets it go too.  For tests of the write-behind."""
+        self.require_open()
+        pthread_mutex_lock(&self.t.io_mu)
+        self.t.io_hold_until_ns = now_ns() + <int64_t>(seconds * 1e9) if seconds > 0 else 0
+        pthread_cond_broadcast(&self.t.io_cv)
+        pthread_mutex_unlock(&self.t.io_mu)
+
     def _spill_fd(self):
         """The spill file's descriptor (-1 before the first spill).  For tests."""
         return self.t.fd
@@ -2066,8 +1553,7 @@ cdef class Tape:
         self.require_open()
         with nogil:
             pthread_mutex_lock(&self.t.io_mu)
-            while self.t.io_busy or self.t.queue_head != NULL:
-                pthread_cond_wait(&self.t.done_cv, &self.t.io_mu)
+            wait_io_idle(&self.t)
             pthread_mutex_unlock(&self.t.io_mu)
 
 

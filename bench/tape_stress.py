@@ -15,8 +15,14 @@ Sections (BENCHMARKS.md, "Tape"):
   into and out of a NumPy array grown by doubling;
 - spill: a tape 8x larger than its memory budget, scalar (nogil) and bulk, against the
   same run without a budget, each case in a fresh process so its peak RSS is its own:
-  bytes/s, prefetch hits/misses, peak RSS growth (kernel VmHWM and psutil samples) and
-  the tape's peak_resident_bytes next to the budget;
+  bytes/s, prefetch hits/misses, the tape's I/O counters (time pops waited on reads,
+  time pushes waited on writes, bytes written and read), peak RSS growth (kernel VmHWM
+  and psutil samples) and the tape's peak_resident_bytes next to the budget; beside
+  them, interleaved, a probe of the spill device: a sequential write then read of as
+  many bytes in the spill directory, with O_DIRECT (or, where the file system refuses
+  it, fsync and posix_fadvise(DONTNEED) before the read), so the rates are the
+  device's and not the page cache's; the spilled pop rate is reported as a share of
+  the device's read rate and the push rate as a share of its write rate;
 - machine: page-fault cost of fresh memory, memcpy, pwrite/pread of 1 MiB blocks in the
   spill directory, the floors under cold pushes and spilled pops on this machine;
 - threads: 1, 2, 4, 8 OS threads on one shared locked tape and on per-thread unlocked
@@ -32,6 +38,7 @@ Prints a table and the verdict on each target, writes bench/results/tape_stress.
 tape_stress_quick.json/.png, so a short run does not replace the full one).
 """
 import argparse
+import errno
 import json
 import mmap
 import os
@@ -74,6 +81,7 @@ TARGETS = {
     "python_ratio": 1.5,       # tape.push/pop over list.append/list.pop
     "bulk_Bps": 2e9,           # push_many / pop_many of 1 MiB arrays
     "spill_pop_share": 0.5,    # spilled pop speed over in-memory pop speed
+    "spill_pop_device_share": 0.8,   # spilled bulk pop speed over the device's read rate
     "rss_over_budget": 1.10,   # peak RSS growth over the memory budget
 }
 
@@ -114,9 +122,9 @@ def record(section, case, variant, samples, **extra):
     return rec
 
 
-def paired_ratio(a, b, key):
-    """Median over rounds of a[key] / b[key], each pair taken in the same round."""
-    return med([x / y for x, y in zip(a[key + "_samples"], b[key + "_samples"])])
+def paired_ratio(a, b, key, b_key=None):
+    """Median over rounds of a[key] / b[b_key or key], each pair taken in the same round."""
+    return med([x / y for x, y in zip(a[key + "_samples"], b[(b_key or key) + "_samples"])])
 
 
 def find(records, section, case, variant):
@@ -416,7 +424,8 @@ def spill_worker(spec):
     if mode == "scalar":
         out.update(push_ns=push_ns, pop_ns=pop_ns)
     for key in ("spills", "reloads", "prefetch_hits", "prefetch_misses", "peak_resident_bytes",
-                "spill_file_bytes", "length"):
+                "spill_file_bytes", "length", "io_wait_ns", "push_wait_ns", "bytes_written",
+                "bytes_read", "bytes_cancelled"):
         out[key] = stats[key]
     if out["length"] != 0:
         raise AssertionError(f"spill case {spec}: {out['length']} entries left after popping all")
@@ -431,22 +440,98 @@ def run_spill_case(spec):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+PROBE_BLOCK = 4 * MiB
+
+
+def open_direct(path, buf):
+    """path opened with O_DIRECT, or None where the file system refuses it (EINVAL, at
+    the open or at the first write)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return None
+    try:
+        os.pwrite(fd, buf, 0)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno != errno.EINVAL:
+            raise
+        return None
+    return fd
+
+
+def probe_device(spill_dir, nbytes, block=PROBE_BLOCK):
+    """Sequential write, then read, of nbytes in block-sized requests to a new file in
+    spill_dir; returns the device's write and read rates and how the page cache was kept
+    out of them.
+
+    O_DIRECT bypasses the page cache (its buffers must be aligned: mmap gives pages).
+    A file system that refuses it (tmpfs on older kernels) gets buffered writes ended
+    by fsync, and posix_fadvise(DONTNEED) before the read drops the cached pages, so
+    the read comes from the device there too (on tmpfs memory is the device).
+    """
+    wbuf, rbuf = mmap.mmap(-1, block), mmap.mmap(-1, block)
+    wbuf.write(np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8).tobytes())
+    fd, path = tempfile.mkstemp(prefix="tape-probe-", dir=spill_dir)
+    os.close(fd)
+    try:
+        fd = open_direct(path, wbuf)
+        method = "O_DIRECT"
+        if fd is None:
+            fd = os.open(path, os.O_RDWR)
+            method = "fsync+fadvise_dontneed"
+        try:
+            t0 = time.perf_counter()
+            for off in range(0, nbytes, block):
+                os.pwrite(fd, wbuf, off)
+            os.fsync(fd)
+            t1 = time.perf_counter()
+            if method != "O_DIRECT":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t2 = time.perf_counter()
+            for off in range(0, nbytes, block):
+                if os.preadv(fd, [rbuf], off) != block:
+                    raise AssertionError(f"probe: short read at offset {off}")
+            t3 = time.perf_counter()
+        finally:
+            os.close(fd)
+        if rbuf[:] != wbuf[:]:
+            raise AssertionError("probe: the device returned other bytes than were written")
+    finally:
+        os.unlink(path)
+        wbuf.close()
+        rbuf.close()
+    return {"write_Bps": nbytes / (t1 - t0), "read_Bps": nbytes / (t3 - t2), "method": method}
+
+
 def bench_spill(sizes, rounds):
     budget = sizes["spill_budget"]
     data = SPILL_FACTOR * budget
+    spill_dir = tempfile.gettempdir()
     variants = []
     for mode in ("scalar", "bulk"):
         for label, b in (("in_memory", None), ("spill", budget)):
             spec = {"mode": mode, "data_bytes": data, "budget": b}
             variants.append((f"{mode}/{label}", lambda spec=spec: run_spill_case(spec)))
+    methods = set()
+
+    def probe():
+        out = probe_device(spill_dir, data)
+        methods.add(out.pop("method"))
+        return out
+
+    variants.append(("device/probe", probe))
     # Each sample is already a fresh process after its own warm-up: no warm-up round.
     samples = interleaved(variants, rounds, warmup=0)
     records = []
     for name, s in samples.items():
         mode, label = name.split("/")
+        extra = {"method": "/".join(sorted(methods)), "block_bytes": PROBE_BLOCK} if mode == "device" else {}
         records.append(record("spill", mode, label, s, data_bytes=data,
                               memory_budget=budget if label == "spill" else None,
-                              spill_dir=tempfile.gettempdir()))
+                              spill_dir=spill_dir, **extra))
     return records
 
 
@@ -598,13 +683,23 @@ def evaluate(records):
     worst = min(t["push_Bps"], t["pop_Bps"])
     add("bulk 1 MiB push_many/pop_many >= 2 GB/s", worst, TARGETS["bulk_Bps"], worst >= TARGETS["bulk_Bps"],
         f"push {t['push_Bps'] / 1e9:.2f} GB/s, pop {t['pop_Bps'] / 1e9:.2f} GB/s")
+    dev = find(records, "spill", "device", "probe")
     for mode in ("scalar", "bulk"):
         mem, sp = find(records, "spill", mode, "in_memory"), find(records, "spill", mode, "spill")
         share = paired_ratio(sp, mem, "pop_Bps")
         add(f"spill {mode}: pop at 8x budget >= 50% of in-memory", share, TARGETS["spill_pop_share"],
             share >= TARGETS["spill_pop_share"],
             f"pop {sp['pop_Bps'] / 1e9:.2f} vs {mem['pop_Bps'] / 1e9:.2f} GB/s; prefetch hits "
-            f"{sp['prefetch_hits']:.0f}, misses {sp['prefetch_misses']:.0f}")
+            f"{sp['prefetch_hits']:.0f}, misses {sp['prefetch_misses']:.0f}; pops waited "
+            f"{sp['io_wait_ns'] / 1e6:.1f} ms on reads, pushes {sp['push_wait_ns'] / 1e6:.1f} ms on writes")
+        if mode == "bulk":
+            share = paired_ratio(sp, dev, "pop_Bps", "read_Bps")
+            add("spill bulk: pop >= 80% of the spill device's read rate", share,
+                TARGETS["spill_pop_device_share"], share >= TARGETS["spill_pop_device_share"],
+                f"pop {sp['pop_Bps'] / 1e9:.2f} GB/s vs device read {dev['read_Bps'] / 1e9:.2f} GB/s "
+                f"({dev['method']}, same rounds); push {sp['push_Bps'] / 1e9:.2f} GB/s = "
+                f"{paired_ratio(sp, dev, 'push_Bps', 'write_Bps'):.0%} of device write "
+                f"{dev['write_Bps'] / 1e9:.2f} GB/s")
         over = sp["rss_growth"] / sp["memory_budget"]
         add(f"spill {mode}: peak RSS growth <= budget + 10%", over, TARGETS["rss_over_budget"],
             over <= TARGETS["rss_over_budget"],
@@ -651,14 +746,23 @@ def print_table(records, verdicts):
           f"{fl['memcpy']['memcpy_Bps'] / 1e9:.2f} GB/s, pwrite {fl['file_io']['pwrite_Bps'] / 1e9:.2f} GB/s, "
           f"pread {fl['file_io']['pread_Bps'] / 1e9:.2f} GB/s (1 MiB blocks, {tempfile.gettempdir()})")
     print("\n== Spill: 8x the budget, fresh process per case (median) ==")
+    dev = find(records, "spill", "device", "probe")
     for rec in records:
-        if rec["section"] == "spill":
+        if rec["section"] == "spill" and rec["case"] != "device":
             ns = (f"  push {rec['push_ns']:.2f} ns  pop {rec['pop_ns']:.2f} ns" if "push_ns" in rec else "")
             print(f"{rec['case']:<7}{rec['variant']:<10}push {rec['push_Bps'] / 1e9:5.2f} GB/s  "
                   f"pop {rec['pop_Bps'] / 1e9:5.2f} GB/s  RSS growth {rec['rss_growth'] / MiB:6.1f} MiB  "
                   f"tape peak {rec['peak_resident_bytes'] / MiB:6.1f} MiB  hits/misses "
                   f"{rec['prefetch_hits']:.0f}/{rec['prefetch_misses']:.0f}  page faults/MiB "
                   f"{rec['minor_faults_per_MiB']:.0f}{ns}")
+            if rec["variant"] == "spill":
+                print(f"{'':<17}I/O: pops waited {rec['io_wait_ns'] / 1e6:.1f} ms, pushes waited "
+                      f"{rec['push_wait_ns'] / 1e6:.1f} ms; written {rec['bytes_written'] / MiB:.0f} MiB, "
+                      f"read {rec['bytes_read'] / MiB:.0f} MiB, taken back unwritten "
+                      f"{rec['bytes_cancelled'] / MiB:.0f} MiB; push {paired_ratio(rec, dev, 'push_Bps', 'write_Bps'):.0%} "
+                      f"of device write, pop {paired_ratio(rec, dev, 'pop_Bps', 'read_Bps'):.0%} of device read")
+    print(f"device probe ({dev['method']}, {dev['block_bytes'] // MiB} MiB requests, {dev['spill_dir']}): "
+          f"write {dev['write_Bps'] / 1e9:.2f} GB/s, read {dev['read_Bps'] / 1e9:.2f} GB/s")
     print("\n== Threads: total ops/s (median) ==")
     for rec in records:
         if rec["section"] == "threads":
@@ -721,10 +825,16 @@ def plot(records, path):
                 labels.append(f"{mode}\n{label}\n{m[:-4]}")
                 ys.append(rec[m] / 1e9)
                 cs.append("tab:blue" if label == "in_memory" else "tab:red")
+    dev = find(records, "spill", "device", "probe")
+    for m in ("write_Bps", "read_Bps"):
+        labels.append(f"device\nprobe\n{m[:-4]}")
+        ys.append(dev[m] / 1e9)
+        cs.append("tab:gray")
     ax.bar(np.arange(len(labels)), ys, color=cs)
     ax.set_xticks(np.arange(len(labels)), labels, fontsize=7)
     ax.set_ylabel("GB/s")
-    ax.set_title(f"Spill: data {SPILL_FACTOR}x budget vs in memory (median)", fontsize=10)
+    ax.set_title(f"Spill: data {SPILL_FACTOR}x budget vs in memory, and the spill device\n"
+                 f"({dev['method']}) (median)", fontsize=10)
 
     ax = axes[1, 1]
     labels, growth, tape_peak = [], [], []
