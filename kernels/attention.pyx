@@ -194,10 +194,23 @@ def _attention_shapes(qkv, n_head):
     if isinstance(n_head, bool) or not isinstance(n_head, (int, np.integer)) or n_head < 1:
         raise ValueError(f"n_head must be a positive integer, got {n_head!r}")
     C = C3 // 3
+    if C == 0:
+        # A head size of 0 makes the score scale 1/sqrt(0): there is no attention to take.
+        raise ValueError("qkv's last dimension is 0: C (and the head size) must be positive")
     if C % n_head:
         raise ValueError(f"C = {C} (qkv's last dimension / 3) is not divisible by "
                          f"n_head = {n_head}")
     return B, T, C, int(n_head)
+
+
+def _check_disjoint(outputs, inputs):
+    """ValueError unless every output shares no memory with any input or other output:
+    the kernels read their inputs after writing parts of their outputs."""
+    named = list(outputs) + list(inputs)
+    for i, (out_name, out) in enumerate(outputs):
+        for other_name, other in named[i + 1:]:
+            if np.may_share_memory(out, other):
+                raise ValueError(f"{out_name} must not overlap {other_name}")
 
 
 def _threads_for(n_threads, B, T, C):
@@ -216,7 +229,10 @@ def attention_forward(out, att, qkv, n_head, *, n_threads=None):
     cdef float* qkv_p = <float*>checked_data("qkv", qkv, cnp.NPY_FLOAT32, (B, T, 3 * C), False)
     cdef float* out_p = <float*>checked_data("out", out, cnp.NPY_FLOAT32, (B, T, C), True)
     cdef float* att_p = <float*>checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), True)
+    _check_disjoint((("out", out), ("att", att)), (("qkv", qkv),))
     cdef int nt = _threads_for(n_threads, B, T, C)
+    if B == 0 or T == 0:
+        return
     with nogil:
         attention_forward_c(out_p, att_p, qkv_p, B, T, C, NH, nt)
 
@@ -232,7 +248,10 @@ def attention_backward(dqkv, dout, qkv, att, n_head, *, overwrite=False, n_threa
     cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, (B, T, C), False)
     cdef float* att_p = <float*>checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), False)
     cdef float* dqkv_p = <float*>checked_data("dqkv", dqkv, cnp.NPY_FLOAT32, (B, T, 3 * C), True)
+    _check_disjoint((("dqkv", dqkv),), (("dout", dout), ("qkv", qkv), ("att", att)))
     cdef int nt = _threads_for(n_threads, B, T, C)
+    if B == 0 or T == 0:
+        return
     if ow:
         # The per-head kernels add into their slices of dqkv: start them from zero.
         zero_grad(dqkv, n_threads=n_threads)
@@ -308,6 +327,7 @@ def attention_forward_naive(out, att, qkv, n_head, *, n_threads=None):
     checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
     checked_data("out", out, ft, (B, T, C), True)
     checked_data("att", att, ft, (B, NH, T, T), True)
+    _check_disjoint((("out", out), ("att", att)), (("qkv", qkv),))
     resolve_threads(n_threads)
     if ft == cnp.NPY_FLOAT32:
         _forward_naive[float](out, att, qkv, NH)
@@ -324,6 +344,7 @@ def attention_backward_naive(dqkv, dout, qkv, att, n_head, *, overwrite=False, n
     checked_data("dout", dout, ft, (B, T, C), False)
     checked_data("att", att, ft, (B, NH, T, T), False)
     checked_data("dqkv", dqkv, ft, (B, T, 3 * C), True)
+    _check_disjoint((("dqkv", dqkv),), (("dout", dout), ("qkv", qkv), ("att", att)))
     resolve_threads(n_threads)
     if ow:
         dqkv[...] = 0

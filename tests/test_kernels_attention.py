@@ -1,4 +1,7 @@
 """kernels.attention against its naive twin, PyTorch SDPA, and float64 finite differences."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -201,3 +204,82 @@ def test_bad_inputs_raise_clear_errors():
         attention_backward(np.zeros((36, 5, 2), np.float32).T, dout, qkv, att, 3)
     with pytest.raises(TypeError, match="qkv"):
         attention_forward_naive(out, att, qkv.astype(np.int64), 3)
+
+
+def test_zero_sizes_in_a_child_process():
+    # B = 0 or T = 0 used to divide by zero sizing the scratch (SIGFPE): now nothing to
+    # compute; C = 0 (a head size of 0, a score scale of 1/sqrt(0)) is a ValueError.
+    code = """
+import numpy as np
+from kernels.attention import (attention_backward, attention_backward_naive,
+                               attention_forward, attention_forward_naive)
+for fwd, bwd in ((attention_forward, attention_backward),
+                 (attention_forward_naive, attention_backward_naive)):
+    for B, T in ((0, 5), (2, 0), (0, 0)):
+        qkv = np.zeros((B, T, 36), np.float32)
+        out = np.zeros((B, T, 12), np.float32)
+        att = np.zeros((B, 3, T, T), np.float32)
+        fwd(out, att, qkv, 3)
+        dqkv = np.zeros_like(qkv)
+        bwd(dqkv, out, qkv, att, 3)
+        bwd(dqkv, out, qkv, att, 3, overwrite=True)
+    for B, T in ((2, 5), (0, 5), (2, 0)):
+        qkv = np.zeros((B, T, 0), np.float32)
+        for call in (lambda: fwd(np.zeros((B, T, 0), np.float32),
+                                 np.zeros((B, 1, T, T), np.float32), qkv, 1),
+                     lambda: bwd(np.zeros_like(qkv), np.zeros((B, T, 0), np.float32), qkv,
+                                 np.zeros((B, 1, T, T), np.float32), 1)):
+            try:
+                call()
+            except ValueError as e:
+                assert "C" in str(e) and "positive" in str(e), e
+            else:
+                raise AssertionError("C = 0 accepted")
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("naive", [False, True], ids=["kernel", "naive"])
+def test_outputs_must_not_overlap_inputs(naive):
+    # dqkv aliasing qkv used to give a wrong gradient silently (the kernel reads q, k
+    # and v after writing parts of dqkv): every output against every input and the
+    # other outputs is a ValueError naming both.
+    forward = attention_forward_naive if naive else attention_forward
+    backward = attention_backward_naive if naive else attention_backward
+    rng = np.random.default_rng(9)
+    B, T, C, NH = 2, 6, 12, 3
+    qkv, dout = make(rng, B, T, C)
+    out, att = run_forward(forward, qkv, NH)
+    with pytest.raises(ValueError, match="dqkv must not overlap qkv"):
+        backward(qkv, dout, qkv, att, NH)
+    big = np.zeros(B * T * 3 * C + B * T * C, np.float32)
+    dqkv, tail = big[:B * T * 3 * C].reshape(qkv.shape), big[B * T * C:].reshape(qkv.shape)
+    with pytest.raises(ValueError, match="dqkv must not overlap qkv"):
+        backward(dqkv, dout, tail, att, NH)
+    shared = np.zeros(B * T * 3 * C, np.float32)
+    with pytest.raises(ValueError, match="dqkv must not overlap dout"):
+        backward(shared.reshape(qkv.shape), shared[:B * T * C].reshape(dout.shape), qkv,
+                 att, NH)
+    with pytest.raises(ValueError, match="dqkv must not overlap att"):
+        backward(shared.reshape(qkv.shape), dout, qkv,
+                 shared[:att.size].reshape(att.shape), NH)
+    with pytest.raises(ValueError, match="out must not overlap qkv"):
+        forward(qkv.reshape(-1)[:out.size].reshape(out.shape), att, qkv, NH)
+    att_store = np.zeros(att.size + out.size, np.float32)
+    with pytest.raises(ValueError, match="out must not overlap att"):
+        forward(att_store[:out.size].reshape(out.shape),
+                att_store[out.size // 2:out.size // 2 + att.size].reshape(att.shape), qkv, NH)
+    with pytest.raises(ValueError, match="att must not overlap qkv"):
+        forward(out, qkv.reshape(-1)[:att.size].reshape(att.shape), qkv, NH)
+    frozen = np.zeros_like(qkv)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="dqkv must be writable"):
+        backward(frozen, dout, qkv, att, NH)
+    frozen_out = np.zeros_like(out)
+    frozen_out.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be writable"):
+        forward(frozen_out, att, qkv, NH)
