@@ -149,14 +149,14 @@ class _Builder:
         if not self.megatron:
             # Our fused kernel (kernels/attention.pyx): scores and probabilities stay in
             # per-thread tiles; it keeps qkv, out and the log-sum-exps, and the backward
-            # recomputes Q K^T (5 products instead of 4).
+            # recomputes Q K^T: 5 products run, 4 counted as the formula's gemm FLOPs.
             lse_bytes = 4.0 * b * heads * s
             saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.out", e * out_elems),
                      Saved("attn.lse", lse_bytes))
             fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft,
                      e * (qkv_elems + out_elems) + lse_bytes, "", saved, 1, 2 * mm)
             bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft,
-                     e * (2 * qkv_elems + 2 * out_elems) + lse_bytes, gemm_flops=5 * mm)
+                     e * (2 * qkv_elems + 2 * out_elems) + lse_bytes, gemm_flops=4 * mm)
             return [fwd], [bwd]
         # Megatron: QK^T (saves q, k), softmax (saves output), dropout (mask), AV (saves
         # dropout output and v).
