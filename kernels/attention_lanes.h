@@ -162,10 +162,9 @@ ADT_LANES_INLINE float ADT_LANES_FN(attn_dot)(const float* x, const float* y, pt
 }
 
 /* Softmax of the scores s[0..n) in place and s[n..kpad) set to 0 (kpad, a multiple
-   of ADT_W, at least n); *mx_out and *sum_out get the row's max and sum of
-   exp(s[j] - max), its log-sum-exp's parts. */
-ADT_LANES_INLINE void ADT_LANES_FN(attn_softmax_row)(float* s, ptrdiff_t n, ptrdiff_t kpad,
-                                                     float* mx_out, float* sum_out) {
+   of ADT_W, at least n); returns the row's log-sum-exp, log(sum_j exp(s[j])), from
+   which the backward recomputes the probabilities. */
+ADT_LANES_INLINE float ADT_LANES_FN(attn_softmax_row)(float* s, ptrdiff_t n, ptrdiff_t kpad) {
     ADT_VI lane;
     for (int l = 0; l < ADT_W; l++) lane[l] = l;
     ADT_VT neg_inf = ADT_V(splat)(-INFINITY), zero = {0};
@@ -197,8 +196,7 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_softmax_row)(float* s, ptrdiff_t n, ptrd
     float total = ADT_V(hsum)(sum);
     ADT_VT inv = ADT_V(splat)(1.0f / total);
     for (j = 0; j < n; j += ADT_W) ADT_V(store)(s + j, ADT_V(load)(s + j) * inv);
-    *mx_out = mx;
-    *sum_out = total;
+    return mx + logf(total);
 }
 
 /* One (batch, head): qkv and out point at this batch's (T, 3C) / (T, C) rows, lse
@@ -223,13 +221,8 @@ static void ADT_LANES_FN(attn_head_forward)(float* out, float* lse, const float*
         ptrdiff_t kpad = ADT_LANES_FN(attn_npad)(kend);
         ADT_LANES_FN(attn_gemm)(rows, kpad, hs, scale, q + i0 * C3, C3, 1, pk, attn_kcs(hs),
                                 ADT_LANES_FN(attn_npad)(T), 0, scores, lds, ATTN_TRI_C, i0);
-        float sums[ATTN_BQ];
         for (ptrdiff_t r = 0; r < rows; r++)
-            ADT_LANES_FN(attn_softmax_row)(scores + r * lds, i0 + r + 1, kpad, lse + i0 + r,
-                                           sums + r);
-        /* log outside the softmax loop: a libm call there clobbers its vector
-           registers (all caller-saved) */
-        for (ptrdiff_t r = 0; r < rows; r++) lse[i0 + r] += logf(sums[r]);
+            lse[i0 + r] = ADT_LANES_FN(attn_softmax_row)(scores + r * lds, i0 + r + 1, kpad);
         ADT_LANES_FN(attn_gemm)(rows, hs, kend, 1.0f, scores, lds, 1, pv, attn_kcs(T),
                                 ADT_LANES_FN(attn_npad)(hs), 0, out + i0 * C + h * hs, C,
                                 ATTN_TRI_UPTO, i0);
