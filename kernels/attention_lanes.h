@@ -43,6 +43,10 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_pack_b)(float* restrict pb, const float*
             if (tb) {
                 for (ptrdiff_t j = 0; j < ATTN_NR; j++) {
                     const float* src = B + (j0 + j) * ldb + k0;
+                    /* the rows are a head's slice of qkv, 3C floats apart, read
+                       from memory (each head's first touch): fetch ahead */
+                    for (ptrdiff_t p = 0; p < kc; p += 16)
+                        __builtin_prefetch(src + ATTN_PACK_AHEAD * ldb + p, 0, 3);
                     if (j < nr)
                         for (ptrdiff_t p = 0; p < kc; p++) dst[p * ATTN_NR + j] = src[p];
                     else
