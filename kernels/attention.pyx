@@ -67,7 +67,9 @@ cdef extern from *:
     /* Depth block KC of the GEMM in kernels/attention_lanes.h, its query block BQ and
        the backward's key block BK: BK divides BQ (a key block lies within one query
        block's range, see attn_head_backward) and KC (a key block's rows of a packed
-       operand lie in one depth block), and is a multiple of the widest tile (32). */
+       operand lie in one depth block), and is a multiple of the widest tile (32).
+       A 64 x 64 tile is 16 KiB, the backward's two of them in L1; 128 x 128, 128 x 64
+       and 64 x 32 were no faster at T = 1024. */
     #define ATTN_KC 256
     #define ATTN_BQ 64
     #define ATTN_BK 64
@@ -76,7 +78,7 @@ cdef extern from *:
     #define ATTN_PACK_AHEAD 16
     _Static_assert(ATTN_BQ % ATTN_BK == 0 && ATTN_KC % ATTN_BK == 0 && ATTN_BK % 32 == 0,
                    "attention block sizes");
-    enum { ATTN_TRI_NONE, ATTN_TRI_C, ATTN_TRI_UPTO, ATTN_TRI_FROM };  /* attn_gemm's tri */
+    enum { ATTN_TRI_C = 1, ATTN_TRI_UPTO, ATTN_TRI_FROM };  /* attn_gemm's tri */
     static inline ptrdiff_t attn_kcs(ptrdiff_t K) { return K < ATTN_KC ? K : ATTN_KC; }
     /* Row stride of the forward's (BQ, T) score block: whole slivers of the widest
        tile (32 columns), and 16 floats more so that rows 4 KiB apart (T = 1024) do

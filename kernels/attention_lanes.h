@@ -287,7 +287,10 @@ static void ADT_LANES_FN(attn_head_backward)(float* dqkv, const float* dout, con
                                     pvt + j0 * ks_hs, ks_hs, npad_T, 0, dstile, ATTN_BK,
                                     ATTN_TRI_C, i0 - j0);
             /* P and dS in place of S and dP; keys past the query (in the diagonal
-               tile) and the padding columns past kend get 0 */
+               tile) and the padding columns past kend get 0.  The register tiles
+               that ATTN_TRI_C skipped hold whatever the scratch held (NaN, say):
+               the products below never read them, their row tiles being the same
+               ATTN_MR rows and i0 - j0 a multiple of ATTN_MR. */
             for (ptrdiff_t r = 0; r < rows; r++) {
                 float* p = ptile + r * ATTN_BK;
                 float* ds = dstile + r * ATTN_BK;
