@@ -30,6 +30,40 @@ ADT_LANES_INLINE ptrdiff_t ADT_LANES_FN(attn_npad)(ptrdiff_t N) {
     return (N + ATTN_NR - 1) / ATTN_NR * ATTN_NR;
 }
 
+/* dst[k * ldd + i] = src[i * lds + k] for an 8 x 8 block, in registers: 24 shuffles
+   where element by element it is 64 loads and 64 stores. */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_transpose8)(float* dst, ptrdiff_t ldd,
+                                                     const float* src, ptrdiff_t lds) {
+    adt_v8 r0 = adt_load(src), r1 = adt_load(src + lds), r2 = adt_load(src + 2 * lds),
+           r3 = adt_load(src + 3 * lds), r4 = adt_load(src + 4 * lds),
+           r5 = adt_load(src + 5 * lds), r6 = adt_load(src + 6 * lds),
+           r7 = adt_load(src + 7 * lds);
+    adt_v8 t0 = __builtin_shufflevector(r0, r1, 0, 8, 1, 9, 4, 12, 5, 13);
+    adt_v8 t1 = __builtin_shufflevector(r0, r1, 2, 10, 3, 11, 6, 14, 7, 15);
+    adt_v8 t2 = __builtin_shufflevector(r2, r3, 0, 8, 1, 9, 4, 12, 5, 13);
+    adt_v8 t3 = __builtin_shufflevector(r2, r3, 2, 10, 3, 11, 6, 14, 7, 15);
+    adt_v8 t4 = __builtin_shufflevector(r4, r5, 0, 8, 1, 9, 4, 12, 5, 13);
+    adt_v8 t5 = __builtin_shufflevector(r4, r5, 2, 10, 3, 11, 6, 14, 7, 15);
+    adt_v8 t6 = __builtin_shufflevector(r6, r7, 0, 8, 1, 9, 4, 12, 5, 13);
+    adt_v8 t7 = __builtin_shufflevector(r6, r7, 2, 10, 3, 11, 6, 14, 7, 15);
+    adt_v8 u0 = __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13);
+    adt_v8 u1 = __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15);
+    adt_v8 u2 = __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13);
+    adt_v8 u3 = __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15);
+    adt_v8 u4 = __builtin_shufflevector(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13);
+    adt_v8 u5 = __builtin_shufflevector(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15);
+    adt_v8 u6 = __builtin_shufflevector(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13);
+    adt_v8 u7 = __builtin_shufflevector(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
+    adt_store(dst, __builtin_shufflevector(u0, u4, 0, 1, 2, 3, 8, 9, 10, 11));
+    adt_store(dst + ldd, __builtin_shufflevector(u1, u5, 0, 1, 2, 3, 8, 9, 10, 11));
+    adt_store(dst + 2 * ldd, __builtin_shufflevector(u2, u6, 0, 1, 2, 3, 8, 9, 10, 11));
+    adt_store(dst + 3 * ldd, __builtin_shufflevector(u3, u7, 0, 1, 2, 3, 8, 9, 10, 11));
+    adt_store(dst + 4 * ldd, __builtin_shufflevector(u0, u4, 4, 5, 6, 7, 12, 13, 14, 15));
+    adt_store(dst + 5 * ldd, __builtin_shufflevector(u1, u5, 4, 5, 6, 7, 12, 13, 14, 15));
+    adt_store(dst + 6 * ldd, __builtin_shufflevector(u2, u6, 4, 5, 6, 7, 12, 13, 14, 15));
+    adt_store(dst + 7 * ldd, __builtin_shufflevector(u3, u7, 4, 5, 6, 7, 12, 13, 14, 15));
+}
+
 ADT_LANES_INLINE void ADT_LANES_FN(attn_pack_b)(float* restrict pb, const float* B,
                                                 ptrdiff_t ldb, int tb, ptrdiff_t K,
                                                 ptrdiff_t N) {
@@ -41,12 +75,25 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_pack_b)(float* restrict pb, const float*
             float* dst = blk + j0 * kcs;
             ptrdiff_t nr = N - j0 < ATTN_NR ? N - j0 : ATTN_NR;
             if (tb) {
-                for (ptrdiff_t j = 0; j < ATTN_NR; j++) {
+                /* eight rows at a time by 8 x 8 blocks, the rest (a depth not a
+                   multiple of 8, T's last rows, the zero padding) one by one */
+                ptrdiff_t j = 0, kc8 = kc / 8 * 8;
+                for (; j + 8 <= nr; j += 8) {
                     const float* src = B + (j0 + j) * ldb + k0;
                     /* the rows are a head's slice of qkv, 3C floats apart, read
                        from memory (each head's first touch): fetch ahead */
-                    for (ptrdiff_t p = 0; p < kc; p += 16)
-                        __builtin_prefetch(src + ATTN_PACK_AHEAD * ldb + p, 0, 3);
+                    for (ptrdiff_t i = 0; i < 8; i++)
+                        for (ptrdiff_t p = 0; p < kc; p += 16)
+                            __builtin_prefetch(src + (ATTN_PACK_AHEAD + i) * ldb + p, 0, 3);
+                    for (ptrdiff_t p = 0; p < kc8; p += 8)
+                        ADT_LANES_FN(attn_transpose8)(dst + p * ATTN_NR + j, ATTN_NR, src + p,
+                                                      ldb);
+                    for (ptrdiff_t p = kc8; p < kc; p++)
+                        for (ptrdiff_t i = 0; i < 8; i++)
+                            dst[p * ATTN_NR + j + i] = src[i * ldb + p];
+                }
+                for (; j < ATTN_NR; j++) {
+                    const float* src = B + (j0 + j) * ldb + k0;
                     if (j < nr)
                         for (ptrdiff_t p = 0; p < kc; p++) dst[p * ATTN_NR + j] = src[p];
                     else
