@@ -159,16 +159,18 @@ def attention(qkv, n_head):
         raise ValueError(f"attention: qkv must have shape (B, T, 3C), got {qd.shape}")
     B, T, C3 = qd.shape
     out = _buffers.empty((B, T, C3 // 3))
-    att = _buffers.empty((B, n_head, T, T))
-    _attention.attention_forward(out, att, qd, n_head)
+    # Each query's log-sum-exp: with qkv and out, all the backward needs (it
+    # recomputes the probabilities), O(T) per head where they are O(T^2).
+    lse = _buffers.empty((B, n_head, T))
+    _attention.attention_forward(out, lse, qd, n_head)
     if _needs_grad(qkv):
-        return _record(ATTENTION, out, (qkv,), (qkv if qd is _data(qkv) else qd, att, n_head),
-                       None)
+        return _record(ATTENTION, out, (qkv,),
+                       (qkv if qd is _data(qkv) else qd, out, lse, n_head), None)
     return _constant(out)
 
 
-def _attention_bwd(g, dests, fresh, qkv, att, n_head):
-    _attention.attention_backward(dests[0], _contiguous(g), qkv, att, n_head,
+def _attention_bwd(g, dests, fresh, qkv, out, lse, n_head):
+    _attention.attention_backward(dests[0], _contiguous(g), qkv, out, lse, n_head,
                                   overwrite=fresh[0])
 
 

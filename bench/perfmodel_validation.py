@@ -55,7 +55,7 @@ class Block:
         self.x = f(b, t, C, scale=1.0)
         # Saved activations (what backward reads), exactly the adtape layout of graph.py.
         self.saved = {"ln1": z(b, t, C), "ln1_mean": z(b, t), "ln1_rstd": z(b, t), "qkv": z(b, t, 3 * C),
-                      "att": z(b, nh, t, t), "atty": z(b, t, C), "res2": z(b, t, C), "ln2": z(b, t, C),
+                      "att_lse": z(b, nh, t), "atty": z(b, t, C), "res2": z(b, t, C), "ln2": z(b, t, C),
                       "ln2_mean": z(b, t), "ln2_rstd": z(b, t), "fch": z(b, t, F), "fch_gelu": z(b, t, F)}
         self.y, self.tmp = z(b, t, C), z(b, t, C)
         self.d = {"out": f(b, t, C, scale=1.0), "res2": z(b, t, C), "ln2": z(b, t, C), "fch": z(b, t, F),
@@ -66,7 +66,7 @@ class Block:
         L, M, A, s, w = self.k_layers, self.k_mm, self.k_att, self.saved, self.w
         L.layernorm_forward(s["ln1"], s["ln1_mean"], s["ln1_rstd"], self.x, w["ln1w"], w["ln1b"])
         M.matmul_forward(s["qkv"], s["ln1"], w["qkvw"], w["qkvb"])
-        A.attention_forward(s["atty"], s["att"], s["qkv"], self.nh)
+        A.attention_forward(s["atty"], s["att_lse"], s["qkv"], self.nh)
         M.matmul_forward(self.tmp, s["atty"], w["attprojw"], w["attprojb"])
         L.residual_forward(s["res2"], self.x, self.tmp)
         L.layernorm_forward(s["ln2"], s["ln2_mean"], s["ln2_rstd"], s["res2"], w["ln2w"], w["ln2b"])
@@ -87,7 +87,7 @@ class Block:
                              s["ln2_rstd"])
         L.residual_backward(d["x"], self.tmp, d["res2"])
         M.matmul_backward(d["atty"], g["attprojw"], g["attprojb"], self.tmp, s["atty"], w["attprojw"])
-        A.attention_backward(d["qkv"], d["atty"], s["qkv"], s["att"], self.nh)
+        A.attention_backward(d["qkv"], d["atty"], s["qkv"], s["atty"], s["att_lse"], self.nh)
         M.matmul_backward(d["ln1"], g["qkvw"], g["qkvb"], d["qkv"], s["ln1"], w["qkvw"])
         L.layernorm_backward(d["x"], g["ln1w"], g["ln1b"], d["ln1"], self.x, w["ln1w"], s["ln1_mean"],
                              s["ln1_rstd"])

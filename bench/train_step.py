@@ -213,16 +213,17 @@ def memory_estimate(config, B, T, engines):
     """Bytes the worker would touch: per side four parameter-sized arenas plus activations.
 
     Ours: the manual engine's ActivationArena, whose size is B*(a*T + b*T^2) floats
-    (b: the attention matrices), read off two tiny arenas; the tape engine saves the
-    same activations.  PyTorch: the same minus the T x T attention matrices (its fused
-    attention keeps none) plus the log-softmax copy of the logits.
+    (b: any T x T buffers; none since attention keeps log-sum-exps), read off two
+    small arenas (T = 16 and 32: every buffer a whole number of the arena's 16-float
+    padding, so the fit is exact); the tape engine saves the same activations.
+    PyTorch: the same minus any T x T buffers plus the log-softmax copy of the logits.
     """
     from gpt2.model import ActivationArena
     _, n_layout = model_sizes(config)
-    f1 = ActivationArena(config, 1, 1).flat.size
-    f2 = ActivationArena(config, 1, 2).flat.size
-    quad = (f2 - 2 * f1) / 2
-    lin = f1 - quad
+    f1 = ActivationArena(config, 1, 16).flat.size
+    f2 = ActivationArena(config, 1, 32).flat.size
+    quad = (f2 - 2 * f1) / (2 * 16 * 16)
+    lin = (f1 - quad * 16 * 16) / 16
     ours_acts = 4 * B * (lin * T + quad * T * T)
     arenas = 4 * 4 * n_layout
     torch_acts = ours_acts - 4 * B * quad * T * T + 4 * B * T * config.padded_vocab_size

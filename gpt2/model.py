@@ -38,7 +38,7 @@ class ActivationArena:
         shapes = {
             "encoded": (B, T, C),
             "ln1": (L, B, T, C), "ln1_mean": (L, B, T), "ln1_rstd": (L, B, T),
-            "qkv": (L, B, T, 3 * C), "atty": (L, B, T, C), "att": (L, B, NH, T, T),
+            "qkv": (L, B, T, 3 * C), "atty": (L, B, T, C), "att_lse": (L, B, NH, T),
             "attproj": (L, B, T, C), "residual2": (L, B, T, C),
             "ln2": (L, B, T, C), "ln2_mean": (L, B, T), "ln2_rstd": (L, B, T),
             "fch": (L, B, T, 4 * C), "fch_gelu": (L, B, T, 4 * C), "fcproj": (L, B, T, C),
@@ -228,7 +228,7 @@ class GPT2:
             layers.layernorm_forward(a.ln1[l], a.ln1_mean[l], a.ln1_rstd[l], residual,
                                      p.ln1w[l], p.ln1b[l])
             matmul.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], p.qkvb[l])
-            attention.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH)
+            attention.attention_forward(a.atty[l], a.att_lse[l], a.qkv[l], NH)
             matmul.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], p.attprojb[l])
             layers.residual_forward(a.residual2[l], residual, a.attproj[l])
             layers.layernorm_forward(a.ln2[l], a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l],
@@ -275,8 +275,8 @@ class GPT2:
             # residual2 = residual + attproj: the same again for the attention half.
             matmul.matmul_backward(a.d_atty, g.attprojw[l], g.attprojb[l], dres,
                                    a.atty[l], p.attprojw[l], overwrite=(True, fresh, fresh))
-            attention.attention_backward(a.d_qkv, a.d_atty, a.qkv[l], a.att[l], NH,
-                                         overwrite=True)
+            attention.attention_backward(a.d_qkv, a.d_atty, a.qkv[l], a.atty[l], a.att_lse[l],
+                                         NH, overwrite=True)
             matmul.matmul_backward(a.d_ln, g.qkvw[l], g.qkvb[l], a.d_qkv, a.ln1[l], p.qkvw[l],
                                    overwrite=(True, fresh, fresh))
             layers.layernorm_backward(dres, g.ln1w[l], g.ln1b[l], a.d_ln, residual,

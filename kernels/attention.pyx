@@ -1,12 +1,19 @@
 """Causal multi-head self-attention (GPT-2 / llm.c layout), forward and backward.
 
 qkv (B, T, 3C) holds [q | k | v], each split head-major (head h in columns
-h*hs .. h*hs+hs, hs = C / n_head); out (B, T, C); att (B, NH, T, T) keeps the
-softmax probabilities (zero above the diagonal) for the backward pass.
-Scores are scaled by 1/sqrt(hs).
+h*hs .. h*hs+hs, hs = C / n_head); out (B, T, C).  Scores are scaled by 1/sqrt(hs).
+What the forward keeps for the backward is O(T) per head, not O(T^2): lse
+(B, NH, T), each query's log-sum-exp of its scores.  The backward recomputes the
+probabilities tile by tile from q, k and lse, P = exp(S - lse), as FlashAttention-2's
+backward does (kernels/attention_lanes.h), so nothing T x T is ever stored (the
+probabilities it kept before were 4.8 GB at GPT-2 124M, B=8, T=1024).  That costs
+one more product, Q K^T, in the backward, and saves writing the probabilities in the
+forward and reading them back: at T = 64 to 1024 the pair is as fast as before or
+faster.
 
 Parallelism: one OpenMP task per (batch, head) pair, each owning its slice of
-out, att and dqkv, so the backward needs no atomics and no serial loop over heads.
+out, lse and dqkv, so the backward needs no atomics and no serial loop over heads
+(B * NH is 48 or more at GPT-2's shapes, enough tasks for the cores).
 
 Why not BLAS inside the parallel loop: the BLAS that scipy ships (OpenBLAS,
 pthreads build) is not reentrant from an OpenMP team.  Measured here, sgemm
@@ -22,15 +29,12 @@ widths: sixteen lanes (an 8 x 32 tile, sixteen accumulators) where the CPU has
 AVX-512, and eight (4 x 16) otherwise, built by ``target_clones`` for x86-64-v3
 (AVX2+FMA) and for the baseline, so the module stays portable while using the FMA
 units that PyTorch uses (``kernels.set_vector_lanes`` picks the width for tests;
-other compilers get the baseline build).  Queries go in blocks of 64 rows, and key
-blocks past the diagonal are never computed, which halves the FLOPs of a dense
-T x T product.  The forward keeps a block's scores in per-thread scratch (in L2),
-takes the softmax and the product with V there, and writes att with non-temporal
-stores: att (400 MB at GPT-2's B=8, T=1024) is not read again until the backward,
-and plain stores would first fetch every line they overwrite (that and its zeros
-above the diagonal were a fifth of the forward's time).  The softmax uses
-kernels/simd.h's vector exp (Cody-Waite range reduction + Cephes' polynomial,
-within 2 ulp, exactly 0 far below the row max).
+other compilers get the baseline build).  Queries go in blocks of 64 rows, and
+register tiles past the diagonal are never computed.  The forward keeps a query
+block's scores in per-thread scratch (in L2) and takes the softmax and the product
+with V there; the backward works on 64 x 64 tiles of queries by keys (in L1).
+The softmax uses kernels/simd.h's vector exp (Cody-Waite range reduction +
+Cephes' polynomial, within 2 ulp, exactly 0 far below the row max).
 
 Each kernel has a ``_naive`` twin (plain serial loops, float32 or float64) used
 by the tests and for finite-difference checks.
@@ -38,7 +42,7 @@ by the tests and for finite-difference checks.
 cimport numpy as cnp
 from cython cimport floating
 from cython.parallel cimport prange
-from libc.math cimport exp, sqrt
+from libc.math cimport exp, log, sqrt
 from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
 
@@ -48,7 +52,6 @@ from kernels.layers cimport checked_data, float_type, lanes_wide, resolve_thread
 import numpy as np
 
 from kernels.layers import overwrite_flags
-from kernels.optim import zero_grad
 
 cnp.import_array()
 
@@ -60,15 +63,26 @@ cdef extern from "simd.h":
 
 cdef extern from *:
     """
-    #if defined(__SSE__)
-    #include <immintrin.h>   /* the non-temporal stores of the forward's att */
-    #endif
-    /* Depth block KC and query block BQ of the GEMM in kernels/attention_lanes.h. */
+    #include <math.h>
+    /* Depth block KC of the GEMM in kernels/attention_lanes.h, its query block BQ and
+       the backward's key block BK: BK divides BQ (a key block lies within one query
+       block's range, see attn_head_backward) and KC (a key block's rows of a packed
+       operand lie in one depth block), and is a multiple of the widest tile (32).
+       A 64 x 64 tile is 16 KiB, the backward's two of them in L1; 128 x 128, 128 x 64
+       and 64 x 32 were no faster at T = 1024. */
     #define ATTN_KC 256
     #define ATTN_BQ 64
+    #define ATTN_BK 64
+    /* Rows the transposing pack fetches ahead: 16 and 4 both made the backward 3-6%
+       faster at B=2, T=1024 (one thread, Zen 4), reading K and V rows 9 KiB apart. */
+    #define ATTN_PACK_AHEAD 16
+    _Static_assert(ATTN_BQ % ATTN_BK == 0 && ATTN_KC % ATTN_BK == 0 && ATTN_BK % 32 == 0,
+                   "attention block sizes");
+    enum { ATTN_TRI_C = 1, ATTN_TRI_UPTO, ATTN_TRI_FROM };  /* attn_gemm's tri */
     static inline ptrdiff_t attn_kcs(ptrdiff_t K) { return K < ATTN_KC ? K : ATTN_KC; }
     /* Row stride of the forward's (BQ, T) score block: whole slivers of the widest
-       tile (32 columns) and one more vector of zeros for the softmax to read. */
+       tile (32 columns), and 16 floats more so that rows 4 KiB apart (T = 1024) do
+       not map to the same L1 sets. */
     static inline ptrdiff_t attn_score_ld(ptrdiff_t T) { return (T + 31) / 32 * 32 + 16; }
 
     /* The per-head kernels in eight lanes, as target clones, and in sixteen for CPUs
@@ -95,31 +109,42 @@ cdef extern from *:
         return (a > b ? a : b) + 16;
     }
 
-    static void attn_head_forward(int wide, float* out, float* att, const float* qkv,
+    /* Floats of a (BQ, hs) panel packed by attn_pack_b (a query block's Q or dO). */
+    static ptrdiff_t attn_panel_floats(ptrdiff_t hs) {
+        return attn_packed_floats(ATTN_BQ, hs) + 16;
+    }
+
+    static void attn_head_forward(int wide, float* out, float* lse, const float* qkv,
                                   ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs, ptrdiff_t h,
                                   float scale, float* pk, float* pv, float* scores) {
-        ADT_LANES_CALL(wide, attn_head_forward, (out, att, qkv, T, C, hs, h, scale, pk, pv,
+        ADT_LANES_CALL(wide, attn_head_forward, (out, lse, qkv, T, C, hs, h, scale, pk, pv,
                                                  scores));
     }
     static void attn_head_backward(int wide, float* dqkv, const float* dout, const float* qkv,
-                                   const float* att, ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs,
-                                   ptrdiff_t h, float scale, float* pvt, float* pk,
-                                   float* psmall, float* dscore) {
-        ADT_LANES_CALL(wide, attn_head_backward, (dqkv, dout, qkv, att, T, C, hs, h, scale,
-                                                  pvt, pk, psmall, dscore));
+                                   const float* out, const float* lse, ptrdiff_t T,
+                                   ptrdiff_t C, ptrdiff_t hs, ptrdiff_t h, float scale,
+                                   int overwrite, float* pkt, float* pvt, float* pk,
+                                   float* pq, float* pdo, float* ptile, float* dstile,
+                                   float* drow) {
+        ADT_LANES_CALL(wide, attn_head_backward, (dqkv, dout, qkv, out, lse, T, C, hs, h,
+                                                  scale, overwrite, pkt, pvt, pk, pq, pdo,
+                                                  ptile, dstile, drow));
     }
     """
     enum:
         ATTN_BQ
+        ATTN_BK
     Py_ssize_t attn_pack_floats(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
+    Py_ssize_t attn_panel_floats(Py_ssize_t hs) noexcept nogil
     Py_ssize_t attn_score_ld(Py_ssize_t T) noexcept nogil
-    void attn_head_forward(bint wide, float* out, float* att, const float* qkv, Py_ssize_t T,
+    void attn_head_forward(bint wide, float* out, float* lse, const float* qkv, Py_ssize_t T,
                            Py_ssize_t C, Py_ssize_t hs, Py_ssize_t h, float scale,
                            float* pk, float* pv, float* scores) noexcept nogil
     void attn_head_backward(bint wide, float* dqkv, const float* dout, const float* qkv,
-                            const float* att, Py_ssize_t T, Py_ssize_t C, Py_ssize_t hs,
-                            Py_ssize_t h, float scale, float* pvt, float* pk,
-                            float* psmall, float* dscore) noexcept nogil
+                            const float* out, const float* lse, Py_ssize_t T, Py_ssize_t C,
+                            Py_ssize_t hs, Py_ssize_t h, float scale, bint overwrite,
+                            float* pkt, float* pvt, float* pk, float* pq, float* pdo,
+                            float* ptile, float* dstile, float* drow) noexcept nogil
 
 
 cdef struct Scratch:
@@ -140,7 +165,12 @@ cdef int _scratch_alloc(Scratch* s, int n_threads, Py_ssize_t floats) except -1 
     return 0
 
 
-cdef int attention_forward_c(float* out, float* att, const float* qkv,
+cdef inline Py_ssize_t _lines(Py_ssize_t floats) noexcept nogil:
+    # whole 64-byte lines, so that each scratch panel starts on one
+    return (floats + 15) // 16 * 16
+
+
+cdef int attention_forward_c(float* out, float* lse, const float* qkv,
                              Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH,
                              int n_threads) except -1 nogil:
     cdef Py_ssize_t hs = C // NH
@@ -148,35 +178,41 @@ cdef int attention_forward_c(float* out, float* att, const float* qkv,
     cdef Py_ssize_t bh, b
     cdef float* work
     cdef Scratch s
-    cdef Py_ssize_t pack = attn_pack_floats(T, hs)
+    cdef Py_ssize_t pack = _lines(attn_pack_floats(T, hs))
     cdef bint wide = lanes_wide()
     _scratch_alloc(&s, n_threads, 2 * pack + ATTN_BQ * attn_score_ld(T))
     for bh in prange(B * NH, schedule='static', nogil=True, num_threads=n_threads):
         b = bh // NH
         work = s.base + omp_get_thread_num_safe() * s.per_thread
-        attn_head_forward(wide, out + b * T * C, att + bh * T * T, qkv + b * T * 3 * C,
+        attn_head_forward(wide, out + b * T * C, lse + bh * T, qkv + b * T * 3 * C,
                           T, C, hs, bh % NH, scale, work, work + pack, work + 2 * pack)
     free(s.raw)
     return 0
 
 
 cdef int attention_backward_c(float* dqkv, const float* dout, const float* qkv,
-                              const float* att, Py_ssize_t B, Py_ssize_t T, Py_ssize_t C,
-                              Py_ssize_t NH, int n_threads) except -1 nogil:
+                              const float* out, const float* lse, Py_ssize_t B, Py_ssize_t T,
+                              Py_ssize_t C, Py_ssize_t NH, bint overwrite,
+                              int n_threads) except -1 nogil:
     cdef Py_ssize_t hs = C // NH
     cdef float scale = 1.0 / sqrt(<double>hs)
     cdef Py_ssize_t bh, b
     cdef float* work
     cdef Scratch s
-    cdef Py_ssize_t pack = attn_pack_floats(T, hs)
+    cdef Py_ssize_t pack = _lines(attn_pack_floats(T, hs))
+    cdef Py_ssize_t panel = _lines(attn_panel_floats(hs))
+    cdef Py_ssize_t tile = ATTN_BQ * ATTN_BK
+    cdef Py_ssize_t tiles = 3 * pack + 2 * panel
     cdef bint wide = lanes_wide()
-    _scratch_alloc(&s, n_threads, 3 * pack + ATTN_BQ * T)
+    _scratch_alloc(&s, n_threads, tiles + 2 * tile + ATTN_BQ)
     for bh in prange(B * NH, schedule='static', nogil=True, num_threads=n_threads):
         b = bh // NH
         work = s.base + omp_get_thread_num_safe() * s.per_thread
         attn_head_backward(wide, dqkv + b * T * 3 * C, dout + b * T * C, qkv + b * T * 3 * C,
-                           att + bh * T * T, T, C, hs, bh % NH, scale, work, work + pack,
-                           work + 2 * pack, work + 3 * pack)
+                           out + b * T * C, lse + bh * T, T, C, hs, bh % NH, scale, overwrite,
+                           work, work + pack, work + 2 * pack, work + 3 * pack,
+                           work + 3 * pack + panel, work + tiles, work + tiles + tile,
+                           work + tiles + 2 * tile)
     free(s.raw)
     return 0
 
@@ -194,10 +230,44 @@ def _attention_shapes(qkv, n_head):
     if isinstance(n_head, bool) or not isinstance(n_head, (int, np.integer)) or n_head < 1:
         raise ValueError(f"n_head must be a positive integer, got {n_head!r}")
     C = C3 // 3
+    if C == 0:
+        # A head size of 0 makes the score scale 1/sqrt(0): there is no attention to take.
+        raise ValueError("qkv's last dimension is 0: C (and the head size) must be positive")
     if C % n_head:
         raise ValueError(f"C = {C} (qkv's last dimension / 3) is not divisible by "
                          f"n_head = {n_head}")
     return B, T, C, int(n_head)
+
+
+def _check_disjoint(outputs, inputs):
+    """ValueError unless every output shares no memory with any input or other output:
+    the kernels read their inputs after writing parts of their outputs."""
+    named = list(outputs) + list(inputs)
+    for i, (out_name, out) in enumerate(outputs):
+        for other_name, other in named[i + 1:]:
+            if np.may_share_memory(out, other):
+                raise ValueError(f"{out_name} must not overlap {other_name}")
+
+
+def _check_forward(out, lse, qkv, n_head, int ft):
+    B, T, C, NH = _attention_shapes(qkv, n_head)
+    checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
+    checked_data("out", out, ft, (B, T, C), True)
+    checked_data("lse", lse, ft, (B, NH, T), True)
+    _check_disjoint((("out", out), ("lse", lse)), (("qkv", qkv),))
+    return B, T, C, NH
+
+
+def _check_backward(dqkv, dout, qkv, out, lse, n_head, int ft):
+    B, T, C, NH = _attention_shapes(qkv, n_head)
+    checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
+    checked_data("dout", dout, ft, (B, T, C), False)
+    checked_data("out", out, ft, (B, T, C), False)
+    checked_data("lse", lse, ft, (B, NH, T), False)
+    checked_data("dqkv", dqkv, ft, (B, T, 3 * C), True)
+    _check_disjoint((("dqkv", dqkv),),
+                    (("dout", dout), ("qkv", qkv), ("out", out), ("lse", lse)))
+    return B, T, C, NH
 
 
 def _threads_for(n_threads, B, T, C):
@@ -208,47 +278,52 @@ def _threads_for(n_threads, B, T, C):
     return resolve_threads(n_threads)
 
 
-def attention_forward(out, att, qkv, n_head, *, n_threads=None):
-    """Causal attention: out (B, T, C) and att (B, n_head, T, T) probabilities
-    from qkv (B, T, 3C), both overwritten."""
+def attention_forward(out, lse, qkv, n_head, *, n_threads=None):
+    """Causal attention: out (B, T, C) and lse (B, n_head, T), each query's
+    log-sum-exp of its scaled scores (what the backward needs), from qkv (B, T, 3C);
+    both overwritten."""
     cdef Py_ssize_t B, T, C, NH
-    B, T, C, NH = _attention_shapes(qkv, n_head)
-    cdef float* qkv_p = <float*>checked_data("qkv", qkv, cnp.NPY_FLOAT32, (B, T, 3 * C), False)
-    cdef float* out_p = <float*>checked_data("out", out, cnp.NPY_FLOAT32, (B, T, C), True)
-    cdef float* att_p = <float*>checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), True)
+    B, T, C, NH = _check_forward(out, lse, qkv, n_head, cnp.NPY_FLOAT32)
     cdef int nt = _threads_for(n_threads, B, T, C)
+    if B == 0 or T == 0:
+        return
+    cdef float* out_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>out)
+    cdef float* lse_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
+    cdef const float* qkv_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>qkv)
     with nogil:
-        attention_forward_c(out_p, att_p, qkv_p, B, T, C, NH, nt)
+        attention_forward_c(out_p, lse_p, qkv_p, B, T, C, NH, nt)
 
 
-def attention_backward(dqkv, dout, qkv, att, n_head, *, overwrite=False, n_threads=None):
-    """Accumulate into dqkv (B, T, 3C) the gradient of attention_forward's out,
-    given dout (B, T, C), the forward's qkv and its saved att (``overwrite``: dqkv
-    is set instead, whatever it held)."""
+def attention_backward(dqkv, dout, qkv, out, lse, n_head, *, overwrite=False, n_threads=None):
+    """Accumulate into dqkv (B, T, 3C) the gradient of attention_forward's out, given
+    dout (B, T, C), the forward's qkv, and its out and lse (``overwrite``: dqkv is set
+    instead, whatever it held).  The probabilities are recomputed, tile by tile."""
     ow, = overwrite_flags(overwrite, ("dqkv",))
     cdef Py_ssize_t B, T, C, NH
-    B, T, C, NH = _attention_shapes(qkv, n_head)
-    cdef float* qkv_p = <float*>checked_data("qkv", qkv, cnp.NPY_FLOAT32, (B, T, 3 * C), False)
-    cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, (B, T, C), False)
-    cdef float* att_p = <float*>checked_data("att", att, cnp.NPY_FLOAT32, (B, NH, T, T), False)
-    cdef float* dqkv_p = <float*>checked_data("dqkv", dqkv, cnp.NPY_FLOAT32, (B, T, 3 * C), True)
+    B, T, C, NH = _check_backward(dqkv, dout, qkv, out, lse, n_head, cnp.NPY_FLOAT32)
     cdef int nt = _threads_for(n_threads, B, T, C)
-    if ow:
-        # The per-head kernels add into their slices of dqkv: start them from zero.
-        zero_grad(dqkv, n_threads=n_threads)
+    if B == 0 or T == 0:
+        return
+    cdef float* dqkv_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>dqkv)
+    cdef const float* dout_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>dout)
+    cdef const float* qkv_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>qkv)
+    cdef const float* out_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>out)
+    cdef const float* lse_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
+    cdef bint overwrite_c = ow
     with nogil:
-        attention_backward_c(dqkv_p, dout_p, qkv_p, att_p, B, T, C, NH, nt)
+        attention_backward_c(dqkv_p, dout_p, qkv_p, out_p, lse_p, B, T, C, NH, overwrite_c, nt)
 
 
 # ---------------------------------------------------------------- naive twins
 
-cdef void _forward_naive(floating[:, :, ::1] out, floating[:, :, :, ::1] att,
+cdef void _forward_naive(floating[:, :, ::1] out, floating[:, :, ::1] lse,
                          floating[:, :, ::1] qkv, Py_ssize_t NH) noexcept nogil:
     cdef Py_ssize_t B = qkv.shape[0], T = qkv.shape[1], C = qkv.shape[2] // 3
     cdef Py_ssize_t hs = C // NH
     cdef double scale = 1.0 / sqrt(<double>hs)
     cdef Py_ssize_t b, h, i, j, d
     cdef double s, mx, total
+    cdef double* p = <double*>malloc(max(T, 1) * sizeof(double))
     for b in range(B):
         for h in range(NH):
             for i in range(T):
@@ -257,77 +332,72 @@ cdef void _forward_naive(floating[:, :, ::1] out, floating[:, :, :, ::1] att,
                     s = 0.0
                     for d in range(hs):
                         s += qkv[b, i, h * hs + d] * qkv[b, j, C + h * hs + d]
-                    att[b, h, i, j] = s * scale
-                    mx = max(mx, att[b, h, i, j])
+                    p[j] = s * scale
+                    mx = max(mx, p[j])
                 total = 0.0
                 for j in range(i + 1):
-                    att[b, h, i, j] = exp(att[b, h, i, j] - mx)
-                    total += att[b, h, i, j]
-                for j in range(T):
-                    att[b, h, i, j] = att[b, h, i, j] / total if j <= i else 0.0
+                    p[j] = exp(p[j] - mx)
+                    total += p[j]
+                lse[b, h, i] = mx + log(total)
                 for d in range(hs):
                     s = 0.0
                     for j in range(i + 1):
-                        s += att[b, h, i, j] * qkv[b, j, 2 * C + h * hs + d]
+                        s += p[j] / total * qkv[b, j, 2 * C + h * hs + d]
                     out[b, i, h * hs + d] = s
+    free(p)
 
 
 cdef void _backward_naive(floating[:, :, ::1] dqkv, floating[:, :, ::1] dout,
-                          floating[:, :, ::1] qkv, floating[:, :, :, ::1] att,
-                          Py_ssize_t NH) noexcept nogil:
+                          floating[:, :, ::1] qkv, floating[:, :, ::1] out,
+                          floating[:, :, ::1] lse, Py_ssize_t NH) noexcept nogil:
+    # The same recomputation as the kernel, in plain loops: P[i, j] = exp(s[i, j] -
+    # lse[i]), D[i] = dout[i] . out[i], dS = P (dout[i] . v[j] - D[i]) * scale.
     cdef Py_ssize_t B = qkv.shape[0], T = qkv.shape[1], C = qkv.shape[2] // 3
     cdef Py_ssize_t hs = C // NH
     cdef double scale = 1.0 / sqrt(<double>hs)
     cdef Py_ssize_t b, h, i, j, d
-    cdef double dp, dot, ds
+    cdef double s, p, dp, dsum, ds
     for b in range(B):
         for h in range(NH):
             for i in range(T):
-                # d(att[i, j]) = dout[i] . v[j]; dot = sum_j att[i, j] d(att[i, j])
-                dot = 0.0
+                dsum = 0.0
+                for d in range(hs):
+                    dsum += dout[b, i, h * hs + d] * out[b, i, h * hs + d]
                 for j in range(i + 1):
+                    s = 0.0
                     dp = 0.0
                     for d in range(hs):
+                        s += qkv[b, i, h * hs + d] * qkv[b, j, C + h * hs + d]
                         dp += dout[b, i, h * hs + d] * qkv[b, j, 2 * C + h * hs + d]
-                    dot += att[b, h, i, j] * dp
-                for j in range(i + 1):
-                    dp = 0.0
+                    p = exp(s * scale - lse[b, h, i])
+                    ds = p * (dp - dsum) * scale
                     for d in range(hs):
-                        dp += dout[b, i, h * hs + d] * qkv[b, j, 2 * C + h * hs + d]
-                        dqkv[b, j, 2 * C + h * hs + d] += att[b, h, i, j] * dout[b, i, h * hs + d]
-                    ds = att[b, h, i, j] * (dp - dot) * scale
-                    for d in range(hs):
+                        dqkv[b, j, 2 * C + h * hs + d] += p * dout[b, i, h * hs + d]
                         dqkv[b, i, h * hs + d] += ds * qkv[b, j, C + h * hs + d]
                         dqkv[b, j, C + h * hs + d] += ds * qkv[b, i, h * hs + d]
 
 
-def attention_forward_naive(out, att, qkv, n_head, *, n_threads=None):
+def attention_forward_naive(out, lse, qkv, n_head, *, n_threads=None):
     """Plain-loop twin of ``attention_forward`` (serial; float32 or float64)."""
-    B, T, C, NH = _attention_shapes(qkv, n_head)
     cdef int ft = float_type(qkv)
-    checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
-    checked_data("out", out, ft, (B, T, C), True)
-    checked_data("att", att, ft, (B, NH, T, T), True)
+    B, T, C, NH = _check_forward(out, lse, qkv, n_head, ft)
     resolve_threads(n_threads)
     if ft == cnp.NPY_FLOAT32:
-        _forward_naive[float](out, att, qkv, NH)
+        _forward_naive[float](out, lse, qkv, NH)
     else:
-        _forward_naive[double](out, att, qkv, NH)
+        _forward_naive[double](out, lse, qkv, NH)
 
 
-def attention_backward_naive(dqkv, dout, qkv, att, n_head, *, overwrite=False, n_threads=None):
+def attention_backward_naive(dqkv, dout, qkv, out, lse, n_head, *, overwrite=False,
+                             n_threads=None):
     """Plain-loop twin of ``attention_backward`` (serial; float32 or float64)."""
     ow, = overwrite_flags(overwrite, ("dqkv",))
-    B, T, C, NH = _attention_shapes(qkv, n_head)
     cdef int ft = float_type(qkv)
-    checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
-    checked_data("dout", dout, ft, (B, T, C), False)
-    checked_data("att", att, ft, (B, NH, T, T), False)
-    checked_data("dqkv", dqkv, ft, (B, T, 3 * C), True)
+    B, T, C, NH = _check_backward(dqkv, dout, qkv, out, lse, n_head, ft)
     resolve_threads(n_threads)
     if ow:
         dqkv[...] = 0
     if ft == cnp.NPY_FLOAT32:
-        _backward_naive[float](dqkv, dout, qkv, att, NH)
+        _backward_naive[float](dqkv, dout, qkv, out, lse, NH)
     else:
-        _backward_naive[double](dqkv, dout, qkv, att, NH)
+        _backward_naive[double](dqkv, dout, qkv, out, lse, NH)

@@ -8,6 +8,11 @@
  */
 #define ATTN_NR (2 * ADT_W)
 #if ADT_W == 16
+#define ATTN_GEMM_ATTR static __attribute__((noinline)) ADT_TARGET_V4
+#else
+#define ATTN_GEMM_ATTR static __attribute__((noinline)) ADT_MULTIVERSION
+#endif
+#if ADT_W == 16
 #define ATTN_MR 8
 #define ATTN_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 #else
@@ -25,6 +30,40 @@ ADT_LANES_INLINE ptrdiff_t ADT_LANES_FN(attn_npad)(ptrdiff_t N) {
     return (N + ATTN_NR - 1) / ATTN_NR * ATTN_NR;
 }
 
+/* dst[k * ldd + i] = src[i * lds + k] for an 8 x 8 block, in registers: 24 shuffles
+   where element by element it is 64 loads and 64 stores. */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_transpose8)(float* dst, ptrdiff_t ldd,
+                                                     const float* src, ptrdiff_t lds) {
+    adt_v8 r0 = adt_load(src), r1 = adt_load(src + lds), r2 = adt_load(src + 2 * lds),
+           r3 = adt_load(src + 3 * lds), r4 = adt_load(src + 4 * lds),
+           r5 = adt_load(src + 5 * lds), r6 = adt_load(src + 6 * lds),
+           r7 = adt_load(src + 7 * lds);
+    adt_v8 t0 = __builtin_shufflevector(r0, r1, 0, 8, 1, 9, 4, 12, 5, 13);
+    adt_v8 t1 = __builtin_shufflevector(r0, r1, 2, 10, 3, 11, 6, 14, 7, 15);
+    adt_v8 t2 = __builtin_shufflevector(r2, r3, 0, 8, 1, 9, 4, 12, 5, 13);
+    adt_v8 t3 = __builtin_shufflevector(r2, r3, 2, 10, 3, 11, 6, 14, 7, 15);
+    adt_v8 t4 = __builtin_shufflevector(r4, r5, 0, 8, 1, 9, 4, 12, 5, 13);
+    adt_v8 t5 = __builtin_shufflevector(r4, r5, 2, 10, 3, 11, 6, 14, 7, 15);
+    adt_v8 t6 = __builtin_shufflevector(r6, r7, 0, 8, 1, 9, 4, 12, 5, 13);
+    adt_v8 t7 = __builtin_shufflevector(r6, r7, 2, 10, 3, 11, 6, 14, 7, 15);
+    adt_v8 u0 = __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13);
+    adt_v8 u1 = __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15);
+    adt_v8 u2 = __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13);
+    adt_v8 u3 = __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15);
+    adt_v8 u4 = __builtin_shufflevector(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13);
+    adt_v8 u5 = __builtin_shufflevector(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15);
+    adt_v8 u6 = __builtin_shufflevector(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13);
+    adt_v8 u7 = __builtin_shufflevector(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
+    adt_store(dst, __builtin_shufflevector(u0, u4, 0, 1, 2, 3, 8, 9, 10, 11));
+    adt_store(dst + ldd, __builtin_shufflevector(u1, u5, 0, 1, 2, 3, 8, 9, 10, 11));
+    adt_store(dst + 2 * ldd, __builtin_shufflevector(u2, u6, 0, 1, 2, 3, 8, 9, 10, 11));
+    adt_store(dst + 3 * ldd, __builtin_shufflevector(u3, u7, 0, 1, 2, 3, 8, 9, 10, 11));
+    adt_store(dst + 4 * ldd, __builtin_shufflevector(u0, u4, 4, 5, 6, 7, 12, 13, 14, 15));
+    adt_store(dst + 5 * ldd, __builtin_shufflevector(u1, u5, 4, 5, 6, 7, 12, 13, 14, 15));
+    adt_store(dst + 6 * ldd, __builtin_shufflevector(u2, u6, 4, 5, 6, 7, 12, 13, 14, 15));
+    adt_store(dst + 7 * ldd, __builtin_shufflevector(u3, u7, 4, 5, 6, 7, 12, 13, 14, 15));
+}
+
 ADT_LANES_INLINE void ADT_LANES_FN(attn_pack_b)(float* restrict pb, const float* B,
                                                 ptrdiff_t ldb, int tb, ptrdiff_t K,
                                                 ptrdiff_t N) {
@@ -36,7 +75,24 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_pack_b)(float* restrict pb, const float*
             float* dst = blk + j0 * kcs;
             ptrdiff_t nr = N - j0 < ATTN_NR ? N - j0 : ATTN_NR;
             if (tb) {
-                for (ptrdiff_t j = 0; j < ATTN_NR; j++) {
+                /* eight rows at a time by 8 x 8 blocks, the rest (a depth not a
+                   multiple of 8, T's last rows, the zero padding) one by one */
+                ptrdiff_t j = 0, kc8 = kc / 8 * 8;
+                for (; j + 8 <= nr; j += 8) {
+                    const float* src = B + (j0 + j) * ldb + k0;
+                    /* the rows are a head's slice of qkv, 3C floats apart, read
+                       from memory (each head's first touch): fetch ahead */
+                    for (ptrdiff_t i = 0; i < 8; i++)
+                        for (ptrdiff_t p = 0; p < kc; p += 16)
+                            __builtin_prefetch(src + (ATTN_PACK_AHEAD + i) * ldb + p, 0, 3);
+                    for (ptrdiff_t p = 0; p < kc8; p += 8)
+                        ADT_LANES_FN(attn_transpose8)(dst + p * ATTN_NR + j, ATTN_NR, src + p,
+                                                      ldb);
+                    for (ptrdiff_t p = kc8; p < kc; p++)
+                        for (ptrdiff_t i = 0; i < 8; i++)
+                            dst[p * ATTN_NR + j + i] = src[i * ldb + p];
+                }
+                for (; j < ATTN_NR; j++) {
                     const float* src = B + (j0 + j) * ldb + k0;
                     if (j < nr)
                         for (ptrdiff_t p = 0; p < kc; p++) dst[p * ATTN_NR + j] = src[p];
@@ -104,22 +160,44 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_ukernel)(ptrdiff_t kc, const float* a, p
 #undef ATTN_TILE_STORE
 
 /* Single-threaded row-major C (M, N) (+)= alpha op(A) (M, K) @ B (K, N), B
-   packed by attn_pack_b with (kcs, npad); op(A)(i, p) at a[i*rs + p*cs]. */
-ADT_LANES_INLINE void ADT_LANES_FN(attn_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
+   packed by attn_pack_b with (kcs, npad); op(A)(i, p) at a[i*rs + p*cs].
+   tri skips the work that causal masking makes zero, by register tiles (the
+   diagonal blocks, where it is a quarter of the work at T = 64):
+     ATTN_TRI_C     C(i, j) is wanted only for j <= i + diag: tiles wholly past that
+                    are not computed and C keeps whatever it held there;
+     ATTN_TRI_UPTO  op(A)(i, p) = 0 for p > i + diag: each row tile's depth ends there;
+     ATTN_TRI_FROM  op(A)(i, p) = 0 for p < i - diag: each row tile's depth starts there.
+   Not inlined: inlined into the per-head kernels, the micro-kernel's loop was
+   compiled with its B vectors spilled to the stack, and which of the copies was
+   hit changed with unrelated edits (the forward 7-30% slower). */
+ATTN_GEMM_ATTR void ADT_LANES_FN(attn_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                                               float alpha, const float* A, ptrdiff_t rs,
                                               ptrdiff_t cs, const float* pb, ptrdiff_t kcs,
                                               ptrdiff_t npad, int accumulate, float* Cm,
-                                              ptrdiff_t ldc) {
+                                              ptrdiff_t ldc, int tri, ptrdiff_t diag) {
     for (ptrdiff_t k0 = 0; k0 < K; k0 += kcs) {
         ptrdiff_t kc = K - k0 < kcs ? K - k0 : kcs;
         const float* blk = pb + (k0 / kcs) * kcs * npad;
         int acc = accumulate || k0 > 0;
         for (ptrdiff_t j0 = 0; j0 < N; j0 += ATTN_NR)
-            for (ptrdiff_t i0 = 0; i0 < M; i0 += ATTN_MR)
-                ADT_LANES_FN(attn_ukernel)(kc, A + i0 * rs + k0 * cs, rs, cs, blk + j0 * kcs,
-                                           Cm + i0 * ldc + j0, ldc,
-                                           M - i0 < ATTN_MR ? M - i0 : ATTN_MR,
-                                           N - j0 < ATTN_NR ? N - j0 : ATTN_NR, alpha, acc);
+            for (ptrdiff_t i0 = 0; i0 < M; i0 += ATTN_MR) {
+                ptrdiff_t mr = M - i0 < ATTN_MR ? M - i0 : ATTN_MR, lo = 0, hi = kc;
+                if (tri == ATTN_TRI_C && j0 > i0 + mr - 1 + diag) continue;
+                if (tri == ATTN_TRI_UPTO) {
+                    hi = i0 + mr + diag - k0;
+                    hi = hi < 0 ? 0 : hi > kc ? kc : hi;
+                }
+                if (tri == ATTN_TRI_FROM) {
+                    lo = i0 - diag - k0;
+                    lo = lo < 0 ? 0 : lo > kc ? kc : lo;
+                }
+                if (lo >= hi && acc) continue;   /* nothing to add */
+                ADT_LANES_FN(attn_ukernel)(hi > lo ? hi - lo : 0,
+                                           A + i0 * rs + (k0 + lo) * cs, rs, cs,
+                                           blk + j0 * kcs + lo * ATTN_NR, Cm + i0 * ldc + j0,
+                                           ldc, mr, N - j0 < ATTN_NR ? N - j0 : ATTN_NR,
+                                           alpha, acc);
+            }
     }
 }
 
@@ -134,34 +212,10 @@ ADT_LANES_INLINE float ADT_LANES_FN(attn_dot)(const float* x, const float* y, pt
     return ADT_V(hsum)(acc) + s;
 }
 
-/* dst[j] = src[j] for j < kpad, 0 for kpad <= j < T, written past the caches
-   (non-temporal stores): att is far larger than them and is not read again until
-   the backward, so a plain store would first fetch each line it overwrites.  src
-   holds kpad + ADT_W floats. */
-ADT_LANES_INLINE void ADT_LANES_FN(attn_stream_row)(float* dst, const float* src,
-                                                    ptrdiff_t kpad, ptrdiff_t T) {
-    ptrdiff_t j = 0;
-    ptrdiff_t lead = (ptrdiff_t)((-(uintptr_t)dst & (ADT_W * sizeof(float) - 1)) / sizeof(float));
-    for (; j < lead && j < T; j++) dst[j] = src[j];   /* lead < ADT_W <= kpad */
-    ADT_VT zero = {0};
-    for (; j + ADT_W <= T; j += ADT_W) {
-        ADT_VT v = j < kpad ? ADT_V(load)(src + j) : zero;
-#if ADT_W == 16 && ADT_HAVE_V4
-        _mm512_stream_ps(dst + j, (__m512)v);
-#elif defined(__SSE__)
-        _mm_stream_ps(dst + j, (__m128)__builtin_shufflevector(v, v, 0, 1, 2, 3));
-        _mm_stream_ps(dst + j + 4, (__m128)__builtin_shufflevector(v, v, 4, 5, 6, 7));
-#else
-        ADT_V(store)(dst + j, v);
-#endif
-    }
-    for (; j < T; j++) dst[j] = j < kpad ? src[j] : 0.0f;
-}
-
-/* Softmax of the scores s[0..n) in place, s[n..kpad + ADT_W) set to 0 (kpad, a
-   multiple of ADT_W, at least n), and the row also streamed to att_row[0..T). */
-ADT_LANES_INLINE void ADT_LANES_FN(attn_softmax_row)(float* s, ptrdiff_t n, ptrdiff_t kpad,
-                                                     float* att_row, ptrdiff_t T) {
+/* Softmax of the scores s[0..n) in place and s[n..kpad) set to 0 (kpad, a multiple
+   of ADT_W, at least n); returns the row's log-sum-exp, log(sum_j exp(s[j])), from
+   which the backward recomputes the probabilities. */
+ADT_LANES_INLINE float ADT_LANES_FN(attn_softmax_row)(float* s, ptrdiff_t n, ptrdiff_t kpad) {
     ADT_VI lane;
     for (int l = 0; l < ADT_W; l++) lane[l] = l;
     ADT_VT neg_inf = ADT_V(splat)(-INFINITY), zero = {0};
@@ -189,19 +243,20 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_softmax_row)(float* s, ptrdiff_t n, ptrd
         sum += e;
         j += ADT_W;
     }
-    for (; j < kpad + ADT_W; j += ADT_W) ADT_V(store)(s + j, zero);
-    ADT_VT inv = ADT_V(splat)(1.0f / ADT_V(hsum)(sum));
+    for (; j < kpad; j += ADT_W) ADT_V(store)(s + j, zero);
+    float total = ADT_V(hsum)(sum);
+    ADT_VT inv = ADT_V(splat)(1.0f / total);
     for (j = 0; j < n; j += ADT_W) ADT_V(store)(s + j, ADT_V(load)(s + j) * inv);
-    ADT_LANES_FN(attn_stream_row)(att_row, s, kpad, T);
+    return mx + logf(total);
 }
 
-/* One (batch, head): qkv and out point at this batch's (T, 3C) / (T, C) rows,
-   att at this head's (T, T) matrix; pk, pv are attn_pack_floats scratch and
-   scores (BQ, attn_score_ld(T)) holds a query block's scores, then its
-   probabilities, which the product with V reads there, in cache, rather than
-   back from att. */
+/* One (batch, head): qkv and out point at this batch's (T, 3C) / (T, C) rows, lse
+   at this head's T log-sum-exps; pk, pv are attn_pack_floats scratch and scores
+   (BQ, attn_score_ld(T)) holds a query block's scores, then its probabilities, which
+   the product with V reads there, in cache.  Only the block's BQ rows of
+   probabilities ever exist: nothing T x T is stored. */
 ADT_LANES_ATTR
-static void ADT_LANES_FN(attn_head_forward)(float* out, float* att, const float* qkv,
+static void ADT_LANES_FN(attn_head_forward)(float* out, float* lse, const float* qkv,
                                             ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs,
                                             ptrdiff_t h, float scale, float* pk, float* pv,
                                             float* scores) {
@@ -216,65 +271,102 @@ static void ADT_LANES_FN(attn_head_forward)(float* out, float* att, const float*
            past the diagonal are masked by the softmax */
         ptrdiff_t kpad = ADT_LANES_FN(attn_npad)(kend);
         ADT_LANES_FN(attn_gemm)(rows, kpad, hs, scale, q + i0 * C3, C3, 1, pk, attn_kcs(hs),
-                                ADT_LANES_FN(attn_npad)(T), 0, scores, lds);
+                                ADT_LANES_FN(attn_npad)(T), 0, scores, lds, ATTN_TRI_C, i0);
         for (ptrdiff_t r = 0; r < rows; r++)
-            ADT_LANES_FN(attn_softmax_row)(scores + r * lds, i0 + r + 1, kpad,
-                                           att + (i0 + r) * T, T);
+            lse[i0 + r] = ADT_LANES_FN(attn_softmax_row)(scores + r * lds, i0 + r + 1, kpad);
         ADT_LANES_FN(attn_gemm)(rows, hs, kend, 1.0f, scores, lds, 1, pv, attn_kcs(T),
-                                ADT_LANES_FN(attn_npad)(hs), 0, out + i0 * C + h * hs, C);
+                                ADT_LANES_FN(attn_npad)(hs), 0, out + i0 * C + h * hs, C,
+                                ATTN_TRI_UPTO, i0);
     }
-#if defined(__SSE__)
-    _mm_sfence();   /* order the streamed att before whatever this thread stores next */
-#endif
 }
 
-/* One (batch, head), accumulating into dqkv; pvt, pk, psmall are attn_pack_floats
-   scratch, dscore is (BQ, T). */
+/* One (batch, head), FlashAttention-2's backward on (BQ, BK) tiles: for each block of
+   queries i and each key block j up to the diagonal, the probabilities are
+   recomputed from the scores and the saved log-sum-exps, P = exp(S - lse), and
+     dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P * (dP - D_i) * scale,
+     dQ_i += dS K_j,    dK_j += dS^T Q_i,
+   with D_i = rowsum(dO_i * O_i) (= sum_j P dP, the softmax's correction).  The task
+   owns the head's whole slices of dq, dk and dv, so no two threads write one row.
+   With overwrite, each slice's first product writes it instead of adding: dq_i's
+   at key block 0, dk_j's and dv_j's at the diagonal tile, where query blocks reach
+   key block j first (BK divides BQ, so that tile covers the whole key block).
+   pkt, pvt, pk are attn_pack_floats scratch (K^T, V^T, K packed once per head), pq
+   and pdo (BQ, hs) panels for the query block's Q and dO, ptile and dstile (BQ, BK)
+   tiles, drow BQ floats. */
 ADT_LANES_ATTR
 static void ADT_LANES_FN(attn_head_backward)(float* dqkv, const float* dout, const float* qkv,
-                                             const float* att, ptrdiff_t T, ptrdiff_t C,
-                                             ptrdiff_t hs, ptrdiff_t h, float scale,
-                                             float* pvt, float* pk, float* psmall,
-                                             float* dscore) {
+                                             const float* out, const float* lse, ptrdiff_t T,
+                                             ptrdiff_t C, ptrdiff_t hs, ptrdiff_t h,
+                                             float scale, int overwrite, float* pkt,
+                                             float* pvt, float* pk, float* pq, float* pdo,
+                                             float* ptile, float* dstile, float* drow) {
     ptrdiff_t C3 = 3 * C;
     const float* q = qkv + h * hs;
+    const float* o = out + h * hs;
+    const float* dO = dout + h * hs;
     float* dq = dqkv + h * hs;
     float* dk = dqkv + C + h * hs;
     float* dv = dqkv + 2 * C + h * hs;
-    const float* dO = dout + h * hs;
-    ptrdiff_t ks = attn_kcs(hs), npad_hs = ADT_LANES_FN(attn_npad)(hs);
+    ptrdiff_t ks_hs = attn_kcs(hs), ks_T = attn_kcs(T);
+    ptrdiff_t npad_T = ADT_LANES_FN(attn_npad)(T), npad_hs = ADT_LANES_FN(attn_npad)(hs);
+    ADT_LANES_FN(attn_pack_b)(pkt, qkv + C + h * hs, C3, 1, hs, T);      /* K^T (hs, T) */
     ADT_LANES_FN(attn_pack_b)(pvt, qkv + 2 * C + h * hs, C3, 1, hs, T);  /* V^T (hs, T) */
     ADT_LANES_FN(attn_pack_b)(pk, qkv + C + h * hs, C3, 0, T, hs);       /* K (T, hs) */
+    ADT_VI lane;
+    for (int l = 0; l < ADT_W; l++) lane[l] = l;
+    ADT_VT zero = {0}, vscale = ADT_V(splat)(scale);
     for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
         ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
-        ptrdiff_t kend = i0 + rows;
-        const float* p_blk = att + i0 * T;
-        /* dP = dO V^T ; dV += P^T dO */
-        ADT_LANES_FN(attn_gemm)(rows, kend, hs, 1.0f, dO + i0 * C, C, 1, pvt, ks,
-                                ADT_LANES_FN(attn_npad)(T), 0, dscore, kend);
-        ADT_LANES_FN(attn_pack_b)(psmall, dO + i0 * C, C, 0, rows, hs);
-        ADT_LANES_FN(attn_gemm)(kend, hs, rows, 1.0f, p_blk, 1, T, psmall, attn_kcs(rows),
-                                npad_hs, 1, dv, C3);
-        /* dS = P * (dP - sum_j P dP) * scale, zero above the diagonal */
-        for (ptrdiff_t i = 0; i < rows; i++) {
-            const float* p = p_blk + i * T;
-            float* ds = dscore + i * kend;
-            ptrdiff_t n = i0 + i + 1, j = 0;
-            ADT_VT dot = ADT_V(splat)(ADT_LANES_FN(attn_dot)(p, ds, n));
-            for (; j + ADT_W <= n; j += ADT_W)
-                ADT_V(store)(ds + j, ADT_V(load)(p + j) * (ADT_V(load)(ds + j) - dot) * scale);
-            for (; j < n; j++) ds[j] = p[j] * (ds[j] - dot[0]) * scale;
-            memset(ds + n, 0, (size_t)(kend - n) * sizeof(float));
+        ptrdiff_t kend = i0 + rows, ks_rows = attn_kcs(rows);
+        for (ptrdiff_t r = 0; r < rows; r++)
+            drow[r] = ADT_LANES_FN(attn_dot)(dO + (i0 + r) * C, o + (i0 + r) * C, hs);
+        ADT_LANES_FN(attn_pack_b)(pq, q + i0 * C3, C3, 0, rows, hs);
+        ADT_LANES_FN(attn_pack_b)(pdo, dO + i0 * C, C, 0, rows, hs);
+        for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
+            ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
+            ptrdiff_t cpad = ADT_LANES_FN(attn_npad)(cols);
+            /* S = scale Q_i K_j^T and dP = dO_i V_j^T: a column slice of a packed
+               operand starts j0 columns in, each depth block keeping its stride */
+            ADT_LANES_FN(attn_gemm)(rows, cpad, hs, scale, q + i0 * C3, C3, 1,
+                                    pkt + j0 * ks_hs, ks_hs, npad_T, 0, ptile, ATTN_BK,
+                                    ATTN_TRI_C, i0 - j0);
+            ADT_LANES_FN(attn_gemm)(rows, cpad, hs, 1.0f, dO + i0 * C, C, 1,
+                                    pvt + j0 * ks_hs, ks_hs, npad_T, 0, dstile, ATTN_BK,
+                                    ATTN_TRI_C, i0 - j0);
+            /* P and dS in place of S and dP; keys past the query (in the diagonal
+               tile) and the padding columns past kend get 0.  The register tiles
+               that ATTN_TRI_C skipped hold whatever the scratch held (NaN, say):
+               the products below never read them, their row tiles being the same
+               ATTN_MR rows and i0 - j0 a multiple of ATTN_MR. */
+            for (ptrdiff_t r = 0; r < rows; r++) {
+                float* p = ptile + r * ATTN_BK;
+                float* ds = dstile + r * ATTN_BK;
+                ADT_VI nvalid = (ADT_VI){0} + (int)(i0 + r + 1 - j0);
+                ADT_VT l = ADT_V(splat)(lse[i0 + r]), d = ADT_V(splat)(drow[r]);
+                for (ptrdiff_t c = 0; c < cpad; c += ADT_W) {
+                    ADT_VT e = ADT_V(exp_bits)(ADT_V(load)(p + c) - l);
+                    e = ADT_V(select)(lane + (int)c < nvalid, e, zero);
+                    ADT_V(store)(p + c, e);
+                    ADT_V(store)(ds + c, e * (ADT_V(load)(ds + c) - d) * vscale);
+                }
+            }
+            /* dV_j += P^T dO_i and dK_j += dS^T Q_i (the tiles read transposed) */
+            int add_kv = !(overwrite && j0 >= i0);
+            ADT_LANES_FN(attn_gemm)(cols, hs, rows, 1.0f, ptile, 1, ATTN_BK, pdo, ks_rows,
+                                    npad_hs, add_kv, dv + j0 * C3, C3, ATTN_TRI_FROM, i0 - j0);
+            ADT_LANES_FN(attn_gemm)(cols, hs, rows, 1.0f, dstile, 1, ATTN_BK, pq, ks_rows,
+                                    npad_hs, add_kv, dk + j0 * C3, C3, ATTN_TRI_FROM, i0 - j0);
+            /* dQ_i += dS K_j: rows j0.. of packed K, inside one of its depth blocks
+               (BK divides ATTN_KC, and T < ATTN_KC is a single block) */
+            ADT_LANES_FN(attn_gemm)(rows, hs, cols, 1.0f, dstile, ATTN_BK, 1,
+                                    pk + j0 / ks_T * ks_T * npad_hs + j0 % ks_T * ATTN_NR,
+                                    ks_T, npad_hs, !(overwrite && j0 == 0), dq + i0 * C3, C3,
+                                    ATTN_TRI_UPTO, i0 - j0);
         }
-        /* dQ += dS K ; dK += dS^T Q */
-        ADT_LANES_FN(attn_gemm)(rows, hs, kend, 1.0f, dscore, kend, 1, pk, attn_kcs(T),
-                                npad_hs, 1, dq + i0 * C3, C3);
-        ADT_LANES_FN(attn_pack_b)(psmall, q + i0 * C3, C3, 0, rows, hs);
-        ADT_LANES_FN(attn_gemm)(kend, hs, rows, 1.0f, dscore, 1, kend, psmall, attn_kcs(rows),
-                                npad_hs, 1, dk, C3);
     }
 }
 
 #undef ATTN_NR
+#undef ATTN_GEMM_ATTR
 #undef ATTN_MR
 #undef ATTN_ROWS

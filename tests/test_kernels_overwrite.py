@@ -22,8 +22,8 @@ def _cases(rng):
     dout7 = rng.standard_normal((B, T, 7)).astype(np.float32)
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
     qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
-    att = np.empty((B, NH, T, T), np.float32)
-    attention.attention_forward(np.empty((B, T, C), np.float32), att, qkv, NH)
+    att_out, att_lse = np.empty((B, T, C), np.float32), np.empty((B, NH, T), np.float32)
+    attention.attention_forward(att_out, att_lse, qkv, NH)
     return [
         ("matmul", matmul.matmul_backward, matmul.matmul_backward_naive,
          [(B, T, C), (7, C), (7,)], lambda k, o, ow: k(*o, dout7, x, W, overwrite=ow)),
@@ -36,7 +36,7 @@ def _cases(rng):
         ("residual", layers.residual_backward, layers.residual_backward_naive,
          [(B, T, C), (B, T, C)], lambda k, o, ow: k(*o, d, overwrite=ow)),
         ("attention", attention.attention_backward, attention.attention_backward_naive,
-         [(B, T, 3 * C)], lambda k, o, ow: k(*o, d, qkv, att, NH, overwrite=ow)),
+         [(B, T, 3 * C)], lambda k, o, ow: k(*o, d, qkv, att_out, att_lse, NH, overwrite=ow)),
     ]
 
 

@@ -198,10 +198,11 @@ def _kernel_tasks(spec, b, t, rng):
     try:
         from kernels import attention
         qkv, dqkv = f(b, t, 3 * C) * 0.1, np.zeros((b, t, 3 * C), np.float32)
-        att, out = np.empty((b, nh, t, t), np.float32), np.empty((b, t, C), np.float32)
-        attention.attention_forward(out, att, qkv, nh)
-        tasks[("attention", "fwd")] = lambda: attention.attention_forward(out, att, qkv, nh)
-        tasks[("attention", "bwd")] = lambda: attention.attention_backward(dqkv, x, qkv, att, nh)
+        att_lse, out = np.empty((b, nh, t), np.float32), np.empty((b, t, C), np.float32)
+        attention.attention_forward(out, att_lse, qkv, nh)
+        tasks[("attention", "fwd")] = lambda: attention.attention_forward(out, att_lse, qkv, nh)
+        tasks[("attention", "bwd")] = lambda: attention.attention_backward(dqkv, x, qkv, out,
+                                                                           att_lse, nh)
     except ImportError:
         pass
     try:

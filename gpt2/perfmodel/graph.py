@@ -7,9 +7,9 @@ matmuls, and the tensors its forward saves for the backward pass.
 
 Two layouts of what is saved:
 - ``"adtape"``: what our kernels need (kernels_api.md): layernorm saves its input and
-  mean/rstd, each matmul its input, fused attention saves qkv and the softmax
-  probabilities (B, n_head, T, T), or with FlashAttention qkv, its output and each
-  row's log-sum-exp; no dropout; activations in the workload's precision.
+  mean/rstd, each matmul its input, fused attention saves qkv, its output and each
+  query's log-sum-exp (B, n_head, T) and recomputes the probabilities in the backward;
+  no dropout; activations in the workload's precision.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
   1-byte dropout masks after softmax, attention projection and MLP; attention split
   into QK^T, softmax, dropout, AV); this reproduces 34sbh + 5as^2b per layer.
@@ -151,12 +151,16 @@ class _Builder:
             bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft, 2.5 * traffic, gemm_flops=5 * mm)
             return [fwd], [bwd]
         if not self.megatron:
-            # Our fused kernel: writes scores then probabilities, keeps probabilities.
-            saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.probs", e * probs))
+            # Our fused kernel (kernels/attention.pyx): scores and probabilities stay in
+            # per-thread tiles; it keeps qkv, out and the log-sum-exps, and the backward
+            # recomputes Q K^T: 5 products run, 4 counted as the formula's gemm FLOPs.
+            lse_bytes = 4.0 * b * heads * s
+            saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.out", e * out_elems),
+                     Saved("attn.lse", lse_bytes))
             fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft,
-                     e * (qkv_elems + out_elems + 3 * probs), "", saved, 1, 2 * mm)
-            bwd = Op("attention", "attention", "bwd", layer, 4 * mm + 2 * soft,
-                     e * (2 * qkv_elems + out_elems + 4 * probs), gemm_flops=4 * mm)
+                     e * (qkv_elems + out_elems) + lse_bytes, "", saved, 1, 2 * mm)
+            bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft,
+                     e * (2 * qkv_elems + 2 * out_elems) + lse_bytes, gemm_flops=4 * mm)
             return [fwd], [bwd]
         # Megatron: QK^T (saves q, k), softmax (saves output), dropout (mask), AV (saves
         # dropout output and v).
