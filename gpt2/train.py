@@ -533,7 +533,7 @@ def _prepare(args, explicit):
         from gpt2.perfmodel.plan import plan_memory
         with blame("--max-memory"):
             plan = plan_memory(config, args.batch_size, args.seq_len, args.max_memory,
-                               spill_dir=args.spill_dir, threads=args.threads, flash=True,
+                               spill_dir=args.spill_dir, threads=args.threads,
                                baseline_bytes=psutil.Process().memory_info().rss)
     history = []
     if resumed is not None:

@@ -47,7 +47,8 @@ from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
 
 from kernels._openmp cimport omp_get_thread_num_safe
-from kernels.layers cimport checked_data, float_type, lanes_wide, resolve_threads
+from kernels.layers cimport (check_disjoint, checked_data, float_type, lanes_wide,
+                             resolve_threads)
 
 import numpy as np
 
@@ -239,22 +240,12 @@ def _attention_shapes(qkv, n_head):
     return B, T, C, int(n_head)
 
 
-def _check_disjoint(outputs, inputs):
-    """ValueError unless every output shares no memory with any input or other output:
-    the kernels read their inputs after writing parts of their outputs."""
-    named = list(outputs) + list(inputs)
-    for i, (out_name, out) in enumerate(outputs):
-        for other_name, other in named[i + 1:]:
-            if np.may_share_memory(out, other):
-                raise ValueError(f"{out_name} must not overlap {other_name}")
-
-
 def _check_forward(out, lse, qkv, n_head, int ft):
     B, T, C, NH = _attention_shapes(qkv, n_head)
     checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
     checked_data("out", out, ft, (B, T, C), True)
     checked_data("lse", lse, ft, (B, NH, T), True)
-    _check_disjoint((("out", out), ("lse", lse)), (("qkv", qkv),))
+    check_disjoint((("out", out), ("lse", lse)), (("qkv", qkv),))
     return B, T, C, NH
 
 
@@ -265,7 +256,7 @@ def _check_backward(dqkv, dout, qkv, out, lse, n_head, int ft):
     checked_data("out", out, ft, (B, T, C), False)
     checked_data("lse", lse, ft, (B, NH, T), False)
     checked_data("dqkv", dqkv, ft, (B, T, 3 * C), True)
-    _check_disjoint((("dqkv", dqkv),),
+    check_disjoint((("dqkv", dqkv),),
                     (("dout", dout), ("qkv", qkv), ("out", out), ("lse", lse)))
     return B, T, C, NH
 

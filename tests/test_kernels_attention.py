@@ -256,27 +256,27 @@ def test_outputs_must_not_overlap_inputs(naive):
     B, T, C, NH = 2, 6, 12, 3
     qkv, dout = make(rng, B, T, C)
     out, lse = run_forward(forward, qkv, NH)
-    with pytest.raises(ValueError, match="dqkv must not overlap qkv"):
+    with pytest.raises(ValueError, match="dqkv overlaps qkv"):
         backward(qkv, dout, qkv, out, lse, NH)
     big = np.zeros(B * T * 3 * C + B * T * C, np.float32)
     dqkv, tail = big[:B * T * 3 * C].reshape(qkv.shape), big[B * T * C:].reshape(qkv.shape)
-    with pytest.raises(ValueError, match="dqkv must not overlap qkv"):
+    with pytest.raises(ValueError, match="dqkv overlaps qkv"):
         backward(dqkv, dout, tail, out, lse, NH)
     shared = np.zeros(B * T * 3 * C, np.float32)
     dqkv = shared.reshape(qkv.shape)
-    with pytest.raises(ValueError, match="dqkv must not overlap dout"):
+    with pytest.raises(ValueError, match="dqkv overlaps dout"):
         backward(dqkv, shared[:dout.size].reshape(dout.shape), qkv, out, lse, NH)
-    with pytest.raises(ValueError, match="dqkv must not overlap out"):
+    with pytest.raises(ValueError, match="dqkv overlaps out"):
         backward(dqkv, dout, qkv, shared[-out.size:].reshape(out.shape), lse, NH)
-    with pytest.raises(ValueError, match="dqkv must not overlap lse"):
+    with pytest.raises(ValueError, match="dqkv overlaps lse"):
         backward(dqkv, dout, qkv, out, shared[5:5 + lse.size].reshape(lse.shape), NH)
-    with pytest.raises(ValueError, match="out must not overlap qkv"):
+    with pytest.raises(ValueError, match="out overlaps qkv"):
         forward(qkv.reshape(-1)[:out.size].reshape(out.shape), lse, qkv, NH)
     store = np.zeros(lse.size + out.size, np.float32)
-    with pytest.raises(ValueError, match="out must not overlap lse"):
+    with pytest.raises(ValueError, match="out overlaps lse"):
         forward(store[:out.size].reshape(out.shape),
                 store[out.size - 1:out.size - 1 + lse.size].reshape(lse.shape), qkv, NH)
-    with pytest.raises(ValueError, match="lse must not overlap qkv"):
+    with pytest.raises(ValueError, match="lse overlaps qkv"):
         forward(out, qkv.reshape(-1)[-lse.size:].reshape(lse.shape), qkv, NH)
     frozen = np.zeros_like(qkv)
     frozen.flags.writeable = False
