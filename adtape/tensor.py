@@ -559,10 +559,12 @@ def _record(prim, out, inputs, res, kwargs):
                 tr = _ndarray
             if tr is _ndarray:
                 if by_reference:
+                    # An array two ops save (attention's output is also the projection's
+                    # input) is held, and counted, once.
                     if r.flags.writeable:
                         r.flags.writeable = False
                         graph.held.append(r)
-                    graph.held_bytes += r.nbytes
+                        graph.held_bytes += r.nbytes
                     kept.append(r)
                 else:
                     push(r)
