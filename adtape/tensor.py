@@ -462,6 +462,22 @@ class Tensor:
             _deferred_zero.discard(self)
             self.grad[...] = 0
 
+    def register_grad_final_hook(self, hook):
+        """Call ``hook(self)`` in each reverse sweep that reaches this leaf, right after
+        the last node that contributes to ``self.grad`` in that sweep has run: from then
+        on the sweep does not touch ``self.grad`` again, so the hook may hand it to
+        something that runs beside the rest of the backward (a non-blocking allreduce).
+        A leaf recorded into several graphs (checkpointed blocks that close over it)
+        fires once per graph swept.  Returns a handle whose ``remove()`` unregisters it."""
+        if not (self._is_leaf and self.requires_grad):
+            raise RuntimeError("register_grad_final_hook needs a leaf tensor with "
+                               "requires_grad=True")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        hooks = _grad_final_hooks.setdefault(self, [])
+        hooks.append(hook)
+        return _HookHandle(hooks, hook)
+
     # -- the reverse pass ----------------------------------------------------
     def backward(self, seed=None, retain_graph=False):
         """Sweep the graph this tensor was recorded in, seeded with ``seed``
@@ -619,6 +635,7 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
     grads = [None] * n
     owned = bytearray(n)
     grads[seed_ref] = seed
+    final_at = _final_hooks_by_node(nodes, leaves) if _grad_final_hooks else None
     enabled = _state.enabled
     _state.enabled = False
     try:
@@ -633,6 +650,8 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
                     parked.push_array(a)
             g = grads[i]
             if g is None:
+                if final_at is not None and i in final_at:
+                    _fire_grad_final(final_at[i])
                 continue
             grads[i] = None
             if not n_tape:
@@ -694,6 +713,8 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
                 for j, ref in enumerate(refs):
                     if ref is not None:
                         raise prim.missing_rule(j)
+            if final_at is not None and i in final_at:
+                _fire_grad_final(final_at[i])
     except BaseException:
         # A failed sweep leaves the tape part-popped: drop what this graph owns (a nested
         # graph's records are dropped by nested_graph, which rewinds to its mark).
@@ -720,6 +741,50 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
     graph.release()
     if graph.mark is None and graph is graph.owner.graph:
         graph.owner._fresh_root()
+
+
+# Leaf -> its grad-final hooks (Tensor.register_grad_final_hook).
+_grad_final_hooks = weakref.WeakKeyDictionary()
+
+
+class _HookHandle:
+    __slots__ = ("hooks", "hook")
+
+    def __init__(self, hooks, hook):
+        self.hooks = hooks
+        self.hook = hook
+
+    def remove(self):
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
+
+
+def _final_hooks_by_node(nodes, leaves):
+    """node index -> the hooked leaves whose last contribution in the reverse sweep comes
+    from that node: the first node, in recording order, that reads each of them.  One
+    scan per sweep, only when some leaf has a hook, so recording pays nothing."""
+    pending = {~k for k, leaf in enumerate(leaves) if _grad_final_hooks.get(leaf)}
+    if not pending:
+        return None
+    final_at = {}
+    for i, node in enumerate(nodes):
+        for ref in node[1]:
+            if ref in pending:
+                pending.discard(ref)
+                final_at.setdefault(i, []).append(leaves[~ref])
+        if not pending:
+            break
+    return final_at
+
+
+def _fire_grad_final(done):
+    for leaf in done:
+        # A leaf whose every contribution was skipped (a zero cotangent) still awaits its
+        # deferred zero: make .grad read as zeros before anyone else reads it.
+        if leaf.grad is not None and _deferred_zero and _take_deferred(leaf):
+            leaf.grad[...] = 0
+        for hook in tuple(_grad_final_hooks.get(leaf, ())):
+            hook(leaf)
 
 
 def _accumulate(grads, owned, leaves, ref, r, shape):
