@@ -129,11 +129,13 @@ def report_and_abort(comm, exc):
 
 @contextlib.contextmanager
 def abort_on_error(comm):
-    """Run the block; on any exception in this rank, ``report_and_abort``."""
+    """Run the block; on any exception in this rank, ``report_and_abort`` (with no
+    communicator, nothing: one process)."""
     try:
         yield
     except BaseException as exc:
-        report_and_abort(comm, exc)
+        if comm is not None:
+            report_and_abort(comm, exc)
         raise
 
 
@@ -465,3 +467,53 @@ class DataParallelTrainer:
 def tokens_checksum(tokens):
     """CRC32 of a token array: ranks reading different data disagree on it."""
     return zlib.crc32(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+
+
+# -- the command line (gpt2.train) ----------------------------------------------------------
+
+def world_from_args(args):
+    """The communicator ``gpt2-train``'s options and launcher ask for, or None for one
+    process.  On a data-parallel run, each rank defaults to its share of this host's
+    cores, and the ranks other than 0 print nothing and skip evaluation and sampling
+    (rank 0 shows the progress and writes the log, plot and summary)."""
+    ranks = launched_ranks()
+    if args.data_parallel == "off":
+        if ranks > 1:
+            raise SystemExit(f"error: --data-parallel off, but the launcher started {ranks} "
+                             "ranks: each would train alone into the same --out-dir")
+        return None
+    if args.data_parallel == "auto" and ranks == 1:
+        return None
+    try:
+        MPI = import_mpi()
+    except ImportError as e:
+        raise SystemExit(f"error: {e}") from None
+    comm = MPI.COMM_WORLD
+    if args.threads is None and not os.environ.get("OMP_NUM_THREADS"):
+        from kernels.threads import available_cores
+        args.threads = max(1, available_cores() // local_ranks())
+    if comm.Get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+        args.no_progress = True
+        args.eval_interval = 0
+        args.sample_tokens = 0
+    return comm
+
+
+def trainer_from_args(model, comm, args, tokens):
+    """The DataParallelTrainer for ``gpt2-train``'s options (None without ``comm``);
+    every rank must agree on the settings that shape the global batch and the data."""
+    if comm is None:
+        return None
+    settings = {"B": args.batch_size, "T": args.seq_len, "seed": args.seed,
+                "steps": args.steps, "lr": args.lr, "grad_clip": args.grad_clip,
+                "weight_decay": args.weight_decay, "resume": args.resume,
+                "data tokens": int(tokens.size), "data checksum": tokens_checksum(tokens)}
+    trainer = DataParallelTrainer(model, comm, zero=args.zero, bucket_bytes=args.bucket_size,
+                                  settings=settings)
+    trainer.local_rows(args.batch_size)
+    from kernels import threads
+    print(f"data parallel: {trainer.size} ranks x {threads.get_num_threads()} threads, global "
+          f"batch B={args.batch_size} ({args.batch_size // trainer.size} per rank), "
+          f"ZeRO-{args.zero}, {len(trainer.layout.bounds)} gradient buckets", flush=True)
+    return trainer

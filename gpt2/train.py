@@ -98,6 +98,18 @@ def build_parser():
     o.add_argument("--top-k", type=int, default=40)
     o.add_argument("--prompt", default="def ", help="text the sample starts from")
     o.add_argument("--no-progress", action="store_true", help="no progress bar (log lines)")
+    par = p.add_argument_group(
+        "data parallelism", "Launch N ranks with `mpiexec -n N gpt2-train ...` (across hosts: "
+        "`mpiexec -hosts a,b -n N ...`; needs pip install 'adtape[mpi]'). -B is the global "
+        "batch: each rank trains on B/N of its rows, so B must divide by N. Rank 0 prints, "
+        "evaluates, samples and writes the log, plot, summary and checkpoint.")
+    par.add_argument("--data-parallel", choices=("auto", "on", "off"), default="auto",
+                     help="auto: when an MPI launcher started more than one rank; on: over "
+                          "MPI even with one rank")
+    par.add_argument("--zero", type=int, choices=(0, 1), default=0,
+                     help="1: shard the AdamW moments across the ranks (ZeRO stage 1)")
+    par.add_argument("--bucket-size", type=parse_size, default="25M",
+                     help="gradient bytes per allreduce bucket")
     return p
 
 
@@ -188,6 +200,8 @@ def run(argv=None):
     floating-point mode is restored afterwards, in this thread and the OpenMP pool.
     """
     args = build_parser().parse_args(argv)
+    from gpt2 import distributed
+    comm = distributed.world_from_args(args)
     from kernels import _openmp, threads
     ftz_before = _openmp.flush_denormal_enabled()
     # FTZ/DAZ first: threads started later inherit this thread's MXCSR.
@@ -197,17 +211,19 @@ def run(argv=None):
     n_threads = threads.set_num_threads(args.threads)
     _openmp.set_flush_denormal(not args.no_flush_denormal, n_threads)
     try:
-        return _train(args, n_threads)
+        with distributed.abort_on_error(comm):
+            return _train(args, n_threads, comm)
     finally:
         _openmp.set_flush_denormal(ftz_before, n_threads)
 
 
-def _train(args, n_threads):
+def _train(args, n_threads, comm=None):
     """The training run proper, with threads and floating-point mode already set."""
     import numpy as np
     from tqdm import tqdm
 
     from gpt2 import checkpoint as ckpt
+    from gpt2 import distributed
     from gpt2.config import GPT2Config
     from gpt2.data import DataLoader
     from gpt2.model import GPT2
@@ -244,10 +260,12 @@ def _train(args, n_threads):
                  checkpointing=args.checkpointing, snapshots=args.snapshots)
     if params is not None:
         model.params.copy_(params)
+    trainer = distributed.trainer_from_args(model, comm, args, tokens)
     start_step = 0
     if args.resume:
-        state = ckpt.load_checkpoint(args.resume, config, params=model.params,
-                                     adam_m=model.adam_m, adam_v=model.adam_v)
+        state = (trainer.load_checkpoint(args.resume) if trainer else
+                 ckpt.load_checkpoint(args.resume, config, params=model.params,
+                                      adam_m=model.adam_m, adam_v=model.adam_v))
         model.adam_step = state.adam_step
         start_step = state.step
         if state.data_state:
@@ -263,6 +281,10 @@ def _train(args, n_threads):
           f"engine={args.engine}, corpus {tokens.size:,} tokens", flush=True)
 
     def save(step):
+        if trainer:
+            trainer.save_checkpoint(ckpt_path, step=step, data_state=train.state(),
+                                    extra={"args": vars(args)})
+            return
         ckpt.save_checkpoint(ckpt_path, model.params, step=step, adam_m=model.adam_m,
                              adam_v=model.adam_v, adam_step=model.adam_step,
                              data_state=train.state(), extra={"args": vars(args)})
@@ -276,8 +298,8 @@ def _train(args, n_threads):
             x, y = train.next_batch()
             lr = learning_rate(step, args)
             t0 = time.perf_counter()
-            loss, norm = model.train_step(x, y, lr, weight_decay=args.weight_decay,
-                                          grad_clip=args.grad_clip or None)
+            loss, norm = (trainer or model).train_step(x, y, lr, weight_decay=args.weight_decay,
+                                                       grad_clip=args.grad_clip or None)
             dt = time.perf_counter() - t0
             if not math.isfinite(loss):
                 raise FloatingPointError(f"the loss became {loss} at step {step}; "
@@ -304,6 +326,9 @@ def _train(args, n_threads):
         bar.close()
     if not args.no_checkpoint:
         save(args.steps)
+    if trainer and trainer.rank:
+        model.close()
+        return None
     with open(log_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["step"])
         writer.writeheader()
@@ -319,6 +344,8 @@ def _train(args, n_threads):
                                        if r["val_loss"] is not None), None),
                "median_ms_per_step": float(np.median(timed)) if timed else None,
                "tokens_per_s": tokens_per_step / (np.median(timed) / 1e3) if timed else None}
+    summary.update(ranks=trainer.size if trainer else 1, global_batch=args.batch_size,
+                   zero=args.zero if trainer else 0)
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if rows:

@@ -233,3 +233,51 @@ def test_launcher_environment_is_read():
     assert distributed.launched_ranks({"PMI_SIZE": "4"}) == 4
     assert distributed.launched_ranks({"OMPI_COMM_WORLD_SIZE": "3"}) == 3
     assert distributed.local_ranks({"MPI_LOCALNRANKS": "2"}) == 2
+
+
+# -- gpt2-train under mpiexec ---------------------------------------------------------------
+
+TRAIN_ARGS = ["--model", "tiny", "-B", "4", "-T", "32", "--corpus-bytes", "100K",
+              "--schedule", "constant", "--warmup", "0", "--eval-interval", "0",
+              "--sample-tokens", "0", "--no-progress"]
+
+
+def run_train(args, out_dir, ranks=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(pathlib.Path(gpt2.__file__).parent.parent),
+                                           os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "gpt2.train", *TRAIN_ARGS, *args, "--out-dir", str(out_dir)]
+    if ranks:
+        command = [mpiexec(), "-n", str(ranks), *command]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def logged_losses(out_dir):
+    lines = (out_dir / "log.csv").read_text().splitlines()
+    column = lines[0].split(",").index("loss")
+    return [float(line.split(",")[column]) for line in lines[1:]]
+
+
+def test_gpt2_train_under_mpiexec(tmp_path):
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    proc = run_train(["--steps", "6"], one)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_train(["--steps", "3", "--zero", "1"], two, ranks=RANKS)
+    assert proc.returncode == 0, proc.stderr
+    # Rank 0 alone prints and writes.
+    assert proc.stdout.count("data parallel: 2 ranks") == 1
+    assert proc.stdout.count("GPT-2 tiny") == 1
+    summary = json.loads((two / "summary.json").read_text())
+    assert (summary["ranks"], summary["global_batch"], summary["zero"]) == (RANKS, 4, 1)
+    assert relative_error(logged_losses(two), logged_losses(one)[:3]) < 1e-6
+    # The 2-rank checkpoint resumes in one process where the 2-rank run stopped.
+    proc = run_train(["--steps", "6", "--resume", str(two / "checkpoint.bin")], resumed)
+    assert proc.returncode == 0, proc.stderr
+    assert relative_error(logged_losses(resumed), logged_losses(one)[3:]) < 1e-6
+
+
+def test_gpt2_train_refuses_a_batch_the_ranks_do_not_divide(tmp_path):
+    proc = run_train(["--steps", "2", "-B", "3"], tmp_path, ranks=RANKS)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: the global batch size B=3 is not divisible by "
+                                   "the 2 ranks: use a multiple of 2")
