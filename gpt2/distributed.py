@@ -4,7 +4,7 @@ Every rank holds the whole model.  Rank 0's weights are broadcast at the start; 
 rank takes its 1/N of every global batch; the gradients are summed across ranks in
 buckets, contiguous slices of the gradient arena (25 MB by default), each launched as
 a non-blocking collective as soon as the reverse sweep has made its gradients final
-(``Tensor.register_grad_final_hook``), so the communication runs beside the rest of
+(``Tensor.register_grad_hook``), so the communication runs beside the rest of
 the backward pass, as PyTorch DDP's hooks do.  Then AdamW.
 
 ``zero=1`` (ZeRO stage 1) shards the AdamW moments: each bucket is reduce-scattered
@@ -158,7 +158,7 @@ class BucketLayout:
     of bucket b is [start + r * part, start + (r + 1) * part), and under ZeRO-1 it sits
     at ``shard_offsets[b]`` of the rank's shard."""
 
-    def __init__(self, n, ranks, bucket_bytes):
+    def __init__(self, n, ranks, bucket_bytes, cuts=()):
         if bucket_bytes < 4:
             raise ValueError(f"bucket_bytes must be at least 4, got {bucket_bytes}")
         quantum = ranks * _PART_ALIGN
@@ -166,7 +166,12 @@ class BucketLayout:
         self.ranks = ranks
         self.padded = -(-n // quantum) * quantum
         size = max(quantum, bucket_bytes // 4 // quantum * quantum)
-        self.bounds = [(s, min(s + size, self.padded)) for s in range(0, self.padded, size)]
+        # A bucket ends at each cut (rounded down to whole parts), so the buckets before
+        # it can be launched on their own.
+        edges = sorted({0, self.padded} | {c // quantum * quantum for c in cuts
+                                           if 0 < c < self.padded})
+        self.bounds = [(s, min(s + size, stop)) for start, stop in zip(edges, edges[1:])
+                       for s in range(start, stop, size)]
         self.parts = [(stop - start) // ranks for start, stop in self.bounds]
         self.shard_offsets = np.concatenate(([0], np.cumsum(self.parts)[:-1])).tolist()
         self.shard_size = self.padded // ranks
@@ -174,6 +179,16 @@ class BucketLayout:
     def buckets_overlapping(self, start, stop):
         """Indices of the buckets that [start, stop) touches."""
         return [b for b, (s, e) in enumerate(self.bounds) if s < stop and start < e]
+
+    def owned(self, rank, index):
+        """(mask, shard positions) of the flat arena positions ``index`` that ``rank``
+        holds under ZeRO-1."""
+        starts = np.array([s for s, _ in self.bounds])
+        b = np.searchsorted(starts, index, side="right") - 1
+        part = np.array(self.parts)[b]
+        within = index - starts[b] - rank * part
+        mask = (within >= 0) & (within < part)
+        return mask, (np.array(self.shard_offsets)[b] + within)[mask]
 
     def shard_to_full(self, shards):
         """Arrays (N, shard_size), rank r's shard in row r -> the flat arena of n."""
@@ -215,7 +230,7 @@ class DataParallelTrainer:
         check_same_settings(comm, {**model_settings, "engine": model.engine, "zero": zero,
                                    "bucket_bytes": int(bucket_bytes), **(settings or {})})
         n = num_parameters(model.config)
-        self.layout = BucketLayout(n, self.size, bucket_bytes)
+        self.layout = BucketLayout(n, self.size, bucket_bytes, cuts=(model.params.wte.size,))
         if model._tape_engine is not None:
             raise ValueError("build the DataParallelTrainer before the model's first step")
         # Parameters and gradients move into arenas padded to the layout, so every
@@ -237,6 +252,12 @@ class DataParallelTrainer:
         self._requests = []
         self._pending = None
         self._initial_pending = [0] * len(self.layout.bounds)
+        # The tied embedding: the rows of wte the step's encoder adds to, and the
+        # encoder's part of their gradient (see _wte_hook).
+        self._batch_rows = None
+        self._wte_scratch = None
+        self._wte_view = None
+        self._encoder_rows = None
         if model.engine == "tape":
             self._hook_leaves()
         # The last step: milliseconds of "backward" (forward and backward), "wait"
@@ -244,38 +265,85 @@ class DataParallelTrainer:
         # AdamW and, under ZeRO-1, the parameter all-gather); "buckets_in_backward":
         # buckets the sweep's hooks launched before the backward ended.
         self.last_step = {}
-        self._hooked_launches = 0
 
     # -- gradient buckets -----------------------------------------------------------
 
     def _hook_leaves(self):
         from gpt2.tape_engine import TapeEngine
         model = self.model
-        model._tape_engine = TapeEngine(model, model.tape_kwargs, model.checkpointing,
-                                        model.snapshots)
+        engine = model._tape_engine = TapeEngine(model, model.tape_kwargs, model.checkpointing,
+                                                 model.snapshots)
         base = self.grads_padded.ctypes.data
-        for leaf in model._tape_engine.leaves():
+        for leaf in engine.leaves():
             start = (leaf.grad.ctypes.data - base) // 4
-            buckets = tuple(self.layout.buckets_overlapping(start, start + leaf.grad.size))
+            stop = start + leaf.grad.size
+            buckets = tuple(self.layout.buckets_overlapping(start, stop))
             for b in buckets:
                 self._initial_pending[b] += 1
-            leaf.register_grad_final_hook(functools.partial(self._leaf_final, buckets))
+            if leaf is engine.wte:
+                inside = tuple(b for b in buckets if self.layout.bounds[b][1] <= stop)
+                rest = tuple(b for b in buckets if b not in inside)
+                leaf.register_grad_hook(functools.partial(self._wte_hook, inside, rest))
+            else:
+                leaf.register_grad_hook(functools.partial(self._leaf_hook, buckets))
 
-    def _leaf_final(self, buckets, leaf):
-        pending = self._pending
-        if pending is None:     # a backward outside train_step
+    def _leaf_hook(self, buckets, leaf, remaining):
+        if remaining or self._pending is None:    # not final, or a backward outside a step
             return
+        pending = self._pending
         for b in buckets:
             pending[b] -= 1
             if pending[b] == 0:
                 self._launch(b)
-                self._hooked_launches += 1
             elif pending[b] < 0:
                 raise RuntimeError("a parameter's gradient changed after its bucket's "
                                    "allreduce was launched (a leaf swept twice in one step)")
         # MPICH advances non-blocking collectives only inside MPI calls: poke it
         # between backward kernels.
         self.MPI.Request.Testall(self._requests)
+
+    def _wte_hook(self, inside, rest, leaf, remaining):
+        """The tied embedding is read first by the encoder and last by the LM head, so
+        the sweep finishes its gradient only at the very end (a third of GPT-2 124M's
+        gradient); but the encoder adds to the rows of the batch's tokens alone.  Once
+        the LM head's dense part is in, the buckets wholly inside wte are launched and
+        the encoder adds into a scratch buffer instead; those rows are summed across
+        ranks on their own (a few MB) and added to the reduced gradient after the wait
+        (``_add_encoder_rows``)."""
+        if self._pending is None:
+            return
+        if remaining == 1:
+            for b in inside:
+                self._launch(b)
+            if self._wte_scratch is None:
+                # Only the batch's rows are ever written, so only their pages are touched.
+                self._wte_scratch = buffers.empty(leaf.grad.shape)
+            self._wte_scratch[self._batch_rows] = 0.0
+            self._wte_view = leaf.grad
+            leaf.grad = self._wte_scratch
+            self.MPI.Request.Testall(self._requests)
+        elif remaining == 0:
+            if self._wte_view is None:
+                self._leaf_hook(inside + rest, leaf, 0)
+                return
+            leaf.grad, self._wte_view = self._wte_view, None
+            self._encoder_rows = self._wte_scratch[self._batch_rows]
+            self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._encoder_rows,
+                                                       op=self.MPI.SUM))
+            self._leaf_hook(rest, leaf, 0)
+
+    def _add_encoder_rows(self):
+        """Add the encoder's rows of wte, summed across ranks, where the reduced
+        gradient lives (this rank's shard under ZeRO-1)."""
+        rows, values = self._batch_rows, self._encoder_rows
+        self._encoder_rows = None
+        if not self.zero:
+            self.model.grads.wte[rows] += values
+            return
+        C = values.shape[1]
+        index = (rows[:, None].astype(np.int64) * C + np.arange(C)).reshape(-1)
+        mask, where = self.layout.owned(self.rank, index)
+        self.shard_grad[where] += values.reshape(-1)[mask]
 
     def _launch(self, b):
         MPI = self.MPI
@@ -312,20 +380,25 @@ class DataParallelTrainer:
         t0 = time.perf_counter()
         model.zero_grad(deferred=True)
         self._requests = []
-        self._hooked_launches = 0
         self._pending = list(self._initial_pending)
+        self._batch_rows = np.unique(inputs)
         try:
             loss = model.loss_and_grad(inputs[rows], targets[rows])
             # Buckets no hook launched (the manual engine has no hooks), in reverse
             # arena order, as the backward finishes them.
-            for b in reversed(range(len(self.layout.bounds))):
-                if self._pending[b] >= 0:
-                    self._launch(b)
+            late = [b for b in reversed(range(len(self.layout.bounds))) if self._pending[b] >= 0]
+            for b in late:
+                self._launch(b)
         finally:
             self._pending = None
+            if self._wte_view is not None:      # a sweep that failed between the wte hooks
+                model._tape_engine.wte.grad = self._wte_view
+                self._wte_view = None
         t1 = time.perf_counter()
         MPI.Request.Waitall(self._requests)
         self._requests = []
+        if self._encoder_rows is not None:
+            self._add_encoder_rows()
         t2 = time.perf_counter()
         if self.zero:
             local_sq = optim.grad_norm(self.shard_grad) ** 2
@@ -342,7 +415,7 @@ class DataParallelTrainer:
         t3 = time.perf_counter()
         self.last_step = {"backward_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3,
                           "update_ms": (t3 - t2) * 1e3,
-                          "buckets_in_backward": self._hooked_launches}
+                          "buckets_in_backward": len(self.layout.bounds) - len(late)}
         return loss, (norm if grad_clip else None)
 
     def _adamw(self, lr, weight_decay, grad_scale):
@@ -364,26 +437,32 @@ class DataParallelTrainer:
         self.MPI.Request.Waitall(requests)
 
     def communication_ms(self, repeats=5):
-        """Median milliseconds of this step's collectives run alone, blocking, bucket by
-        bucket (the gradient reduction, plus the parameter all-gather under ZeRO-1) on a
-        scratch buffer: the communication the overlap has to hide."""
+        """This step's collectives run alone, blocking, bucket by bucket, on scratch
+        buffers: {"reduce_ms": the gradient allreduce (ZeRO-1: reduce-scatter),
+        "allgather_ms": ZeRO-1's parameter all-gather (0 without)}, medians of
+        ``repeats``: the communication the overlap has to hide."""
         MPI = self.MPI
         scratch = buffers.zeros(self.layout.padded)
         shard = buffers.zeros(self.layout.shard_size)
-        times = []
+        buckets = list(zip(self.layout.bounds, self.layout.parts, self.layout.shard_offsets))
+        reduce_ms, allgather_ms = [], []
         for _ in range(repeats):
             self.comm.Barrier()
             t0 = time.perf_counter()
-            for (start, stop), part, off in zip(self.layout.bounds, self.layout.parts,
-                                                self.layout.shard_offsets):
+            for (start, stop), part, off in buckets:
                 if self.zero:
                     self.comm.Reduce_scatter_block(scratch[start:stop], shard[off:off + part],
                                                    op=MPI.SUM)
-                    self.comm.Allgather(MPI.IN_PLACE, scratch[start:stop])
                 else:
                     self.comm.Allreduce(MPI.IN_PLACE, scratch[start:stop], op=MPI.SUM)
-            times.append((time.perf_counter() - t0) * 1e3)
-        return float(np.median(times))
+            t1 = time.perf_counter()
+            if self.zero:
+                for (start, stop), _, _ in buckets:
+                    self.comm.Allgather(MPI.IN_PLACE, scratch[start:stop])
+            reduce_ms.append((t1 - t0) * 1e3)
+            allgather_ms.append((time.perf_counter() - t1) * 1e3)
+        return {"reduce_ms": float(np.median(reduce_ms)),
+                "allgather_ms": float(np.median(allgather_ms))}
 
     # -- checkpoints --------------------------------------------------------------------
 

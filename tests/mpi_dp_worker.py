@@ -49,6 +49,7 @@ def losses():
                 "adam_m": int(dp.adam_m.size), "adam_v": int(dp.adam_v.size),
                 "model_moments": dp.model.adam_m is not None,
                 "buckets_in_backward": dp.last_step["buckets_in_backward"],
+                "wte_rows_apart": dp._wte_scratch is not None,
                 "params_equal_across_ranks": bool(all(
                     np.array_equal(p, dp.model.params.flat)
                     for p in comm.allgather(dp.model.params.flat)))}

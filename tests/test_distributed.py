@@ -64,53 +64,71 @@ def relative_error(a, b):
 
 # -- the hook the data-parallel trainer launches its buckets from -------------------------
 
-def test_grad_final_hook_fires_once_the_last_contribution_is_in():
+def test_grad_hook_counts_down_to_the_last_contribution():
     rng = np.random.default_rng(0)
     x = Tensor(rng.standard_normal(4))
     w1 = Tensor(rng.standard_normal(4), requires_grad=True)
     w2 = Tensor(rng.standard_normal(4), requires_grad=True)
     seen = []
     for w, name in ((w1, "w1"), (w2, "w2")):
-        w.register_grad_final_hook(
-            lambda leaf, name=name: seen.append((name, w1.grad.copy(), w2.grad.copy())))
+        w.register_grad_hook(lambda leaf, remaining, name=name: seen.append(
+            (name, remaining, np.copy(w1.grad), np.copy(w2.grad))))
     # w1 is read by the first and the last op: it is final only when the sweep is over;
     # w2, read by the middle op only, is final one node earlier.
     ((x * w1) * w2 * w1).sum().backward()
-    assert [s[0] for s in seen] == ["w2", "w1"]
+    assert [s[:2] for s in seen] == [("w1", 1), ("w2", 0), ("w1", 0)]
     x_, a, b = x.data, w1.data, w2.data
     np.testing.assert_allclose(w1.grad, 2 * x_ * a * b, rtol=1e-12)
     np.testing.assert_allclose(w2.grad, x_ * a * a, rtol=1e-12)
-    _, w1_at_w2_hook, w2_at_w2_hook = seen[0]
-    assert np.array_equal(w2_at_w2_hook, w2.grad)
-    # The sweep had not yet added w1's first-op contribution when w2's hook ran.
-    assert not np.allclose(w1_at_w2_hook, w1.grad)
-    assert np.array_equal(seen[1][1], w1.grad)
+    # After the last op's pullback w1 holds that op's half of its gradient.
+    np.testing.assert_allclose(seen[0][2], x_ * a * b, rtol=1e-12)
+    assert np.array_equal(seen[1][3], w2.grad)
+    assert np.array_equal(seen[2][2], w1.grad)
 
 
-def test_grad_final_hook_on_a_leaf_nothing_flows_into_sees_zeros():
+def test_grad_hook_can_divert_the_contributions_still_to_come():
+    w = Tensor(np.full(3, 2.0), requires_grad=True)
+    x = Tensor(np.arange(3.0))
+    aside = np.zeros(3)
+    kept = {}
+
+    def divert(leaf, remaining):
+        if remaining == 1:
+            kept["first"] = leaf.grad
+            leaf.grad = aside
+        elif remaining == 0:
+            leaf.grad = kept["first"]
+    w.register_grad_hook(divert)
+    ((x * w) * w).sum().backward()
+    # The last op's pullback (first recorded: x * w) went to `aside`, the other stayed.
+    np.testing.assert_array_equal(aside, x.data * w.data)
+    np.testing.assert_array_equal(w.grad, x.data * w.data)
+
+
+def test_grad_hook_on_a_leaf_nothing_flows_into_sees_zeros():
     w = Tensor(np.ones(3), requires_grad=True)
     dead = Tensor(np.ones(3), requires_grad=True)
     dead.grad = np.full(3, 7.0)             # stale values that a deferred zero hides
     dead.zero_grad(deferred=True)
     seen = []
-    dead.register_grad_final_hook(lambda leaf: seen.append(leaf.grad.copy()))
-    w.register_grad_final_hook(lambda leaf: seen.append("w")).remove()
+    dead.register_grad_hook(lambda leaf, remaining: seen.append((remaining, leaf.grad.copy())))
+    w.register_grad_hook(lambda leaf, remaining: seen.append("w")).remove()
     dead * 2.0                              # recorded in the same graph, but a dead branch
     (w * 3.0).sum().backward()
-    assert len(seen) == 1 and np.array_equal(seen[0], np.zeros(3))
+    assert len(seen) == 1 and seen[0][0] == 0 and np.array_equal(seen[0][1], np.zeros(3))
     with pytest.raises(RuntimeError, match="leaf tensor"):
-        (w * 3.0).register_grad_final_hook(print)
+        (w * 3.0).register_grad_hook(print)
 
 
-def test_grad_final_hook_inside_checkpointed_block():
+def test_grad_hook_inside_checkpointed_block():
     w = Tensor(np.full(3, 2.0), requires_grad=True)
     x = Tensor(np.arange(3.0), requires_grad=True)
     seen = []
-    w.register_grad_final_hook(lambda leaf: seen.append(leaf.grad.copy()))
+    w.register_grad_hook(lambda leaf, remaining: seen.append((remaining, leaf.grad.copy())))
     y = checkpoint(lambda a: (a * w) * w, x)
     y.sum().backward()
-    assert len(seen) == 1
-    np.testing.assert_array_equal(seen[0], 2 * x.data * w.data)
+    assert [s[0] for s in seen] == [1, 0]
+    np.testing.assert_array_equal(seen[-1][1], 2 * x.data * w.data)
 
 
 # -- data parallelism over mpiexec -n 2 -----------------------------------------------------
@@ -137,6 +155,8 @@ def test_two_ranks_match_one_process(two_rank_losses, engine, zero):
     assert got["buckets"] > 4
     # The tape's hooks launch every bucket during the backward; the manual engine has none.
     assert got["buckets_in_backward"] == (got["buckets"] if engine == "tape" else 0)
+    # The tape engine sums the encoder's rows of the tied wte apart (see _wte_hook).
+    assert got["wte_rows_apart"] == (engine == "tape")
 
 
 def test_zero1_shards_the_optimizer_state(two_rank_losses):
