@@ -462,6 +462,23 @@ class Tensor:
             _deferred_zero.discard(self)
             self.grad[...] = 0
 
+    def register_grad_hook(self, hook):
+        """Call ``hook(self, remaining)`` in each reverse sweep that reaches this leaf,
+        after every node that reads it has been swept (``remaining``: how many such
+        nodes are still to come in this sweep).  At ``remaining == 0`` the sweep is done
+        with ``self.grad``, so the hook may hand it to something that runs beside the
+        rest of the backward (a non-blocking allreduce); before that, it may point
+        ``self.grad`` elsewhere to keep the contributions still to come apart.  A leaf
+        recorded into several graphs (checkpointed blocks that close over it) counts
+        per graph swept.  Returns a handle whose ``remove()`` unregisters the hook."""
+        if not (self._is_leaf and self.requires_grad):
+            raise RuntimeError("register_grad_hook needs a leaf tensor with requires_grad=True")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        hooks = _grad_hooks.setdefault(self, [])
+        hooks.append(hook)
+        return _HookHandle(hooks, hook)
+
     # -- the reverse pass ----------------------------------------------------
     def backward(self, seed=None, retain_graph=False):
         """Sweep the graph this tensor was recorded in, seeded with ``seed``
@@ -621,6 +638,7 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
     grads = [None] * n
     owned = bytearray(n)
     grads[seed_ref] = seed
+    hooks_at = _grad_hooks_by_node(nodes, leaves) if _grad_hooks else None
     enabled = _state.enabled
     _state.enabled = False
     try:
@@ -635,6 +653,8 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
                     parked.push_array(a)
             g = grads[i]
             if g is None:
+                if hooks_at is not None and i in hooks_at:
+                    _fire_grad_hooks(hooks_at[i])
                 continue
             grads[i] = None
             if not n_tape:
@@ -696,6 +716,8 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
                 for j, ref in enumerate(refs):
                     if ref is not None:
                         raise prim.missing_rule(j)
+            if hooks_at is not None and i in hooks_at:
+                _fire_grad_hooks(hooks_at[i])
     except BaseException:
         # A failed sweep leaves the tape part-popped: drop what this graph owns (a nested
         # graph's records are dropped by nested_graph, which rewinds to its mark).
@@ -722,6 +744,54 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
     graph.release()
     if graph.mark is None and graph is graph.owner.graph:
         graph.owner._fresh_root()
+
+
+# Leaf -> its gradient hooks (Tensor.register_grad_hook).
+_grad_hooks = weakref.WeakKeyDictionary()
+
+
+class _HookHandle:
+    __slots__ = ("hooks", "hook")
+
+    def __init__(self, hooks, hook):
+        self.hooks = hooks
+        self.hook = hook
+
+    def remove(self):
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
+
+
+def _grad_hooks_by_node(nodes, leaves):
+    """node index -> [(hooked leaf, nodes reading it that the sweep has yet to reach)]
+    for every node that reads a hooked leaf.  One scan of the node list per sweep, only
+    when some leaf has a hook, so recording pays nothing."""
+    hooked = {~k for k, leaf in enumerate(leaves) if _grad_hooks.get(leaf)}
+    if not hooked:
+        return None
+    readers = {}
+    for i, node in enumerate(nodes):
+        for ref in dict.fromkeys(node[1]):     # in argument order, each leaf once
+            if ref in hooked:
+                readers.setdefault(ref, []).append(i)
+    hooks_at = {}
+    for ref, where in readers.items():
+        # The sweep meets the readers from the last recorded to the first: the first
+        # recorded leaves none to come.
+        for remaining, i in enumerate(where):
+            hooks_at.setdefault(i, []).append((leaves[~ref], remaining))
+    return hooks_at
+
+
+def _fire_grad_hooks(due):
+    for leaf, remaining in due:
+        # A leaf whose every contribution was skipped (a zero cotangent) still awaits its
+        # deferred zero: make .grad read as zeros before anyone else reads it.
+        if (remaining == 0 and leaf.grad is not None and _deferred_zero
+                and _take_deferred(leaf)):
+            leaf.grad[...] = 0
+        for hook in tuple(_grad_hooks.get(leaf, ())):
+            hook(leaf, remaining)
 
 
 def _accumulate(grads, owned, leaves, ref, r, shape):

@@ -211,6 +211,20 @@ def build_parser(prog=None):
                    help="log lines instead of a progress bar")
     o.add_argument("--debug", action="store_true",
                    help="show the traceback of an error instead of one line")
+    par = p.add_argument_group(
+        "data parallelism", "Launch N ranks with `mpiexec -n N gpt2-train ...` (across hosts: "
+        "`mpiexec -hosts a,b -n N ...`; needs pip install 'adtape[mpi]'). -B is the global "
+        "batch: each rank trains on B/N of its rows, so B must divide by N. Rank 0 prints, "
+        "evaluates, samples and writes the log, plot, summary and checkpoint.")
+    par.add_argument("--data-parallel", choices=("auto", "on", "off"), default="auto",
+                     help="auto: when an MPI launcher started more than one rank; on: over "
+                          "MPI even with one rank; off: refuse a multi-rank launch "
+                          "(default: %(default)s)")
+    par.add_argument("--zero", type=int, choices=(0, 1), default=0,
+                     help="1: shard the AdamW moments across the ranks (ZeRO stage 1) "
+                          "(default: %(default)s)")
+    par.add_argument("--bucket-size", type=positive_size, metavar="SIZE", default="25M",
+                     help="gradient bytes per allreduce bucket (default: %(default)s)")
     return p
 
 
@@ -361,9 +375,14 @@ def read_log(path, up_to_step):
 
 class RunLog:
     """log.csv of the run: the history kept from before a resume, then one row per step,
-    each flushed as it is written, so a crash loses no finished step."""
+    each flushed as it is written, so a crash loses no finished step.  Without a path
+    (the ranks other than 0 of a data-parallel run) it only keeps the rows."""
 
     def __init__(self, path, history):
+        self.rows = list(history)
+        self._file = None
+        if path is None:
+            return
         from gpt2.checkpoint import atomic_writer
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=LOG_FIELDS)
@@ -372,17 +391,18 @@ class RunLog:
         # Atomic: on a resume the history being rewritten is the file's own.
         with atomic_writer(path) as f:
             f.write(text.getvalue().encode("utf-8"))
-        self.rows = list(history)
         self._file = open(path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=LOG_FIELDS)
 
     def append(self, row):
-        self._writer.writerow(row)
-        self._file.flush()
+        if self._file is not None:
+            self._writer.writerow(row)
+            self._file.flush()
         self.rows.append(row)
 
     def close(self):
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def main(argv=None):
@@ -428,7 +448,10 @@ class RunInputs:
 
 
 def _run(args, explicit):
-    inputs = _prepare(args, explicit)
+    from gpt2 import distributed
+    with blame("--data-parallel", (ValueError, ImportError)):
+        comm = distributed.world_from_args(args)
+    inputs = _prepare(args, explicit, comm)
     if inputs is None:
         return None
     from kernels import _openmp, threads
@@ -442,7 +465,8 @@ def _run(args, explicit):
         with blame("--threads"):
             n_threads = threads.set_num_threads(args.threads)
         _openmp.set_flush_denormal(not args.no_flush_denormal, n_threads)
-        return _train(args, inputs, n_threads)
+        with distributed.abort_on_error(comm):
+            return _train(args, inputs, n_threads, comm)
     finally:
         if n_threads is None:  # the thread count was refused: OpenMP keeps its own
             _openmp.set_flush_denormal(ftz_before)
@@ -450,7 +474,7 @@ def _run(args, explicit):
             _openmp.set_flush_denormal(ftz_before, n_threads)
 
 
-def _prepare(args, explicit):
+def _prepare(args, explicit, comm=None):
     """Check the options and read the inputs; None when a resumed run has nothing left to do."""
     from gpt2 import checkpoint as ckpt
     from gpt2.data import DataLoader, split_sizes
@@ -532,7 +556,9 @@ def _prepare(args, explicit):
         import gpt2.tape_engine  # noqa: F401
         from gpt2.perfmodel.plan import plan_memory
         with blame("--max-memory"):
-            plan = plan_memory(config, args.batch_size, args.seq_len, args.max_memory,
+            ranks = comm.Get_size() if comm is not None else 1
+            plan = plan_memory(config, max(1, args.batch_size // ranks), args.seq_len,
+                               args.max_memory,
                                spill_dir=args.spill_dir, threads=args.threads,
                                baseline_bytes=psutil.Process().memory_info().rss)
     history = []
@@ -578,7 +604,7 @@ def _model_config(args, explicit, resumed):
     return config, params, config.preset_name() or source
 
 
-def _train(args, inputs, n_threads):
+def _train(args, inputs, n_threads, comm=None):
     """The training run proper, with threads and floating-point mode already set."""
     from gpt2.model import GPT2
     if inputs.plan is not None:
@@ -595,32 +621,38 @@ def _train(args, inputs, n_threads):
         model = GPT2(inputs.config, seed=args.seed, engine=args.engine, tape_kwargs=tape_kwargs,
                      checkpointing=args.checkpointing, snapshots=args.snapshots)
     try:
-        return _train_model(args, inputs, model, n_threads)
+        return _train_model(args, inputs, model, n_threads, comm)
     finally:
         model.close()
 
 
-def _train_model(args, inputs, model, n_threads):
+def _train_model(args, inputs, model, n_threads, comm=None):
     """Load the starting state, then the training loop, logging and saving as it goes."""
     from tqdm import tqdm
 
     from gpt2 import checkpoint as ckpt
+    from gpt2 import distributed
 
     config, train, val = inputs.config, inputs.train, inputs.val
     if inputs.params is not None:
         model.params.copy_(inputs.params)
+    # Over MPI: every rank trains its rows of the global batch; rank 0 alone writes.
+    trainer = distributed.trainer_from_args(model, comm, args, inputs.tokens)
+    writer = trainer is None or trainer.rank == 0
     start_step = 0
     if inputs.resumed is not None:
         with blame("--resume"):
-            state = ckpt.load_checkpoint(args.resume, config, params=model.params,
-                                         adam_m=model.adam_m, adam_v=model.adam_v)
+            state = (trainer.load_checkpoint(args.resume) if trainer else
+                     ckpt.load_checkpoint(args.resume, config, params=model.params,
+                                          adam_m=model.adam_m, adam_v=model.adam_v))
         model.adam_step = state.adam_step
         start_step = state.step
+    ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
     with blame("--out-dir"):
-        os.makedirs(args.out_dir, exist_ok=True)
-        ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
-        ckpt.remove_stale_temporaries(ckpt_path)
-        log = RunLog(os.path.join(args.out_dir, "log.csv"), inputs.history)
+        if writer:
+            os.makedirs(args.out_dir, exist_ok=True)
+            ckpt.remove_stale_temporaries(ckpt_path)
+        log = RunLog(os.path.join(args.out_dir, "log.csv") if writer else None, inputs.history)
 
     n_params = sum(v.size for v in model.params.views.values())
     print(f"GPT-2 {inputs.model_name}: {n_params / 1e6:.2f}M parameters, L={config.n_layer} "
@@ -635,6 +667,10 @@ def _train_model(args, inputs, model, n_threads):
             saved_args[name] = os.path.abspath(saved_args[name])
 
     def save(step):
+        if trainer:  # collective: rank 0 gathers the sharded state and writes
+            trainer.save_checkpoint(ckpt_path, step=step, data_state=train.state(),
+                                    extra={"args": saved_args})
+            return
         ckpt.save_checkpoint(ckpt_path, model.params, step=step, adam_m=model.adam_m,
                              adam_v=model.adam_v, adam_step=model.adam_step,
                              data_state=train.state(), extra={"args": saved_args})
@@ -651,8 +687,9 @@ def _train_model(args, inputs, model, n_threads):
                 x, y = train.next_batch()
                 lr = learning_rate(step, args)
                 t0 = time.perf_counter()
-                loss, norm = model.train_step(x, y, lr, weight_decay=args.weight_decay,
-                                              grad_clip=args.grad_clip or None)
+                loss, norm = (trainer or model).train_step(x, y, lr,
+                                                           weight_decay=args.weight_decay,
+                                                           grad_clip=args.grad_clip or None)
                 dt = time.perf_counter() - t0
                 if not math.isfinite(loss):
                     raise UsageError(f"the loss became {loss} at step {step + 1}; try a lower "
@@ -685,10 +722,13 @@ def _train_model(args, inputs, model, n_threads):
     # The training's peak resident memory (the kernel's count), before the plot loads its
     # libraries.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return _finish(args, inputs, model, n_threads, log.rows, rows, start_step, peak_rss)
+    if not writer:
+        return None
+    return _finish(args, inputs, model, n_threads, log.rows, rows, start_step, peak_rss,
+                   trainer)
 
 
-def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss):
+def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss, trainer=None):
     """summary.json and loss.png of the whole run, then the sample."""
     import numpy as np
     config, tokenizer = inputs.config, inputs.tokenizer
@@ -709,6 +749,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
                "tokens_per_s": args.batch_size * args.seq_len / (median_ms / 1e3)
                                if median_ms else None}
     summary["peak_rss_bytes"] = peak_rss
+    summary.update(ranks=trainer.size if trainer else 1, global_batch=args.batch_size,
+                   zero=args.zero if trainer else 0)
     if inputs.plan is not None:
         summary["memory_plan"] = {"policy": inputs.plan.policy, "max_memory": args.max_memory,
                                   "tape_budget": args.tape_budget,

@@ -1,0 +1,595 @@
+"""Data-parallel GPT-2 training over MPI (mpi4py): ``mpiexec -n N gpt2-train ...``.
+
+Every rank holds the whole model.  Rank 0's weights are broadcast at the start; each
+rank takes its 1/N of every global batch; the gradients are summed across ranks in
+buckets, contiguous slices of the gradient arena (25 MB by default), each launched as
+a non-blocking collective as soon as the reverse sweep has made its gradients final
+(``Tensor.register_grad_hook``), so the communication runs beside the rest of
+the backward pass, as PyTorch DDP's hooks do.  Then AdamW.
+
+``zero=1`` (ZeRO stage 1) shards the AdamW moments: each bucket is reduce-scattered
+rather than allreduced, rank r owns the r-th part of every bucket and steps only
+those parameters and moments (1/N of the optimizer memory per rank), and the
+parameters are all-gathered afterwards.
+
+Clipping by global norm uses the norm of the averaged gradient on every rank, so the
+update matches one process on the whole batch.  Checkpoints are written by rank 0 in
+the ordinary format (``gpt2.checkpoint``) and read back at any number of ranks.
+
+Failures: a rank that raises prints ``error: rank r of N: ...`` and calls
+``MPI_Abort``, which takes every rank down at once (a rank that merely exited would
+leave the others blocked in a collective); a rank killed outright is reaped by the
+launcher (MPICH's hydra, Open MPI's mpirun), which then kills the rest.  Checks that
+every rank makes alike on the same data (settings differing across ranks, a batch
+the ranks do not divide) raise ``CollectiveError`` on every rank, and the job exits
+with status 2 and one message.
+
+mpi4py is imported only when data parallelism is asked for (``pip install
+'adtape[mpi]'``).
+"""
+import contextlib
+import functools
+import os
+import sys
+import time
+import traceback
+import zlib
+
+import numpy as np
+
+from adtape import buffers
+from gpt2 import checkpoint as ckpt
+from gpt2.params import ParamArena, num_parameters
+from kernels import optim
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+# Each rank's part of a bucket is a whole number of cache lines (16 floats).
+_PART_ALIGN = 16
+# Environment variables through which launchers announce the job's size (MPICH and
+# Intel MPI's hydra, Open MPI, PMIx launchers such as srun --mpi=pmix).
+_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+_LOCAL_SIZE_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+class CollectiveError(RuntimeError):
+    """An error every rank raises alike (a check made on the same or all-gathered data),
+    so the ranks can stop together without ``MPI_Abort``."""
+
+
+def launched_ranks(environ=None):
+    """How many ranks the MPI launcher started (1 outside a launcher)."""
+    environ = os.environ if environ is None else environ
+    for name in _SIZE_ENV:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return 1
+
+
+def local_ranks(environ=None):
+    """Ranks of this job on this host, as the launcher says (1 if it does not)."""
+    environ = os.environ if environ is None else environ
+    for name in _LOCAL_SIZE_ENV:
+        if environ.get(name, "").isdigit():
+            return max(1, int(environ[name]))
+    return 1
+
+
+def import_mpi():
+    """mpi4py's ``MPI`` module, or an ImportError that says how to install it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise ImportError("data-parallel training needs mpi4py and an MPI library: "
+                          f"pip install 'adtape[mpi]' ({e})") from e
+    return MPI
+
+
+def check_same_settings(comm, settings):
+    """Raise CollectiveError on every rank unless all ranks pass equal ``settings``
+    (a dict of plain values: model config, batch, sequence length, seed, ...)."""
+    everyone = comm.allgather(settings)
+    problems = []
+    for key in sorted(set().union(*everyone), key=str):
+        values = [s.get(key) for s in everyone]
+        if any(v != values[0] for v in values):
+            shown = ", ".join(f"rank {r} has {v!r}" for r, v in enumerate(values))
+            problems.append(f"{key}: {shown}")
+    if problems:
+        raise CollectiveError("the ranks were started with different settings: "
+                              + "; ".join(problems))
+
+
+def report_and_abort(comm, exc):
+    """Print ``exc`` naming this rank and stop the whole job.  A CollectiveError is
+    raised by every rank alike: rank 0 prints it once and all exit with status 2
+    without aborting.  Anything else aborts the job: the other ranks may be blocked
+    in a collective that this rank will never join."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if isinstance(exc, CollectiveError):
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    if isinstance(exc, SystemExit):
+        if exc.code in (None, 0):
+            raise exc
+        text = exc.code if isinstance(exc.code, str) else f"exit status {exc.code}"
+        text = text[len("error: "):] if text.startswith("error: ") else text
+        code = exc.code if isinstance(exc.code, int) else 2
+    else:
+        detail = "".join(traceback.format_exception(exc)).rstrip()
+        print(f"rank {rank} of {size}: {detail}", file=sys.stderr, flush=True)
+        text = f"{type(exc).__name__}: {exc}"
+        code = 1
+    print(f"error: rank {rank} of {size}: {text}; aborting all ranks", file=sys.stderr,
+          flush=True)
+    comm.Abort(code)
+    # MPICH's MPI_Abort returns while the launcher tears the job down: print nothing more.
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def abort_on_error(comm):
+    """Run the block; on any exception in this rank, ``report_and_abort`` (with no
+    communicator, nothing: one process)."""
+    try:
+        yield
+    except BaseException as exc:
+        if comm is not None:
+            report_and_abort(comm, exc)
+        raise
+
+
+def install_abort_hook(comm):
+    """Make an uncaught exception in this process abort the whole job (for scripts
+    that run under mpiexec without ``abort_on_error``)."""
+    def hook(kind, exc, tb):
+        if isinstance(exc, CollectiveError):
+            if comm.Get_rank() == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            return
+        report_and_abort(comm, exc)
+
+    sys.excepthook = hook
+
+
+class BucketLayout:
+    """The gradient arena of ``n`` floats, padded to ``padded`` (a multiple of N part
+    alignments), cut into buckets [start, stop) whose sizes divide by N: rank r's part
+    of bucket b is [start + r * part, start + (r + 1) * part), and under ZeRO-1 it sits
+    at ``shard_offsets[b]`` of the rank's shard."""
+
+    def __init__(self, n, ranks, bucket_bytes, cuts=()):
+        if bucket_bytes < 4:
+            raise ValueError(f"bucket_bytes must be at least 4, got {bucket_bytes}")
+        quantum = ranks * _PART_ALIGN
+        self.n = n
+        self.ranks = ranks
+        self.padded = -(-n // quantum) * quantum
+        size = max(quantum, bucket_bytes // 4 // quantum * quantum)
+        # A bucket ends at each cut (rounded down to whole parts), so the buckets before
+        # it can be launched on their own.
+        edges = sorted({0, self.padded} | {c // quantum * quantum for c in cuts
+                                           if 0 < c < self.padded})
+        self.bounds = [(s, min(s + size, stop)) for start, stop in zip(edges, edges[1:])
+                       for s in range(start, stop, size)]
+        self.parts = [(stop - start) // ranks for start, stop in self.bounds]
+        self.shard_offsets = np.concatenate(([0], np.cumsum(self.parts)[:-1])).tolist()
+        self.shard_size = self.padded // ranks
+
+    def buckets_overlapping(self, start, stop):
+        """Indices of the buckets that [start, stop) touches."""
+        return [b for b, (s, e) in enumerate(self.bounds) if s < stop and start < e]
+
+    def owned(self, rank, index):
+        """(mask, shard positions) of the flat arena positions ``index`` that ``rank``
+        holds under ZeRO-1."""
+        starts = np.array([s for s, _ in self.bounds])
+        b = np.searchsorted(starts, index, side="right") - 1
+        part = np.array(self.parts)[b]
+        within = index - starts[b] - rank * part
+        mask = (within >= 0) & (within < part)
+        return mask, (np.array(self.shard_offsets)[b] + within)[mask]
+
+    def shard_to_full(self, shards):
+        """Arrays (N, shard_size), rank r's shard in row r -> the flat arena of n."""
+        full = np.empty(self.padded, np.float32)
+        for (start, stop), part, off in zip(self.bounds, self.parts, self.shard_offsets):
+            full[start:stop] = shards[:, off:off + part].reshape(-1)
+        return full[:self.n]
+
+    def full_to_shards(self, flat):
+        """The flat arena of n -> (N, shard_size), rank r's shard in row r."""
+        padded = np.zeros(self.padded, np.float32)
+        padded[:self.n] = flat
+        shards = np.empty((self.ranks, self.shard_size), np.float32)
+        for (start, stop), part, off in zip(self.bounds, self.parts, self.shard_offsets):
+            shards[:, off:off + part] = padded[start:stop].reshape(self.ranks, part)
+        return shards
+
+
+class DataParallelTrainer:
+    """Trains a ``GPT2`` with the ranks of ``comm`` sharing each global batch.
+
+    ``train_step(inputs, targets, ...)`` takes the *global* batch (every rank passes
+    the same one) and uses its rank's rows; it returns the loss and gradient norm of
+    the whole batch, the same on every rank.  ``settings``: values every rank must
+    agree on (batch size, sequence length, seed, data checksum ...) besides the model
+    config, checked at construction.
+    """
+
+    def __init__(self, model, comm, zero=0, bucket_bytes=DEFAULT_BUCKET_BYTES, settings=None):
+        if zero not in (0, 1):
+            raise ValueError(f"zero must be 0 or 1, got {zero!r}")
+        self.MPI = import_mpi()
+        self.model = model
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.zero = zero
+        model_settings = {f"model {k}": v for k, v in model.config.to_dict().items()}
+        check_same_settings(comm, {**model_settings, "engine": model.engine, "zero": zero,
+                                   "bucket_bytes": int(bucket_bytes), **(settings or {})})
+        n = num_parameters(model.config)
+        self.layout = BucketLayout(n, self.size, bucket_bytes, cuts=(model.params.wte.size,))
+        if model._tape_engine is not None:
+            raise ValueError("build the DataParallelTrainer before the model's first step")
+        # Parameters and gradients move into arenas padded to the layout, so every
+        # bucket divides evenly among the ranks; the padding stays zero.
+        self.params_padded = buffers.zeros(self.layout.padded)
+        self.params_padded[:n] = model.params.flat
+        self.grads_padded = buffers.zeros(self.layout.padded)
+        model.params = ParamArena(model.config, flat=self.params_padded[:n])
+        model.grads = ParamArena(model.config, flat=self.grads_padded[:n])
+        comm.Bcast(self.params_padded, root=0)
+        if zero:
+            # The trainer owns the moments: this rank's shard only.
+            model.adam_m = model.adam_v = None
+            self.adam_m = buffers.zeros(self.layout.shard_size)
+            self.adam_v = buffers.zeros(self.layout.shard_size)
+            self.shard_grad = buffers.zeros(self.layout.shard_size)
+        else:
+            self.adam_m, self.adam_v = model.adam_m.flat, model.adam_v.flat
+        self._requests = []
+        self._pending = None
+        self._initial_pending = [0] * len(self.layout.bounds)
+        # The tied embedding: the rows of wte the step's encoder adds to, and the
+        # encoder's part of their gradient (see _wte_hook).
+        self._batch_rows = None
+        self._wte_scratch = None
+        self._wte_view = None
+        self._encoder_rows = None
+        if model.engine == "tape":
+            self._hook_leaves()
+        # The last step: milliseconds of "backward" (forward and backward), "wait"
+        # (blocked on the gradient collectives after the backward) and "update" (norm,
+        # AdamW and, under ZeRO-1, the parameter all-gather); "buckets_in_backward":
+        # buckets the sweep's hooks launched before the backward ended.
+        self.last_step = {}
+
+    # -- gradient buckets -----------------------------------------------------------
+
+    def _hook_leaves(self):
+        from gpt2.tape_engine import TapeEngine
+        model = self.model
+        engine = model._tape_engine = TapeEngine(model, model.tape_kwargs, model.checkpointing,
+                                                 model.snapshots)
+        base = self.grads_padded.ctypes.data
+        for leaf in engine.leaves():
+            start = (leaf.grad.ctypes.data - base) // 4
+            stop = start + leaf.grad.size
+            buckets = tuple(self.layout.buckets_overlapping(start, stop))
+            for b in buckets:
+                self._initial_pending[b] += 1
+            if leaf is engine.wte:
+                inside = tuple(b for b in buckets if self.layout.bounds[b][1] <= stop)
+                rest = tuple(b for b in buckets if b not in inside)
+                leaf.register_grad_hook(functools.partial(self._wte_hook, inside, rest))
+            else:
+                leaf.register_grad_hook(functools.partial(self._leaf_hook, buckets))
+
+    def _leaf_hook(self, buckets, leaf, remaining):
+        if remaining or self._pending is None:    # not final, or a backward outside a step
+            return
+        pending = self._pending
+        for b in buckets:
+            pending[b] -= 1
+            if pending[b] == 0:
+                self._launch(b)
+            elif pending[b] < 0:
+                raise RuntimeError("a parameter's gradient changed after its bucket's "
+                                   "allreduce was launched (a leaf swept twice in one step)")
+        # MPICH advances non-blocking collectives only inside MPI calls: poke it
+        # between backward kernels.
+        self.MPI.Request.Testall(self._requests)
+
+    def _wte_hook(self, inside, rest, leaf, remaining):
+        """The tied embedding is read first by the encoder and last by the LM head, so
+        the sweep finishes its gradient only at the very end (a third of GPT-2 124M's
+        gradient); but the encoder adds to the rows of the batch's tokens alone.  Once
+        the LM head's dense part is in, the buckets wholly inside wte are launched and
+        the encoder adds into a scratch buffer instead; those rows are summed across
+        ranks on their own (a few MB) and added to the reduced gradient after the wait
+        (``_add_encoder_rows``)."""
+        if self._pending is None:
+            return
+        if remaining == 1:
+            for b in inside:
+                self._launch(b)
+            if self._wte_scratch is None:
+                # Only the batch's rows are ever written, so only their pages are touched.
+                self._wte_scratch = buffers.empty(leaf.grad.shape)
+            self._wte_scratch[self._batch_rows] = 0.0
+            self._wte_view = leaf.grad
+            leaf.grad = self._wte_scratch
+            self.MPI.Request.Testall(self._requests)
+        elif remaining == 0:
+            if self._wte_view is None:
+                self._leaf_hook(inside + rest, leaf, 0)
+                return
+            leaf.grad, self._wte_view = self._wte_view, None
+            self._encoder_rows = self._wte_scratch[self._batch_rows]
+            self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._encoder_rows,
+                                                       op=self.MPI.SUM))
+            self._leaf_hook(rest, leaf, 0)
+
+    def _add_encoder_rows(self):
+        """Add the encoder's rows of wte, summed across ranks, where the reduced
+        gradient lives (this rank's shard under ZeRO-1)."""
+        rows, values = self._batch_rows, self._encoder_rows
+        self._encoder_rows = None
+        if not self.zero:
+            self.model.grads.wte[rows] += values
+            return
+        C = values.shape[1]
+        index = (rows[:, None].astype(np.int64) * C + np.arange(C)).reshape(-1)
+        mask, where = self.layout.owned(self.rank, index)
+        self.shard_grad[where] += values.reshape(-1)[mask]
+
+    def _launch(self, b):
+        MPI = self.MPI
+        start, stop = self.layout.bounds[b]
+        grads = self.grads_padded[start:stop]
+        if self.zero:
+            off, part = self.layout.shard_offsets[b], self.layout.parts[b]
+            request = self.comm.Ireduce_scatter_block(grads, self.shard_grad[off:off + part],
+                                                      op=MPI.SUM)
+        else:
+            request = self.comm.Iallreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
+        self._pending[b] = -1 << 30     # launched: no further hook may touch it
+        self._requests.append(request)
+
+    # -- the step ---------------------------------------------------------------------
+
+    def local_rows(self, batch_size):
+        """The rows of a global batch of ``batch_size`` that this rank trains on."""
+        if batch_size % self.size:
+            raise CollectiveError(f"the global batch size B={batch_size} is not divisible by "
+                                  f"the {self.size} ranks: use a multiple of {self.size}")
+        per_rank = batch_size // self.size
+        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None):
+        """One step on the global batch; returns (loss, gradient norm or None), both of
+        the whole batch and equal on every rank."""
+        MPI = self.MPI
+        model = self.model
+        inputs, targets = np.asarray(inputs), np.asarray(targets)
+        if inputs.ndim != 2:
+            raise ValueError(f"inputs must have shape (B, T), got {inputs.shape}")
+        rows = self.local_rows(inputs.shape[0])
+        t0 = time.perf_counter()
+        model.zero_grad(deferred=True)
+        self._requests = []
+        self._pending = list(self._initial_pending)
+        self._batch_rows = np.unique(inputs)
+        try:
+            loss = model.loss_and_grad(inputs[rows], targets[rows])
+            # Buckets no hook launched (the manual engine has no hooks), in reverse
+            # arena order, as the backward finishes them.
+            late = [b for b in reversed(range(len(self.layout.bounds))) if self._pending[b] >= 0]
+            for b in late:
+                self._launch(b)
+        finally:
+            self._pending = None
+            if self._wte_view is not None:      # a sweep that failed between the wte hooks
+                model._tape_engine.wte.grad = self._wte_view
+                self._wte_view = None
+        t1 = time.perf_counter()
+        MPI.Request.Waitall(self._requests)
+        self._requests = []
+        if self._encoder_rows is not None:
+            self._add_encoder_rows()
+        t2 = time.perf_counter()
+        if self.zero:
+            local_sq = optim.grad_norm(self.shard_grad) ** 2
+            gathered = self.comm.allgather((loss, local_sq))
+            sq = sum(g[1] for g in gathered)    # rank order: the same bits everywhere
+            norm = float(np.sqrt(sq)) / self.size
+        else:
+            gathered = self.comm.allgather((loss, 0.0))
+            norm = optim.grad_norm(model.grads.flat) / self.size
+        loss = sum(g[0] for g in gathered) / self.size
+        scale = optim.clip_coefficient(norm, grad_clip) if grad_clip else 1.0
+        # The collectives summed the gradients: 1/N makes them the mean.
+        self._adamw(lr, weight_decay, scale / self.size)
+        t3 = time.perf_counter()
+        self.last_step = {"backward_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3,
+                          "update_ms": (t3 - t2) * 1e3,
+                          "buckets_in_backward": len(self.layout.bounds) - len(late)}
+        return loss, (norm if grad_clip else None)
+
+    def _adamw(self, lr, weight_decay, grad_scale):
+        model = self.model
+        if not self.zero:
+            model.adamw_step(lr, weight_decay=weight_decay, grad_scale=grad_scale)
+            return
+        model.adam_step += 1
+        layout, r = self.layout, self.rank
+        requests = []
+        for (start, stop), part, off in zip(layout.bounds, layout.parts, layout.shard_offsets):
+            mine = slice(start + r * part, start + (r + 1) * part)
+            shard = slice(off, off + part)
+            optim.adamw_step(self.params_padded[mine], self.shard_grad[shard],
+                             self.adam_m[shard], self.adam_v[shard], model.adam_step, lr,
+                             weight_decay=weight_decay, grad_scale=grad_scale)
+            requests.append(self.comm.Iallgather(self.MPI.IN_PLACE,
+                                                 self.params_padded[start:stop]))
+        self.MPI.Request.Waitall(requests)
+
+    def communication_ms(self, repeats=5):
+        """This step's collectives run alone, blocking, bucket by bucket, on scratch
+        buffers: {"reduce_ms": the gradient allreduce (ZeRO-1: reduce-scatter),
+        "allgather_ms": ZeRO-1's parameter all-gather (0 without)}, medians of
+        ``repeats``: the communication the overlap has to hide."""
+        MPI = self.MPI
+        scratch = buffers.zeros(self.layout.padded)
+        shard = buffers.zeros(self.layout.shard_size)
+        buckets = list(zip(self.layout.bounds, self.layout.parts, self.layout.shard_offsets))
+        reduce_ms, allgather_ms = [], []
+        for _ in range(repeats):
+            self.comm.Barrier()
+            t0 = time.perf_counter()
+            for (start, stop), part, off in buckets:
+                if self.zero:
+                    self.comm.Reduce_scatter_block(scratch[start:stop], shard[off:off + part],
+                                                   op=MPI.SUM)
+                else:
+                    self.comm.Allreduce(MPI.IN_PLACE, scratch[start:stop], op=MPI.SUM)
+            t1 = time.perf_counter()
+            if self.zero:
+                for (start, stop), _, _ in buckets:
+                    self.comm.Allgather(MPI.IN_PLACE, scratch[start:stop])
+            reduce_ms.append((t1 - t0) * 1e3)
+            allgather_ms.append((time.perf_counter() - t1) * 1e3)
+        return {"reduce_ms": float(np.median(reduce_ms)),
+                "allgather_ms": float(np.median(allgather_ms))}
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def optimizer_state(self):
+        """(adam_m, adam_v) as full flat arrays on rank 0 (gathered from the shards
+        under ZeRO-1); (None, None) on the other ranks."""
+        if not self.zero:
+            return (self.adam_m, self.adam_v) if self.rank == 0 else (None, None)
+        out = []
+        for moment in (self.adam_m, self.adam_v):
+            shards = (np.empty((self.size, self.layout.shard_size), np.float32)
+                      if self.rank == 0 else None)
+            self.comm.Gather(moment, shards, root=0)
+            out.append(self.layout.shard_to_full(shards) if self.rank == 0 else None)
+        return tuple(out)
+
+    def _agree(self, fn):
+        """Run ``fn`` on rank 0 and share its outcome: its result on every rank, or the
+        same CollectiveError on every rank if it raised."""
+        result, failure = None, None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:     # reported on every rank just below
+                failure = f"{type(e).__name__}: {e}"
+        result, failure = self.comm.bcast((result, failure), root=0)
+        if failure is not None:
+            raise CollectiveError(f"rank 0: {failure}")
+        return result
+
+    def save_checkpoint(self, path, *, step, data_state=None, extra=None):
+        """Write the ordinary checkpoint (``gpt2.checkpoint.save_checkpoint``) from rank 0;
+        every rank calls it.  A failure to write fails every rank alike."""
+        adam_m, adam_v = self.optimizer_state()
+        model = self.model
+
+        def write():
+            ckpt.save_checkpoint(path, model.params, step=step, adam_m=adam_m, adam_v=adam_v,
+                                 adam_step=model.adam_step, data_state=data_state,
+                                 extra={**(extra or {}), "ranks": self.size, "zero": self.zero})
+
+        self._agree(write)
+
+    def load_checkpoint(self, path):
+        """Read a checkpoint written at any number of ranks (or by one process) on rank 0,
+        broadcast the parameters and hand each rank its moments (its shard under
+        ZeRO-1).  Returns the ``Checkpoint`` with the model's arenas as ``params`` and
+        no moments (they are in the trainer)."""
+        model = self.model
+        state = {}
+
+        def read():
+            loaded = ckpt.load_checkpoint(path, model.config, params=model.params)
+            state["loaded"] = loaded
+            return {"step": loaded.step, "adam_step": loaded.adam_step,
+                    "data_state": loaded.data_state, "extra": loaded.extra,
+                    "has_moments": loaded.adam_m is not None}
+
+        header = self._agree(read)
+        self.comm.Bcast(self.params_padded, root=0)
+        model.adam_step = header["adam_step"]
+        if header["has_moments"]:
+            loaded = state.get("loaded")
+            for name, moment in (("adam_m", self.adam_m), ("adam_v", self.adam_v)):
+                full = getattr(loaded, name).flat if self.rank == 0 else None
+                if self.zero:
+                    shards = self.layout.full_to_shards(full) if self.rank == 0 else None
+                    self.comm.Scatter(shards, moment, root=0)
+                else:
+                    if self.rank == 0:
+                        moment[...] = full
+                    self.comm.Bcast(moment, root=0)
+        else:
+            self.adam_m.fill(0.0)
+            self.adam_v.fill(0.0)
+        return ckpt.Checkpoint(config=model.config, params=model.params, step=header["step"],
+                               adam_m=None, adam_v=None, adam_step=header["adam_step"],
+                               data_state=header["data_state"], extra=header["extra"])
+
+
+def tokens_checksum(tokens):
+    """CRC32 of a token array: ranks reading different data disagree on it."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+
+
+# -- the command line (gpt2.train) ----------------------------------------------------------
+
+def world_from_args(args):
+    """The communicator ``gpt2-train``'s options and launcher ask for, or None for one
+    process.  On a data-parallel run, each rank defaults to its share of this host's
+    cores, and the ranks other than 0 print nothing and skip evaluation and sampling
+    (rank 0 shows the progress and writes the log, plot and summary)."""
+    ranks = launched_ranks()
+    if args.data_parallel == "off":
+        if ranks > 1:
+            raise ValueError(f"off, but the launcher started {ranks} ranks: each would "
+                             "train alone into the same --out-dir")
+        return None
+    if args.data_parallel == "auto" and ranks == 1:
+        return None
+    MPI = import_mpi()
+    comm = MPI.COMM_WORLD
+    if args.threads is None and not os.environ.get("OMP_NUM_THREADS"):
+        from kernels.threads import available_cores
+        args.threads = max(1, available_cores() // local_ranks())
+    if comm.Get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+        args.no_progress = True
+        args.eval_interval = 0
+        args.sample_tokens = 0
+    return comm
+
+
+def trainer_from_args(model, comm, args, tokens):
+    """The DataParallelTrainer for ``gpt2-train``'s options (None without ``comm``);
+    every rank must agree on the settings that shape the global batch and the data."""
+    if comm is None:
+        return None
+    settings = {"B": args.batch_size, "T": args.seq_len, "seed": args.seed,
+                "steps": args.steps, "lr": args.lr, "grad_clip": args.grad_clip,
+                "weight_decay": args.weight_decay, "resume": args.resume,
+                "data tokens": int(tokens.size), "data checksum": tokens_checksum(tokens)}
+    trainer = DataParallelTrainer(model, comm, zero=args.zero, bucket_bytes=args.bucket_size,
+                                  settings=settings)
+    trainer.local_rows(args.batch_size)
+    from kernels import threads
+    print(f"data parallel: {trainer.size} ranks x {threads.get_num_threads()} threads, global "
+          f"batch B={args.batch_size} ({args.batch_size // trainer.size} per rank), "
+          f"ZeRO-{args.zero}, {len(trainer.layout.bounds)} gradient buckets", flush=True)
+    return trainer
