@@ -5,6 +5,7 @@ bench/ (whose scripts, e.g. bench/kernels.py, would shadow packages) can hide th
 installed adtape, kernels and gpt2 packages the tests are about.
 """
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -17,6 +18,18 @@ if "torch_gpt2" not in sys.modules:
     _module = importlib.util.module_from_spec(_spec)
     sys.modules["torch_gpt2"] = _module
     _spec.loader.exec_module(_module)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _outside_the_source_tree(tmp_path_factory):
+    """Run every test from an empty directory: the child processes that tests start
+    (``python -c``, ``python -m gpt2.train``, ``mpiexec``) put their working directory
+    first on sys.path, and from the repository root they would import the unbuilt
+    sources instead of the installed package."""
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(old)
 
 
 def _lane_widths():
