@@ -1,0 +1,37 @@
+"""The README as a user reads it: its commands are the real ones, its examples run, and it
+points to the notes beside the code instead of keeping a log of tuning rounds."""
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def code_blocks(lang):
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+def test_ci_runs_the_readmes_test_command():
+    # .ci/run must run exactly what the README tells a user to run.
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    commands = [line.strip() for block in code_blocks("") for line in block.splitlines()]
+    assert "pip install . && gpt2-train" in commands
+    assert ci in commands and "pytest" in ci
+
+
+@pytest.mark.parametrize("index", range(len(code_blocks("python"))))
+def test_python_examples_run(index, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code_blocks("python")[index], f"README.md python block {index}", "exec"), {})
+
+
+def test_links_resolve_and_no_tuning_log():
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
+        if not target.startswith("http"):
+            assert (ROOT / target).exists(), target
+    assert (ROOT / "bench" / "README.md").exists() and (ROOT / "kernels" / "README.md").exists()
+    # History belongs to git log: no "this round" / "the round before" narrative.
+    assert not re.search(r"\b(this|last|previous) round\b|\bround before\b", README, re.I)
+    assert len(README.encode()) < 16 << 10
