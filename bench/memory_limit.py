@@ -301,7 +301,7 @@ def worker_main(args):
 def run_worker(policy, model, B, T, args, budget=None):
     """Run one worker in a fresh process; its result with the sampled peak RSS."""
     import psutil
-    fd, result_file = tempfile.mkstemp(suffix=".json", dir=RESULTS, prefix="memory_limit.")
+    fd, result_file = tempfile.mkstemp(suffix=".tmp", dir=RESULTS, prefix="memory_limit.")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", policy, "--model", model,
            "--B", str(B), "--T", str(T), "--threads", str(args.threads),
@@ -383,10 +383,11 @@ def main(argv=None):
             continue
         acts, need = step_estimate_bytes(probe, B, T)
         from gpt2.config import GPT2Config
-        n_layer = GPT2Config.preset(model).n_layer
-        # One block's saved values and their gradients: what a recomputed block or the
-        # sweep over one block holds at once.
-        layer_bytes = 2 * acts / n_layer
+        config = GPT2Config.preset(model)
+        # The largest layer's working set: one block's saved values and their gradients
+        # (a recomputed block, or the sweep over one block), or the LM head's logits and
+        # their gradient.
+        layer_bytes = max(2 * acts / config.n_layer, 2 * 4 * B * T * config.padded_vocab_size)
         available = psutil.virtual_memory().available
         fits = need < FIT_FRACTION * available
         print(f"\n{model} B={B} T={T}: saved activations {acts / GiB:.2f} GiB, in-memory "
@@ -512,7 +513,8 @@ def plot(records, path):
         ax.set_xlabel("peak RSS (GiB)")
         ax.set_ylabel("s/step")
         ax.grid(alpha=0.3)
-    fig.suptitle("GPT-2 step time against peak memory (circles: adtape, squares: PyTorch)")
+    fig.suptitle("GPT-2 step time against peak memory\n(circles: adtape, squares: PyTorch)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
