@@ -38,7 +38,6 @@ Prints a table and the verdict on each target, writes bench/results/tape_stress.
 tape_stress_quick.json/.png, so a short run does not replace the full one).
 """
 import argparse
-import errno
 import json
 import mmap
 import os
@@ -58,6 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: installed packages, source, bench/)
 
 from adtape import Tape, _bench, _bench_stress  # noqa: E402
+from gpt2.perfmodel.calibrate import measure_disk  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 MiB = 1 << 20
@@ -443,69 +443,6 @@ def run_spill_case(spec):
 PROBE_BLOCK = 4 * MiB
 
 
-def open_direct(path, buf):
-    """path opened with O_DIRECT, or None where the file system refuses it (EINVAL, at
-    the open or at the first write)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return None
-    try:
-        os.pwrite(fd, buf, 0)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno != errno.EINVAL:
-            raise
-        return None
-    return fd
-
-
-def probe_device(spill_dir, nbytes, block=PROBE_BLOCK):
-    """Sequential write, then read, of nbytes in block-sized requests to a new file in
-    spill_dir; returns the device's write and read rates and how the page cache was kept
-    out of them.
-
-    O_DIRECT bypasses the page cache (its buffers must be aligned: mmap gives pages).
-    A file system that refuses it (tmpfs on older kernels) gets buffered writes ended
-    by fsync, and posix_fadvise(DONTNEED) before the read drops the cached pages, so
-    the read comes from the device there too (on tmpfs memory is the device).
-    """
-    wbuf, rbuf = mmap.mmap(-1, block), mmap.mmap(-1, block)
-    wbuf.write(np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8).tobytes())
-    fd, path = tempfile.mkstemp(prefix="tape-probe-", dir=spill_dir)
-    os.close(fd)
-    try:
-        fd = open_direct(path, wbuf)
-        method = "O_DIRECT"
-        if fd is None:
-            fd = os.open(path, os.O_RDWR)
-            method = "fsync+fadvise_dontneed"
-        try:
-            t0 = time.perf_counter()
-            for off in range(0, nbytes, block):
-                os.pwrite(fd, wbuf, off)
-            os.fsync(fd)
-            t1 = time.perf_counter()
-            if method != "O_DIRECT":
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t2 = time.perf_counter()
-            for off in range(0, nbytes, block):
-                if os.preadv(fd, [rbuf], off) != block:
-                    raise AssertionError(f"probe: short read at offset {off}")
-            t3 = time.perf_counter()
-        finally:
-            os.close(fd)
-        if rbuf[:] != wbuf[:]:
-            raise AssertionError("probe: the device returned other bytes than were written")
-    finally:
-        os.unlink(path)
-        wbuf.close()
-        rbuf.close()
-    return {"write_Bps": nbytes / (t1 - t0), "read_Bps": nbytes / (t3 - t2), "method": method}
-
-
 def bench_spill(sizes, rounds):
     budget = sizes["spill_budget"]
     data = SPILL_FACTOR * budget
@@ -518,9 +455,11 @@ def bench_spill(sizes, rounds):
     methods = set()
 
     def probe():
-        out = probe_device(spill_dir, data)
-        methods.add(out.pop("method"))
-        return out
+        # The device alone: O_DIRECT, or its page cache dropped (gpt2.perfmodel's probe).
+        write, read, method = measure_disk(spill_dir, data, max_seconds=float("inf"),
+                                           chunk=PROBE_BLOCK)
+        methods.add(method)
+        return {"write_Bps": write, "read_Bps": read}
 
     variants.append(("device/probe", probe))
     # Each sample is already a fresh process after its own warm-up: no warm-up round.

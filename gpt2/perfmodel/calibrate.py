@@ -14,6 +14,7 @@ interleaved across the shapes (one run of each shape per round).
 """
 import argparse
 import datetime
+import errno
 import mmap
 import os
 import subprocess
@@ -258,52 +259,69 @@ def measure_kernels(spec, configs, peak, overhead, repeats):
     return {k: _curve(v) for k, v in points.items()}, notes
 
 
+def _open_direct(path, buf):
+    """``path`` opened for reading and writing with O_DIRECT, or None where the file system
+    refuses it (EINVAL at the open, or at the first write)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except AttributeError:
+        return None
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return None
+    try:
+        os.pwrite(fd, buf, 0)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno != errno.EINVAL:
+            raise
+        return None
+    return fd
+
+
 def measure_disk(path, max_bytes, max_seconds=10.0, chunk=4 << 20):
     """(write bytes/s, read bytes/s, method) of sequential I/O in ``path``, of the device and not
     of memory.
 
     Writes then reads back a file of up to ``max_bytes`` (fewer if ``max_seconds`` pass
-    first) in ``chunk``-byte requests with O_DIRECT, from a page-aligned buffer; where the
+    first) in ``chunk``-byte requests with O_DIRECT, from page-aligned buffers; where the
     filesystem refuses O_DIRECT (tmpfs), buffered writes timed through fsync and reads
     after the file's pages are dropped from the page cache (posix_fadvise DONTNEED).
+    A short read, or a last block that differs from what was written, raises OSError.
     """
-    buf = mmap.mmap(-1, chunk)          # page-aligned, as O_DIRECT requires
-    buf.write(os.urandom(chunk))
-    fd, name = tempfile.mkstemp(dir=path, prefix="perfmodel-calib-")
+    wbuf, rbuf = mmap.mmap(-1, chunk), mmap.mmap(-1, chunk)   # page-aligned, as O_DIRECT requires
+    wbuf.write(os.urandom(chunk))
+    fd, name = tempfile.mkstemp(dir=path, prefix="adtape-disk-probe-")
     os.close(fd)
     try:
+        fd = _open_direct(name, wbuf)
         method = "O_DIRECT"
-        try:
-            fd = os.open(name, os.O_WRONLY | os.O_DIRECT)
-        except (AttributeError, OSError):
+        if fd is None:
             method = "fsync + fadvise(DONTNEED)"
-            fd = os.open(name, os.O_WRONLY)
-        written = 0
+            fd = os.open(name, os.O_RDWR)
         try:
+            written = 0
             t0 = time.perf_counter()
             while written < max_bytes and time.perf_counter() - t0 < max_seconds:
-                written += os.write(fd, buf)
+                written += os.pwrite(fd, wbuf, written)
             os.fsync(fd)
             write_rate = written / (time.perf_counter() - t0)
-        finally:
-            os.close(fd)
-        fd = os.open(name, os.O_RDONLY | (os.O_DIRECT if method == "O_DIRECT" else 0))
-        try:
             if method != "O_DIRECT":
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            read = 0
             t0 = time.perf_counter()
-            while read < written:
-                n = os.readv(fd, [buf])
-                if n == 0:
-                    break
-                read += n
-            read_rate = read / (time.perf_counter() - t0)
+            for offset in range(0, written, chunk):
+                if os.preadv(fd, [rbuf], offset) != chunk:
+                    raise OSError(f"{name}: short read at offset {offset}")
+            read_rate = written / (time.perf_counter() - t0)
         finally:
             os.close(fd)
+        if rbuf[:] != wbuf[:]:
+            raise OSError(f"{name}: the device returned other bytes than were written")
     finally:
         os.unlink(name)
-        buf.close()
+        wbuf.close()
+        rbuf.close()
     return write_rate, read_rate, method
 
 
