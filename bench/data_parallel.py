@@ -42,6 +42,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
+from _runinfo import cpu_name, git_commit, model_configs  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 CONFIGS = (("gpt2", 4, 64), ("gpt2", 4, 256))
@@ -51,18 +52,7 @@ BUCKET_BYTES = 25 << 20
 
 
 def parse_configs(text):
-    """'gpt2:4x64,gpt2:4x256' -> (('gpt2', 4, 64), ('gpt2', 4, 256))."""
-    out = []
-    for item in text.split(","):
-        try:
-            model, bt = item.split(":")
-            b, t = (int(v) for v in bt.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"a configuration is MODEL:BxT (per-rank batch), e.g. gpt2:4x64; got {item!r}"
-            ) from None
-        out.append((model, b, t))
-    return tuple(out)
+    return model_configs(text, "gpt2:4x64", " (per-rank batch)")
 
 
 def build_parser():
@@ -429,25 +419,6 @@ def mpi_version():
         from mpi4py import MPI
         return MPI.Get_library_version().splitlines()[0].strip()
     except ImportError:
-        return None
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def git_commit():
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
         return None
 
 

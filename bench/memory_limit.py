@@ -23,10 +23,10 @@ in-memory run of a (B, T) goes first and again last, and each policy's time is a
 against the median of those two runs, in the same run.  Losses of every policy are
 compared with the in-memory run's (bit for bit: the same kernels in the same order).
 
-The spill device is probed beside the run: a sequential write (fsync'd) and read of a
-file of --probe-bytes in --spill-dir, its pages dropped from the page cache between
-(posix_fadvise DONTNEED after fsync), so the read rate is the device's, not memory's.
-The tape's spilled bytes per second in the sweep are reported as a share of it.
+The spill device is probed beside the run: a sequential write and read of a file of
+--probe-bytes in --spill-dir with O_DIRECT (or, where the file system refuses it,
+fsync'd writes and the page cache dropped before the read), so the rates are the
+device's, not memory's (gpt2.perfmodel.calibrate.measure_disk).
 
 Prints a table, writes bench/results/memory_limit.json (records with model, B, T,
 policy, budget_bytes, ms, peak_rss_bytes, spill_bytes, io_wait_ms, torch_ms, ...) and
@@ -46,6 +46,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
+from _runinfo import cpu_name, git_commit, model_configs  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 CONFIGS = (("gpt2", 4, 1024), ("gpt2", 8, 1024), ("gpt2-medium", 4, 1024))
@@ -66,17 +67,7 @@ def parse_size(text):
 
 
 def parse_configs(text):
-    """'gpt2:4x1024,gpt2-medium:4x1024' -> (('gpt2', 4, 1024), ('gpt2-medium', 4, 1024))."""
-    out = []
-    for item in text.split(","):
-        try:
-            model, bt = item.split(":")
-            b, t = (int(v) for v in bt.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"a configuration is MODEL:BxT, e.g. gpt2:4x1024; got {item!r}") from None
-        out.append((model, b, t))
-    return tuple(out)
+    return model_configs(text, "gpt2:4x1024")
 
 
 def parse_policies(text):
@@ -114,38 +105,6 @@ def build_parser():
     p.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return p
-
-
-# -- the spill device ---------------------------------------------------------------
-
-def probe_device(directory, nbytes, chunk=16 << 20):
-    """Sequential write and read rates (bytes/s) of a file in ``directory``, its pages
-    dropped from the page cache between the two, so the read is the device's."""
-    import numpy as np
-    buf = np.random.default_rng(0).integers(0, 255, chunk, dtype=np.uint8).tobytes()
-    fd, path = tempfile.mkstemp(prefix="adtape-probe-", dir=directory)
-    try:
-        t0 = time.perf_counter()
-        written = 0
-        while written < nbytes:
-            written += os.write(fd, buf)
-        os.fsync(fd)
-        write_s = time.perf_counter() - t0
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.lseek(fd, 0, os.SEEK_SET)
-        t0 = time.perf_counter()
-        read = 0
-        while True:
-            got = os.read(fd, chunk)
-            if not got:
-                break
-            read += len(got)
-        read_s = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return {"probe_bytes": written, "write_bytes_per_s": written / write_s,
-            "read_bytes_per_s": read / read_s}
 
 
 # -- workers ------------------------------------------------------------------------
@@ -191,10 +150,7 @@ def policy_kwargs(policy, args):
         from gpt2.perfmodel.plan import plan_memory
         plan = plan_memory(GPT2Config.preset(args.model), args.B, args.T, args.budget,
                            spill_dir=args.spill_dir, threads=args.threads)
-        kwargs = plan.engine_kwargs()
-        if spill and kwargs.get("tape_kwargs", {}).get("memory_budget") is not None:
-            kwargs["tape_kwargs"] = {**kwargs["tape_kwargs"], **spill}
-        return kwargs, plan
+        return plan.engine_kwargs(), plan      # its tape_kwargs carry spill_dir
     raise ValueError(f"not one of our policies: {policy!r}")
 
 
@@ -372,7 +328,10 @@ def main(argv=None):
     policies = [p for p in args.policies if not (args.no_torch and p in TORCH_POLICIES)]
     spill_dir = args.spill_dir or tempfile.gettempdir()
     print(f"probing the spill device in {spill_dir} ({args.probe_bytes / GiB:.1f} GiB) ...", flush=True)
-    device = probe_device(spill_dir, args.probe_bytes)
+    from gpt2.perfmodel.calibrate import measure_disk
+    write, read, method = measure_disk(spill_dir, args.probe_bytes, max_seconds=float("inf"))
+    device = {"probe_bytes": args.probe_bytes, "write_bytes_per_s": write,
+              "read_bytes_per_s": read, "method": method}
     print(f"  write {device['write_bytes_per_s'] / 1e9:.2f} GB/s, read "
           f"{device['read_bytes_per_s'] / 1e9:.2f} GB/s", flush=True)
     records = []
@@ -429,12 +388,12 @@ def main(argv=None):
         torch_ms = {p: runs[p]["ms"] for p in TORCH_POLICIES if p in runs and "ms" in runs[p]}
         for policy, rec in runs.items():
             if policy in TORCH_POLICIES or "ms" not in rec:
-                records.append(finish(rec, None, None, None, device, probe, layer_bytes))
+                records.append(finish(rec, None, None, None, probe, layer_bytes))
                 continue
             rec["torch_ms"] = torch_ms.get("torch")
             rec["torch_ckpt_ms"] = torch_ms.get("torch-ckpt")
             records.append(finish(rec, statistics.median(base_ms) if base_ms else None,
-                                  base_losses, acts, device, probe, layer_bytes))
+                                  base_losses, acts, probe, layer_bytes))
     print_table(records)
     suffix = "_quick" if args.quick else ""
     out = {"device": device, "threads": args.threads, "cpu": cpu_name(),
@@ -446,7 +405,7 @@ def main(argv=None):
     print(f"\nwrote {path}")
 
 
-def finish(rec, base_ms, base_losses, acts, device, probe, layer_bytes):
+def finish(rec, base_ms, base_losses, acts, probe, layer_bytes):
     """Derived figures of one record: ratio to in-memory, bit-identity, spill and I/O."""
     rec.setdefault("torch_ms", None)
     budget = rec.get("budget_bytes") if rec["policy"].startswith("budget") else None
@@ -518,25 +477,6 @@ def plot(records, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def git_commit():
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 if __name__ == "__main__":
