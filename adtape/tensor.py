@@ -182,7 +182,7 @@ class custom_vjp:
 class _Graph:
     """One recording: the node list over a byte tape, and the leaves it reads."""
     __slots__ = ("nodes", "leaves", "tape", "owner", "freed", "child", "mark", "held",
-                 "held_bytes")
+                 "held_ids", "held_bytes")
 
     def __init__(self, tape, owner, mark=None):
         self.nodes = []
@@ -193,7 +193,8 @@ class _Graph:
         self.child = None
         self.mark = mark
         self.held = []          # residuals kept by reference and made read-only here
-        self.held_bytes = 0     # bytes of the residuals kept by reference
+        self.held_ids = set()   # id() of every array kept by reference (alive while kept)
+        self.held_bytes = 0     # bytes of the distinct arrays kept by reference
 
     def release(self):
         """Make the residuals this graph held by reference writable again."""
@@ -203,6 +204,7 @@ class _Graph:
             except ValueError:      # its base was made read-only meanwhile
                 pass
         self.held = []
+        self.held_ids = set()
         self.held_bytes = 0
 
     def adopt(self, t):
@@ -576,11 +578,13 @@ def _record(prim, out, inputs, res, kwargs):
                 tr = _ndarray
             if tr is _ndarray:
                 if by_reference:
-                    # An array two ops save (attention's output is also the projection's
-                    # input) is held, and counted, once.
                     if r.flags.writeable:
                         r.flags.writeable = False
                         graph.held.append(r)
+                    # An array two ops save (attention's output is also the projection's
+                    # input) is counted once, read-only or not.
+                    if id(r) not in graph.held_ids:
+                        graph.held_ids.add(id(r))
                         graph.held_bytes += r.nbytes
                     kept.append(r)
                 else:
