@@ -115,13 +115,17 @@ def report_and_abort(comm, exc):
         text = exc.code if isinstance(exc.code, str) else f"exit status {exc.code}"
         text = text[len("error: "):] if text.startswith("error: ") else text
         code = exc.code if isinstance(exc.code, int) else 2
+        detail = ""
     else:
-        detail = "".join(traceback.format_exception(exc)).rstrip()
-        print(f"rank {rank} of {size}: {detail}", file=sys.stderr, flush=True)
         text = f"{type(exc).__name__}: {exc}"
+        detail = "".join(traceback.format_exception(exc))
         code = 1
-    print(f"error: rank {rank} of {size}: {text}; aborting all ranks", file=sys.stderr,
-          flush=True)
+    # One write, the error line first: the launcher tears the job down as soon as
+    # MPI_Abort is called and may drop output still on its way (a separate last line
+    # was lost in one CI run in four).
+    sys.stderr.write(f"error: rank {rank} of {size}: {text}; aborting all ranks\n"
+                     + (f"rank {rank} of {size}: {detail}" if detail else ""))
+    sys.stderr.flush()
     comm.Abort(code)
     # MPICH's MPI_Abort returns while the launcher tears the job down: print nothing more.
     os._exit(code)
