@@ -18,10 +18,16 @@ cdef extern from "unistd.h" nogil:
 cdef extern from "stdlib.h" nogil:
     int mkstemp(char* template)
 
+cdef extern from "fcntl.h" nogil:
+    int c_open "open"(const char* path, int flags)
+    int O_RDWR
+    int O_DIRECT
+
 cdef extern from "unistd.h" nogil:
     int usleep(unsigned usec)
 
 DEF READAHEAD_NS = 50000000.0   # prefetch window: what the device reads in 50 ms
+DEF DIRECT_ALIGN = 4096         # O_DIRECT: buffer, offset and length in whole blocks
 
 
 # ---------------------------------------------------------------------------
@@ -108,6 +114,61 @@ cdef int read_all(int fd, char* p, size_t n, off_t off) noexcept nogil:
     return 0
 
 
+# Slabs whose buffers are page-aligned (mapped: 128 KiB and up) move with O_DIRECT, from
+# and into the slab itself: no copy into the page cache (on the 2-core machine that
+# copy took a core for about a second per GB written, beside the training threads),
+# and nothing of the spill file crowds the page cache.  Their file offsets are
+# rounded up to whole blocks; the last block is written whole (the slab's capacity is
+# whole blocks).  Smaller slabs, and filesystems that refuse O_DIRECT (tmpfs), use the
+# buffered descriptor.
+
+cdef inline size_t align_up(size_t n) noexcept nogil:
+    return (n + DIRECT_ALIGN - 1) & ~(<size_t>(DIRECT_ALIGN - 1))
+
+
+cdef inline int direct_capable(TapeStruct* t, Slab* s) noexcept nogil:
+    """Whether slab s's buffer and capacity suit O_DIRECT (its offset is chosen to)."""
+    return (t.dfd >= 0 and (<uintptr_t>s.data & (DIRECT_ALIGN - 1)) == 0
+            and (s.cap & (DIRECT_ALIGN - 1)) == 0)
+
+
+cdef inline int is_direct(TapeStruct* t, Slab* s) noexcept nogil:
+    return direct_capable(t, s) and (s.file_offset & (DIRECT_ALIGN - 1)) == 0
+
+
+cdef int write_slab(TapeStruct* t, Slab* s) noexcept nogil:
+    """Write slab s's bytes at its file offset (io_mu NOT held); errno or 0."""
+    cdef int err
+    if is_direct(t, s):
+        err = write_all(t.dfd, s.data, align_up(s.used), s.file_offset)
+        if err != EINVAL:
+            return err
+    return write_all(t.fd, s.data, s.used, s.file_offset)
+
+
+cdef int read_slab(TapeStruct* t, Slab* s) noexcept nogil:
+    """Read slab s's bytes from its file offset (io_mu NOT held); errno or 0.  A direct
+    read of whole blocks may stop short at the end of the file, past s.used."""
+    cdef ssize_t r
+    cdef size_t n, done = 0
+    if is_direct(t, s):
+        n = align_up(s.used)
+        while done < s.used:
+            r = pread(t.dfd, s.data + done, n - done, s.file_offset + <off_t>done)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                if errno == EINVAL and done == 0:
+                    break
+                return errno
+            if r == 0:
+                return EIO
+            done += r
+        if done >= s.used:
+            return 0
+    return read_all(t.fd, s.data, s.used, s.file_offset)
+
+
 cdef void shrink_file(TapeStruct* t) noexcept nogil:
     """Give back the file bytes above file_end once they exceed one spill unit (io_mu held).
 
@@ -140,7 +201,7 @@ cdef void reclaim_file(TapeStruct* t, Slab* s) noexcept nogil:
 
 cdef int load_slab_data(TapeStruct* t, Slab* s) noexcept nogil:
     """Read a LOADING slab's bytes and check them (io_mu NOT held).  Returns errno or -1 on checksum."""
-    cdef int err = read_all(t.fd, s.data, s.used, s.file_offset)
+    cdef int err = read_slab(t, s)
     if err:
         return err
     if checksum(s.data, s.used) != s.checksum:
@@ -192,7 +253,7 @@ cdef void* io_main(void* arg) noexcept nogil:
     cdef IORequest* req
     cdef Slab* s
     cdef int i, err
-    cdef off_t bad_offset
+    cdef off_t bad_offset, end
     pthread_mutex_lock(&t.io_mu)
     while True:
         while t.queue_head == NULL and not t.io_stop:
@@ -221,7 +282,7 @@ cdef void* io_main(void* arg) noexcept nogil:
             if err == 0:
                 for i in range(req.count):
                     s.checksum = checksum(s.data, s.used)
-                    err = write_all(t.fd, s.data, s.used, s.file_offset)
+                    err = write_slab(t, s)
                     if err:
                         bad_offset = s.file_offset
                         break
@@ -231,8 +292,9 @@ cdef void* io_main(void* arg) noexcept nogil:
             for i in range(req.count):
                 t.writing_bytes -= s.cap
                 if err == 0:
-                    if s.file_offset + <off_t>s.used > t.file_size:
-                        t.file_size = s.file_offset + <off_t>s.used
+                    end = s.file_offset + <off_t>(align_up(s.used) if is_direct(t, s) else s.used)
+                    if end > t.file_size:
+                        t.file_size = end
                     recycle_buffer(t, s)
                     s.state = SLAB_ON_DISK
                     t.spilled_bytes += s.used
@@ -275,6 +337,9 @@ cdef void spill_close(TapeStruct* t) noexcept nogil:
     if t.fd >= 0:
         close(t.fd)
         t.fd = -1
+    if t.dfd >= 0:
+        close(t.dfd)
+        t.dfd = -1
 
 
 cdef int open_spill_file(TapeStruct* t) noexcept nogil:
@@ -287,6 +352,7 @@ cdef int open_spill_file(TapeStruct* t) noexcept nogil:
                  t.spill_dir, strerror(errno))
         set_err(t, ERR_IO, errno, 0, msg)
         return -1
+    t.dfd = c_open(t.spill_path, O_RDWR | O_DIRECT)     # -1 where refused: buffered only
     unlink(t.spill_path)
     return 0
 
@@ -343,8 +409,17 @@ cdef int report_io_error(TapeStruct* t) noexcept nogil:
 # Write-behind: queueing the oldest slabs (pushes)
 # ---------------------------------------------------------------------------
 
-cdef int spill_oldest(TapeStruct* t) noexcept nogil:
-    """Queue the oldest run of resident heap slabs below the head for writing (io_mu held).
+cdef Slab* oldest_resident(TapeStruct* t) noexcept nogil:
+    """The oldest resident heap slab below the head, or NULL (io_mu held)."""
+    cdef Slab* s = t.inline_slab.next
+    while s != NULL and s != t.head and s.state != SLAB_RESIDENT:
+        s = s.next
+    return NULL if s == NULL or s == t.head else s
+
+
+cdef int spill_oldest(TapeStruct* t, int early) noexcept nogil:
+    """Queue the oldest run of resident heap slabs below the head for writing (io_mu held);
+    ``early``: queued by the write-ahead rule (counted in bytes_written_early).
 
     Returns 1 if a batch was queued, 0 if nothing can be spilled, -1 on error.
     """
@@ -357,10 +432,8 @@ cdef int spill_oldest(TapeStruct* t) noexcept nogil:
     # back are the oldest resident ones and are the first written out again.
     while t.prefetch_slabs > 0:
         pthread_cond_wait(&t.done_cv, &t.io_mu)
-    s = t.inline_slab.next
-    while s != NULL and s != t.head and s.state != SLAB_RESIDENT:
-        s = s.next
-    if s == NULL or s == t.head:
+    s = oldest_resident(t)
+    if s == NULL:
         return 0
     if t.fd < 0 and open_spill_file(t) < 0:
         return -1
@@ -369,6 +442,8 @@ cdef int spill_oldest(TapeStruct* t) noexcept nogil:
     first = s
     while s != t.head and s.state == SLAB_RESIDENT and batch < t.spill_unit:
         s.state = SLAB_WRITING
+        if direct_capable(t, s):
+            t.file_end = <off_t>align_up(<size_t>t.file_end)
         s.file_offset = t.file_end
         t.file_end += s.used
         t.writing_bytes += s.cap
@@ -377,7 +452,38 @@ cdef int spill_oldest(TapeStruct* t) noexcept nogil:
         s = s.next
     if enqueue(t, 1, first, count) < 0:
         return -1
+    if early:
+        t.bytes_written_early += batch
     return 1
+
+
+cdef inline int early_write_due(TapeStruct* t) noexcept nogil:
+    """Whether the write-ahead rule asks for the oldest resident slab to be written now:
+    it starts below early_until, the part of this fill that the last fill says will not
+    fit the budget (io_mu held)."""
+    cdef Slab* s
+    if t.early_until == 0:
+        return 0
+    s = oldest_resident(t)
+    return s != NULL and s.base < t.early_until
+
+
+cdef void start_fill(TapeStruct* t) noexcept nogil:
+    """A push grows the tape out of its bottom slab (the inline buffer or the first heap
+    slab): a fill from empty begins.  Arm the write-ahead rule from the last fill's peak
+    (io_mu held)."""
+    if t.memory_budget < 0 or not t.write_ahead:
+        return
+    if t.last_fill_peak > <size_t>t.memory_budget:
+        t.early_until = t.last_fill_peak - <size_t>t.memory_budget + <size_t>write_ahead_bytes(t)
+
+
+cdef inline void end_fill(TapeStruct* t) noexcept nogil:
+    """The tape is back in its bottom slab: the fill's peak is the next one's guide."""
+    if t.fill_peak > 0:
+        t.last_fill_peak = t.fill_peak
+    t.fill_peak = 0
+    t.early_until = 0
 
 
 cdef inline int64_t write_ahead_bytes(TapeStruct* t) noexcept nogil:
@@ -405,6 +511,12 @@ cdef int make_room(TapeStruct* t, size_t cap) noexcept nogil:
     pass memory_budget + S.  Pooled spare buffers count against the same bound.
     When nothing is left to spill (the head slab alone is that large), the slab is
     taken anyway: the bound then gives way, never the push.
+
+    Write-ahead: a tape filled the same way again (a training step) would reach the
+    budget only near the end of its fill, and from there the pushes could go no faster
+    than the disk writes.  So while a fill from empty has not yet popped, the slabs
+    that the last fill's peak says must go to disk anyway (those below peak - budget
+    + W) are queued as soon as they are full: the writes spread over the whole fill.
     """
     cdef int rc
     cdef int64_t budget = t.memory_budget
@@ -418,7 +530,13 @@ cdef int make_room(TapeStruct* t, size_t cap) noexcept nogil:
             return report_io_error(t)
         in_use = <int64_t>(t.resident_bytes - t.pool_count * t.slab_bytes)
         if in_use + <int64_t>cap - <int64_t>t.writing_bytes > budget - w:
-            rc = spill_oldest(t)
+            rc = spill_oldest(t, 0)
+            if rc < 0:
+                return -1
+            if rc == 1:
+                continue
+        elif early_write_due(t):
+            rc = spill_oldest(t, 1)
             if rc < 0:
                 return -1
             if rc == 1:

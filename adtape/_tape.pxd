@@ -143,6 +143,7 @@ cdef struct TapeStruct:
     # Spill file and the I/O thread.
     int owner_pid            # the process that created the tape, spill file and I/O thread
     int fd
+    int dfd                  # the same file opened with O_DIRECT, or -1 (see _spill.pxi)
     char spill_path[4096]
     char spill_dir[4096]
     off_t file_end
@@ -161,6 +162,13 @@ cdef struct TapeStruct:
     off_t io_err_offset
     off_t io_rollback_end    # lowest file offset of a failed write: file_end returns there
     size_t writing_bytes     # resident bytes queued for writing
+    # Writing ahead (see make_room): each fill of the tape from empty records its peak
+    # position; the next fill writes the slabs below last_fill_peak - budget (+ W) as
+    # soon as they are full, so the disk has the whole fill to write them in.
+    int write_ahead          # 1: learn from the last fill (default); 0: off
+    size_t fill_peak
+    size_t last_fill_peak
+    size_t early_until       # slabs starting below this position are written early (0: none)
     int inject_write_errno   # fault injection for tests: next write fails with this errno
     int64_t io_hold_until_ns # test hook: the I/O thread starts no request before this time
 
@@ -174,6 +182,7 @@ cdef struct TapeStruct:
     int64_t bytes_written
     int64_t bytes_read
     int64_t bytes_cancelled  # bytes whose queued write a pop took back before it started
+    int64_t bytes_written_early  # bytes queued for writing by the write-ahead rule
     int64_t read_bytes_timed # bytes and time of reads, for the device rate (readahead_bytes)
     int64_t read_ns
 

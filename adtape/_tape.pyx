@@ -28,7 +28,7 @@ cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.number cimport PyNumber_Index
 from libc.math cimport isinf
-from libc.errno cimport errno, EINTR, EIO
+from libc.errno cimport errno, EINTR, EIO, EINVAL
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport malloc, realloc, free
@@ -287,6 +287,10 @@ cdef int tape_grow(TapeStruct* t, size_t need) noexcept nogil:
     cdef size_t cap = round8(need)
     h.used = <size_t>(t.top - t.floor)
     pthread_mutex_lock(&t.io_mu)
+    if h == &t.inline_slab or h.prev == &t.inline_slab:
+        start_fill(t)       # growing out of the bottom slab: a fill from empty
+    if h.base + h.used > t.fill_peak:
+        t.fill_peak = h.base + h.used
     if make_room(t, cap if cap > t.slab_bytes else t.slab_bytes) < 0:
         pthread_mutex_unlock(&t.io_mu)
         return -1
@@ -311,6 +315,11 @@ cdef int move_down(TapeStruct* t) noexcept nogil:
     cdef int rc
     t.head.used = <size_t>(t.top - t.floor)
     pthread_mutex_lock(&t.io_mu)
+    if t.head.base + t.head.used > t.fill_peak:
+        t.fill_peak = t.head.base + t.head.used
+    t.early_until = 0          # a pop: this fill is over, write-ahead stops
+    if below == &t.inline_slab or below.prev == &t.inline_slab:
+        end_fill(t)         # back in the bottom slab: the fill is over
     rc = ensure_resident(t, below)
     if rc == 0:
         set_window(t, below, below.used)
@@ -403,6 +412,9 @@ cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_
     cdef Slab* nxt
     pthread_mutex_lock(&t.io_mu)
     wait_io_idle(t)
+    t.early_until = 0
+    if cur_pos(t) > t.fill_peak:
+        t.fill_peak = cur_pos(t)
     # At a slab boundary the lower slab ends exactly at pos: prefer it when it is
     # resident, so clear() frees every heap slab and nothing is read back in vain.
     while target.prev != NULL and (target.base > pos or (
@@ -411,6 +423,8 @@ cdef int rewind_to(TapeStruct* t, size_t pos, int64_t n_records, int64_t record_
     if ensure_resident(t, target) < 0:
         pthread_mutex_unlock(&t.io_mu)
         return -1
+    if target == &t.inline_slab or target.prev == &t.inline_slab:
+        end_fill(t)
     s = target.next
     target.next = NULL
     while s != NULL:
@@ -507,6 +521,9 @@ cdef void abandon_inherited(TapeStruct* t) noexcept nogil:
     if t.fd >= 0:
         close(t.fd)
         t.fd = -1
+    if t.dfd >= 0:
+        close(t.dfd)
+        t.dfd = -1
     t.io_started = 0
     t.locked_word = 0
     t.closed = 2
@@ -529,6 +546,7 @@ cdef int tape_init(TapeStruct* t, int itemsize, size_t sbo_bytes, char* inline_b
     t.prefetch_depth = prefetch_depth
     t.max_free_slabs = 2 + prefetch_depth
     t.fd = -1
+    t.dfd = -1
     t.owner_pid = getpid()
     t.io_rollback_end = <off_t>0x7FFFFFFFFFFFFFFF
     strncpy(t.spill_dir, spill_dir, sizeof(t.spill_dir) - 1)
@@ -995,11 +1013,17 @@ cdef class Tape:
     keep_free_slabs : emptied slabs kept for reuse before they are freed (default:
         256 MiB worth without a budget, so a tape refilled every training step does
         not fault fresh pages in; 2 + prefetch_depth with one).  clear() frees them.
+    write_ahead : with a memory_budget, learn from each fill of the tape from empty
+        (a training step's forward pass) how far it went; the next fill then writes
+        the slabs that will not fit the budget as soon as they are full, instead of
+        when the budget is reached, so the writes spread over the whole fill and the
+        pushes rarely wait for the disk (default True).  A pop ends the write-ahead
+        of the fill; what it queued is written as it would have been anyway.
     """
 
     def __cinit__(self, dtype=np.float64, sbo_size=32, slab_size=None, memory_budget=None,
                   spill_dir=None, prefetch_depth=2, threadsafe=True, spill_unit=1 << 20,
-                  keep_free_slabs=None):
+                  keep_free_slabs=None, write_ahead=True):
         cdef int itemsize
         cdef int64_t budget
         self.t.closed = 1
@@ -1042,6 +1066,7 @@ cdef class Tape:
                   slab_size * itemsize, budget, encoded, prefetch_depth,
                   1 if threadsafe else 0, max(spill_unit, 1))
         self.t.tape_serial = next(_tape_serials)
+        self.t.write_ahead = 1 if write_ahead else 0
         if keep_free_slabs is not None:
             self.t.max_free_slabs = _count("keep_free_slabs", keep_free_slabs)
         elif budget < 0:
@@ -1506,6 +1531,8 @@ cdef class Tape:
             "bytes_read": t.bytes_read,
             "writing_bytes": t.writing_bytes,
             "bytes_cancelled": t.bytes_cancelled,
+            "bytes_written_early": t.bytes_written_early,
+            "write_ahead_until": t.early_until,
             "readahead_bytes": readahead_bytes(t) if t.memory_budget >= 0 else 0,
         }
         pthread_mutex_unlock(&t.io_mu)
@@ -1547,6 +1574,11 @@ cdef class Tape:
     def _spill_fd(self):
         """The spill file's descriptor (-1 before the first spill).  For tests."""
         return self.t.fd
+
+    def _spill_direct(self):
+        """Whether the spill file takes O_DIRECT I/O (False before the first spill or
+        where the filesystem refuses it).  For tests and benchmarks."""
+        return self.t.dfd >= 0
 
     def _sync(self):
         """Wait until the I/O thread is idle.  For tests and benchmarks."""

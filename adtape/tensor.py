@@ -242,7 +242,7 @@ class OpTape:
 
     def __init__(self, memory_budget=None, spill_dir=None, slab_size=None, sbo_size=32,
                  prefetch_depth=2, spill_unit=1 << 20, keep_free_slabs=None,
-                 residuals="tape"):
+                 residuals="tape", write_ahead=True):
         if residuals not in ("tape", "reference"):
             raise ValueError(f"residuals must be 'tape' or 'reference', got {residuals!r}")
         if residuals == "reference" and memory_budget is not None:
@@ -252,7 +252,8 @@ class OpTape:
         self._tape_kwargs = dict(sbo_size=sbo_size, slab_size=slab_size,
                                  memory_budget=memory_budget, spill_dir=spill_dir,
                                  prefetch_depth=prefetch_depth, threadsafe=False,
-                                 spill_unit=spill_unit, keep_free_slabs=keep_free_slabs)
+                                 spill_unit=spill_unit, keep_free_slabs=keep_free_slabs,
+                                 write_ahead=write_ahead)
         self.tape = Tape(np.float64, **self._tape_kwargs)
         self.graph = _Graph(self.tape, self)
         self.closed = False
