@@ -153,16 +153,16 @@ def _data_parallel_time(spec, workload, parallel, hardware, stage):
     return total
 
 
-def tape_io_time(copied, spilled, spilled_in_forward, forward, backward, hardware, overlap=True):
+def tape_io_time(copied, spilled, forward, backward, hardware, overlap=True):
     """(copy seconds, exposed spill seconds) of the byte tape in one micro-batch.
 
     ``copied`` bytes are pushed onto the byte tape and popped back (a read and a write
-    each way).  ``spilled`` bytes go to disk and come back; ``spilled_in_forward`` is the
-    share of the recorded bytes pushed after the budget filled.  The writes are behind
-    the pushes, so only the forward compute after the budget filled (``forward`` times
-    that share) can hide them; the reads are prefetched ahead of the pops, so the whole
-    ``backward`` (recomputation included) can hide them.  Without ``overlap`` both
-    transfers add to the step in full.
+    each way).  ``spilled`` bytes go to disk and come back, moved by the I/O thread with
+    O_DIRECT from the slabs themselves (no page-cache copy).  In steady state the tape
+    writes ahead (it learned the last step's peak), from the first slab of the forward
+    pass, so the whole ``forward`` can hide the writes; the reads are prefetched ahead
+    of the pops, so the whole ``backward`` (recomputation included) can hide them.
+    Without ``overlap`` both transfers add to the step in full.
     """
     copy = 2 * hardware.memory_time(2 * copied)
     if spilled <= 0:
@@ -170,7 +170,7 @@ def tape_io_time(copied, spilled, spilled_in_forward, forward, backward, hardwar
     write, read = hardware.spill_times(spilled)
     if not overlap:
         return copy, write + read
-    return copy, max(0.0, write - forward * spilled_in_forward) + max(0.0, read - backward)
+    return copy, max(0.0, write - forward) + max(0.0, read - backward)
 
 
 def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
@@ -215,9 +215,8 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
     if parallel.tape_budget >= 0:
         stored = memory.activations_unbudgeted
         forward = sum(v for (phase, _), v in compute.items() if phase == "fwd")
-        tape_copy, spill_io = tape_io_time(stored, memory.spilled, memory.spilled / stored if stored else 0.0,
-                                           forward, sum(compute.values()) - forward, hardware,
-                                           parallel.overlap_spill_io)
+        tape_copy, spill_io = tape_io_time(stored, memory.spilled, forward, sum(compute.values()) - forward,
+                                           hardware, parallel.overlap_spill_io)
     tape_copy *= n_micro
     spill_io *= n_micro
 

@@ -314,11 +314,10 @@ def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memo
         resident, slack = min(stored + rerun, budget), TAPE_SLACK_BYTES
         if rerun and budget < rerun:
             rejected = f"budget below one re-run block's activations ({format_size(rerun)})"
-        # Pushed and popped: the stored activations and every re-run block's; the spill
-        # file is written and read through the page cache, one more copy each way.
-        copied = stored + acc.n_layer * rerun + spilled
-        in_forward = max(0.0, stored - budget) / stored if stored else 0.0
-        copy_s, spill_s = tape_io_time(copied, spilled, in_forward, forward, backward, profile)
+        # Pushed and popped: the stored activations and every re-run block's (the spill
+        # file moves with O_DIRECT, straight from and into the slabs).
+        copied = stored + acc.n_layer * rerun
+        copy_s, spill_s = tape_io_time(copied, spilled, forward, backward, profile)
     memory = {"model states": acc.model_states, "activations": resident, "working set": working,
               "tape slack": slack, "heap slack": acc.heap_slack(checkpointing),
               "baseline": profile.baseline_rss, "spilled": spilled}
