@@ -525,9 +525,10 @@ def describe_link(profile):
     link = profile.interconnect
     lines = [f"link ({link.measured}):"]
     for name, fit in sorted(link.collectives.items()):
+        cost = link.overlap_cost.get(name)
         lines.append(f"  {name:<15} bandwidth {fit['bandwidth'] / 1e9:6.2f} GB/s   latency "
-                     f"{fit['latency'] * 1e6:7.2f} us   in flight beside compute costs "
-                     f"{link.overlap_cost.get(name, float('nan')):.0%} of its time")
+                     f"{fit['latency'] * 1e6:7.2f} us" + ("" if cost is None else
+                                                          f"   in flight beside compute costs {cost:.0%} of its time"))
     for ranks, rates in sorted(profile.rank_rates.items()):
         lines.append(f"  {ranks} ranks x {rates['threads']} thread(s), all computing: sgemm "
                      f"{rates['sgemm_flops'] / 1e9:.1f} GFLOP/s, copy {rates['copy_bandwidth'] / 1e9:.2f} GB/s per rank")
