@@ -2,6 +2,7 @@
 
   python -m gpt2.perfmodel.calibrate [--threads N] [--output PATH] [--quick] [--spill-dir DIR]
   python -m gpt2.perfmodel.calibrate --disk-only [--spill-dir DIR]   (what the memory planner needs)
+  python -m gpt2.perfmodel.calibrate --link-only [--ranks 2]   (what data-parallel estimates need)
 
 Measures, at the model's real shapes (GPT-2 124M at a few (B, T); --quick: the tiny
 preset): float32 sgemm throughput through the kernels' gemm for the forward product and both
@@ -11,12 +12,23 @@ class (attention, layernorm, GELU, residual, embedding, loss, optimizer: whichev
 built), the spill device's sequential write and read rates (O_DIRECT: the disk, not
 the page cache) and the baseline RSS of a process that ran one tiny training step.  The machine is shared, so every figure is the median of several runs,
 interleaved across the shapes (one run of each shape per round).
+
+The link between ranks on this machine (``--link-only``, and part of a full calibration
+where mpiexec and mpi4py are installed): ``mpiexec -n RANKS`` runs gpt2.perfmodel.linkprobe,
+which times blocking all-reduce, reduce-scatter and all-gather from 64 bytes to
+--link-max-bytes, what buckets in flight cost the computation beside them, each rank's
+sgemm and copy rates with every rank computing at once on cores / RANKS threads, and
+the MPI runtime's resident bytes.  Each collective gets a latency (from the sizes up to
+4 KiB) and a bandwidth (from the sizes of 1 MiB and more, least relative squares) in
+the terms of gpt2.perfmodel.collectives, stored in the profile's ``interconnect``.
 """
 import argparse
 import datetime
 import errno
+import json
 import mmap
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +37,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from . import collectives
 from .graph import GraphOptions, step_graph
 from .hardware import PROFILE_DIR, EfficiencyCurve, HardwareProfile, Interconnect, load_profile, save_profile
 from .spec import ModelSpec, ParallelConfig, Workload
@@ -343,6 +356,117 @@ def measure_baseline_rss(threads=None):
     return float(out.stdout.strip().splitlines()[-1])
 
 
+class LinkUnavailable(RuntimeError):
+    """The link between ranks cannot be measured here (no mpiexec, no mpi4py, the probe failed)."""
+
+
+LINK_SMALL_BYTES = 4096          # latency from the sizes up to this
+LINK_LARGE_BYTES = 1 << 20       # bandwidth from the sizes from this
+
+
+def measure_link(ranks=2, threads=None, max_bytes=100 << 20, repeats=5, timeout=300):
+    """The link probe's raw figures (gpt2.perfmodel.linkprobe's JSON) from ``mpiexec -n ranks``,
+    each rank on ``threads`` threads (default: the cores shared among the ranks)."""
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        raise LinkUnavailable("mpiexec not found on PATH: install an MPI (e.g. apt-get install mpich) "
+                              "and mpi4py to measure the link between ranks")
+    try:
+        import mpi4py   # noqa: F401
+    except ImportError:
+        raise LinkUnavailable("mpi4py is not installed: pip install 'adtape[mpi]' to measure the link "
+                              "between ranks") from None
+    if ranks < 2:
+        raise ValueError(f"the link needs at least 2 ranks, got {ranks}")
+    if threads is None:
+        from kernels import threads as kthreads
+        threads = max(1, kthreads.available_cores() // ranks)
+    with tempfile.TemporaryDirectory() as tmp:
+        output = os.path.join(tmp, "link.json")
+        command = [mpiexec, "-n", str(ranks), sys.executable, "-m", "gpt2.perfmodel.linkprobe",
+                   "--output", output, "--max-bytes", str(int(max_bytes)), "--repeats", str(repeats),
+                   "--threads", str(threads)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        try:
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise LinkUnavailable(f"the link probe ({' '.join(command[:3])} ...) did not finish in "
+                                  f"{timeout} s") from None
+        if proc.returncode != 0 or not os.path.exists(output):
+            raise LinkUnavailable(f"the link probe failed (exit status {proc.returncode}): "
+                                  f"{proc.stderr.strip()[-800:]}")
+        with open(output) as f:
+            return json.load(f)
+
+
+def fit_collective(name, points, ranks):
+    """{"bandwidth", "latency"} of collective ``name`` over ``ranks`` from [(bytes, seconds)].
+
+    In collectives.py's terms t = a * latency + b * bytes / bandwidth (all-reduce: a =
+    2(p-1), b = 2(p-1)/p; reduce-scatter, all-gather: a = p-1, b = (p-1)/p): the latency
+    from the median time of the sizes up to LINK_SMALL_BYTES, then the bandwidth that
+    minimises the relative squared error over the sizes from LINK_LARGE_BYTES (the
+    buckets' sizes: caches make mid sizes faster than the line through both ends), then
+    both again with the small sizes' bandwidth term taken off.
+    """
+    model = {"all_reduce": collectives.all_reduce, "reduce_scatter": collectives.reduce_scatter,
+             "all_gather": collectives.all_gather}[name]
+    # The formula's coefficients, read off the formula itself: a = t(0 bytes of bandwidth
+    # term) per unit latency, b = bandwidth term per byte at unit bandwidth.
+    a = model(1, ranks, float("inf"), 1.0)
+    b = model(1, ranks, 1.0, 0.0)
+    small = [(n, t) for n, t in points if n <= LINK_SMALL_BYTES]
+    large = [(n, t) for n, t in points if n >= LINK_LARGE_BYTES]
+    if not small or not large:
+        raise ValueError(f"{name}: the link fit needs sizes up to {LINK_SMALL_BYTES} B and from "
+                         f"{LINK_LARGE_BYTES} B, got {sorted(n for n, _ in points)}")
+    def bandwidth(latency):
+        # Minimise sum(((a*latency + b*n*inv_bw) - t) / t)^2 over inv_bw: linear least squares.
+        num = sum(b * n * (t - a * latency) / t ** 2 for n, t in large)
+        den = sum((b * n / t) ** 2 for n, t in large)
+        if not num > 0:
+            raise ValueError(f"{name}: large transfers took no longer than the latency; cannot fit a bandwidth")
+        return den / num
+
+    latency = float(np.median([t for _, t in small])) / a
+    bw = bandwidth(latency)
+    # Once more with the small sizes' bandwidth term taken off their times.
+    latency = max(0.0, float(np.median([t - b * n / bw for n, t in small]))) / a
+    return {"bandwidth": bandwidth(latency), "latency": latency}
+
+
+def link_from_probe(raw):
+    """(Interconnect, rank_rates entry) from the link probe's raw figures."""
+    ranks = raw["ranks"]
+    fits = {name: fit_collective(name, points, ranks) for name, points in raw["collectives"].items()}
+    # The overlap cost is a share of the fitted time of the buckets that were in flight,
+    # so that cost x the model's collective time gives back the compute time they took.
+    overlap = {}
+    for name, o in raw["overlap"].items():
+        bw, lat = fits[name]["bandwidth"], fits[name]["latency"]
+        model = getattr(collectives, name)
+        fitted = o["buckets"] * model(o["bytes"] / o["buckets"], ranks, bw, lat)
+        overlap[name] = min(1.0, max(0.0, o["extra_s"] / fitted))
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    link = Interconnect(
+        devices_per_node=ranks, intra_node_bandwidth=fits["all_reduce"]["bandwidth"],
+        intra_node_latency=fits["all_reduce"]["latency"], collectives=fits,
+        overlap_cost=overlap,
+        runtime_rss=float(raw["runtime_rss"]), buffer_bytes_per_byte=dict(raw.get("buffers", {})),
+        measured=f"python -m gpt2.perfmodel.calibrate --link-only at {now}: mpiexec -n {ranks}, "
+                 f"{raw['threads']} thread(s) per rank")
+    return link, {str(ranks): dict(raw["rank_rates"])}
+
+
+def calibrate_link(profile, ranks=2, threads=None, max_bytes=100 << 20, repeats=5, timeout=300):
+    """``profile`` with the link between ``ranks`` ranks on this machine measured."""
+    raw = measure_link(ranks, threads, max_bytes, repeats, timeout)
+    link, rates = link_from_probe(raw)
+    calibration = dict(profile.calibration, link_probe=raw)
+    return profile.with_changes(interconnect=link, rank_rates={**profile.rank_rates, **rates},
+                                calibration=calibration)
+
+
 def calibrate(threads=None, quick=False, spec=None, configs=None, repeats=None, spill_dir=None):
     """Measure this machine with ``threads`` threads (restored afterwards); returns a HardwareProfile."""
     threads, previous = _set_threads(threads)
@@ -396,6 +520,28 @@ def calibrate_disk(profile, spill_dir=None, threads=None):
                                 calibration=calibration)
 
 
+def describe_link(profile):
+    """One line per measured collective, the overlap costs, the ranks' shares and the runtime's RSS."""
+    link = profile.interconnect
+    lines = [f"link ({link.measured}):"]
+    for name, fit in sorted(link.collectives.items()):
+        cost = link.overlap_cost.get(name)
+        lines.append(f"  {name:<15} bandwidth {fit['bandwidth'] / 1e9:6.2f} GB/s   latency "
+                     f"{fit['latency'] * 1e6:7.2f} us" + ("" if cost is None else
+                                                          f"   in flight beside compute costs {cost:.0%} of its time"))
+    for ranks, rates in sorted(profile.rank_rates.items()):
+        lines.append(f"  {ranks} ranks x {rates['threads']} thread(s), all computing: sgemm "
+                     f"{rates['sgemm_flops'] / 1e9:.1f} GFLOP/s, copy {rates['copy_bandwidth'] / 1e9:.2f} GB/s per rank")
+    lines.append(f"  MPI runtime resident per rank: {link.runtime_rss / 2**20:.1f} MiB; temporary buffers per byte "
+                 f"in flight: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(link.buffer_bytes_per_byte.items())))
+    return "\n".join(lines)
+
+
+def _bytes(text):
+    from gpt2.train import parse_size
+    return parse_size(text)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m gpt2.perfmodel.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -407,11 +553,28 @@ def main(argv=None):
                    help="directory whose device the tape spills to (default: the system temp dir)")
     p.add_argument("--disk-only", action="store_true",
                    help="re-measure only the spill device's rates and the baseline RSS in the existing profile")
+    p.add_argument("--link-only", action="store_true",
+                   help="measure only the link between --ranks ranks on this machine (mpiexec, mpi4py; about "
+                        "a minute) and each rank's share of the machine, into the existing profile")
+    p.add_argument("--ranks", type=int, default=2, help="ranks of the link measurement (default 2)")
+    p.add_argument("--link-max-bytes", type=_bytes, default=100 << 20,
+                   help="largest collective of the link measurement (default 100M)")
+    p.add_argument("--link-timeout", type=int, default=300, help="seconds the link measurement may take")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     if args.spill_dir is not None and not os.path.isdir(args.spill_dir):
         raise SystemExit(f"error: --spill-dir {args.spill_dir!r} is not a directory")
+    if args.link_only:
+        try:
+            profile = calibrate_link(load_profile(args.output), args.ranks, args.threads, args.link_max_bytes,
+                                     args.repeats or 5, args.link_timeout)
+        except (FileNotFoundError, ValueError, LinkUnavailable) as exc:
+            raise SystemExit(f"error: {exc}") from None
+        save_profile(profile, args.output)
+        print(describe_link(profile))
+        print(f"wrote {args.output}")
+        return 0
     if args.disk_only:
         try:
             profile = calibrate_disk(load_profile(args.output), args.spill_dir, args.threads)
@@ -419,6 +582,12 @@ def main(argv=None):
             raise SystemExit(f"error: {exc}") from None
     else:
         profile = calibrate(args.threads, args.quick, repeats=args.repeats, spill_dir=args.spill_dir)
+        try:
+            profile = calibrate_link(profile, args.ranks, None, (4 if args.quick else 100) << 20,
+                                     3 if args.quick else 5, args.link_timeout)
+        except LinkUnavailable as exc:
+            notes = profile.calibration["notes"] + [f"link between ranks not measured: {exc}"]
+            profile = profile.with_changes(calibration=dict(profile.calibration, notes=notes))
     save_profile(profile, args.output)
     print(f"peak sgemm {profile.peak('fp32') / 1e9:.1f} GFLOP/s, copy bandwidth "
           f"{profile.memory_bandwidth / 1e9:.2f} GB/s, kernel call {profile.op_overhead * 1e6:.2f} us, "
@@ -426,6 +595,8 @@ def main(argv=None):
           f"GB/s, read {profile.disk_read_bandwidth / 1e9:.2f} GB/s ({profile.calibration['disk_method']}, "
           f"{profile.calibration['spill_dir']}), baseline RSS {profile.baseline_rss / 2**20:.0f} MiB "
           f"({profile.threads} threads)")
+    if profile.interconnect.measured:
+        print(describe_link(profile))
     for note in profile.calibration["notes"]:
         print(f"note: {note}")
     print(f"wrote {args.output}")

@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from .estimate import estimate
+from .estimate import device_view, estimate
 from .graph import GraphOptions
 from .hardware import available_profiles, load_profile
 from .spec import RECOMPUTE_POLICIES, ModelSpec, ParallelConfig, Workload
@@ -64,7 +64,12 @@ def build_parser():
     h.add_argument("--recompute", default="none", choices=RECOMPUTE_POLICIES)
     h.add_argument("--checkpoints", type=int, default=0, help="binomial recompute: checkpoint slots")
     h.add_argument("--flash", action="store_true", help="FlashAttention")
-    h.add_argument("--overlap-dp", action="store_true", help="hide gradient reduction behind backward")
+    h.add_argument("--overlap-dp", action=argparse.BooleanOptionalAction, default=None,
+                   help="gradient reduction runs during the backward pass (default: on with --layout adtape, "
+                        "as gpt2.distributed does; off with megatron)")
+    h.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradients reduced in buckets of this many MiB, one collective each (default 25, "
+                        "gpt2.distributed's and DDP's; 0: one collective)")
     h.add_argument("--tape-budget", type=float, default=-1.0, help="activation bytes kept in memory (-1: all)")
     h.add_argument("--overlap-spill", action="store_true")
     pl = p.add_argument_group("memory planner")
@@ -109,7 +114,9 @@ def setup_from_args(args):
     parallel = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp,
                               interleave=args.interleave, zero_stage=args.zero, fsdp=args.fsdp,
                               recompute=args.recompute, checkpoints=args.checkpoints,
-                              flash_attention=args.flash, overlap_dp_comm=args.overlap_dp,
+                              flash_attention=args.flash,
+                              overlap_dp_comm=args.layout == "adtape" if args.overlap_dp is None else args.overlap_dp,
+                              dp_bucket_bytes=args.bucket_mb * (1 << 20),
                               tape_budget=args.tape_budget, overlap_spill_io=args.overlap_spill)
     options = GraphOptions(layout=args.layout, causal_attention_flops=args.causal_flops)
     return spec, workload, parallel, load_profile(args.hardware or "generic-cpu"), options
@@ -150,7 +157,19 @@ def format_table(est, spec, workload, parallel, hardware):
              f"   {workload.precision}   hardware: {hardware.name}",
              f"parallel: dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} ep={parallel.ep} "
              f"sp={parallel.sequence_parallel} interleave={parallel.interleave} zero={parallel.sharding} "
-             f"recompute={parallel.recompute} flash={parallel.flash_attention}", ""]
+             f"recompute={parallel.recompute} flash={parallel.flash_attention}"]
+    view, ranks_per_node = device_view(hardware, parallel)
+    unit = "rank" if hardware.kind == "cpu" and parallel.world_size > 1 else "device"
+    if ranks_per_node > 1:
+        lines.append(f"per rank: batch {workload.micro_batch_size(parallel)} x seq {workload.seq_len}, "
+                     f"{ranks_per_node} ranks share this machine ({view.name}); link: {hardware.interconnect.measured}")
+    if parallel.dp > 1:
+        lines.append(f"data-parallel communication: {est.details['data_parallel_unhidden'] * 1e3:.1f} ms alone "
+                     f"({est.details['data_parallel_reduce'] * 1e3:.1f} reduce, "
+                     f"{est.details['data_parallel_gather'] * 1e3:.1f} gather), "
+                     f"{est.communication['data_parallel'] * 1e3:.1f} ms exposed"
+                     f"{' (overlapped with the backward)' if parallel.overlap_dp_comm else ''}")
+    lines.append("")
     phases = ("fwd", "recompute", "bwd")
     classes = sorted({c for _, c in est.compute})
     lines.append(f"{'time per step':<20}" + "".join(f"{p:>13}" for p in phases) + f"{'total':>13}{'share':>8}")
@@ -162,14 +181,14 @@ def format_table(est, spec, workload, parallel, hardware):
         ("pipeline bubble", est.bubble), ("tape copies", est.tape_copy), ("tape spill I/O", est.spill_io)]
     for name, v in extra:
         lines.append(f"{name:<20}" + " " * 39 + _fmt_time(v).rjust(13) + f"{v / est.step_time:8.1%}")
-    lines.append(f"{'step':<20}" + " " * 39 + _fmt_time(est.step_time).rjust(13))
+    lines.append(f"{'step (per ' + unit + ')':<20}" + " " * 39 + _fmt_time(est.step_time).rjust(13))
     lines.append(f"tokens/s {est.tokens_per_second:,.0f}   MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   "
                  f"bubble fraction {est.bubble_fraction:.1%}   micro-batches {est.details['micro_batches']}")
     lines.append("")
-    lines.append(f"{'memory per device':<20}")
+    lines.append(f"{'memory per ' + unit:<20}")
     for k, v in est.memory.as_dict().items():
         lines.append(f"  {k:<18}{_fmt_bytes(v):>16}")
-    cap = hardware.memory_capacity
+    cap = view.memory_capacity
     lines.append(f"  {'capacity':<18}{_fmt_bytes(cap):>16}   "
                  f"{'fits' if est.memory.total <= cap else 'DOES NOT FIT'}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ tensor-parallel collectives per layer, expert all-to-all, pipeline point-to-poin
 transfers and the bubble, the data-parallel gradient reduction (ZeRO/FSDP), and the
 tape's byte-tape copies and spill I/O.  Every term is zero when its feature is off.
 """
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -126,31 +127,67 @@ def _pipeline_p2p_time(spec, workload, parallel, hardware):
 
 
 def _data_parallel_time(spec, workload, parallel, hardware, stage):
-    """Gradient reduction per step: all-reduce (ZeRO 0), reduce-scatter + all-gather of the
-    updated parameters (ZeRO 1, 2), and for ZeRO 3 / FSDP parameter all-gathers in both
-    forward and backward (1.5x the all-reduce volume)."""
+    """(gradient reduction, parameter gathering) seconds per step: all-reduce (ZeRO 0),
+    reduce-scatter then all-gather of the updated parameters (ZeRO 1, 2), and for ZeRO 3
+    / FSDP parameter all-gathers in both forward and backward (1.5x the all-reduce
+    volume).  With ``parallel.dp_bucket_bytes`` the gradients go in buckets of that size,
+    one collective each (its latency paid per bucket)."""
     dp = parallel.dp
     if dp == 1:
-        return 0.0
+        return 0.0, 0.0
     params = stage_parameters(spec, parallel, stage)
     expert = 0.0
     if spec.n_experts:
         expert = (spec.n_layer // parallel.pp) * spec.mlp_params_per_expert * spec.n_experts / (
             parallel.ep * parallel.tp)
     groups = [(params - expert, dp), (expert, dp // parallel.ep)]
-    total = 0.0
+    reduce = gather = 0.0
     for count, size in groups:
         if count <= 0 or size == 1:
             continue
-        bw, lat = _group_link(hardware, size, parallel.tp)
         n = workload.act_bytes * count
+        buckets = max(1, math.ceil(n / parallel.dp_bucket_bytes)) if parallel.dp_bucket_bytes > 0 else 1
+
+        def timed(name):
+            bw, lat = _collective_link(hardware, name, size, parallel.tp)
+            return buckets * getattr(collectives, name)(n / buckets, size, bw, lat)
         if parallel.sharding == 0:
-            total += collectives.all_reduce(n, size, bw, lat)
-        elif parallel.sharding in (1, 2):
-            total += collectives.reduce_scatter(n, size, bw, lat) + collectives.all_gather(n, size, bw, lat)
+            reduce += timed("all_reduce")
         else:
-            total += collectives.reduce_scatter(n, size, bw, lat) + 2 * collectives.all_gather(n, size, bw, lat)
-    return total
+            reduce += timed("reduce_scatter")
+            gather += timed("all_gather") * (2 if parallel.sharding == 3 else 1)
+    return reduce, gather
+
+
+def _collective_link(hardware, name, size, stride):
+    """(bandwidth, latency) of collective ``name`` over ``size`` devices ``stride`` apart."""
+    ic = hardware.interconnect
+    spans = size > 1 and stride * size > ic.devices_per_node
+    bw, lat = ic.collective_link(name, size, spans)
+    if not bw > 0:
+        if hardware.kind == "cpu" and not ic.measured:
+            raise ValueError(f"profile {hardware.name!r} has no measured link between ranks, so a {name} over "
+                             f"{size} ranks cannot be timed: run python -m gpt2.perfmodel.calibrate --link-only "
+                             f"(mpiexec and mpi4py) to measure this machine's")
+        where = "between nodes" if spans else "within a node"
+        raise ValueError(f"profile {hardware.name!r} has no {where} bandwidth for a {name} over {size} devices "
+                         f"(its interconnect lacks it)")
+    return bw, lat
+
+
+def exposed_data_parallel(reduce, gather, backward, hardware, parallel):
+    """Seconds of the data-parallel communication the step waits for.
+
+    Without overlap, all of it.  With overlap the gradient reduction runs during the
+    backward pass: it adds what outlasts the backward, or, where the link's overlap cost
+    was measured (ranks sharing a CPU: the copies and sums run on the same cores), the
+    compute time it takes from the backward, whichever is larger.  Parameter
+    gathering (ZeRO) follows the optimizer and is exposed in full."""
+    if not parallel.overlap_dp_comm:
+        return reduce + gather
+    name = "all_reduce" if parallel.sharding == 0 else "reduce_scatter"
+    cost = hardware.interconnect.overlap_cost.get(name, 0.0)
+    return max(cost * reduce, reduce - backward) + gather
 
 
 def tape_io_time(copied, spilled, forward, backward, hardware, overlap=True):
@@ -173,8 +210,23 @@ def tape_io_time(copied, spilled, forward, backward, hardware, overlap=True):
     return copy, max(0.0, write - forward) + max(0.0, read - backward)
 
 
+def device_view(hardware, parallel):
+    """(the profile one rank sees, ranks sharing its machine): a CPU profile whose link
+    was measured is shared by up to ``interconnect.devices_per_node`` ranks of the job."""
+    if hardware.kind == "cpu" and parallel.world_size > 1 and (hardware.rank_rates or hardware.interconnect.measured):
+        ranks = min(parallel.world_size, hardware.interconnect.devices_per_node)
+        return hardware.rank_view(ranks), ranks
+    return hardware, 1
+
+
 def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
-    """Predicted time and memory of one training step on ``hardware`` (one device's view)."""
+    """Predicted time and memory of one training step on ``hardware`` (one device's view).
+
+    A CPU profile describes the whole machine: where its link between ranks was
+    measured, the ranks of the job that share the machine (up to
+    ``interconnect.devices_per_node``) each get the share ``HardwareProfile.rank_view``
+    says."""
+    hardware, ranks_per_node = device_view(hardware, parallel)
     n_micro = workload.num_micro_batches(parallel)
     stages = sorted({0, parallel.pp - 1} | ({parallel.pp // 2} if parallel.pp > 2 else set()))
     per_stage_layers = spec.n_layer // parallel.pp
@@ -195,20 +247,18 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
                 compute[(op.phase, op.op_class)] += seconds
         micro = sum(compute.values()) + tp_time + moe_time
         flops = sum(op.flops for op in ops if op.phase != "optim")
-        dp_time = _data_parallel_time(spec, workload, parallel, hardware, stage)
+        reduce, gather = _data_parallel_time(spec, workload, parallel, hardware, stage)
+        dp_time = reduce + gather
         key = micro + optimizer + dp_time / max(n_micro, 1)
         if best is None or key > best[0]:
-            best = (key, stage, ops, compute, micro, optimizer, flops, dp_time)
-    _, stage, ops, compute, micro, optimizer, flops, dp_time = best
+            best = (key, stage, ops, compute, micro, optimizer, flops, reduce, gather)
+    _, stage, ops, compute, micro, optimizer, flops, reduce, gather = best
 
     bubble = (parallel.pp - 1) / parallel.interleave * micro
     busy = n_micro * micro
     bubble_fraction = bubble / (busy + bubble) if bubble else 0.0
-    if parallel.overlap_dp_comm:
-        backward = sum(v for (phase, _), v in compute.items() if phase == "bwd")
-        dp_exposed = max(0.0, dp_time - backward)
-    else:
-        dp_exposed = dp_time
+    backward = sum(v for (phase, _), v in compute.items() if phase == "bwd")
+    dp_exposed = exposed_data_parallel(reduce, gather, backward, hardware, parallel)
 
     memory = memory_breakdown(spec, workload, parallel, hardware, options, stage, ops)
     tape_copy = spill_io = 0.0
@@ -236,4 +286,5 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
         hardware_flops=hardware_flops, tokens=tokens, world_size=devices,
         peak_flops=hardware.peak(workload.precision), tape_copy=tape_copy,
         details={"stage": stage, "micro_batches": n_micro, "micro_batch_time": micro,
-                 "data_parallel_unhidden": dp_time})
+                 "data_parallel_unhidden": reduce + gather, "data_parallel_reduce": reduce,
+                 "data_parallel_gather": gather, "ranks_per_node": ranks_per_node})

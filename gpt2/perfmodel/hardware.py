@@ -52,6 +52,12 @@ class EfficiencyCurve:
             return self.max_efficiency
         return self.max_efficiency * size / (size + self.half_size)
 
+    def stretched(self, factor):
+        """This curve for an op ``factor`` times smaller doing the same work per thread:
+        eff'(x) = eff(x * factor)."""
+        return EfficiencyCurve(self.max_efficiency, self.half_size / factor,
+                               tuple((x / factor, e) for x, e in self.points))
+
     def _interpolate(self, size):
         xs = [x for x, _ in self.points]
         if size <= xs[0]:
@@ -68,18 +74,43 @@ class EfficiencyCurve:
 
 @dataclass(frozen=True)
 class Interconnect:
-    """Links between devices: within a node and across nodes (bytes/s, seconds)."""
+    """Links between devices: within a node and across nodes (bytes/s, seconds).
+
+    ``collectives``, when the link was measured (``calibrate --link-only``), holds one
+    fit per collective, {name: {"bandwidth": bytes/s, "latency": s}} in the terms of
+    ``collectives.py``'s formulas, so that each collective is timed by its own fit
+    (on a shared-memory loopback an all-reduce also sums, an all-gather only copies).
+    ``overlap_cost``: {name: share of a collective's time that the computation beside
+    it loses when it runs in flight during the backward} (0: the link hides it, 1: it
+    takes the cores as long as it does alone).  ``runtime_rss``: bytes the
+    communication library adds to each rank; ``buffer_bytes_per_byte``: {name: bytes of
+    temporary buffers it allocates per byte of a non-blocking collective in flight}.  ``measured``: how and when it was
+    measured ("" for datasheet figures).
+    """
     devices_per_node: int = 1
     intra_node_bandwidth: float = 0.0
     intra_node_latency: float = 0.0
     inter_node_bandwidth: float = 0.0
     inter_node_latency: float = 0.0
+    collectives: dict = field(default_factory=dict)
+    overlap_cost: dict = field(default_factory=dict)
+    runtime_rss: float = 0.0
+    buffer_bytes_per_byte: dict = field(default_factory=dict)
+    measured: str = ""
 
     def link(self, group_size, spans_nodes):
         """(bandwidth, latency) of a collective over ``group_size`` devices."""
         if spans_nodes:
             return self.inter_node_bandwidth, self.inter_node_latency
         return self.intra_node_bandwidth, self.intra_node_latency
+
+    def collective_link(self, name, group_size, spans_nodes):
+        """(bandwidth, latency) of collective ``name``: its own measured fit within a node
+        where there is one, else the link's."""
+        fit = self.collectives.get(name)
+        if fit and not spans_nodes:
+            return fit["bandwidth"], fit["latency"]
+        return self.link(group_size, spans_nodes)
 
 
 @dataclass(frozen=True)
@@ -102,6 +133,10 @@ class HardwareProfile:
     interconnect: Interconnect = field(default_factory=Interconnect)
     kernel_efficiency: dict = field(default_factory=dict)   # op class -> EfficiencyCurve (by FLOPs)
     calibration: dict = field(default_factory=dict)         # how and when the figures were measured
+    # CPU: ranks sharing this machine, measured all computing at once (calibrate --link-only):
+    # {str(ranks): {"threads": per rank, "sgemm_flops": one rank's FLOP/s on "sgemm_shape"
+    # (rows, fan_in, fan_out, forward product), "copy_bandwidth": one rank's bytes/s}}
+    rank_rates: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.kind not in ("cpu", "gpu"):
@@ -150,6 +185,42 @@ class HardwareProfile:
         if nbytes <= 0:
             return 0.0
         return nbytes / (self.memory_bandwidth * self.memory_efficiency(nbytes))
+
+    def rank_view(self, ranks):
+        """The share of this machine one of ``ranks`` ranks running at once gets (CPU).
+
+        From ``rank_rates[str(ranks)]``, measured with every rank computing: a rank on t
+        of the profile's T threads reaches the efficiency the whole machine reaches on an
+        op T/t times larger (each thread's share of the work is the same), and its peak
+        and memory bandwidth are scaled so that the view reproduces the rank's measured
+        sgemm and copy rates.  Per-call and per-record overheads stay (one thread pays
+        them as two do); memory capacity is shared; the baseline gains the
+        communication runtime's resident bytes (``interconnect.runtime_rss``).
+        """
+        if ranks == 1 or self.kind != "cpu":
+            return self
+        rates = self.rank_rates.get(str(ranks))
+        if rates is None:
+            raise ValueError(f"profile {self.name!r} has no measured rates of {ranks} ranks sharing this "
+                             f"machine ({sorted(self.rank_rates) or 'none'}): run python -m "
+                             f"gpt2.perfmodel.calibrate --link-only --ranks {ranks}")
+        if not self.threads:
+            raise ValueError(f"profile {self.name!r} does not say how many threads it was measured with")
+        stretch = self.threads / rates["threads"]
+        rows, fan_in, fan_out = rates["sgemm_shape"]
+        flops = 2.0 * rows * fan_in * fan_out
+        flops_scale = rates["sgemm_flops"] / (self.peak("fp32") * self.matmul_efficiency["fwd"](flops * stretch))
+        copied = 2.0 * rates["copy_bytes"]
+        bw_scale = rates["copy_bandwidth"] / (self.memory_bandwidth * self.memory_efficiency(copied * stretch))
+        return self.with_changes(
+            peak_flops={k: v * flops_scale for k, v in self.peak_flops.items()},
+            memory_bandwidth=self.memory_bandwidth * bw_scale,
+            memory_capacity=self.memory_capacity / ranks,
+            matmul_efficiency={k: c.stretched(stretch) for k, c in self.matmul_efficiency.items()},
+            kernel_efficiency={k: c.stretched(stretch) for k, c in self.kernel_efficiency.items()},
+            memory_efficiency=self.memory_efficiency.stretched(stretch),
+            threads=rates["threads"], baseline_rss=self.baseline_rss + self.interconnect.runtime_rss,
+            name=f"{self.name} ({ranks} ranks x {rates['threads']} thread{'s' if rates['threads'] > 1 else ''})")
 
     def to_dict(self):
         return asdict(self)

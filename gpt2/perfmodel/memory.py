@@ -138,6 +138,11 @@ def memory_breakdown(spec, workload, parallel, hardware, options=GraphOptions(),
     """Peak bytes on one device of ``stage``."""
     params = stage_parameters(spec, parallel, stage)
     p_bytes, g_bytes, o_bytes = model_state_bytes(params, workload.precision, parallel.dp, parallel.sharding)
+    reduced = g_bytes
+    if options.layout == "adtape" and parallel.sharding == 1 and parallel.dp > 1:
+        # gpt2.distributed keeps the whole gradient arena (the backward writes it) and
+        # the rank's reduced shard beside it, which the reduce-scatter fills.
+        g_bytes += g_bytes / parallel.dp
     stored, transient = activation_bytes(spec, workload, parallel, options, stage, ops)
     stored *= in_flight_micro_batches(parallel, workload.num_micro_batches(parallel))
     budget = parallel.tape_budget
@@ -148,6 +153,13 @@ def memory_breakdown(spec, workload, parallel, hardware, options=GraphOptions(),
         ops = step_graph(spec, workload, parallel, options, stage)
     layer_sets = [v for k, v in _layer_totals(ops).items() if k >= 0]
     workspace = transient + max(layer_sets, default=0.0) + layer_input_bytes(spec, workload, parallel)
+    if parallel.dp > 1 and parallel.overlap_dp_comm:
+        # Non-blocking collectives allocate temporary buffers while in flight; every
+        # bucket may be in flight at once (the backward launches them faster than a
+        # shared CPU completes them), and a heap that keeps freed memory stays at that.
+        name = "all_reduce" if parallel.sharding == 0 else "reduce_scatter"
+        per_byte = hardware.interconnect.buffer_bytes_per_byte.get(name, 0.0)
+        workspace += per_byte * reduced
     if parallel.sharding == 3:
         # Stage 3 / FSDP gathers one layer's full parameters at a time.
         workspace += spec.layer_params() / parallel.tp * (2 if workload.act_bytes == 2 else 4)

@@ -109,6 +109,7 @@ class ParallelConfig:
     checkpoints: int = 0           # binomial: checkpoint slots
     flash_attention: bool = False
     overlap_dp_comm: bool = False  # gradient reduction hidden behind backward compute
+    dp_bucket_bytes: float = 0.0   # gradients reduced in buckets of this size (0: one collective)
     tape_budget: float = -1.0      # bytes of activations kept in memory; -1: no budget (no spill)
     overlap_spill_io: bool = False
 
@@ -129,6 +130,8 @@ class ParallelConfig:
             raise ValueError("ParallelConfig.interleave > 1 needs pp > 1")
         if self.dp % self.ep:
             raise ValueError(f"ParallelConfig.ep ({self.ep}) must divide dp ({self.dp})")
+        if not self.dp_bucket_bytes >= 0:
+            raise ValueError(f"ParallelConfig.dp_bucket_bytes must be >= 0, got {self.dp_bucket_bytes!r}")
         if self.tape_budget != -1.0 and self.tape_budget < 0:
             raise ValueError(f"ParallelConfig.tape_budget must be >= 0 or -1, got {self.tape_budget!r}")
 
