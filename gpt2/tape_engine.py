@@ -68,8 +68,10 @@ class TapeEngine:
         a = nn.attention(qkv, self.config.n_head)
         x = nn.residual(x, nn.linear(a, w["attprojw"], w["attprojb"]))
         h = nn.layernorm(x, w["ln2w"], w["ln2b"])
-        h = nn.gelu(nn.linear(h, w["fcw"], w["fcb"]))
-        return nn.residual(x, nn.linear(h, w["fcprojw"], w["fcprojb"]))
+        # GELU and the projection in one op that keeps only the GELU input (recomputed
+        # in the backward): a quarter less saved per block.
+        h = nn.linear(h, w["fcw"], w["fcb"])
+        return nn.residual(x, nn.gelu_linear(h, w["fcprojw"], w["fcprojb"]))
 
     def forward_loss(self, inputs, targets):
         """The mean loss as a recorded Tensor (call inside ``with self.optape``)."""

@@ -170,8 +170,8 @@ def test_gpt2_block_matches_torch():
     assert not grads["wte"][V:].any()
 
 
-@pytest.mark.parametrize("op", ["layernorm", "gelu", "linear", "linear_nobias", "residual",
-                                "residual_same", "attention", "softmax_cross_entropy"])
+@pytest.mark.parametrize("op", ["layernorm", "gelu", "linear", "linear_nobias", "gelu_linear",
+                                "residual", "residual_same", "attention", "softmax_cross_entropy"])
 def test_gpt2_op_gradients_match_torch(op):
     rng = np.random.default_rng(11)
     B, T, C, NH = 2, 5, 12, 3
@@ -190,6 +190,9 @@ def test_gpt2_op_gradients_match_torch(op):
             return nn.gelu(X) if lib == "ours" else F.gelu(X, approximate="tanh")
         if op == "linear":
             return nn.linear(X, Wm, Wm[:, 0] * 1.0) if lib == "ours" else F.linear(X, Wm, Wm[:, 0])
+        if op == "gelu_linear":
+            return (nn.gelu_linear(X, Wm, Wm[:, 0] * 1.0) if lib == "ours"
+                    else F.linear(F.gelu(X, approximate="tanh"), Wm, Wm[:, 0]))
         if op == "linear_nobias":
             return nn.linear(X, Wm) if lib == "ours" else F.linear(X, Wm)
         if op == "residual":

@@ -14,12 +14,12 @@ import gpt2
 
 STEPS = 100
 B, T = 4, 32
-# Far below the tiny model's saved activations at (4, 32) (about 0.75 MiB a step).
+# Far below the tiny model's saved activations at (4, 32) (about 0.54 MiB a step).
 BUDGET = 64 << 10
 # The tape's defaults (slabs smaller than the spill unit, prefetch on) at two budgets,
 # and small sizes that cross every boundary.
 TAPES = {"defaults": {"memory_budget": BUDGET},
-         "defaults-half": {"memory_budget": 5 * BUDGET},
+         "defaults-half": {"memory_budget": 4 * BUDGET},
          "small": {"memory_budget": BUDGET, "slab_size": 8 << 10, "spill_unit": 16 << 10,
                    "prefetch_depth": 2}}
 

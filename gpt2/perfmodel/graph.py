@@ -7,7 +7,8 @@ matmuls, and the tensors its forward saves for the backward pass.
 
 Two layouts of what is saved:
 - ``"adtape"``: what our kernels need (kernels_api.md): layernorm saves its input and
-  mean/rstd, each matmul its input, fused attention saves qkv, its output and each
+  mean/rstd, each matmul its input but the MLP's projection (``nn.gelu_linear`` keeps
+  the GELU input and recomputes its output in the backward), fused attention saves qkv, its output and each
   query's log-sum-exp (B, n_head, T) and recomputes the probabilities in the backward;
   no dropout; activations in the workload's precision.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
@@ -197,7 +198,16 @@ class _Builder:
             pairs.append(self.pointwise(f"{tag}gelu", "elementwise", layer, rows * hidden, GELU_FWD_FLOPS,
                                         GELU_BWD_FLOPS, 2, 4,
                                         [Saved(f"{tag}gelu.input", self.e * rows * hidden)]))
-            pairs.append(self.matmul(f"{tag}fcproj", layer, rows, hidden, C))
+            fcproj = self.matmul(f"{tag}fcproj", layer, rows, hidden, C)
+            if not self.megatron:
+                # nn.gelu_linear: the projection keeps no input of its own; its backward
+                # recomputes the GELU output from the GELU's saved input.
+                fwd, bwd = fcproj
+                fwd.saved, fwd.tape_records = (), 0
+                recompute = Op(f"{tag}gelu.recompute", "elementwise", "bwd", layer,
+                               GELU_FWD_FLOPS * rows * hidden, self.e * 2 * rows * hidden)
+                fcproj = (fwd, bwd + [recompute])
+            pairs.append(fcproj)
         return pairs
 
     def layer(self, layer):
