@@ -472,6 +472,10 @@ cdef void start_fill(TapeStruct* t) noexcept nogil:
     """A push grows the tape out of its bottom slab (the inline buffer or the first heap
     slab): a fill from empty begins.  Arm the write-ahead rule from the last fill's peak
     (io_mu held)."""
+    if t.filling:
+        return
+    t.filling = 1
+    t.fill_peak = 0
     if t.memory_budget < 0 or not t.write_ahead:
         return
     if t.last_fill_peak > <size_t>t.memory_budget:
@@ -480,9 +484,9 @@ cdef void start_fill(TapeStruct* t) noexcept nogil:
 
 cdef inline void end_fill(TapeStruct* t) noexcept nogil:
     """The tape is back in its bottom slab: the fill's peak is the next one's guide."""
-    if t.fill_peak > 0:
+    if t.filling:
         t.last_fill_peak = t.fill_peak
-    t.fill_peak = 0
+        t.filling = 0
     t.early_until = 0
 
 

@@ -166,6 +166,7 @@ cdef struct TapeStruct:
     # position; the next fill writes the slabs below last_fill_peak - budget (+ W) as
     # soon as they are full, so the disk has the whole fill to write them in.
     int write_ahead          # 1: learn from the last fill (default); 0: off
+    int filling              # a fill from empty is under way (its peak is being tracked)
     size_t fill_peak
     size_t last_fill_peak
     size_t early_until       # slabs starting below this position are written early (0: none)

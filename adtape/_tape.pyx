@@ -1492,8 +1492,10 @@ cdef class Tape:
         bytes written to and read from the spill file, bytes queued or being written
         (writing_bytes), bytes whose queued write a pop took back before it started
         (bytes_cancelled), the nanoseconds pops waited on reads (io_wait_ns) and
-        pushes on writes (push_wait_ns), and the prefetch's current read-ahead window
-        in bytes."""
+        pushes on writes (push_wait_ns), bytes queued early by the write-ahead rule
+        (bytes_written_early) and where it stops (write_ahead_until), the nanoseconds
+        the reads took (read_ns, for the device rate) and the prefetch's current
+        read-ahead window in bytes."""
         cdef TapeStruct* t = &self.t
         cdef Slab* s
         cdef int64_t n_slabs = 0, resident_slabs = 0
@@ -1532,6 +1534,7 @@ cdef class Tape:
             "writing_bytes": t.writing_bytes,
             "bytes_cancelled": t.bytes_cancelled,
             "bytes_written_early": t.bytes_written_early,
+            "read_ns": t.read_ns,
             "write_ahead_until": t.early_until,
             "readahead_bytes": readahead_bytes(t) if t.memory_budget >= 0 else 0,
         }

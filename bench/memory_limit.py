@@ -180,7 +180,7 @@ def run_ours(args):
     after = model._tape_engine.optape.stats
     # Per-step figures of the last step (counters are cumulative over the tape's life).
     for key in ("spills", "reloads", "prefetch_hits", "prefetch_misses", "bytes_written",
-                "bytes_read", "io_wait_ns"):
+                "bytes_read", "io_wait_ns", "push_wait_ns", "bytes_written_early", "read_ns"):
         if key in after:
             result[key] = after[key] - before.get(key, 0)
     result["saved_bytes"] = model._tape_engine.last_forward_bytes
@@ -388,12 +388,12 @@ def main(argv=None):
         torch_ms = {p: runs[p]["ms"] for p in TORCH_POLICIES if p in runs and "ms" in runs[p]}
         for policy, rec in runs.items():
             if policy in TORCH_POLICIES or "ms" not in rec:
-                records.append(finish(rec, None, None, None, probe, layer_bytes))
+                records.append(finish(rec, None, None, None, probe, layer_bytes, device))
                 continue
             rec["torch_ms"] = torch_ms.get("torch")
             rec["torch_ckpt_ms"] = torch_ms.get("torch-ckpt")
             records.append(finish(rec, statistics.median(base_ms) if base_ms else None,
-                                  base_losses, acts, probe, layer_bytes))
+                                  base_losses, acts, probe, layer_bytes, device))
     print_table(records)
     suffix = "_quick" if args.quick else ""
     out = {"device": device, "threads": args.threads, "cpu": cpu_name(),
@@ -405,12 +405,17 @@ def main(argv=None):
     print(f"\nwrote {path}")
 
 
-def finish(rec, base_ms, base_losses, acts, probe, layer_bytes):
+def finish(rec, base_ms, base_losses, acts, probe, layer_bytes, device):
     """Derived figures of one record: ratio to in-memory, bit-identity, spill and I/O."""
     rec.setdefault("torch_ms", None)
     budget = rec.get("budget_bytes") if rec["policy"].startswith("budget") else None
     rec["spill_bytes"] = rec.get("bytes_written")
     rec["io_wait_ms"] = rec["io_wait_ns"] / 1e6 if "io_wait_ns" in rec else None
+    rec["push_wait_ms"] = rec["push_wait_ns"] / 1e6 if "push_wait_ns" in rec else None
+    # The reverse sweep's reads (O_DIRECT, 2 MiB slabs at a time) against the device probe.
+    if rec.get("read_ns"):
+        rec["read_share_of_device"] = (rec["bytes_read"] / (rec["read_ns"] / 1e9)
+                                       / device["read_bytes_per_s"])
     hits, misses = rec.get("prefetch_hits"), rec.get("prefetch_misses")
     rec["prefetch_hit_rate"] = hits / (hits + misses) if hits is not None and hits + misses else None
     if base_ms and "ms" in rec:
@@ -435,7 +440,8 @@ def report_one(rec):
 
 def print_table(records):
     head = (f"{'model':<12}{'B':>3}{'T':>6} {'policy':<11}{'ms/step':>9}{'x mem':>7}{'peak GiB':>9}"
-            f"{'budget GiB':>11}{'spill GiB':>10}{'io wait ms':>11}{'hit rate':>9}{'bits':>6}{'torch ms':>9}")
+            f"{'budget GiB':>11}{'spill GiB':>10}{'io wait ms':>11}{'push wait':>10}{'hit rate':>9}"
+            f"{'bits':>6}{'torch ms':>9}")
     print("\n" + head)
     for r in records:
         if "ms" not in r:
@@ -448,7 +454,8 @@ def print_table(records):
         print(f"{r['model']:<12}{r['B']:>3}{r['T']:>6} {r['policy']:<11}{r['ms']:>9.0f}"
               f"{g(r.get('ratio_to_memory')):>7}{g(r['peak_rss_bytes'], GiB):>9}"
               f"{g(r.get('budget_bytes'), GiB):>11}{g(r.get('spill_bytes'), GiB):>10}"
-              f"{g(r.get('io_wait_ms'), 1, '{:.0f}'):>11}{g(r.get('prefetch_hit_rate')):>9}"
+              f"{g(r.get('io_wait_ms'), 1, '{:.0f}'):>11}{g(r.get('push_wait_ms'), 1, '{:.0f}'):>10}"
+              f"{g(r.get('prefetch_hit_rate')):>9}"
               f"{str(r.get('losses_bit_identical', '-')):>6}{g(r.get('torch_ms'), 1, '{:.0f}'):>9}")
 
 

@@ -86,6 +86,30 @@ def test_the_second_fill_writes_from_its_first_slabs(tmp_path):
         assert len(tape) == 0 and st["spilled_bytes"] == 0 and st["write_ahead_until"] == 0
 
 
+def test_array_records_learn_from_each_fill_as_training_steps_do(tmp_path):
+    # The AD runtime's pattern: array records pushed, then popped to empty (through the
+    # bottom heap slab into the inline buffer), step after step, default sizes.
+    arrays = [np.full(300_000, k, np.float32) for k in range(20)]       # 22.9 MiB a fill
+    with Tape(memory_budget=4 * MiB, spill_dir=tmp_path) as tape:
+        early = []
+        for fill in range(3):
+            before = tape.stats["bytes_written_early"]
+            for a in arrays:
+                tape.push_array(a)
+            nbytes = tape.nbytes
+            armed = tape.stats["write_ahead_until"]
+            for a in reversed(arrays):
+                assert np.array_equal(tape.pop_array(), a)
+            early.append(tape.stats["bytes_written_early"] - before)
+            assert len(tape) == 0
+            if fill == 0:
+                assert armed == 0
+            else:
+                assert nbytes - 4 * MiB - 2 * MiB <= armed <= nbytes - 4 * MiB + 2 * MiB
+        assert early[0] == 0
+        assert early[1] == early[2] >= nbytes - 4 * MiB - 2 * MiB
+
+
 def test_write_ahead_off_writes_behind_only(tmp_path):
     with make_tape(tmp_path, write_ahead=False) as tape:
         fill_and_drain(tape)
