@@ -29,7 +29,9 @@ fsync'd writes and the page cache dropped before the read), so the rates are the
 device's, not memory's (gpt2.perfmodel.calibrate.measure_disk).
 
 Prints a table, writes bench/results/memory_limit.json (records with model, B, T,
-policy, budget_bytes, ms, peak_rss_bytes, spill_bytes, io_wait_ms, torch_ms, ...) and
+policy, budget_bytes, ms, peak_rss_bytes, spill_bytes, io_wait_ms, push_wait_ms,
+torch_ms, ..., and the run each came from: device probe, CPU, date, commit; --merge
+keeps the file's records of the configurations not run now) and
 bench/results/memory_limit.png (ms/step against peak RSS, ours and PyTorch's points);
 --quick writes memory_limit_quick.json/.png (GPT-2 124M at (2,128)).
 """
@@ -98,6 +100,9 @@ def build_parser():
                    help="size of the spill device probe's file (default 2G)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per worker (default 3600)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch policies")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the results file's records of other (model, B, T) configurations "
+                        "(runs of several sizes at different times)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--B", type=int, default=None, help=argparse.SUPPRESS)
@@ -396,9 +401,20 @@ def main(argv=None):
                                   base_losses, acts, probe, layer_bytes, device))
     print_table(records)
     suffix = "_quick" if args.quick else ""
-    out = {"device": device, "threads": args.threads, "cpu": cpu_name(),
-           "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "records": records}
     path = os.path.join(RESULTS, f"memory_limit{suffix}.json")
+    run_info = {"device": device, "threads": args.threads, "cpu": cpu_name(),
+                "date": time.strftime("%Y-%m-%d"), "commit": git_commit()}
+    for rec in records:
+        rec["run"] = run_info
+    if args.merge and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        ran = {(model, B, T) for model, B, T in configs}
+        kept = [r for r in old["records"] if (r["model"], r["B"], r["T"]) not in ran]
+        for rec in kept:
+            rec.setdefault("run", {k: old.get(k) for k in run_info})
+        records = kept + records
+    out = {**run_info, "records": records}
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     plot(records, os.path.join(RESULTS, f"memory_limit{suffix}.png"))
