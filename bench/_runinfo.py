@@ -21,16 +21,33 @@ def model_configs(text, example, note=""):
     return tuple(out)
 
 
+# AMD family 25 (0x19) models: 0x00-0x0f and 0x20-0x5f Zen 3, 0x10-0x1f and 0x60-0xaf Zen 4.
+_AMD_ZEN = {25: lambda m: "Zen 4" if 0x10 <= m <= 0x1f or 0x60 <= m <= 0xaf else "Zen 3",
+            26: lambda m: "Zen 5", 23: lambda m: "Zen 2" if m >= 0x30 else "Zen/Zen+"}
+
+
 def cpu_name():
-    """The CPU's model name from /proc/cpuinfo ("unknown" where there is none)."""
+    """The CPU's model name from /proc/cpuinfo, with its family, model and vector width
+    (a VM often names only "AMD EPYC": Zen 3 and Zen 4 differ by AVX-512); "unknown"
+    where there is no /proc/cpuinfo."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break                                # the first processor is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
-        pass
-    return "unknown"
+        return "unknown"
+    name = fields.get("model name", "unknown")
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return name
+    core = _AMD_ZEN[family](model) if "AMD" in fields.get("vendor_id", "") and family in _AMD_ZEN else None
+    avx = "AVX-512" if "avx512f" in fields.get("flags", "").split() else "AVX2, no AVX-512"
+    return f"{name} ({core + ', ' if core else ''}family {family} model {model}, {avx})"
 
 
 def git_commit():
