@@ -22,7 +22,7 @@ from adtape import buffers as _buffers
 from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp, defvjp_accumulate
 
 __all__ = ["encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
-           "softmax_cross_entropy"]
+           "attention_linear", "softmax_cross_entropy"]
 
 ENCODER = Primitive("encoder", ("ids", "wte", "wpe"))
 LAYERNORM = Primitive("layernorm", ("x", "weight", "bias"))
@@ -31,6 +31,7 @@ RESIDUAL = Primitive("residual", ("x", "y"))
 LINEAR = Primitive("linear", ("x", "weight", "bias"))
 GELU_LINEAR = Primitive("gelu_linear", ("x", "weight", "bias"))
 ATTENTION = Primitive("attention", ("qkv",))
+ATTENTION_LINEAR = Primitive("attention_linear", ("qkv", "weight", "bias"))
 SOFTMAX_CROSS_ENTROPY = Primitive("softmax_cross_entropy", ("logits", "targets"))
 
 
@@ -203,6 +204,35 @@ def _attention_bwd(g, dests, fresh, qkv, out, lse, n_head):
                                   overwrite=fresh[0])
 
 
+def attention_linear(qkv, n_head, weight, bias=None):
+    """``linear(attention(qkv, n_head), weight, bias)``, the attention's output saved once
+    (on the byte tape the two ops would each push a copy of it: the attention for its
+    backward, the projection as its input)."""
+    qd = np.ascontiguousarray(_data(qkv))
+    if qd.ndim != 3 or qd.shape[2] % 3:
+        raise ValueError(f"attention_linear: qkv must have shape (B, T, 3C), got {qd.shape}")
+    B, T, C3 = qd.shape
+    wd = _data(weight)
+    a = _buffers.empty((B, T, C3 // 3))
+    lse = _buffers.empty((B, n_head, T))
+    _attention.attention_forward(a, lse, qd, n_head)
+    out = _buffers.empty((B, T, wd.shape[0]))
+    _matmul.matmul_forward(out, a, wd, None if bias is None else _data(bias))
+    if _needs_grad(qkv, weight, bias):
+        return _record(ATTENTION_LINEAR, out, (qkv, weight, bias),
+                       (qkv if qd is _data(qkv) else qd, a, lse, weight, n_head), None)
+    return _constant(out)
+
+
+def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head):
+    da = None if dests[0] is None else _buffers.empty_like(a)
+    dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
+    _matmul.matmul_backward(da, dw, dests[2], _contiguous(g), a, weight,
+                            overwrite=(True, ow_w, fresh[2]))
+    if da is not None:
+        _attention.attention_backward(dests[0], da, qkv, a, lse, n_head, overwrite=fresh[0])
+
+
 def softmax_cross_entropy(logits, targets, V=None):
     """Per-position loss ``logsumexp(logits[..., :V]) - logits[..., target]``.
 
@@ -239,4 +269,5 @@ defvjp_accumulate(RESIDUAL, _residual_bwd, overwrite=True)
 defvjp_accumulate(LINEAR, _linear_bwd, overwrite=True)
 defvjp_accumulate(GELU_LINEAR, _gelu_linear_bwd, overwrite=True)
 defvjp_accumulate(ATTENTION, _attention_bwd, overwrite=True)
+defvjp_accumulate(ATTENTION_LINEAR, _attention_linear_bwd, overwrite=True)
 defvjp(SOFTMAX_CROSS_ENTROPY, _softmax_cross_entropy_vjp, None)

@@ -65,8 +65,9 @@ class TapeEngine:
         w = self.layers[l]
         h = nn.layernorm(x, w["ln1w"], w["ln1b"])
         qkv = nn.linear(h, w["qkvw"], w["qkvb"])
-        a = nn.attention(qkv, self.config.n_head)
-        x = nn.residual(x, nn.linear(a, w["attprojw"], w["attprojb"]))
+        # Attention and its projection in one op: the attention's output saved once.
+        x = nn.residual(x, nn.attention_linear(qkv, self.config.n_head, w["attprojw"],
+                                               w["attprojb"]))
         h = nn.layernorm(x, w["ln2w"], w["ln2b"])
         # GELU and the projection in one op that keeps only the GELU input (recomputed
         # in the backward): a quarter less saved per block.

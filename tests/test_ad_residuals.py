@@ -129,3 +129,31 @@ def test_gelu_linear_is_bitwise_linear_of_gelu_and_saves_only_its_input(residual
         np.testing.assert_array_equal(a, b_)
     # One array saved instead of two (a record's header aside, on the byte tape).
     assert x0.nbytes <= s2 < x0.nbytes + 256 and s1 - s2 >= x0.nbytes
+
+
+@pytest.mark.parametrize("residuals", ["tape", "reference"])
+def test_attention_linear_is_bitwise_linear_of_attention_and_saves_its_output_once(residuals):
+    rng = np.random.default_rng(6)
+    B, T, C, NH = 2, 9, 12, 3
+    q0 = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    w0 = (0.3 * rng.standard_normal((C, C))).astype(np.float32)
+    b0 = rng.standard_normal(C).astype(np.float32)
+    seed = rng.standard_normal((B, T, C)).astype(np.float32)
+    results = []
+    for fused in (False, True):
+        q, w, b = (Tensor(a.copy(), requires_grad=True) for a in (q0, w0, b0))
+        with ad.OpTape(residuals=residuals) as tape:
+            u = nn.residual(q, q)          # an intermediate: its array is saved, not held
+            out = (nn.attention_linear(u, NH, w, b) if fused
+                   else nn.linear(nn.attention(u, NH), w, b))
+            saved = tape.saved_bytes
+            out.backward(seed=seed)
+        results.append((out.data, q.grad, w.grad, b.grad, saved))
+    (o1, dq1, dw1, db1, s1), (o2, dq2, dw2, db2, s2) = results
+    for x1, x2 in ((o1, o2), (dq1, dq2), (dw1, dw2), (db1, db2)):
+        np.testing.assert_array_equal(x1, x2)
+    out_bytes = B * T * C * 4
+    if residuals == "tape":             # the two ops pushed the output twice
+        assert s1 - s2 >= out_bytes
+    else:                               # held once either way
+        assert s1 == s2

@@ -171,7 +171,8 @@ def test_gpt2_block_matches_torch():
 
 
 @pytest.mark.parametrize("op", ["layernorm", "gelu", "linear", "linear_nobias", "gelu_linear",
-                                "residual", "residual_same", "attention", "softmax_cross_entropy"])
+                                "residual", "residual_same", "attention", "attention_linear",
+                                "softmax_cross_entropy"])
 def test_gpt2_op_gradients_match_torch(op):
     rng = np.random.default_rng(11)
     B, T, C, NH = 2, 5, 12, 3
@@ -199,12 +200,14 @@ def test_gpt2_op_gradients_match_torch(op):
             return nn.residual(X, X * bt) if lib == "ours" else X + X * bt
         if op == "residual_same":
             return nn.residual(X, X) if lib == "ours" else X + X
-        if op == "attention":
+        if op in ("attention", "attention_linear"):
             if lib == "ours":
-                return nn.attention(Q, NH)
+                return (nn.attention(Q, NH) if op == "attention"
+                        else nn.attention_linear(Q, NH, Wm, Wm[:, 1] * 1.0))
             q, k, v = (z.view(B, T, NH, C // NH).transpose(1, 2) for z in Q.split(C, dim=2))
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2) \
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2) \
                 .reshape(B, T, C)
+            return a if op == "attention" else F.linear(a, Wm, Wm[:, 1])
         if lib == "ours":
             return nn.softmax_cross_entropy(X, targets, C - 2)
         return F.cross_entropy(X[..., :C - 2].reshape(-1, C - 2),

@@ -7,8 +7,9 @@ matmuls, and the tensors its forward saves for the backward pass.
 
 Two layouts of what is saved:
 - ``"adtape"``: what our kernels need (kernels_api.md): layernorm saves its input and
-  mean/rstd, each matmul its input but the MLP's projection (``nn.gelu_linear`` keeps
-  the GELU input and recomputes its output in the backward), fused attention saves qkv, its output and each
+  mean/rstd, each matmul its input but the two projections (``nn.attention_linear``
+  saves the attention's output once, ``nn.gelu_linear`` keeps the GELU input and
+  recomputes its output in the backward), fused attention saves qkv, its output and each
   query's log-sum-exp (B, n_head, T) and recomputes the probabilities in the backward;
   no dropout; activations in the workload's precision.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
@@ -146,7 +147,7 @@ class _Builder:
             saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.lse", 4.0 * b * heads * s))
             if not self.megatron:
                 # Our kernel's backward reads the output too (D = rowsum(dO * O)); the
-                # projection after it saves the same array as its input.
+                # projection after it uses the same saved array (nn.attention_linear).
                 saved += (Saved("attn.out", e * out_elems),)
             fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft, traffic, "", saved, 1, 2 * mm)
             bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft, 2.5 * traffic, gemm_flops=5 * mm)
@@ -219,7 +220,12 @@ class _Builder:
         att_fwd, att_bwd = self.attention(layer)
         fwd = [p[0] for p in pairs] + att_fwd
         bwd = [op for p in pairs for op in p[1]] + att_bwd
-        pairs = [self.matmul("attproj", layer, N, C / self.tp, C)]
+        attproj = self.matmul("attproj", layer, N, C / self.tp, C)
+        if not self.megatron:
+            # nn.attention_linear: the projection's input is the attention's output,
+            # saved once, by the attention.
+            attproj[0].saved, attproj[0].tape_records = (), 0
+        pairs = [attproj]
         if self.megatron:
             pairs.append(self.dropout("attproj.dropout", layer, N * C / self.rep))
         pairs += [self.residual("residual1", layer), self.layernorm("ln2", layer)]
