@@ -159,6 +159,30 @@ def test_two_ranks_match_one_process(two_rank_losses, engine, zero):
     assert got["wte_rows_apart"] == (engine == "tape")
 
 
+def test_buckets_are_launched_as_the_sweep_leaves_them(tmp_path):
+    """Each bucket is launched while the blocks below it are still being differentiated:
+    in reverse arena order, and all but those holding wte, wpe or block 0 (the leaves the
+    sweep finishes last) before the sweep has made any of block 0 final."""
+    proc, got, _ = run_ranks("sweep_order", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    launches, last = got["launches"], got["last_leaves"]
+    wte_start, wte_stop = got["wte"]
+    # The buckets inside wte go first, when the LM head has added its part (_wte_hook).
+    at_head = [l for l in launches if l[1] <= wte_stop]
+    assert at_head == launches[:len(at_head)] and all(l[2] == 0 for l in at_head)
+    rest = launches[len(at_head):]
+    # The lower a bucket lies, the more of the sweep it waits for; a kernel makes at most
+    # two leaves final (a weight and its bias), whose buckets may go in either order.
+    finals = [l[2] for l in sorted(rest, reverse=True)]
+    assert all(upper <= lower + 1 for upper, lower in zip(finals, finals[1:])), finals
+    early = [l for l in rest
+             if not any(start < l[1] and l[0] < stop for start, stop in last)]
+    before_block0 = got["leaves"] - len(last)
+    assert all(finals <= before_block0 for _, _, finals in early)
+    # Most buckets: 3 of the 4 blocks, and their buckets outnumber block 0's and wpe's.
+    assert len(early) >= 2 * (len(rest) - len(early))
+
+
 def test_zero1_shards_the_optimizer_state(two_rank_losses):
     n = sum(v.size for v in GPT2(ref.CONFIG).params.views.values())
     full, sharded = two_rank_losses["tape/0"], two_rank_losses["tape/1"]
