@@ -272,6 +272,28 @@ def test_bucket_layout_round_trips_shards():
                                   flat[start + 2 * part:start + 3 * part])
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_encoder_rows_land_in_each_ranks_shard(ranks):
+    """Under ZeRO-1 each rank adds the encoder's rows of wte to its parts of the buckets,
+    which start and end inside rows (parts of 16 floats, rows of 24)."""
+    import types
+    V, C, n = 40, 24, 1500
+    layout = distributed.BucketLayout(n, ranks, bucket_bytes=4 * 16 * ranks * 5, cuts=(V * C,))
+    rng = np.random.default_rng(0)
+    rows = np.unique(rng.integers(0, V, 30))
+    values = rng.standard_normal((rows.size, C)).astype(np.float32)
+    dense = np.zeros(n, np.float32)
+    dense[:V * C].reshape(V, C)[rows] = values
+    expected = layout.full_to_shards(dense)
+    for rank in range(ranks):
+        trainer = types.SimpleNamespace(
+            _batch_rows=rows, _encoder_rows=values, zero=1, rank=rank, layout=layout,
+            shard_grad=np.zeros(layout.shard_size, np.float32),
+            model=types.SimpleNamespace(grads=types.SimpleNamespace(wte=dense[:V * C])))
+        distributed.DataParallelTrainer._add_encoder_rows(trainer)
+        np.testing.assert_array_equal(trainer.shard_grad, expected[rank])
+
+
 def test_launcher_environment_is_read():
     assert distributed.launched_ranks({}) == 1
     assert distributed.launched_ranks({"PMI_SIZE": "4"}) == 4
