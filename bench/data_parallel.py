@@ -366,10 +366,11 @@ def print_table(records):
             f"{'torch eff':>10}{'losses':>8}")
     print("\n" + head)
     for r in records:
+        hidden = None if r["hidden_fraction"] is None else 100 * r["hidden_fraction"]
         print(f"{r['model']:<7}{r['B']:>3}{r['T']:>5} {r['layout']:<7}{r['zero']:>5}"
               f"{g(r['ours_ms']):>9}{g(r['torch_ms']):>9}{g(r['torch_over_ours'], '{:.2f}'):>11}"
               f"{g(r['comm_ms']):>9}{g(r['exposed_wait_ms']):>9}"
-              f"{g(None if r['hidden_fraction'] is None else 100 * r['hidden_fraction'], '{:.0f}%'):>8}"
+              f"{g(hidden, '{:.0f}%'):>8}"
               f"{g(r['scaling_efficiency'], '{:.2f}'):>6}"
               f"{g(r['torch_scaling_efficiency'], '{:.2f}'):>10}"
               f"{str(r.get('losses_match_1_process', '-')):>8}")
