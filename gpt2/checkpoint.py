@@ -122,7 +122,7 @@ def _as_flat(arr, config, name):
     if isinstance(arr, ParamArena):
         if arr.config != config:
             raise ValueError(f"{name} has config {arr.config}, the parameters have {config}")
-        return arr.flat
+        return arr.in_llmc_order().flat
     n = num_parameters(config)
     if (not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.shape != (n,)
             or not arr.flags.c_contiguous):
@@ -180,7 +180,7 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
     for name, value in (("step", step), ("adam_step", adam_step)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    sections = [("params", params.flat)]
+    sections = [("params", params.in_llmc_order().flat)]
     if adam_m is not None:
         sections += [("adam_m", _as_flat(adam_m, config, "adam_m")),
                      ("adam_v", _as_flat(adam_v, config, "adam_v"))]
@@ -295,11 +295,13 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None)
                                  f"config {file_config}")
             entry = sections[name]
             f.seek(data_start + entry["offset"])
-            _readinto_exact(f, dest.flat, path, f"section {name}")
-            if zlib.crc32(memoryview(dest.flat).cast("B")) != entry["crc32"]:
+            # The file is in llm.c order: a layer-major arena is filled from a copy.
+            read = dest if not dest.layer_major else ParamArena(file_config)
+            _readinto_exact(f, read.flat, path, f"section {name}")
+            if zlib.crc32(memoryview(read.flat).cast("B")) != entry["crc32"]:
                 raise ValueError(f"checkpoint {path!r} is corrupt: section {name} fails its "
                                  "CRC32 check")
-            arenas[name] = dest
+            arenas[name] = dest if read is dest else dest.copy_(read)
     return Checkpoint(config=file_config, params=arenas["params"], step=header["step"],
                       adam_m=arenas.get("adam_m"), adam_v=arenas.get("adam_v"),
                       adam_step=header["adam_step"], data_state=header["data_state"],
@@ -325,7 +327,7 @@ def export_llmc(path, params):
                   c.n_head, c.n_embd, c.padded_vocab_size)
     with atomic_writer(path) as f:
         f.write(header.tobytes())
-        f.write(memoryview(params.flat).cast("B"))
+        f.write(memoryview(params.in_llmc_order().flat).cast("B"))
 
 
 def import_llmc(path):

@@ -7,6 +7,21 @@ a non-blocking collective as soon as the reverse sweep has made its gradients fi
 (``Tensor.register_grad_hook``), so the communication runs beside the rest of
 the backward pass, as PyTorch DDP's hooks do.  Then AdamW.
 
+The trainer's arenas (parameters, gradients, moments) are layer-major
+(``ParamArena(layer_major=True)``): wte, wpe, block 0, ..., block L-1, lnf.  The
+reverse sweep finishes them from the end towards the start, so each bucket (a block's
+attention projection and MLP, or its ln1 and qkv) is final as soon as the sweep has
+left it and is reduced while the blocks below are still being differentiated; only
+block 0's ln1 and qkv (7 MB), wpe and the encoder's rows of wte are left when the
+sweep ends.  In llm.c's
+type-major order (all ln1w, all ln1b, all qkvw ...) most buckets held some of block
+0 and waited for the end of the sweep.  The other ways there: buckets of leaves in
+sweep order, copied into a staging buffer and back (two passes over the 500 MB
+gradient of GPT-2 124M per step, for nothing the order does not give), or MPI
+derived datatypes over the scattered slices (MPICH packs them, the same copies, and
+its reduction algorithms allocate temporaries of the type's extent).  Checkpoints
+stay in llm.c order: ``gpt2.checkpoint`` reorders a layer-major arena on the way.
+
 ``zero=1`` (ZeRO stage 1) shards the AdamW moments: each bucket is reduce-scattered
 rather than allreduced, rank r owns the r-th part of every bucket and steps only
 those parameters and moments (1/N of the optimizer memory per rank), and the
@@ -39,7 +54,7 @@ import numpy as np
 
 from adtape import buffers
 from gpt2 import checkpoint as ckpt
-from gpt2.params import ParamArena, num_parameters
+from gpt2.params import ParamArena, layer_major_offsets, num_parameters
 from kernels import optim
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -171,11 +186,13 @@ class BucketLayout:
         self.padded = -(-n // quantum) * quantum
         size = max(quantum, bucket_bytes // 4 // quantum * quantum)
         # A bucket ends at each cut (rounded down to whole parts), so the buckets before
-        # it can be launched on their own.
+        # it can be launched on their own.  Each run between cuts is cut from its end:
+        # the reverse sweep finishes it from there, and its last bucket, the one the
+        # sweep leaves exposed, is the short remainder.
         edges = sorted({0, self.padded} | {c // quantum * quantum for c in cuts
                                            if 0 < c < self.padded})
-        self.bounds = [(s, min(s + size, stop)) for start, stop in zip(edges, edges[1:])
-                       for s in range(start, stop, size)]
+        self.bounds = [(max(start, e - size), e) for start, stop in zip(edges, edges[1:])
+                       for e in reversed(range(stop, start, -size))]
         self.parts = [(stop - start) // ranks for start, stop in self.bounds]
         self.shard_offsets = np.concatenate(([0], np.cumsum(self.parts)[:-1])).tolist()
         self.shard_size = self.padded // ranks
@@ -183,16 +200,6 @@ class BucketLayout:
     def buckets_overlapping(self, start, stop):
         """Indices of the buckets that [start, stop) touches."""
         return [b for b, (s, e) in enumerate(self.bounds) if s < stop and start < e]
-
-    def owned(self, rank, index):
-        """(mask, shard positions) of the flat arena positions ``index`` that ``rank``
-        holds under ZeRO-1."""
-        starts = np.array([s for s, _ in self.bounds])
-        b = np.searchsorted(starts, index, side="right") - 1
-        part = np.array(self.parts)[b]
-        within = index - starts[b] - rank * part
-        mask = (within >= 0) & (within < part)
-        return mask, (np.array(self.shard_offsets)[b] + within)[mask]
 
     def shard_to_full(self, shards):
         """Arrays (N, shard_size), rank r's shard in row r -> the flat arena of n."""
@@ -233,17 +240,26 @@ class DataParallelTrainer:
         model_settings = {f"model {k}": v for k, v in model.config.to_dict().items()}
         check_same_settings(comm, {**model_settings, "engine": model.engine, "zero": zero,
                                    "bucket_bytes": int(bucket_bytes), **(settings or {})})
-        n = num_parameters(model.config)
-        self.layout = BucketLayout(n, self.size, bucket_bytes, cuts=(model.params.wte.size,))
+        config = model.config
+        n = num_parameters(config)
+        offsets = layer_major_offsets(config)
+        # A bucket never straddles wte's end, wpe's end, a block boundary or the start of
+        # a block's attention projection: the upper part of each block (attention
+        # projection and MLP, 21 MB in GPT-2 124M) is final before the sweep runs the
+        # block's attention backward, the lower part (ln1, qkv: 7 MB) when it leaves
+        # the block; block 0's lower part is all of the blocks the sweep leaves exposed.
+        cuts = [offsets["wpe", None][0]]
+        cuts += [offsets[name, l][0] for l in range(config.n_layer)
+                 for name in ("ln1w", "attprojw")]
+        self.layout = BucketLayout(n, self.size, bucket_bytes, cuts=cuts)
         if model._tape_engine is not None:
             raise ValueError("build the DataParallelTrainer before the model's first step")
-        # Parameters and gradients move into arenas padded to the layout, so every
-        # bucket divides evenly among the ranks; the padding stays zero.
+        # Parameters, gradients and moments move into layer-major arenas padded to the
+        # layout, so every bucket divides evenly among the ranks; the padding stays zero.
         self.params_padded = buffers.zeros(self.layout.padded)
-        self.params_padded[:n] = model.params.flat
         self.grads_padded = buffers.zeros(self.layout.padded)
-        model.params = ParamArena(model.config, flat=self.params_padded[:n])
-        model.grads = ParamArena(model.config, flat=self.grads_padded[:n])
+        model.params = self._arena(self.params_padded[:n]).copy_(model.params)
+        model.grads = self._arena(self.grads_padded[:n])
         comm.Bcast(self.params_padded, root=0)
         if zero:
             # The trainer owns the moments: this rank's shard only.
@@ -252,6 +268,8 @@ class DataParallelTrainer:
             self.adam_v = buffers.zeros(self.layout.shard_size)
             self.shard_grad = buffers.zeros(self.layout.shard_size)
         else:
+            model.adam_m = self._arena(buffers.empty(n)).copy_(model.adam_m)
+            model.adam_v = self._arena(buffers.empty(n)).copy_(model.adam_v)
             self.adam_m, self.adam_v = model.adam_m.flat, model.adam_v.flat
         self._requests = []
         self._pending = None
@@ -269,6 +287,10 @@ class DataParallelTrainer:
         # AdamW and, under ZeRO-1, the parameter all-gather); "buckets_in_backward":
         # buckets the sweep's hooks launched before the backward ended.
         self.last_step = {}
+
+    def _arena(self, flat):
+        """A ParamArena over ``flat`` (n floats) in the trainer's layer-major order."""
+        return ParamArena(self.model.config, flat=flat, layer_major=True)
 
     # -- gradient buckets -----------------------------------------------------------
 
@@ -292,7 +314,13 @@ class DataParallelTrainer:
                 leaf.register_grad_hook(functools.partial(self._leaf_hook, buckets))
 
     def _leaf_hook(self, buckets, leaf, remaining):
-        if remaining or self._pending is None:    # not final, or a backward outside a step
+        if self._pending is None:       # a backward outside a step
+            return
+        # MPICH advances non-blocking collectives only inside MPI calls, one stage of a
+        # bucket's algorithm per call (about six for 25 MB on 2 ranks): poke it at
+        # every hook, between backward kernels.
+        self.MPI.Request.Testall(self._requests)
+        if remaining:                   # not final yet
             return
         pending = self._pending
         for b in buckets:
@@ -302,9 +330,6 @@ class DataParallelTrainer:
             elif pending[b] < 0:
                 raise RuntimeError("a parameter's gradient changed after its bucket's "
                                    "allreduce was launched (a leaf swept twice in one step)")
-        # MPICH advances non-blocking collectives only inside MPI calls: poke it
-        # between backward kernels.
-        self.MPI.Request.Testall(self._requests)
 
     def _wte_hook(self, inside, rest, leaf, remaining):
         """The tied embedding is read first by the encoder and last by the LM head, so
@@ -344,10 +369,30 @@ class DataParallelTrainer:
         if not self.zero:
             self.model.grads.wte[rows] += values
             return
+        # Rank r holds [start + r * part, start + (r + 1) * part) of each bucket: the rows
+        # wholly inside it are added as rows of a 2-D view of the shard, the at most two
+        # rows cut by its ends float by float (an index per float took 35-60 ms for GPT-2
+        # 124M at a global (8, 256) on a 2-core Zen 3, this 6-10 ms, all inside the wait).
         C = values.shape[1]
-        index = (rows[:, None].astype(np.int64) * C + np.arange(C)).reshape(-1)
-        mask, where = self.layout.owned(self.rank, index)
-        self.shard_grad[where] += values.reshape(-1)[mask]
+        wte_size = self.model.grads.wte.size
+        layout = self.layout
+        for b in layout.buckets_overlapping(0, wte_size):
+            (start, _), part, off = layout.bounds[b], layout.parts[b], layout.shard_offsets[b]
+            lo = start + self.rank * part
+            hi = min(lo + part, wte_size)
+            if lo >= hi:
+                continue
+            shard = self.shard_grad[off:off + hi - lo]
+            first, end = -(-lo // C), hi // C                  # rows wholly in [lo, hi)
+            if first < end:
+                i, j = np.searchsorted(rows, (first, end))
+                whole = shard[first * C - lo:end * C - lo].reshape(end - first, C)
+                whole[rows[i:j] - first] += values[i:j]
+            for row in sorted({lo // C, (hi - 1) // C}):
+                i = np.searchsorted(rows, row)
+                if not first <= row < end and i < rows.size and rows[i] == row:
+                    a, e = max(lo, row * C), min(hi, (row + 1) * C)
+                    shard[a - lo:e - lo] += values[i, a - row * C:e - row * C]
 
     def _launch(self, b):
         MPI = self.MPI
@@ -471,16 +516,16 @@ class DataParallelTrainer:
     # -- checkpoints --------------------------------------------------------------------
 
     def optimizer_state(self):
-        """(adam_m, adam_v) as full flat arrays on rank 0 (gathered from the shards
-        under ZeRO-1); (None, None) on the other ranks."""
+        """(adam_m, adam_v) as whole layer-major ParamArenas on rank 0 (gathered from the
+        shards under ZeRO-1); (None, None) on the other ranks."""
         if not self.zero:
-            return (self.adam_m, self.adam_v) if self.rank == 0 else (None, None)
+            return (self.model.adam_m, self.model.adam_v) if self.rank == 0 else (None, None)
         out = []
         for moment in (self.adam_m, self.adam_v):
             shards = (np.empty((self.size, self.layout.shard_size), np.float32)
                       if self.rank == 0 else None)
             self.comm.Gather(moment, shards, root=0)
-            out.append(self.layout.shard_to_full(shards) if self.rank == 0 else None)
+            out.append(self._arena(self.layout.shard_to_full(shards)) if self.rank == 0 else None)
         return tuple(out)
 
     def _agree(self, fn):
@@ -531,7 +576,9 @@ class DataParallelTrainer:
         if header["has_moments"]:
             loaded = state.get("loaded")
             for name, moment in (("adam_m", self.adam_m), ("adam_v", self.adam_v)):
-                full = getattr(loaded, name).flat if self.rank == 0 else None
+                # The checkpoint's moments are in llm.c order, the trainer's layer-major.
+                full = (self._arena(buffers.empty(loaded.params.flat.size))
+                        .copy_(getattr(loaded, name)).flat if self.rank == 0 else None)
                 if self.zero:
                     shards = self.layout.full_to_shards(full) if self.rank == 0 else None
                     self.comm.Scatter(shards, moment, root=0)

@@ -8,6 +8,8 @@ from gpt2.config import GPT2Config
 
 PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
                "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
+# The parameters with one slice per transformer block (leading dimension n_layer).
+PER_LAYER = PARAM_NAMES[2:-2]
 
 # Residual-stream output projections: GPT-2 scales their init by 1/sqrt(2 * n_layer).
 RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
@@ -52,15 +54,39 @@ def param_offsets(config):
     return offsets
 
 
+def layer_major_offsets(config):
+    """Ordered dict (name, layer) -> (start, stop) element offsets of the layer-major order:
+    wte, wpe, then block 0's parameters (ln1w ... fcprojb), block 1's, ..., then lnfw, lnfb
+    (layer None for the parameters that are not per block).  Each block is one contiguous
+    run, so the reverse sweep finishes the arena from its end towards its start."""
+    shapes = param_shapes(config)
+    offsets, start = {}, 0
+    order = ([(name, None) for name in PARAM_NAMES[:2]]
+             + [(name, l) for l in range(config.n_layer) for name in PER_LAYER]
+             + [(name, None) for name in PARAM_NAMES[-2:]])
+    for name, layer in order:
+        shape = shapes[name] if layer is None else shapes[name][1:]
+        offsets[name, layer] = (start, start + math.prod(shape))
+        start += math.prod(shape)
+    return offsets
+
+
 class ParamArena:
     """All GPT-2 parameters (or gradients, or optimizer moments) in ONE float32 buffer.
 
     ``flat`` is the 1-D buffer; ``views[name]`` (also ``arena.name``) are shaped views into it,
     so zeroing, copying or an optimizer update over everything is one operation on ``flat``.
     Pass ``flat`` to wrap an existing buffer (e.g. a checkpoint read in place) instead of allocating.
+
+    ``layer_major``: ``flat`` holds the parameters in ``layer_major_offsets`` order instead of
+    llm.c's (the data-parallel trainer's arenas, whose gradient buckets then become final
+    one after another during the reverse sweep).  The views have the same names and shapes;
+    a per-block view such as ``qkvw`` (L, 3C, C) is then strided over the blocks, each
+    ``qkvw[l]`` still contiguous.  Checkpoints and model files are always written and read
+    in llm.c order (``gpt2.checkpoint`` reorders such an arena).
     """
 
-    def __init__(self, config, flat=None):
+    def __init__(self, config, flat=None, layer_major=False):
         _check_config(config)
         n = num_parameters(config)
         if flat is None:
@@ -75,9 +101,28 @@ class ParamArena:
                 raise ValueError("ParamArena flat must be C-contiguous")
         self.config = config
         self.flat = flat
-        self.views = {name: flat[start:stop].reshape(shape)
-                      for (name, (start, stop)), shape
-                      in zip(param_offsets(config).items(), param_shapes(config).values())}
+        self.layer_major = bool(layer_major)
+        shapes = param_shapes(config)
+        if not self.layer_major:
+            self.views = {name: flat[start:stop].reshape(shape)
+                          for (name, (start, stop)), shape
+                          in zip(param_offsets(config).items(), shapes.values())}
+            return
+        offsets = layer_major_offsets(config)
+        L = config.n_layer
+        blocks_start = offsets["ln1w", 0][0]
+        block = sum(math.prod(shapes[name][1:]) for name in PER_LAYER)
+        blocks = flat[blocks_start:blocks_start + L * block].reshape(L, block)
+        self.views = {}
+        for name, shape in shapes.items():
+            if name in PER_LAYER:
+                start, stop = offsets[name, 0]
+                view = blocks[:, start - blocks_start:stop - blocks_start].view()
+                view.shape = shape      # raises rather than copy: the view must alias flat
+            else:
+                start, stop = offsets[name, None]
+                view = flat[start:stop].reshape(shape)
+            self.views[name] = view
 
     def __getattr__(self, name):
         # Only reached when normal lookup fails: parameter names resolve to their views.
@@ -98,14 +143,23 @@ class ParamArena:
         return self
 
     def copy_(self, other):
-        """Copy another arena of the same config into this one."""
+        """Copy another arena of the same config into this one (in either order)."""
         if not isinstance(other, ParamArena) or other.config != self.config:
             raise ValueError("copy_ needs a ParamArena with the same config")
-        np.copyto(self.flat, other.flat)
+        if other.layer_major == self.layer_major:
+            np.copyto(self.flat, other.flat)
+        else:
+            for name, view in self.views.items():
+                np.copyto(view, other.views[name])
         return self
 
+    def in_llmc_order(self):
+        """This arena if it is in llm.c order, else a copy in llm.c order."""
+        return self if not self.layer_major else ParamArena(self.config).copy_(self)
+
     def __repr__(self):
-        return f"ParamArena({self.config}, {self.flat.size} floats)"
+        order = ", layer-major" if self.layer_major else ""
+        return f"ParamArena({self.config}, {self.flat.size} floats{order})"
 
 
 def init_gpt2_(arena, seed):

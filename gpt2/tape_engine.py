@@ -19,9 +19,8 @@ from adtape import nn
 from kernels import _openmp
 from adtape.checkpointing import checkpoint, checkpoint_loop
 from adtape.tensor import OpTape, Tensor, apply_deferred_zero
+from gpt2.params import PER_LAYER
 
-PER_LAYER = ("ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
-             "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb")
 
 
 def _leaf(value, grad):
@@ -109,7 +108,7 @@ class TapeEngine:
         return float(loss.data)
 
     def leaves(self):
-        """Every parameter leaf, in arena order."""
+        """Every parameter leaf: wte, wpe, block by block, lnfw, lnfb."""
         out = [self.wte, self.wpe]
         for layer in self.layers:
             out.extend(layer[name] for name in PER_LAYER)

@@ -78,6 +78,42 @@ def checkpoints(directory):
     return result
 
 
+def sweep_order():
+    """One step of a 4-block model with small buckets: each bucket's launch, in launch
+    order, as (start, stop, leaves the sweep had made final before it), and the arena
+    ranges of the leaves the sweep finishes last (wte, wpe, block 0)."""
+    from dataclasses import replace
+    dp = trainer(config=replace(ref.CONFIG, n_layer=4), bucket_bytes=ref.BUCKET_BYTES)
+    engine = dp.model._tape_engine
+    final, launches = [0], []
+
+    def count(leaf, remaining):
+        final[0] += remaining == 0
+
+    # Registered after the trainer's hooks: a leaf's own final call counts after the
+    # launch it triggers.
+    for leaf in engine.leaves():
+        leaf.register_grad_hook(count)
+    launch = dp._launch
+
+    def recording(b):
+        launches.append((*dp.layout.bounds[b], final[0]))
+        launch(b)
+
+    dp._launch = recording
+    x, y = ref.batches(1)[0]
+    dp.train_step(x, y, ref.LR)
+    base = dp.grads_padded.ctypes.data
+
+    def extent(leaf):
+        start = (leaf.grad.ctypes.data - base) // 4
+        return start, start + leaf.grad.size
+
+    last = [engine.wte, engine.wpe, *engine.layers[0].values()]
+    return {"launches": launches, "leaves": len(engine.leaves()),
+            "last_leaves": [extent(leaf) for leaf in last], "wte": extent(engine.wte)}
+
+
 def fail(how):
     batches = ref.batches(6)
     dp = trainer()
@@ -109,6 +145,8 @@ def main():
     scenario, out = sys.argv[1], sys.argv[2]
     if scenario == "losses":
         result = losses()
+    elif scenario == "sweep_order":
+        result = sweep_order()
     elif scenario == "checkpoints":
         result = checkpoints(sys.argv[3])
     elif scenario in ("raise", "kill"):

@@ -159,6 +159,30 @@ def test_two_ranks_match_one_process(two_rank_losses, engine, zero):
     assert got["wte_rows_apart"] == (engine == "tape")
 
 
+def test_buckets_are_launched_as_the_sweep_leaves_them(tmp_path):
+    """Each bucket is launched while the blocks below it are still being differentiated:
+    in reverse arena order, and all but those holding wte, wpe or block 0 (the leaves the
+    sweep finishes last) before the sweep has made any of block 0 final."""
+    proc, got, _ = run_ranks("sweep_order", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    launches, last = got["launches"], got["last_leaves"]
+    wte_start, wte_stop = got["wte"]
+    # The buckets inside wte go first, when the LM head has added its part (_wte_hook).
+    at_head = [l for l in launches if l[1] <= wte_stop]
+    assert at_head == launches[:len(at_head)] and all(l[2] == 0 for l in at_head)
+    rest = launches[len(at_head):]
+    # The lower a bucket lies, the more of the sweep it waits for; a kernel makes at most
+    # two leaves final (a weight and its bias), whose buckets may go in either order.
+    finals = [l[2] for l in sorted(rest, reverse=True)]
+    assert all(upper <= lower + 1 for upper, lower in zip(finals, finals[1:])), finals
+    early = [l for l in rest
+             if not any(start < l[1] and l[0] < stop for start, stop in last)]
+    before_block0 = got["leaves"] - len(last)
+    assert all(finals <= before_block0 for _, _, finals in early)
+    # Most buckets: 3 of the 4 blocks, and their buckets outnumber block 0's and wpe's.
+    assert len(early) >= 2 * (len(rest) - len(early))
+
+
 def test_zero1_shards_the_optimizer_state(two_rank_losses):
     n = sum(v.size for v in GPT2(ref.CONFIG).params.views.values())
     full, sharded = two_rank_losses["tape/0"], two_rank_losses["tape/1"]
@@ -246,6 +270,28 @@ def test_bucket_layout_round_trips_shards():
     (start, stop), part = layout.bounds[1], layout.parts[1]
     np.testing.assert_array_equal(shards[2, layout.shard_offsets[1]:][:part],
                                   flat[start + 2 * part:start + 3 * part])
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_encoder_rows_land_in_each_ranks_shard(ranks):
+    """Under ZeRO-1 each rank adds the encoder's rows of wte to its parts of the buckets,
+    which start and end inside rows (parts of 16 floats, rows of 24)."""
+    import types
+    V, C, n = 40, 24, 1500
+    layout = distributed.BucketLayout(n, ranks, bucket_bytes=4 * 16 * ranks * 5, cuts=(V * C,))
+    rng = np.random.default_rng(0)
+    rows = np.unique(rng.integers(0, V, 30))
+    values = rng.standard_normal((rows.size, C)).astype(np.float32)
+    dense = np.zeros(n, np.float32)
+    dense[:V * C].reshape(V, C)[rows] = values
+    expected = layout.full_to_shards(dense)
+    for rank in range(ranks):
+        trainer = types.SimpleNamespace(
+            _batch_rows=rows, _encoder_rows=values, zero=1, rank=rank, layout=layout,
+            shard_grad=np.zeros(layout.shard_size, np.float32),
+            model=types.SimpleNamespace(grads=types.SimpleNamespace(wte=dense[:V * C])))
+        distributed.DataParallelTrainer._add_encoder_rows(trainer)
+        np.testing.assert_array_equal(trainer.shard_grad, expected[rank])
 
 
 def test_launcher_environment_is_read():

@@ -60,6 +60,24 @@ def test_checkpoint_round_trip(tmp_path):
     np.testing.assert_array_equal(resumed.next_batch()[0], loader.next_batch()[0])
 
 
+def test_layer_major_arenas_are_written_and_read_in_llmc_order(tmp_path):
+    path, params, m, v, _ = saved_state(tmp_path)
+    major = [ParamArena(TINY, layer_major=True).copy_(a) for a in (params, m, v)]
+    again = tmp_path / "again.bin"
+    save_checkpoint(again, major[0], step=123, adam_m=major[1], adam_v=major[2],
+                    adam_step=120, extra={"lr": 3e-4, "note": "x"})
+    ck = load_checkpoint(again, TINY)
+    for loaded, original in zip((ck.params, ck.adam_m, ck.adam_v), (params, m, v)):
+        np.testing.assert_array_equal(loaded.flat, original.flat)
+    dest = [ParamArena(TINY, layer_major=True) for _ in range(3)]
+    ck = load_checkpoint(path, params=dest[0], adam_m=dest[1], adam_v=dest[2])
+    assert ck.params is dest[0] and ck.adam_v is dest[2]
+    for loaded, original in zip(dest, major):
+        np.testing.assert_array_equal(loaded.flat, original.flat)
+    export_llmc(tmp_path / "model.bin", major[0])
+    np.testing.assert_array_equal(import_llmc(tmp_path / "model.bin").flat, params.flat)
+
+
 def test_checkpoint_loads_in_place_and_without_optimizer(tmp_path):
     path, params, m, _, _ = saved_state(tmp_path)
     dest_p, dest_m, dest_v = ParamArena(TINY), ParamArena(TINY), ParamArena(TINY)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from gpt2.config import GPT2Config
-from gpt2.params import PARAM_NAMES, ParamArena, init_gpt2_, num_parameters, param_shapes
+from gpt2.params import (PARAM_NAMES, ParamArena, init_gpt2_, layer_major_offsets,
+                         num_parameters, param_shapes)
 
 
 def test_presets_and_padded_vocab():
@@ -117,3 +118,25 @@ def test_init_statistics_and_determinism():
     a.flat[:] = 3.0
     init_gpt2_(a, seed=7)
     np.testing.assert_array_equal(a.flat, b.flat)
+
+
+def test_layer_major_arena_holds_each_block_in_one_run():
+    c = GPT2Config(n_layer=3, n_head=2, n_embd=16, vocab_size=100, block_size=8)
+    plain = init_gpt2_(ParamArena(c), seed=5)
+    plain.flat += np.arange(plain.flat.size, dtype=np.float32)     # every float distinct
+    major = ParamArena(c, layer_major=True).copy_(plain)
+    offsets = layer_major_offsets(c)
+    for name, view in major.views.items():
+        assert view.shape == plain.views[name].shape and np.shares_memory(view, major.flat)
+        np.testing.assert_array_equal(view, plain.views[name])
+    for (name, layer), (start, stop) in offsets.items():
+        value = plain.views[name] if layer is None else plain.views[name][layer]
+        np.testing.assert_array_equal(major.flat[start:stop], value.reshape(-1))
+    # Block l is one run: ln1w[l] starts it, fcprojb[l] ends it, block l + 1 follows.
+    for l in range(c.n_layer - 1):
+        assert offsets["fcprojb", l][1] == offsets["ln1w", l + 1][0]
+    assert offsets["lnfb", None][1] == num_parameters(c)
+    np.testing.assert_array_equal(major.in_llmc_order().flat, plain.flat)
+    assert plain.in_llmc_order() is plain
+    back = ParamArena(c).copy_(major)
+    np.testing.assert_array_equal(back.flat, plain.flat)
