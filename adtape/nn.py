@@ -182,17 +182,23 @@ def _gelu_linear_bwd(g, dests, fresh, x, weight):
         _layers.gelu_backward(dests[0], x, dh, overwrite=fresh[0])
 
 
-def attention(qkv, n_head):
-    """Causal multi-head self-attention of a packed (B,T,3C) ``[q|k|v]``; returns (B,T,C)."""
-    qd = np.ascontiguousarray(_data(qkv))
+def _attention_forward(op, qd, n_head):
+    """(output, log-sum-exps) of causal attention over a contiguous packed ``qkv``."""
     if qd.ndim != 3 or qd.shape[2] % 3:
-        raise ValueError(f"attention: qkv must have shape (B, T, 3C), got {qd.shape}")
+        raise ValueError(f"{op}: qkv must have shape (B, T, 3C), got {qd.shape}")
     B, T, C3 = qd.shape
     out = _buffers.empty((B, T, C3 // 3))
     # Each query's log-sum-exp: with qkv and out, all the backward needs (it
     # recomputes the probabilities), O(T) per head where they are O(T^2).
     lse = _buffers.empty((B, n_head, T))
     _attention.attention_forward(out, lse, qd, n_head)
+    return out, lse
+
+
+def attention(qkv, n_head):
+    """Causal multi-head self-attention of a packed (B,T,3C) ``[q|k|v]``; returns (B,T,C)."""
+    qd = np.ascontiguousarray(_data(qkv))
+    out, lse = _attention_forward("attention", qd, n_head)
     if _needs_grad(qkv):
         return _record(ATTENTION, out, (qkv,),
                        (qkv if qd is _data(qkv) else qd, out, lse, n_head), None)
@@ -209,14 +215,9 @@ def attention_linear(qkv, n_head, weight, bias=None):
     (on the byte tape the two ops would each push a copy of it: the attention for its
     backward, the projection as its input)."""
     qd = np.ascontiguousarray(_data(qkv))
-    if qd.ndim != 3 or qd.shape[2] % 3:
-        raise ValueError(f"attention_linear: qkv must have shape (B, T, 3C), got {qd.shape}")
-    B, T, C3 = qd.shape
     wd = _data(weight)
-    a = _buffers.empty((B, T, C3 // 3))
-    lse = _buffers.empty((B, n_head, T))
-    _attention.attention_forward(a, lse, qd, n_head)
-    out = _buffers.empty((B, T, wd.shape[0]))
+    a, lse = _attention_forward("attention_linear", qd, n_head)
+    out = _buffers.empty(a.shape[:2] + (wd.shape[0],))
     _matmul.matmul_forward(out, a, wd, None if bias is None else _data(bias))
     if _needs_grad(qkv, weight, bias):
         return _record(ATTENTION_LINEAR, out, (qkv, weight, bias),

@@ -30,23 +30,11 @@ import data_parallel
 from _runinfo import cpu_name, git_commit, model_configs
 
 from gpt2.perfmodel import GraphOptions, ModelSpec, ParallelConfig, Workload, estimate, load_profile
+from gpt2.perfmodel.linkprobe import peak_rss, reset_peak_rss
 
 RESULTS = data_parallel.RESULTS
 CONFIGS = (("gpt2", 4, 64), ("gpt2", 4, 256))
 TIME_TARGET, MEMORY_TARGET = 0.10, 0.05
-
-
-def _reset_peak_rss():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _peak_rss():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
 def worker(args):
@@ -78,9 +66,9 @@ def worker(args):
         return loss, dict(trainer.last_step)
 
     step()
-    _reset_peak_rss()
+    reset_peak_rss()
     times, _, extras = data_parallel._timed(step, args.steps)
-    mine = {"step_ms": times, "peak_rss": _peak_rss(), "extras": extras}
+    mine = {"step_ms": times, "peak_rss": peak_rss(), "extras": extras}
     everyone = comm.gather(mine, root=0) if comm is not None else [mine]
     if comm is None or comm.Get_rank() == 0:
         with open(args.result_file, "w") as f:

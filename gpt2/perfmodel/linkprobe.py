@@ -88,18 +88,27 @@ def _sgemm_chunk(rows, threads):
     return (lambda: gemm_rowmajor(c, a, b, trans_b=True)), 2.0 * rows * 768 * 3072
 
 
-def measure_overlap(comm, bucket_bytes, buckets, chunks, repeats, threads):
-    """{collective: cost share} of ``buckets`` buckets launched one after another in a loop
-    of ``chunks`` sgemm chunks, with Testall between chunks and Waitall after the loop."""
+def _buckets(comm, bucket_bytes, buckets):
+    """([(bucket, its reduce-scatter part)] of ``buckets`` float32 buckets of about
+    ``bucket_bytes``, {collective: non-blocking launch of one bucket})."""
     MPI = _mpi()
     p = comm.Get_size()
-    chunk, _ = _sgemm_chunk(256, threads)
     n = bucket_bytes // 4 // p * p
     buf = np.ones(n * buckets, np.float32)
     part = np.empty(n * buckets // p, np.float32)
     views = [(buf[i * n:(i + 1) * n], part[i * n // p:(i + 1) * n // p]) for i in range(buckets)]
     launch = {"all_reduce": lambda v, _: comm.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM),
               "reduce_scatter": lambda v, w: comm.Ireduce_scatter_block(v, w, op=MPI.SUM)}
+    return views, launch
+
+
+def measure_overlap(comm, bucket_bytes, buckets, chunks, repeats, threads):
+    """{collective: cost share} of ``buckets`` buckets launched one after another in a loop
+    of ``chunks`` sgemm chunks, with Testall between chunks and Waitall after the loop."""
+    MPI = _mpi()
+    chunk, _ = _sgemm_chunk(256, threads)
+    views, launch = _buckets(comm, bucket_bytes, buckets)
+    total = sum(v.nbytes for v, _ in views)
     block = {"all_reduce": lambda v, _: comm.Allreduce(MPI.IN_PLACE, v, op=MPI.SUM),
              "reduce_scatter": lambda v, w: comm.Reduce_scatter_block(v, w, op=MPI.SUM)}
     every = max(1, chunks // buckets)
@@ -128,7 +137,7 @@ def measure_overlap(comm, bucket_bytes, buckets, chunks, repeats, threads):
             t_plain = _time_collective(comm, lambda: loop(None), 1)
             extra.append(_time_collective(comm, lambda: loop(name), 1) - t_plain)
             plain.append(t_plain)
-        out[name] = {"bytes": 4 * n * buckets, "buckets": buckets, "alone_s": comm_s,
+        out[name] = {"bytes": total, "buckets": buckets, "alone_s": comm_s,
                      "compute_s": float(np.median(plain)), "extra_s": float(np.median(extra)),
                      "cost": min(1.0, max(0.0, float(np.median(extra)) / comm_s))}
     return out
@@ -147,12 +156,14 @@ def measure_rank_rates(comm, threads, repeats):
             "copy_bytes": src.nbytes, "copy_bandwidth": 2.0 * src.nbytes / copy}
 
 
-def _reset_peak():
+def reset_peak_rss():
+    """Reset this process's peak resident set (VmHWM) to its current RSS."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
 
-def _peak():
+def peak_rss():
+    """This process's peak resident bytes since start or the last reset_peak_rss()."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -165,23 +176,18 @@ def measure_buffers(comm, bucket_bytes, buckets, repeats):
     requests launched back to back (none progressing before the wait, the most a step
     can have in flight), the peak RSS above what it was before the launches."""
     MPI = _mpi()
-    p = comm.Get_size()
-    n = bucket_bytes // 4 // p * p
-    buf = np.ones(n * buckets, np.float32)
-    part = np.empty(n * buckets // p, np.float32)
-    views = [(buf[i * n:(i + 1) * n], part[i * n // p:(i + 1) * n // p]) for i in range(buckets)]
-    launch = {"all_reduce": lambda v, _: comm.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM),
-              "reduce_scatter": lambda v, w: comm.Ireduce_scatter_block(v, w, op=MPI.SUM)}
+    views, launch = _buckets(comm, bucket_bytes, buckets)
+    total = sum(v.nbytes for v, _ in views)
     out = {}
     for name, fn in launch.items():
         grown = []
         for _ in range(repeats):
             comm.Barrier()
-            _reset_peak()
-            before = _peak()
+            reset_peak_rss()
+            before = peak_rss()
             MPI.Request.Waitall([fn(v, w) for v, w in views])
-            grown.append(comm.allreduce(_peak() - before, op=MPI.MAX))
-        out[name] = float(np.median(grown)) / (4 * n * buckets)
+            grown.append(comm.allreduce(peak_rss() - before, op=MPI.MAX))
+        out[name] = float(np.median(grown)) / (total)
     return out
 
 
