@@ -178,6 +178,7 @@ def _gelu_linear_bwd(g, dests, fresh, x, weight):
     dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
     _matmul.matmul_backward(dh, dw, dests[2], _contiguous(g), h, weight,
                             overwrite=(True, ow_w, fresh[2]))
+    del h          # freed before the GELU's gradient is allocated: 3 hidden-width arrays live, as unfused
     if dh is not None:
         _layers.gelu_backward(dests[0], x, dh, overwrite=fresh[0])
 
