@@ -64,14 +64,11 @@ class TapeEngine:
         w = self.layers[l]
         h = nn.layernorm(x, w["ln1w"], w["ln1b"])
         qkv = nn.linear(h, w["qkvw"], w["qkvb"])
-        # Attention and its projection in one op: the attention's output saved once.
-        x = nn.residual(x, nn.attention_linear(qkv, self.config.n_head, w["attprojw"],
-                                               w["attprojb"]))
+        a = nn.attention(qkv, self.config.n_head)
+        x = nn.residual(x, nn.linear(a, w["attprojw"], w["attprojb"]))
         h = nn.layernorm(x, w["ln2w"], w["ln2b"])
-        # GELU and the projection in one op that keeps only the GELU input (recomputed
-        # in the backward): a quarter less saved per block.
-        h = nn.linear(h, w["fcw"], w["fcb"])
-        return nn.residual(x, nn.gelu_linear(h, w["fcprojw"], w["fcprojb"]))
+        h = nn.gelu(nn.linear(h, w["fcw"], w["fcb"]))
+        return nn.residual(x, nn.linear(h, w["fcprojw"], w["fcprojb"]))
 
     def forward_loss(self, inputs, targets):
         """The mean loss as a recorded Tensor (call inside ``with self.optape``)."""

@@ -7,9 +7,7 @@ matmuls, and the tensors its forward saves for the backward pass.
 
 Two layouts of what is saved:
 - ``"adtape"``: what our kernels need (kernels_api.md): layernorm saves its input and
-  mean/rstd, each matmul its input but the two projections (``nn.attention_linear``
-  saves the attention's output once, ``nn.gelu_linear`` keeps the GELU input and
-  recomputes its output in the backward), fused attention saves qkv, its output and each
+  mean/rstd, each matmul its input, fused attention saves qkv, its output and each
   query's log-sum-exp (B, n_head, T) and recomputes the probabilities in the backward;
   no dropout; activations in the workload's precision.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
@@ -147,7 +145,7 @@ class _Builder:
             saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.lse", 4.0 * b * heads * s))
             if not self.megatron:
                 # Our kernel's backward reads the output too (D = rowsum(dO * O)); the
-                # projection after it uses the same saved array (nn.attention_linear).
+                # projection after it saves the same array as its input.
                 saved += (Saved("attn.out", e * out_elems),)
             fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft, traffic, "", saved, 1, 2 * mm)
             bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft, 2.5 * traffic, gemm_flops=5 * mm)
@@ -199,16 +197,7 @@ class _Builder:
             pairs.append(self.pointwise(f"{tag}gelu", "elementwise", layer, rows * hidden, GELU_FWD_FLOPS,
                                         GELU_BWD_FLOPS, 2, 4,
                                         [Saved(f"{tag}gelu.input", self.e * rows * hidden)]))
-            fcproj = self.matmul(f"{tag}fcproj", layer, rows, hidden, C)
-            if not self.megatron:
-                # nn.gelu_linear: the projection keeps no input of its own; its backward
-                # recomputes the GELU output from the GELU's saved input.
-                fwd, bwd = fcproj
-                fwd.saved, fwd.tape_records = (), 0
-                recompute = Op(f"{tag}gelu.recompute", "elementwise", "bwd", layer,
-                               GELU_FWD_FLOPS * rows * hidden, self.e * 2 * rows * hidden)
-                fcproj = (fwd, bwd + [recompute])
-            pairs.append(fcproj)
+            pairs.append(self.matmul(f"{tag}fcproj", layer, rows, hidden, C))
         return pairs
 
     def layer(self, layer):
@@ -220,12 +209,7 @@ class _Builder:
         att_fwd, att_bwd = self.attention(layer)
         fwd = [p[0] for p in pairs] + att_fwd
         bwd = [op for p in pairs for op in p[1]] + att_bwd
-        attproj = self.matmul("attproj", layer, N, C / self.tp, C)
-        if not self.megatron:
-            # nn.attention_linear: the projection's input is the attention's output,
-            # saved once, by the attention.
-            attproj[0].saved, attproj[0].tape_records = (), 0
-        pairs = [attproj]
+        pairs = [self.matmul("attproj", layer, N, C / self.tp, C)]
         if self.megatron:
             pairs.append(self.dropout("attproj.dropout", layer, N * C / self.rep))
         pairs += [self.residual("residual1", layer), self.layernorm("ln2", layer)]

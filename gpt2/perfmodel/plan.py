@@ -45,7 +45,7 @@ MMAP_THRESHOLD_BYTES = 256 << 20
 # Tape budgets listed beside the largest one that fits: these shares of the activations.
 BUDGET_SHARES = (2, 4, 8)
 # Saved arrays that are another op's saved array too (held once by reference).
-ALIASES = ()         # nn.attention_linear saves the attention's output once: no alias left
+ALIASES = ("attn.out",)         # FlashAttention's output is the projection's input
 
 
 @dataclass(frozen=True)
