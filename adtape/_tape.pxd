@@ -136,6 +136,7 @@ cdef struct TapeStruct:
     size_t resident_bytes    # heap slab bytes allocated (including the pool)
     size_t peak_resident_bytes
     size_t spilled_bytes
+    size_t peak_spilled_bytes
     Slab* pool
     int pool_count
     int64_t heap_slabs
@@ -148,6 +149,7 @@ cdef struct TapeStruct:
     char spill_dir[4096]
     off_t file_end
     off_t file_size
+    off_t peak_file_size     # the spill file's largest size (stats: spill file bound)
     pthread_mutex_t io_mu
     pthread_cond_t io_cv
     pthread_cond_t done_cv

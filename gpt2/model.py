@@ -212,6 +212,13 @@ class GPT2:
         self.adamw_step(lr, weight_decay=weight_decay, grad_scale=scale)
         return loss, norm
 
+    @property
+    def tape_stats(self):
+        """The tape engine's counters (``adtape.Tape.stats``: bytes spilled, written and
+        read, I/O waits, prefetch hits; cumulative), or None before its first step and
+        on the reference engine."""
+        return self._tape_engine.optape.stats if self._tape_engine is not None else None
+
     def close(self):
         if self._tape_engine is not None:
             self._tape_engine.close()

