@@ -1015,7 +1015,7 @@ cdef class Tape:
         not fault fresh pages in; with one, as many as the budget holds, counted
         against it: the slabs of the next fill reuse the buffers that the writes and
         pops free (GPT-2 124M at (4, 1024), budget 1/4: a forward pass 8.7 s with
-        2 + prefetch_depth spares, 6.8 s so).  clear() frees them.
+        2 + prefetch_depth spares, 6.8 s with them).  clear() frees them.
     write_ahead : with a memory_budget, learn from each fill of the tape from empty
         (a training step's forward pass) how far it went; the next fill then writes
         the slabs that will not fit the budget as soon as they are full, instead of
@@ -1079,7 +1079,7 @@ cdef class Tape:
             # buffers the writes free instead of mapping (and faulting in) fresh ones.
             # The spares count against memory_budget + S like slabs in use (make_room).
             self.t.max_free_slabs = max(self.t.max_free_slabs,
-                                        budget // max(slab_size * itemsize, 1) + 1)
+                                        budget // self.t.slab_bytes + 1)
         _open_tapes.add(self)
 
     def __dealloc__(self):

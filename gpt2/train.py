@@ -383,21 +383,17 @@ class TapeWatch:
 
     def __init__(self, model):
         self.model = model
-        self.first = self.last = None
+        self.first = self.last = None       # Tape.stats after the first and the last step
         self.steps = 0
-        self.peaks = {}
 
     def after_step(self):
         stats = self.model.tape_stats
         if stats is None or stats["memory_budget"] is None:
             return
         self.steps += 1
-        self.last = {k: stats[k] for k in self.PER_STEP}
+        self.last = stats
         if self.first is None:
-            self.first = dict(self.last)
-        self.peaks = {"memory_budget": stats["memory_budget"],
-                      "peak_spilled_bytes": stats["peak_spilled_bytes"],
-                      "peak_spill_file_bytes": stats["peak_spill_file_bytes"]}
+            self.first = stats
 
     def summary(self):
         """A dict for summary.json, or None when no budget was set."""
@@ -406,7 +402,8 @@ class TapeWatch:
         n = self.steps - 1 if self.steps > 1 else 1
         base = self.first if self.steps > 1 else dict.fromkeys(self.PER_STEP, 0)
         per = {k: (self.last[k] - base[k]) / n for k in self.PER_STEP}
-        return {**self.peaks,
+        return {**{k: self.last[k] for k in ("memory_budget", "peak_spilled_bytes",
+                                             "peak_spill_file_bytes")},
                 "written_bytes_per_step": per["bytes_written"],
                 "read_bytes_per_step": per["bytes_read"],
                 "io_wait_ms_per_step": per["io_wait_ns"] / 1e6,

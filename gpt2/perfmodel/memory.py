@@ -134,6 +134,12 @@ def in_flight_micro_batches(parallel, n_micro):
     return held
 
 
+def loss_backward_bytes(spec, tokens, act_bytes=4, tp=1):
+    """Bytes the loss's backward adds beside the saved logits: the logits' gradient
+    (tokens x vocabulary, ``tp`` shards of it), then the lm_head input's gradient."""
+    return act_bytes * tokens * (spec.padded_vocab / tp + spec.n_embd)
+
+
 def memory_breakdown(spec, workload, parallel, hardware, options=GraphOptions(), stage=0, ops=None):
     """Peak bytes on one device of ``stage``."""
     params = stage_parameters(spec, parallel, stage)
@@ -154,13 +160,12 @@ def memory_breakdown(spec, workload, parallel, hardware, options=GraphOptions(),
     layer_sets = [v for k, v in _layer_totals(ops).items() if k >= 0]
     workspace = transient + max(layer_sets, default=0.0) + layer_input_bytes(spec, workload, parallel)
     if stage == parallel.pp - 1:
-        # The loss's backward, on the last stage: the logits' gradient (B*T x vocabulary)
-        # beside the saved logits, then the lm_head input's gradient.  At GPT-2's
-        # vocabulary this is the backward's fullest moment below a few thousand
-        # tokens per micro-batch (measured peaks were 3-8% above the prediction without it).
+        # The loss's backward, on the last stage: at GPT-2's vocabulary the backward's
+        # fullest moment below a few thousand tokens per micro-batch (measured peaks were
+        # 3-8% above the prediction without it).
         tokens = workload.micro_batch_size(parallel) * workload.seq_len
-        head = workload.act_bytes * tokens * (spec.padded_vocab / parallel.tp + spec.n_embd)
-        workspace = max(workspace, head)
+        workspace = max(workspace, loss_backward_bytes(spec, tokens, workload.act_bytes,
+                                                       parallel.tp))
     if parallel.dp > 1 and parallel.overlap_dp_comm:
         # Non-blocking collectives allocate temporary buffers while in flight; every
         # bucket may be in flight at once (the backward launches them faster than a

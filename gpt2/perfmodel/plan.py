@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from .estimate import estimate, tape_io_time
 from .graph import step_graph
 from .hardware import HardwareProfile, load_profile
-from .memory import saved_by_layer
+from .memory import loss_backward_bytes, saved_by_layer
 from .spec import ModelSpec, ParallelConfig, Workload
 
 FLOAT_BYTES = 4
@@ -147,7 +147,7 @@ class _Accounting:
         self.block_heap = sum(v for v in block.values() if v < MMAP_THRESHOLD_BYTES)
         # The logits' gradient is written over the logits popped off the tape (a fresh
         # array when they were held by reference), and the lm_head input's gradient.
-        self.head_working = e * N * (spec.padded_vocab + C)
+        self.head_working = loss_backward_bytes(spec, N, e)
         # One block's backward at its fullest: the residual gradient coming in and the two
         # it splits into, with the MLP's two hidden-width gradients (gelu and fc outputs).
         F = spec.ffn_hidden
