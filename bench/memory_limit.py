@@ -170,6 +170,14 @@ def run_ours(args):
         result["plan"] = plan.describe()
         result["predicted_ms"] = plan.predicted_ms
         result["predicted_peak_bytes"] = plan.predicted_peak_bytes
+    else:
+        # The performance model's prediction of this policy (the planner weighs the same).
+        from gpt2.perfmodel.plan import predict_policy
+        guess = predict_policy(config, args.B, args.T, kwargs.get("tape_kwargs", {}).get("memory_budget"),
+                               kwargs.get("checkpointing", "none"), kwargs.get("snapshots", 0),
+                               threads=args.threads)
+        result["predicted_ms"] = guess.predicted_ms
+        result["predicted_peak_bytes"] = guess.predicted_peak_bytes
     model = GPT2(config, seed=0, engine="tape", **kwargs)
     inputs, targets = _batch(config, args.B, args.T)
     before = {}
@@ -436,6 +444,10 @@ def finish(rec, base_ms, base_losses, acts, probe, layer_bytes, device):
     rec["prefetch_hit_rate"] = hits / (hits + misses) if hits is not None and hits + misses else None
     if base_ms and "ms" in rec:
         rec["ratio_to_memory"] = rec["ms"] / base_ms
+    if rec.get("predicted_ms") and "ms" in rec:
+        # The model's error, measured against predicted (the planner's targets: 10% and 5%).
+        rec["predicted_ms_error"] = rec["predicted_ms"] / rec["ms"] - 1
+        rec["predicted_peak_error"] = rec["predicted_peak_bytes"] / rec["peak_rss_bytes"] - 1
     if base_losses is not None and "losses" in rec and rec["policy"] not in TORCH_POLICIES:
         rec["losses_bit_identical"] = rec["losses"] == base_losses
     if acts is not None and "peak_rss_bytes" in rec:
@@ -457,7 +469,7 @@ def report_one(rec):
 def print_table(records):
     head = (f"{'model':<12}{'B':>3}{'T':>6} {'policy':<11}{'ms/step':>9}{'x mem':>7}{'peak GiB':>9}"
             f"{'budget GiB':>11}{'spill GiB':>10}{'io wait ms':>11}{'push wait':>10}{'hit rate':>9}"
-            f"{'bits':>6}{'torch ms':>9}")
+            f"{'bits':>6}{'torch ms':>9}{'model ms':>9}{'model peak':>11}")
     print("\n" + head)
     for r in records:
         if "ms" not in r:
@@ -472,7 +484,9 @@ def print_table(records):
               f"{g(r.get('budget_bytes'), GiB):>11}{g(r.get('spill_bytes'), GiB):>10}"
               f"{g(r.get('io_wait_ms'), 1, '{:.0f}'):>11}{g(r.get('push_wait_ms'), 1, '{:.0f}'):>10}"
               f"{g(r.get('prefetch_hit_rate')):>9}"
-              f"{str(r.get('losses_bit_identical', '-')):>6}{g(r.get('torch_ms'), 1, '{:.0f}'):>9}")
+              f"{str(r.get('losses_bit_identical', '-')):>6}{g(r.get('torch_ms'), 1, '{:.0f}'):>9}"
+              f"{g(r.get('predicted_ms_error'), 0.01, '{:+.1f}%'):>9}"
+              f"{g(r.get('predicted_peak_error'), 0.01, '{:+.1f}%'):>11}")
 
 
 def plot(records, path):

@@ -338,19 +338,33 @@ def measure_disk(path, max_bytes, max_seconds=10.0, chunk=4 << 20):
     return write_rate, read_rate, method
 
 
+# The product of the baseline probe: GPT-2's lm_head (a vocabulary-wide weight) at 1024
+# tokens, whose backward fills the BLAS library's packing buffers as training's does
+# (OpenBLAS maps 64 MiB and touches what the operands' sizes need: 38 MiB at 512 tokens,
+# all of it from 1024 on this Zen 4).
+BASELINE_GEMM = (1024, 768, 50257)     # tokens, input width, output width
+
+
 def measure_baseline_rss(threads=None):
     """RSS of a fresh interpreter that imported the runtime and ran one training step of the
-    tiny model (so thread pools and BLAS buffers are in), less that model's own arenas."""
+    tiny model and one lm_head-sized product forward and backward (so thread pools and
+    BLAS buffers are in), less that model's arenas and the product's arrays."""
     code = ("import numpy as np, psutil\n"
-            "from kernels import threads\n"
+            "from kernels import threads, matmul\n"
             f"threads.set_num_threads({threads!r})\n"
             "from gpt2.config import GPT2Config\n"
             "from gpt2.model import GPT2\n"
             "model = GPT2(GPT2Config.preset('tiny'), seed=0)\n"
             "ids = np.zeros((1, 8), np.int32)\n"
             "model.train_step(ids, ids, lr=1e-4, weight_decay=0.1)\n"
-            "arenas = sum(a.nbytes for a in (model.params, model.grads, model.adam_m, model.adam_v))\n"
-            "print(psutil.Process().memory_info().rss - arenas)\n")
+            f"N, C, OC = {BASELINE_GEMM!r}\n"
+            "x, w = np.full((N, C), 0.5, np.float32), np.full((OC, C), 0.5, np.float32)\n"
+            "out, dx, dw = np.empty((N, OC), np.float32), np.empty((N, C), np.float32), np.empty((OC, C), np.float32)\n"
+            "matmul.matmul_forward(out, x, w, None)\n"
+            "matmul.matmul_backward(dx, dw, None, out, x, w, overwrite=True)\n"
+            "arrays = sum(a.nbytes for a in (model.params, model.grads, model.adam_m, model.adam_v,\n"
+            "                                x, w, out, dx, dw))\n"
+            "print(psutil.Process().memory_info().rss - arrays)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.getcwd())
     return float(out.stdout.strip().splitlines()[-1])
