@@ -16,7 +16,7 @@ from gpt2.model import GPT2
 from gpt2.params import num_parameters
 from gpt2.perfmodel import cli, load_profile
 from gpt2.perfmodel.calibrate import measure_baseline_rss, measure_disk
-from gpt2.perfmodel.plan import minimum_memory, plan_memory
+from gpt2.perfmodel.plan import minimum_memory, plan_memory, predict_policy
 
 TINY = GPT2Config.preset("tiny")
 GPT2_124M = GPT2Config.preset("gpt2")
@@ -99,6 +99,35 @@ def test_in_memory_prediction_counts_the_engines_bytes(profile):
     # The working set is bounded: at most the stored activations again (here: the logits'
     # gradient or one block's gradients).
     assert chosen.memory["working set"] <= chosen.memory["activations"]
+
+
+def test_predict_policy_is_what_the_planner_weighs(profile):
+    plan = plan_memory(GPT2_124M, 8, 1024, 8 << 30, hardware=profile)
+    assert len(plan.candidates) > 10
+    for c in plan.candidates:
+        p = predict_policy(GPT2_124M, 8, 1024, c.tape_budget, c.checkpointing, c.snapshots, hardware=profile)
+        assert (p.policy, p.predicted_ms, p.predicted_peak_bytes, p.memory) == \
+            (c.policy, c.predicted_ms, c.predicted_peak_bytes, c.memory)
+    with pytest.raises(ValueError, match="checkpointing"):
+        predict_policy(GPT2_124M, 8, 1024, checkpointing="all", hardware=profile)
+    with pytest.raises(ValueError, match="tape_budget"):
+        predict_policy(GPT2_124M, 8, 1024, tape_budget=-1, hardware=profile)
+    with pytest.raises(ValueError, match="block_size"):
+        predict_policy(GPT2_124M, 8, 2048, hardware=profile)
+
+
+def test_a_budget_below_the_logits_costs_their_disk_time(profile):
+    # The loss's logits are pushed and popped whole: what of them exceeds the budget is
+    # written while the push waits and read while the pop waits (nothing hides it).
+    logits = 4 * 8 * 1024 * GPT2_124M.padded_vocab_size
+    small, large = (predict_policy(GPT2_124M, 8, 1024, b, hardware=profile) for b in (logits // 2, 2 * logits))
+    write, read = profile.spill_times(logits - logits // 2)
+    exposed = small.time["spill I/O exposed"] - large.time["spill I/O exposed"]
+    assert exposed == pytest.approx((write + read) * 1e3, rel=1e-3) and exposed > 0   # (and the lse)
+    # So at 8G the planner keeps the logits within the budget rather than take the
+    # smallest budget of equal compute.
+    plan = plan_memory(GPT2_124M, 8, 1024, 8 << 30, hardware=profile)
+    assert plan.tape_budget is not None and plan.tape_budget >= logits
 
 
 def test_attention_keeps_no_quadratic_activations(profile):

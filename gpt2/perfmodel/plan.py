@@ -137,8 +137,9 @@ class _Accounting:
     the threshold (the logits and their gradient past ~1300 tokens at GPT-2's
     vocabulary) are mapped and unmapped.  So the step peaks at the loss's backward -
     the logits' gradient mapped - on top of the heap's high water, wherever in the
-    step that was (measured with /proc/self/smaps and mallinfo2 at the peak: GPT-2
-    124M at (4,1024) and (8,1024), every policy, within 0.5% without checkpointing)."""
+    step that was (measured with /proc/self/smaps and mallinfo2 at the peak; against
+    GPT-2 124M at (4,1024) and (8,1024): within 0.5% without checkpointing, 1.6-3.3%
+    above with it, bench/README.md)."""
 
     def __init__(self, spec, B, T, flash):
         ops = step_graph(spec, Workload(B, T), ParallelConfig(flash_attention=flash))
