@@ -7,6 +7,7 @@ installed adtape, kernels and gpt2 packages the tests are about.
 import importlib.util
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -45,6 +46,26 @@ def _outside_the_source_tree(tmp_path_factory):
     os.chdir(tmp_path_factory.mktemp("cwd"))
     yield
     os.chdir(old)
+
+
+@pytest.fixture
+def tmpfs():
+    """``tmpfs(path, options)`` mounts a small tmpfs at ``path`` (a real full or read-only
+    disk: e.g. ``"size=2m"``, ``"ro,size=1m"``) and returns it; every mount is undone at
+    teardown.  Where mounting is refused (not root), the test is skipped (CI runs as root)."""
+    mounted = []
+
+    def mount(path, options):
+        path.mkdir(exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", str(path)], check=True)
 
 
 def _lane_widths():

@@ -177,29 +177,16 @@ def test_errors_of_the_thread_setup_are_user_errors(monkeypatch, capsys):
     assert "\n" not in err
 
 
-def test_full_and_read_only_disks_are_one_error_line(tmp_path):
-    full, read_only = tmp_path / "full", tmp_path / "ro"
-    full.mkdir()
-    read_only.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(full)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
-                       check=True)
-        try:
-            # B=8, T=64 saves about 3 MiB of activations a step, all spilled: more than 2 MiB.
-            proc = run_cli(tmp_path, "--model", "tiny", "-B", "8", "-T", "64", "--steps", "2",
-                           "--corpus-bytes", "100k", "--tape-budget", "1k", "--spill-dir", full,
-                           "--eval-interval", "0", "--no-progress", "--out-dir", tmp_path / "a")
-            assert_one_line_error(proc, "training", "No space left on device")
-            proc = run_cli(tmp_path, *QUICK, "--out-dir", read_only / "run")
-            assert_one_line_error(proc, "--out-dir", "Read-only file system")
-        finally:
-            subprocess.run(["umount", str(read_only)], check=True)
-    finally:
-        subprocess.run(["umount", str(full)], check=True)
+def test_full_and_read_only_disks_are_one_error_line(tmp_path, tmpfs):
+    full = tmpfs(tmp_path / "full", "size=2m")
+    read_only = tmpfs(tmp_path / "ro", "ro,size=1m")
+    # B=8, T=64 saves about 3 MiB of activations a step, all spilled: more than 2 MiB.
+    proc = run_cli(tmp_path, "--model", "tiny", "-B", "8", "-T", "64", "--steps", "2",
+                   "--corpus-bytes", "100k", "--tape-budget", "1k", "--spill-dir", full,
+                   "--eval-interval", "0", "--no-progress", "--out-dir", tmp_path / "a")
+    assert_one_line_error(proc, "training", "No space left on device")
+    proc = run_cli(tmp_path, *QUICK, "--out-dir", read_only / "run")
+    assert_one_line_error(proc, "--out-dir", "Read-only file system")
 
 
 def test_help_names_the_program_and_documents_every_option(tmp_path):

@@ -11,7 +11,6 @@ with O_DIRECT where the filesystem takes it, so the spill file does not pass thr
 """
 import errno
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -214,30 +213,22 @@ def test_aligned_slabs_spill_with_o_direct_where_the_filesystem_takes_it(tmp_pat
     assert round_trip_odd_records(tmp_path) == takes_o_direct(tmp_path)
 
 
-def test_a_full_disk_keeps_every_value_with_direct_io(tmp_path):
+def test_a_full_disk_keeps_every_value_with_direct_io(tmp_path, tmpfs):
     # A real full filesystem (a 4 MiB tmpfs) under 2 MiB slabs: the failed write is an
     # OSError naming the spill file, and every value pushed is popped back intact.
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        rng = np.random.default_rng(1)
-        records = [rng.standard_normal(300_000) for _ in range(20)]     # 2.3 MiB each
-        pushed = 0
-        with Tape(memory_budget=8 * MiB, spill_dir=mnt) as tape:
-            with pytest.raises(OSError, match="spill file") as err:
-                for r in records:
-                    tape.push_array(r)
-                    pushed += 1
-                    tape._sync()
-            assert err.value.errno == errno.ENOSPC
-            while pushed:
-                pushed -= 1
-                assert np.array_equal(tape.pop_array(), records[pushed]), pushed
-            assert len(tape) == 0
-        assert os.listdir(mnt) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+    mnt = tmpfs(tmp_path / "tmpfs", "size=4m")
+    rng = np.random.default_rng(1)
+    records = [rng.standard_normal(300_000) for _ in range(20)]     # 2.3 MiB each
+    pushed = 0
+    with Tape(memory_budget=8 * MiB, spill_dir=mnt) as tape:
+        with pytest.raises(OSError, match="spill file") as err:
+            for r in records:
+                tape.push_array(r)
+                pushed += 1
+                tape._sync()
+        assert err.value.errno == errno.ENOSPC
+        while pushed:
+            pushed -= 1
+            assert np.array_equal(tape.pop_array(), records[pushed]), pushed
+        assert len(tape) == 0
+    assert os.listdir(mnt) == []
