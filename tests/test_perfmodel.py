@@ -201,6 +201,17 @@ def test_tape_budget_spills_and_costs_io():
     write, read = CPU.spill_times(hidden.memory.spilled)
     assert hidden.spill_io == pytest.approx(max(0.0, write - fwd) + max(0.0, read - bwd))
     assert hidden.spill_io < spilled.spill_io
+    # Below the loss's logits (pushed and popped whole), what of them exceeds the budget
+    # is written while the push waits and read while the pop waits: nothing hides it.
+    small = 64 << 20
+    tight = estimate(GPT2, w, ParallelConfig(tape_budget=small, overlap_spill_io=True), CPU)
+    logits = max(op.saved_bytes for op in step_graph(GPT2, w, ParallelConfig()) if op.phase == "fwd")
+    assert logits >= 4 * w.global_batch * w.seq_len * GPT2.padded_vocab > small
+    write, read = CPU.spill_times(tight.memory.spilled)
+    fwd = sum(v for (phase, _), v in tight.compute.items() if phase == "fwd")
+    bwd = sum(tight.compute.values()) - fwd
+    assert tight.spill_io == pytest.approx(max(0.0, write - fwd) + max(0.0, read - bwd)
+                                           + sum(CPU.spill_times(logits - small)))
 
 
 def test_flash_attention_removes_quadratic_memory():

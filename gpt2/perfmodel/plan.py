@@ -157,7 +157,8 @@ class _Accounting:
         ops_saved = [op.saved_bytes for op in ops if op.phase == "fwd" and op.layer == 0]
         self.largest_op_saved = max(ops_saved)
         # The largest record pushed at once (the loss's logits): what of it exceeds a tape
-        # budget moves to and from the disk while the push, and then the pop, wait.
+        # budget moves to and from the disk while the push, and then the pop, wait
+        # (estimate.tape_io_time).
         self.largest_record = max(op.saved_bytes for op in ops if op.phase == "fwd")
         # A block's arrays in the heap: copied onto the byte tape, each is freed in step
         # with the next one's allocation; the heap keeps the block's worth.
@@ -225,7 +226,8 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     """
     if not isinstance(max_memory, (int, float)) or isinstance(max_memory, bool) or not max_memory > 0:
         raise ValueError(f"max_memory must be a positive number of bytes, got {max_memory!r}")
-    profile, notes = _prepare(config, B, T, hardware, spill_dir, threads, baseline_bytes)
+    profile, notes = _prepare(config, B, T, hardware, threads, baseline_bytes)
+    notes += _spill_dir_notes(profile, spill_dir)
     spec = ModelSpec.from_config(config)
     acc = _Accounting(spec, B, T, flash)
     fixed = acc.model_states + profile.baseline_rss
@@ -273,7 +275,7 @@ def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapsho
         raise ValueError(f"checkpointing must be 'none', 'layer' or 'binomial', got {checkpointing!r}")
     if tape_budget is not None and not (isinstance(tape_budget, int) and tape_budget > 0):
         raise ValueError(f"tape_budget must be a positive int or None, got {tape_budget!r}")
-    profile, _ = _prepare(config, B, T, hardware, None, threads, baseline_bytes)
+    profile, _ = _prepare(config, B, T, hardware, threads, baseline_bytes)
     spec = ModelSpec.from_config(config)
     snapshots = snapshots if checkpointing == "binomial" else 0
     compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile)
@@ -281,7 +283,7 @@ def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapsho
                       HUGE_BYTES)
 
 
-def _prepare(config, B, T, hardware, spill_dir, threads, baseline_bytes):
+def _prepare(config, B, T, hardware, threads, baseline_bytes):
     """(the profile as training will see it, notes): (B, T) checked, compute rates scaled
     to ``threads``, the baseline raised to ``baseline_bytes``."""
     for name, value in (("B", B), ("T", T)):
@@ -295,7 +297,6 @@ def _prepare(config, B, T, hardware, spill_dir, threads, baseline_bytes):
         scale = threads / profile.threads
         profile = profile.with_changes(peak_flops={k: v * scale for k, v in profile.peak_flops.items()})
         notes.append(f"compute rates scaled from the profile's {profile.threads} threads to {threads}")
-    notes += _spill_dir_notes(profile, spill_dir)
     if baseline_bytes is not None and baseline_bytes > profile.baseline_rss:
         profile = profile.with_changes(baseline_rss=float(baseline_bytes))
     return profile, notes
@@ -367,13 +368,8 @@ def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memo
         # Pushed and popped: the stored activations and every re-run block's (the spill
         # file moves with O_DIRECT, straight from and into the slabs).
         copied = stored + acc.n_layer * rerun
-        copy_s, spill_s = tape_io_time(copied, spilled, forward, backward, profile)
-        if spilled:
-            # What of the largest record exceeds the budget goes to disk while its push
-            # waits, and comes back while its pop waits (the logits: the loss's backward
-            # pops them first, with nothing before it to hide the read behind).
-            write, read = profile.spill_times(max(0.0, acc.largest_record - budget))
-            spill_s += write + read
+        copy_s, spill_s = tape_io_time(copied, spilled, forward, backward, profile,
+                                       record_over_budget=max(0.0, acc.largest_record - budget))
     memory = {"model states": acc.model_states, "activations": resident, "working set": working,
               "tape slack": slack, "baseline": profile.baseline_rss, "spilled": spilled}
     peak = int(math.ceil(sum(v for k, v in memory.items() if k != "spilled")))
