@@ -117,14 +117,20 @@ def check_same_settings(comm, settings):
 def report_and_abort(comm, exc):
     """Print ``exc`` naming this rank and stop the whole job.  A CollectiveError is
     raised by every rank alike: rank 0 prints it once and all exit with status 2
-    without aborting.  Anything else aborts the job: the other ranks may be blocked
-    in a collective that this rank will never join."""
+    without aborting; an exception whose ``every_rank`` is true (a stop on a signal that
+    the ranks agreed on) is raised again as it is.  Anything else aborts the job: the
+    other ranks may be blocked in a collective that this rank will never join."""
     rank, size = comm.Get_rank(), comm.Get_size()
     if isinstance(exc, CollectiveError):
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2)
-    if isinstance(exc, SystemExit):
+    if getattr(exc, "every_rank", False):
+        raise exc
+    if isinstance(exc, KeyboardInterrupt) or hasattr(exc, "exit_status"):
+        # A signal (gpt2.train.Interrupted): no traceback, its exit status.
+        text, detail, code = str(exc) or "interrupted", "", getattr(exc, "exit_status", 130)
+    elif isinstance(exc, SystemExit):
         if exc.code in (None, 0):
             raise exc
         text = exc.code if isinstance(exc.code, str) else f"exit status {exc.code}"
@@ -541,6 +547,14 @@ class DataParallelTrainer:
         if failure is not None:
             raise CollectiveError(f"rank 0: {failure}")
         return result
+
+    def agree_max(self, values):
+        """The elementwise maximum over the ranks of small non-negative ints (a signal
+        number, a flag): what one rank saw, every rank acts on at the same step."""
+        local = np.asarray(values, np.int64)
+        result = np.empty_like(local)
+        self.comm.Allreduce(local, result, op=import_mpi().MAX)
+        return tuple(int(v) for v in result)
 
     def save_checkpoint(self, path, *, step, data_state=None, extra=None):
         """Write the ordinary checkpoint (``gpt2.checkpoint.save_checkpoint``) from rank 0;

@@ -14,7 +14,10 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
+import tempfile
+import threading
 import time
 
 SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -26,7 +29,8 @@ LOG_FIELDS = ("step", "loss", "lr", "ms", "tokens_per_s", "grad_norm", "val_loss
 # the run computes. Where and how fast it runs (threads, engine, memory, output) is this
 # invocation's own.
 RESUMED_OPTIONS = ("data", "tokenizer", "corpus_bytes", "val_fraction", "batch_size", "seq_len",
-                   "steps", "lr", "min_lr", "warmup", "schedule", "weight_decay", "grad_clip",
+                   "steps", "decay_steps", "lr", "min_lr", "warmup", "schedule",
+                   "weight_decay", "grad_clip",
                    "seed", "eval_interval", "eval_batches", "checkpoint_interval",
                    "no_checkpoint", "sample_tokens", "temperature", "top_k", "prompt")
 
@@ -35,13 +39,29 @@ Output goes to --out-dir (default: {DEFAULT_OUT_DIR} in the current directory; w
 the checkpoint's directory): log.csv (one row per step, written as the run goes),
 summary.json, loss.png and checkpoint.bin.
 
+An --out-dir that holds another run's output is refused: continue that run with --resume,
+or pass --overwrite to replace it.
+
 --resume FILE continues the run saved in FILE up to --steps: the model comes from FILE, and
 every training and data option not given again is the saved run's; log.csv and loss.png
-cover the whole run.
+cover the whole run. The learning rate continues the saved run's schedule: its cosine ends
+at the saved run's --steps and stays at --min-lr after it, unless --decay-steps is given.
+
+Ctrl-C (SIGINT) or SIGTERM finishes the current step, saves a checkpoint and exits with
+status 130 (143 for SIGTERM), saying how to resume; a second Ctrl-C stops at once and keeps
+the last checkpoint saved. By default a checkpoint is also saved whenever the training
+since the last save took 100 times as long as that save (under 1% of the run's time).
 
 Exit status: 0 on success, 2 on a bad option or input (one line on stderr; --debug shows
-the traceback).
+the traceback), 130 or 143 when interrupted.
 """
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line and a pointer to --help, not the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class UsageError(Exception):
@@ -106,6 +126,11 @@ def non_negative_float(text):
     return value
 
 
+def checkpoint_interval(text):
+    """'auto' -> None, else a non-negative number of steps."""
+    return None if text.strip().lower() == "auto" else non_negative_int(text)
+
+
 def fraction(text):
     value = non_negative_float(text)
     if value >= 1:
@@ -115,7 +140,7 @@ def fraction(text):
 
 def build_parser(prog=None):
     from gpt2.config import PRESETS
-    p = argparse.ArgumentParser(prog=prog or program_name(), description=__doc__,
+    p = OneLineErrorParser(prog=prog or program_name(), description=__doc__,
                                 epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
@@ -147,6 +172,9 @@ def build_parser(prog=None):
     t.add_argument("--steps", type=positive_int, metavar="N", default=1500,
                    help="total optimizer steps of the run, counting those before a --resume "
                         "(default: %(default)s)")
+    t.add_argument("--decay-steps", type=positive_int, metavar="N", default=None,
+                   help="steps over which the cosine schedule decays to --min-lr, after which "
+                        "it stays there (default: --steps; with --resume, the saved run's)")
     t.add_argument("--lr", type=non_negative_float, default=3e-3,
                    help="peak learning rate (default: %(default)s)")
     t.add_argument("--min-lr", type=non_negative_float, default=None,
@@ -192,9 +220,14 @@ def build_parser(prog=None):
     o.add_argument("--out-dir", default=None, metavar="DIR",
                    help=f"where log, plot, summary and checkpoint go (default: {DEFAULT_OUT_DIR} "
                         f"in the current directory; with --resume, the checkpoint's directory)")
-    o.add_argument("--checkpoint-interval", type=non_negative_int, metavar="N", default=0,
-                   help="save a checkpoint every N steps, 0: only at the end "
-                        "(default: %(default)s)")
+    o.add_argument("--checkpoint-interval", type=checkpoint_interval, metavar="N",
+                   default=None,
+                   help="save a checkpoint every N steps; 0: only at the end (and when "
+                        "interrupted); auto: whenever the training since the last save took "
+                        "100 times as long as that save (default: auto)")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace the output of another run in --out-dir (by default such a "
+                        "directory is refused)")
     o.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint at all")
     o.add_argument("--resume", default=None, metavar="FILE",
                    help="continue the run saved in this checkpoint (see below)")
@@ -240,13 +273,14 @@ def explicit_options(argv):
 
 
 def learning_rate(step, args):
-    """Linear warmup to --lr, then cosine decay to --min-lr over the remaining steps."""
+    """Linear warmup to --lr, then cosine decay to --min-lr until --decay-steps (default:
+    --steps), and --min-lr after it."""
     if args.warmup and step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     if args.schedule == "constant":
         return args.lr
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    span = max(1, args.steps - args.warmup)
+    span = max(1, args.decay_steps - args.warmup)
     progress = min(1.0, (step - args.warmup) / span)
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
@@ -373,6 +407,32 @@ def read_log(path, up_to_step):
     return rows
 
 
+def memory_policy(args, plan=None):
+    """How the run keeps its activations, for summary.json."""
+    return {"tape_budget": args.tape_budget,
+            "spill_dir": (args.spill_dir or tempfile.gettempdir()) if args.tape_budget else None,
+            "checkpointing": args.checkpointing,
+            "snapshots": args.snapshots if args.checkpointing == "binomial" else None,
+            "chosen_by": "--max-memory" if plan is not None else "options"}
+
+
+def describe_memory_policy(args, plan=None):
+    """The header line's words for ``memory_policy``."""
+    from gpt2.perfmodel.plan import format_size
+    parts = []
+    if args.tape_budget is not None:
+        parts.append(f"tape budget {format_size(args.tape_budget)}, spilling to "
+                     f"{args.spill_dir or tempfile.gettempdir()}")
+    if args.checkpointing == "layer":
+        parts.append("per-layer checkpointing")
+    elif args.checkpointing == "binomial":
+        parts.append(f"binomial checkpointing with {args.snapshots} snapshot"
+                     + ("s" if args.snapshots != 1 else ""))
+    text = " and ".join(parts) or "activations in RAM"
+    return text + (f" (chosen by --max-memory {format_size(args.max_memory)})"
+                   if plan is not None else "")
+
+
 class TapeWatch:
     """What the tape's disk tier did in a run: per step (the steady state: after the
     first step, as the median time), bytes written to the spill file and read back,
@@ -425,6 +485,87 @@ class TapeWatch:
                 f"{format_size(t['peak_spill_file_bytes'])}")
 
 
+class Interrupted(BaseException):
+    """The run stopped on SIGINT or SIGTERM.  ``message`` is the one line to print; the exit
+    status is 128 + ``signum``.  ``at_once``: a second signal, raised wherever the run was."""
+
+    def __init__(self, signum, message, at_once=False):
+        super().__init__(message)
+        self.signum, self.message, self.at_once = signum, message, at_once
+
+    @property
+    def exit_status(self):
+        return 128 + self.signum
+
+    @property
+    def every_rank(self):
+        """Over MPI, a first signal stops every rank after the same step."""
+        return not self.at_once
+
+
+class StopSignals:
+    """While active, the first SIGINT or SIGTERM only records itself (``signum``), so the
+    training loop can finish its step and save; a second one raises ``Interrupted`` at once.
+    The handlers in force before are restored on exit.  Signals reach the main thread only:
+    elsewhere this does nothing."""
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            return
+        name, first = signal.Signals(signum).name, signal.Signals(self.signum).name
+        raise Interrupted(signum, f"{name} {'again' if name == first else 'after ' + first}: "
+                                  f"stopped at once", at_once=True)
+
+
+class SaveSchedule:
+    """When the training loop saves a checkpoint besides the end of the run: every
+    ``interval`` steps, never (0), or with ``interval=None`` whenever the training time
+    since the last save reaches ``COST_RATIO`` times what that save took, so that saving
+    costs at most 1/COST_RATIO of the run.  Before the first save its time is estimated
+    from the checkpoint's size at a pessimistic ``ASSUMED_WRITE_RATE``."""
+    COST_RATIO = 100
+    ASSUMED_WRITE_RATE = 200e6      # bytes/s
+
+    def __init__(self, interval, checkpoint_bytes):
+        self.interval = interval
+        self.last_save_s = checkpoint_bytes / self.ASSUMED_WRITE_RATE
+        self.since_save_s = 0.0
+        self.saves = 0
+        self.save_s = 0.0
+
+    def due(self, step, step_s):
+        """Whether to save after ``step`` steps, the last of which took ``step_s``."""
+        self.since_save_s += step_s
+        if self.interval is None:
+            return self.since_save_s >= self.COST_RATIO * self.last_save_s
+        return bool(self.interval) and step % self.interval == 0
+
+    def saved(self, seconds):
+        self.saves += 1
+        self.save_s += seconds
+        self.last_save_s = seconds
+        self.since_save_s = 0.0
+
+    def summary(self):
+        return {"interval": "auto" if self.interval is None else self.interval,
+                "saves": self.saves, "seconds": self.save_s}
+
+
 class RunLog:
     """log.csv of the run: the history kept from before a resume, then one row per step,
     each flushed as it is written, so a crash loses no finished step.  Without a path
@@ -468,7 +609,27 @@ def main(argv=None):
             raise
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        if e.message:
+            print(f"{parser.prog}: {e.message}"
+                  + (_last_checkpoint(args) if e.at_once else ""), file=sys.stderr, flush=True)
+        return e.exit_status
+    except KeyboardInterrupt:   # outside the training loop, which handles its own
+        print(f"{parser.prog}: interrupted by SIGINT{_last_checkpoint(args)}", file=sys.stderr,
+              flush=True)
+        return 128 + signal.SIGINT
     return 0
+
+
+def _last_checkpoint(args):
+    """'; <where the last checkpoint is and its step>' after a stop that saved nothing."""
+    from gpt2 import checkpoint as ckpt
+    path = os.path.join(args.out_dir or DEFAULT_OUT_DIR, "checkpoint.bin")
+    try:
+        step = ckpt.read_checkpoint_header(path).step
+    except (OSError, ValueError):
+        return "; no checkpoint was saved"
+    return f"; the last checkpoint, at step {step}, is {path}"
 
 
 def run(argv=None):
@@ -541,6 +702,9 @@ def _prepare(args, explicit, comm=None):
         for name in RESUMED_OPTIONS:
             if name in saved and name not in explicit:
                 setattr(args, name, saved[name])
+        if args.decay_steps is None and "steps" in saved:
+            # Saved before --decay-steps existed: that run decayed over its own --steps.
+            args.decay_steps = saved["steps"]
         if args.out_dir is None:
             args.out_dir = os.path.dirname(args.resume) or "."
         if resumed.step >= args.steps:
@@ -550,6 +714,10 @@ def _prepare(args, explicit, comm=None):
             return None
     if args.out_dir is None:
         args.out_dir = DEFAULT_OUT_DIR
+    if args.decay_steps is None:
+        args.decay_steps = args.steps
+    if not args.overwrite:
+        _refuse_another_runs_output(args)
     if args.val_fraction == 0 and args.eval_interval:
         raise UsageError(f"--val-fraction 0 leaves no validation data for --eval-interval "
                          f"{args.eval_interval}: pass --eval-interval 0 too, or a fraction in "
@@ -573,6 +741,7 @@ def _prepare(args, explicit, comm=None):
         if args.engine != "tape":
             raise UsageError("--max-memory plans the tape engine's memory: leave out "
                              "--engine manual")
+    _check_snapshots(args, explicit, config)
     tokens, tokenizer = load_tokens(args)
     if tokens.size and int(tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(tokens.max())}, outside the model's "
@@ -622,6 +791,48 @@ def _prepare(args, explicit, comm=None):
     return RunInputs(config=config, model_name=model_name, params=params, resumed=resumed,
                      history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
                      train=train, val=val, plan=plan)
+
+
+RUN_OUTPUTS = ("checkpoint.bin", "log.csv", "summary.json", "loss.png")
+
+
+def _resumes_in_place(args):
+    """Whether --out-dir is the directory of the --resume checkpoint (the run's own)."""
+    return bool(args.resume) and (os.path.abspath(os.path.dirname(args.resume) or ".")
+                                  == os.path.abspath(args.out_dir))
+
+
+def _refuse_another_runs_output(args):
+    """A UsageError if --out-dir holds the output of a run other than the one resumed."""
+    if _resumes_in_place(args):
+        return
+    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(args.out_dir, n))]
+    if not found:
+        return
+    checkpoint = os.path.join(args.out_dir, "checkpoint.bin")
+    what = found[0]
+    if "checkpoint.bin" in found:
+        from gpt2 import checkpoint as ckpt
+        try:
+            what = f"checkpoint.bin at step {ckpt.read_checkpoint_header(checkpoint).step}"
+        except (OSError, ValueError):
+            pass
+    advice = f"continue it with --resume {checkpoint}, " if "checkpoint.bin" in found else ""
+    raise UsageError(f"--out-dir {args.out_dir} holds another run ({what}); {advice}pass "
+                     f"--overwrite to replace it, or choose another --out-dir")
+
+
+def _check_snapshots(args, explicit, config):
+    """--snapshots only with binomial checkpointing, and fewer than the model's layers."""
+    if "snapshots" in explicit and args.checkpointing != "binomial":
+        raise UsageError(f"--snapshots applies to --checkpointing binomial only (this run: "
+                         f"--checkpointing {args.checkpointing})")
+    if args.checkpointing == "binomial" and args.snapshots >= config.n_layer:
+        most = config.n_layer - 1
+        raise UsageError(f"--snapshots {args.snapshots}: binomial checkpointing of "
+                         f"{config.n_layer} layers keeps at most {most} snapshot"
+                         f"{'s' if most != 1 else ''} (one per layer boundary; to store every "
+                         f"layer's input, use --checkpointing layer)")
 
 
 def _model_config(args, explicit, resumed):
@@ -704,13 +915,17 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         if writer:
             os.makedirs(args.out_dir, exist_ok=True)
             ckpt.remove_stale_temporaries(ckpt_path)
+            if args.overwrite and not _resumes_in_place(args):
+                for name in RUN_OUTPUTS:   # nothing of the replaced run may pass for this one's
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(args.out_dir, name))
         log = RunLog(os.path.join(args.out_dir, "log.csv") if writer else None, inputs.history)
 
     n_params = sum(v.size for v in model.params.views.values())
     print(f"GPT-2 {inputs.model_name}: {n_params / 1e6:.2f}M parameters, L={config.n_layer} "
           f"H={config.n_head} C={config.n_embd} V={config.vocab_size}; B={args.batch_size} "
-          f"T={args.seq_len}, {n_threads} threads, engine={args.engine}, corpus "
-          f"{inputs.tokens.size:,} tokens"
+          f"T={args.seq_len}, {n_threads} threads, engine={args.engine}, memory: "
+          f"{describe_memory_policy(args, inputs.plan)}, corpus {inputs.tokens.size:,} tokens"
           + (f"; resuming at step {start_step}" if start_step else ""), flush=True)
     saved_args = dict(vars(args))
     for name in ("data", "tokenizer"):
@@ -718,14 +933,30 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         if saved_args[name] not in (None, "bytes"):
             saved_args[name] = os.path.abspath(saved_args[name])
 
+    # Parameters and both AdamW moments, in float32.
+    schedule = SaveSchedule(args.checkpoint_interval, 12 * n_params)
+
     def save(step):
+        t0 = time.perf_counter()
         if trainer:  # collective: rank 0 gathers the sharded state and writes
             trainer.save_checkpoint(ckpt_path, step=step, data_state=train.state(),
                                     extra={"args": saved_args})
-            return
-        ckpt.save_checkpoint(ckpt_path, model.params, step=step, adam_m=model.adam_m,
-                             adam_v=model.adam_v, adam_step=model.adam_step,
-                             data_state=train.state(), extra={"args": saved_args})
+        else:
+            ckpt.save_checkpoint(ckpt_path, model.params, step=step, adam_m=model.adam_m,
+                                 adam_v=model.adam_v, adam_step=model.adam_step,
+                                 data_state=train.state(), extra={"args": saved_args})
+        schedule.saved(time.perf_counter() - t0)
+
+    def interrupted(signum, step):
+        name = signal.Signals(signum).name
+        if not writer:
+            return Interrupted(signum, "")   # rank 0 says it
+        if args.no_checkpoint:
+            return Interrupted(signum, f"interrupted by {name} after step {step} of "
+                                       f"{args.steps}; no checkpoint (--no-checkpoint)")
+        return Interrupted(signum, f"interrupted by {name} after step {step} of {args.steps}: "
+                                   f"saved {ckpt_path}; continue with: {program_name()} "
+                                   f"--resume {ckpt_path}")
 
     rows = []
     tape_watch = TapeWatch(model)
@@ -735,7 +966,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     try:
         # A full disk (spill file, checkpoint, log) or memory is the machine's limit, not a
         # bug: one line. Anything else here is a bug and keeps its traceback.
-        with blame("training", (OSError, MemoryError)):
+        with StopSignals() as stop, blame("training", (OSError, MemoryError)):
             for step in bar:
                 x, y = train.next_batch()
                 lr = learning_rate(step, args)
@@ -765,8 +996,15 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                           f"{row['tokens_per_s']:.0f} tok/s {row['ms']:.0f} ms"
                           + (f" val {row['val_loss']:.4f}" if row["val_loss"] is not None
                              else ""), flush=True)
-                if (not args.no_checkpoint and args.checkpoint_interval
-                        and (step + 1) % args.checkpoint_interval == 0):
+                signum = stop.signum or 0
+                due = not last and not args.no_checkpoint and schedule.due(step + 1, dt)
+                if trainer:  # every rank stops or saves at the same step
+                    signum, due = trainer.agree_max((signum, due and writer))
+                if signum:
+                    if not args.no_checkpoint:
+                        save(step + 1)
+                    raise interrupted(signum, step + 1)
+                if due:
                     save(step + 1)
             if not args.no_checkpoint:
                 save(args.steps)
@@ -779,11 +1017,11 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     if not writer:
         return None
     return _finish(args, inputs, model, n_threads, log.rows, rows, start_step, peak_rss,
-                   trainer, tape_watch.summary())
+                   trainer, tape_watch.summary(), schedule.summary())
 
 
 def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss, trainer=None,
-            tape=None):
+            tape=None, checkpoints=None):
     """summary.json and loss.png of the whole run, then the sample."""
     import numpy as np
     config, tokenizer = inputs.config, inputs.tokenizer
@@ -806,6 +1044,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
     summary["peak_rss_bytes"] = peak_rss
     summary.update(ranks=trainer.size if trainer else 1, global_batch=args.batch_size,
                    zero=args.zero if trainer else 0, tape=tape)
+    summary["memory_policy"] = memory_policy(args, inputs.plan)
+    summary["checkpoints"] = checkpoints
     if inputs.plan is not None:
         summary["memory_plan"] = {"policy": inputs.plan.policy, "max_memory": args.max_memory,
                                   "tape_budget": args.tape_budget,

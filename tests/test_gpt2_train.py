@@ -74,12 +74,13 @@ def test_training_script_end_to_end_and_resume(tmp_path, capsys):
 
 def test_schedule_and_sizes():
     class A:
-        lr, min_lr, warmup, steps, schedule = 1.0, 0.1, 10, 110, "cosine"
+        lr, min_lr, warmup, steps, decay_steps, schedule = 1.0, 0.1, 10, 200, 110, "cosine"
     assert learning_rate(0, A) == pytest.approx(0.1)
     assert learning_rate(9, A) == pytest.approx(1.0)
     assert learning_rate(10, A) == pytest.approx(1.0)
     assert learning_rate(60, A) == pytest.approx(0.55)
     assert learning_rate(110, A) == pytest.approx(0.1)
+    assert learning_rate(150, A) == learning_rate(199, A) == pytest.approx(0.1)  # past the decay
     assert parse_size("64k") == 65536 and parse_size("2G") == 2 << 30 and parse_size("100") == 100
 
 
