@@ -383,7 +383,6 @@ class Tensor:
     to have backward add into it in place).
     """
     __slots__ = ("data", "grad", "requires_grad", "_graph", "_ref", "_is_leaf", "__weakref__")
-    __array_priority__ = 1000    # ndarray (op) Tensor defers to Tensor's reflected operators
 
     def __init__(self, data, requires_grad=False, dtype=None):
         if type(data) is Tensor:
@@ -439,7 +438,16 @@ class Tensor:
         return float(self.data)
 
     def __array__(self, dtype=None, copy=None):
+        """``np.asarray(t)``: the explicit detach, the data without the gradient."""
         return self.data if dtype is None else self.data.astype(dtype)
+
+    # NumPy hands a Tensor to adtape.numpy's table (ndarray (op) Tensor comes here too):
+    # the op is recorded, or TypeError says the gradient would be lost.
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return _anp._array_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _anp._array_function(func, args, kwargs)
 
     def __repr__(self):
         flag = ", requires_grad=True" if self.requires_grad else ""
@@ -901,3 +909,4 @@ def _install_default():
 _install_default()
 
 from adtape import vjps as _ops  # noqa: E402  (binds Tensor's operators; needs the names above)
+from adtape import numpy as _anp  # noqa: E402  (NumPy's protocols; needs adtape.vjps)
