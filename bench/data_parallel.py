@@ -163,10 +163,10 @@ def run_torch(args):
     import torch_gpt2
     torch_gpt2.configure_torch(args.threads, True)
     from gpt2.config import GPT2Config
-    from gpt2.params import ParamArena, init_gpt2_
+    from gpt2.params import ParamArena, init_params_
     config = GPT2Config.preset(args.model)
     params = ParamArena(config)
-    init_gpt2_(params, 0)
+    init_params_(params, 0)
     model = torch_gpt2.build_model(config, params)
     del params
     rank, ranks = _rank_and_size()

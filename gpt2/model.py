@@ -19,7 +19,7 @@ import numpy as np
 
 from adtape import buffers
 from gpt2.config import GPT2Config
-from gpt2.params import ParamArena, init_gpt2_
+from gpt2.params import ParamArena, init_params_
 from kernels import attention, layers, loss as loss_kernels, matmul, optim, threads
 
 
@@ -82,7 +82,7 @@ class GPT2:
             raise ValueError("checkpointing recomputes through the tape: use engine='tape'")
         self.config = config
         self.params = ParamArena(config)
-        init_gpt2_(self.params, seed)
+        init_params_(self.params, seed)
         self.grads = ParamArena(config)
         self.grads.zero_()
         # False: self.grads holds gradients the next backward adds to.  True: they

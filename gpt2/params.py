@@ -1,42 +1,29 @@
-"""GPT-2 parameter layout (llm.c order and shapes), one-allocation arena and GPT-2 initialization."""
+"""Parameter layout of either family (the config's ``param_shapes``), the one-allocation
+arena and GPT-2-style initialization."""
 import math
 
 import numpy as np
 
 from adtape import buffers
-from gpt2.config import GPT2Config
+from gpt2.config import GPT2Config, LlamaConfig
 
-PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
-               "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
-# The parameters with one slice per transformer block (leading dimension n_layer).
-PER_LAYER = PARAM_NAMES[2:-2]
-
-# Residual-stream output projections: GPT-2 scales their init by 1/sqrt(2 * n_layer).
-RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
-LAYERNORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
-BIASES = ("ln1b", "qkvb", "attprojb", "ln2b", "fcb", "fcprojb", "lnfb")
+# GPT-2's parameter names in llm.c order, and those with one slice per block.
+PARAM_NAMES = ("wte", "wpe", *GPT2Config.per_layer, "lnfw", "lnfb")
+PER_LAYER = GPT2Config.per_layer
 INIT_STD = 0.02
+CONFIG_TYPES = (GPT2Config, LlamaConfig)
 
 
 def _check_config(config):
-    if not isinstance(config, GPT2Config):
-        raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
+    if not isinstance(config, CONFIG_TYPES):
+        raise TypeError(f"config must be a GPT2Config or LlamaConfig, got {type(config).__name__}")
 
 
 def param_shapes(config):
-    """Ordered dict name -> shape of every parameter tensor, in llm.c order."""
+    """Ordered dict name -> shape of every parameter tensor, in file order (llm.c's for
+    GPT-2)."""
     _check_config(config)
-    L, C, Vp, maxT = config.n_layer, config.n_embd, config.padded_vocab_size, config.block_size
-    return {
-        "wte": (Vp, C), "wpe": (maxT, C),
-        "ln1w": (L, C), "ln1b": (L, C),
-        "qkvw": (L, 3 * C, C), "qkvb": (L, 3 * C),
-        "attprojw": (L, C, C), "attprojb": (L, C),
-        "ln2w": (L, C), "ln2b": (L, C),
-        "fcw": (L, 4 * C, C), "fcb": (L, 4 * C),
-        "fcprojw": (L, C, 4 * C), "fcprojb": (L, C),
-        "lnfw": (C,), "lnfb": (C,),
-    }
+    return config.param_shapes()
 
 
 def num_parameters(config):
@@ -56,14 +43,18 @@ def param_offsets(config):
 
 def layer_major_offsets(config):
     """Ordered dict (name, layer) -> (start, stop) element offsets of the layer-major order:
-    wte, wpe, then block 0's parameters (ln1w ... fcprojb), block 1's, ..., then lnfw, lnfb
-    (layer None for the parameters that are not per block).  Each block is one contiguous
-    run, so the reverse sweep finishes the arena from its end towards its start."""
+    the parameters before the blocks' (GPT-2: wte, wpe), then block 0's parameters
+    (ln1w ... fcprojb), block 1's, ..., then the rest (lnfw, lnfb) (layer None for the
+    parameters that are not per block).  Each block is one contiguous run, so the reverse
+    sweep finishes the arena from its end towards its start."""
     shapes = param_shapes(config)
+    names = list(shapes)
+    per_layer = config.per_layer
+    first = names.index(per_layer[0])
     offsets, start = {}, 0
-    order = ([(name, None) for name in PARAM_NAMES[:2]]
-             + [(name, l) for l in range(config.n_layer) for name in PER_LAYER]
-             + [(name, None) for name in PARAM_NAMES[-2:]])
+    order = ([(name, None) for name in names[:first]]
+             + [(name, l) for l in range(config.n_layer) for name in per_layer]
+             + [(name, None) for name in names[first + len(per_layer):]])
     for name, layer in order:
         shape = shapes[name] if layer is None else shapes[name][1:]
         offsets[name, layer] = (start, start + math.prod(shape))
@@ -109,13 +100,13 @@ class ParamArena:
                           in zip(param_offsets(config).items(), shapes.values())}
             return
         offsets = layer_major_offsets(config)
-        L = config.n_layer
-        blocks_start = offsets["ln1w", 0][0]
-        block = sum(math.prod(shapes[name][1:]) for name in PER_LAYER)
+        L, per_layer = config.n_layer, config.per_layer
+        blocks_start = offsets[per_layer[0], 0][0]
+        block = sum(math.prod(shapes[name][1:]) for name in per_layer)
         blocks = flat[blocks_start:blocks_start + L * block].reshape(L, block)
         self.views = {}
         for name, shape in shapes.items():
-            if name in PER_LAYER:
+            if name in per_layer:
                 start, stop = offsets[name, 0]
                 view = blocks[:, start - blocks_start:stop - blocks_start].view()
                 view.shape = shape      # raises rather than copy: the view must alias flat
@@ -162,26 +153,27 @@ class ParamArena:
         return f"ParamArena({self.config}, {self.flat.size} floats{order})"
 
 
-def init_gpt2_(arena, seed):
-    """GPT-2 initialization in place, deterministic in ``seed``; returns the arena.
+def init_params_(arena, seed):
+    """GPT-2's initialization in place, deterministic in ``seed``; returns the arena.
 
-    Weights ~ normal(0, 0.02), residual projections (attprojw, fcprojw) scaled by
-    1/sqrt(2 * n_layer), biases 0, layernorm weights 1, padded rows of wte 0.
+    Weights ~ normal(0, 0.02), the config's residual projections (GPT-2: attprojw,
+    fcprojw; Llama: none, as transformers initializes it) scaled by 1/sqrt(2 * n_layer),
+    biases 0, norm weights 1, padded vocabulary rows 0.
     """
     if not isinstance(arena, ParamArena):
-        raise TypeError(f"init_gpt2_ needs a ParamArena, got {type(arena).__name__}")
+        raise TypeError(f"init_params_ needs a ParamArena, got {type(arena).__name__}")
     config = arena.config
     rng = np.random.Generator(np.random.PCG64(seed))
     residual_std = INIT_STD / math.sqrt(2 * config.n_layer)
     arena.zero_()
     for name, view in arena.views.items():
-        if name in LAYERNORM_WEIGHTS:
+        if name in config.norm_weights:
             view.fill(1.0)
-        elif name in BIASES:
+        elif name in config.biases:
             continue
         else:
-            std = residual_std if name in RESIDUAL_PROJECTIONS else INIT_STD
-            target = view[:config.vocab_size] if name == "wte" else view
+            std = residual_std if name in config.residual_projections else INIT_STD
+            target = view[:config.vocab_size] if name in ("wte", "lm_head") else view
             rng.standard_normal(out=target, dtype=np.float32)
             target *= np.float32(std)
     return arena

@@ -963,6 +963,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps,
                disable=args.no_progress, unit="step", dynamic_ncols=True)
+    loop_start = time.perf_counter()
     try:
         # A full disk (spill file, checkpoint, log) or memory is the machine's limit, not a
         # bug: one line. Anything else here is a bug and keeps its traceback.
@@ -1014,10 +1015,11 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     # The training's peak resident memory (the kernel's count), before the plot loads its
     # libraries.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    checkpoints = dict(schedule.summary(), train_seconds=time.perf_counter() - loop_start)
     if not writer:
         return None
     return _finish(args, inputs, model, n_threads, log.rows, rows, start_step, peak_rss,
-                   trainer, tape_watch.summary(), schedule.summary())
+                   trainer, tape_watch.summary(), checkpoints)
 
 
 def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss, trainer=None,

@@ -16,7 +16,7 @@ from gpt2.checkpoint import (SafetensorsFile, export_hf_gpt2, export_llmc, impor
                              import_llmc, load_checkpoint, save_checkpoint, write_safetensors)
 from gpt2.config import GPT2Config
 from gpt2.data import DataLoader
-from gpt2.params import ParamArena, init_gpt2_
+from gpt2.params import ParamArena, init_params_
 
 TINY = GPT2Config.preset("tiny")
 # a vocabulary that is not a multiple of 128, so the padded wte rows are exercised
@@ -24,7 +24,7 @@ ODD = GPT2Config(n_layer=2, n_head=4, n_embd=16, vocab_size=200, block_size=24)
 
 
 def random_arena(config, seed):
-    arena = init_gpt2_(ParamArena(config), seed)
+    arena = init_params_(ParamArena(config), seed)
     # non-trivial biases and layernorm params so a swapped or skipped tensor shows up
     rng = np.random.default_rng(seed + 100)
     arena.flat += rng.standard_normal(arena.flat.size, dtype=np.float32) * 0.01
@@ -162,9 +162,9 @@ def test_process_killed_while_saving_keeps_previous_checkpoint_and_next_save_cle
         import os, signal
         from gpt2 import checkpoint
         from gpt2.config import GPT2Config
-        from gpt2.params import ParamArena, init_gpt2_
+        from gpt2.params import ParamArena, init_params_
         checkpoint.os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
-        params = init_gpt2_(ParamArena(GPT2Config.preset("tiny")), 77)
+        params = init_params_(ParamArena(GPT2Config.preset("tiny")), 77)
         checkpoint.save_checkpoint({str(path)!r}, params, step=999)
     """)
     package_root = str(pathlib.Path(gpt2.__file__).resolve().parent.parent)

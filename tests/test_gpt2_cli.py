@@ -15,7 +15,7 @@ from gpt2 import train as train_cli
 from gpt2.checkpoint import export_hf_gpt2, export_llmc, save_checkpoint
 from gpt2.config import GPT2Config
 from gpt2.data import DataLoader, write_llmc_tokens
-from gpt2.params import ParamArena, init_gpt2_
+from gpt2.params import ParamArena, init_params_
 from gpt2.tokenizer import write_tiktoken_ranks
 
 PACKAGE_ROOTS = os.pathsep.join({os.path.dirname(os.path.dirname(m.__file__))
@@ -43,7 +43,7 @@ def assert_one_line_error(proc, *expected):
 
 
 def tiny_params(config, seed=0):
-    return init_gpt2_(ParamArena(config), seed)
+    return init_params_(ParamArena(config), seed)
 
 
 @pytest.fixture(scope="module")

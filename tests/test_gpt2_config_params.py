@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gpt2.config import GPT2Config
-from gpt2.params import (PARAM_NAMES, ParamArena, init_gpt2_, layer_major_offsets,
+from gpt2.params import (PARAM_NAMES, ParamArena, init_params_, layer_major_offsets,
                          num_parameters, param_shapes)
 
 
@@ -98,9 +98,9 @@ def test_arena_wraps_existing_buffer_and_rejects_bad_ones():
 
 def test_init_statistics_and_determinism():
     c = GPT2Config(n_layer=4, n_head=4, n_embd=64, vocab_size=1000, block_size=128)
-    a = init_gpt2_(ParamArena(c), seed=7)
-    b = init_gpt2_(ParamArena(c), seed=7)
-    other = init_gpt2_(ParamArena(c), seed=8)
+    a = init_params_(ParamArena(c), seed=7)
+    b = init_params_(ParamArena(c), seed=7)
+    other = init_params_(ParamArena(c), seed=8)
     np.testing.assert_array_equal(a.flat, b.flat)
     assert not np.array_equal(a.flat, other.flat)
     for name in ("ln1w", "ln2w", "lnfw"):
@@ -116,13 +116,13 @@ def test_init_statistics_and_determinism():
         assert abs(w.std() / std - 1) < 0.05, name
     # re-initialising overwrites everything, including earlier garbage
     a.flat[:] = 3.0
-    init_gpt2_(a, seed=7)
+    init_params_(a, seed=7)
     np.testing.assert_array_equal(a.flat, b.flat)
 
 
 def test_layer_major_arena_holds_each_block_in_one_run():
     c = GPT2Config(n_layer=3, n_head=2, n_embd=16, vocab_size=100, block_size=8)
-    plain = init_gpt2_(ParamArena(c), seed=5)
+    plain = init_params_(ParamArena(c), seed=5)
     plain.flat += np.arange(plain.flat.size, dtype=np.float32)     # every float distinct
     major = ParamArena(c, layer_major=True).copy_(plain)
     offsets = layer_major_offsets(c)

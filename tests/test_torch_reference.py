@@ -12,7 +12,7 @@ import torch
 
 import torch_gpt2
 from gpt2.config import GPT2Config
-from gpt2.params import ParamArena, init_gpt2_, param_shapes
+from gpt2.params import ParamArena, init_params_, param_shapes
 
 TINY = GPT2Config.preset("tiny")
 PADDED = GPT2Config(n_layer=2, n_head=4, n_embd=16, vocab_size=200, block_size=16)
@@ -21,7 +21,7 @@ PADDED = GPT2Config(n_layer=2, n_head=4, n_embd=16, vocab_size=200, block_size=1
 def random_params(config, seed):
     """GPT-2 init plus noise on every tensor (biases, layernorms), padded wte rows left non-zero
     on purpose: the loss must ignore the padded logits whatever they hold."""
-    arena = init_gpt2_(ParamArena(config), seed)
+    arena = init_params_(ParamArena(config), seed)
     rng = np.random.default_rng(seed)
     arena.flat += rng.standard_normal(arena.flat.size, dtype=np.float32) * 0.05
     return arena
