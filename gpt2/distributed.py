@@ -312,7 +312,7 @@ class DataParallelTrainer:
             buckets = tuple(self.layout.buckets_overlapping(start, stop))
             for b in buckets:
                 self._initial_pending[b] += 1
-            if leaf is engine.wte:
+            if leaf is engine.globals["wte"]:
                 inside = tuple(b for b in buckets if self.layout.bounds[b][1] <= stop)
                 rest = tuple(b for b in buckets if b not in inside)
                 leaf.register_grad_hook(functools.partial(self._wte_hook, inside, rest))
@@ -447,7 +447,7 @@ class DataParallelTrainer:
         finally:
             self._pending = None
             if self._wte_view is not None:      # a sweep that failed between the wte hooks
-                model._tape_engine.wte.grad = self._wte_view
+                model._tape_engine.globals["wte"].grad = self._wte_view
                 self._wte_view = None
         t1 = time.perf_counter()
         MPI.Request.Waitall(self._requests)

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from adtape import buffers
-from gpt2.config import GPT2Config
+from gpt2.config import GPT2Config, LlamaConfig
 from gpt2.params import ParamArena, init_params_
 from kernels import attention, layers, loss as loss_kernels, matmul, optim, threads
 
@@ -67,14 +67,19 @@ class ActivationArena:
 
 
 class GPT2:
-    """A GPT-2 model with its gradients and AdamW state, each one arena."""
+    """A model of either family (``GPT2Config`` or ``LlamaConfig``) with its gradients and
+    AdamW state, each one arena.  Only GPT-2 has the hand-sequenced engine."""
 
     def __init__(self, config, seed=0, engine="tape", tape_kwargs=None, checkpointing="none",
                  snapshots=2):
-        if not isinstance(config, GPT2Config):
-            raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
+        if not isinstance(config, (GPT2Config, LlamaConfig)):
+            raise TypeError(f"config must be a GPT2Config or LlamaConfig, got "
+                            f"{type(config).__name__}")
         if engine not in ("tape", "manual"):
             raise ValueError(f"engine must be 'tape' or 'manual', got {engine!r}")
+        if engine == "manual" and config.family != "gpt2":
+            raise ValueError(f"the hand-sequenced engine is GPT-2's; a {config.family} model "
+                             f"runs on engine='tape'")
         if checkpointing not in ("none", "layer", "binomial"):
             raise ValueError(f"checkpointing must be 'none', 'layer' or 'binomial', "
                              f"got {checkpointing!r}")
@@ -144,10 +149,30 @@ class GPT2:
     def forward(self, inputs, targets=None):
         """Logits (B, T, Vp) - a view valid until the next call - and the mean loss if targets."""
         inputs, targets = self.check_batch(inputs, targets)
+        if self.config.family != "gpt2":
+            return self._forward_tape(inputs, targets)
         B, T = inputs.shape
         a = self._activations(B, T)
         self._forward_manual(a, inputs, targets)
         return a.logits, (float(a.losses.mean()) if targets is not None else None)
+
+    def _forward_tape(self, inputs, targets):
+        # The tape engine's ops with nothing recorded (the families without a
+        # hand-sequenced forward).
+        from adtape import nn
+        from adtape.tensor import no_grad
+        with no_grad():
+            logits = self._engine().forward_logits(inputs)
+            loss = (nn.softmax_cross_entropy(logits, targets, self.config.vocab_size).mean()
+                    if targets is not None else None)
+        return logits.data, (float(loss.data) if loss is not None else None)
+
+    def _engine(self):
+        if self._tape_engine is None:
+            from gpt2.tape_engine import TapeEngine
+            self._tape_engine = TapeEngine(self, self.tape_kwargs, self.checkpointing,
+                                           self.snapshots)
+        return self._tape_engine
 
     # -- loss and gradient --------------------------------------------------------
 
@@ -167,11 +192,7 @@ class GPT2:
                     self._grads_fresh = False
                 raise
             return float(a.losses.mean())
-        if self._tape_engine is None:
-            from gpt2.tape_engine import TapeEngine
-            self._tape_engine = TapeEngine(self, self.tape_kwargs, self.checkpointing,
-                                           self.snapshots)
-        return self._tape_engine.loss_and_grad(inputs, targets, fresh)
+        return self._engine().loss_and_grad(inputs, targets, fresh)
 
     def zero_grad(self, deferred=False):
         """Zero the gradients; ``deferred=True`` only marks them as zero, and the next

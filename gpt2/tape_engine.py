@@ -1,4 +1,6 @@
-"""The AD engine of GPT-2: the forward pass in adtape ops, the backward pass derived by the tape.
+"""The AD engine of both families: the forward pass in adtape ops, the backward pass
+derived by the tape.  A family differs only in its ``embed``, ``block`` and ``head``
+(``GPT2Ops`` here, ``gpt2.llama.LlamaOps``).
 
 Every parameter is a leaf ``Tensor`` over a view of the model's parameter arena,
 whose ``.grad`` is the matching view of the gradient arena, so the reverse sweep
@@ -19,7 +21,6 @@ from adtape import nn
 from kernels import _openmp
 from adtape.checkpointing import checkpoint, checkpoint_loop
 from adtape.tensor import OpTape, Tensor, apply_deferred_zero
-from gpt2.params import PER_LAYER
 
 
 
@@ -27,6 +28,38 @@ def _leaf(value, grad):
     t = Tensor(value, requires_grad=True)
     t.grad = grad
     return t
+
+
+class GPT2Ops:
+    """GPT-2's ``embed``, ``block`` and ``head`` (``gpt2.llama.LlamaOps`` is Llama's)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def embed(self, inputs, leaves):
+        return nn.encoder(inputs, leaves["wte"], leaves["wpe"])
+
+    def block(self, w, x):
+        """Transformer block: pre-norm attention and MLP, each with a residual."""
+        h = nn.layernorm(x, w["ln1w"], w["ln1b"])
+        qkv = nn.linear(h, w["qkvw"], w["qkvb"])
+        a = nn.attention(qkv, self.config.n_head)
+        x = nn.residual(x, nn.linear(a, w["attprojw"], w["attprojb"]))
+        h = nn.layernorm(x, w["ln2w"], w["ln2b"])
+        h = nn.gelu(nn.linear(h, w["fcw"], w["fcb"]))
+        return nn.residual(x, nn.linear(h, w["fcprojw"], w["fcprojb"]))
+
+    def head(self, x, leaves):
+        h = nn.layernorm(x, leaves["lnfw"], leaves["lnfb"])
+        return nn.linear(h, leaves["wte"], None)
+
+
+def family_ops(config):
+    """The embed/block/head ops of ``config``'s family."""
+    if config.family == "llama":
+        from gpt2.llama import LlamaOps
+        return LlamaOps(config)
+    return GPT2Ops(config)
 
 
 class TapeEngine:
@@ -51,29 +84,23 @@ class TapeEngine:
         # of the step at B=4, T=64).  Process-wide, as gpt2.train sets it too.
         _openmp.set_malloc_retention()
         p, g = model.params, model.grads
-        self.wte = _leaf(p.wte, g.wte)
-        self.wpe = _leaf(p.wpe, g.wpe)
-        self.lnfw = _leaf(p.lnfw, g.lnfw)
-        self.lnfb = _leaf(p.lnfb, g.lnfb)
-        self.layers = [{name: _leaf(p.views[name][l], g.views[name][l]) for name in PER_LAYER}
+        per_layer = self.config.per_layer
+        # The parameters outside the blocks (GPT-2: wte, wpe, lnfw, lnfb), by name.
+        self.globals = {name: _leaf(p.views[name], g.views[name]) for name in p.views
+                        if name not in per_layer}
+        self.layers = [{name: _leaf(p.views[name][l], g.views[name][l]) for name in per_layer}
                        for l in range(self.config.n_layer)]
+        self.ops = family_ops(self.config)
         self.last_forward_bytes = 0    # residual bytes saved by the last forward pass
 
     def block(self, l, x):
-        """Transformer block ``l``: pre-norm attention and MLP, each with a residual."""
-        w = self.layers[l]
-        h = nn.layernorm(x, w["ln1w"], w["ln1b"])
-        qkv = nn.linear(h, w["qkvw"], w["qkvb"])
-        a = nn.attention(qkv, self.config.n_head)
-        x = nn.residual(x, nn.linear(a, w["attprojw"], w["attprojb"]))
-        h = nn.layernorm(x, w["ln2w"], w["ln2b"])
-        h = nn.gelu(nn.linear(h, w["fcw"], w["fcb"]))
-        return nn.residual(x, nn.linear(h, w["fcprojw"], w["fcprojb"]))
+        """Transformer block ``l`` of the model's family."""
+        return self.ops.block(self.layers[l], x)
 
-    def forward_loss(self, inputs, targets):
-        """The mean loss as a recorded Tensor (call inside ``with self.optape``)."""
+    def forward_logits(self, inputs):
+        """The logits (B, T, padded vocabulary) as a recorded Tensor."""
         cfg = self.config
-        x = nn.encoder(inputs, self.wte, self.wpe)
+        x = self.ops.embed(inputs, self.globals)
         if self.checkpointing == "none":
             for l in range(cfg.n_layer):
                 x = self.block(l, x)
@@ -82,10 +109,12 @@ class TapeEngine:
                 x = checkpoint(functools.partial(self.block, l), x)
         else:
             x = checkpoint_loop(self.block, x, cfg.n_layer, self.snapshots, pass_index=True)
-        h = nn.layernorm(x, self.lnfw, self.lnfb)
-        logits = nn.linear(h, self.wte, None)
-        losses = nn.softmax_cross_entropy(logits, targets, cfg.vocab_size)
-        return losses.mean()
+        return self.ops.head(x, self.globals)
+
+    def forward_loss(self, inputs, targets):
+        """The mean loss as a recorded Tensor (call inside ``with self.optape``)."""
+        logits = self.forward_logits(inputs)
+        return nn.softmax_cross_entropy(logits, targets, self.config.vocab_size).mean()
 
     def loss_and_grad(self, inputs, targets, fresh=False):
         """The mean loss; its gradient is added into the leaves' ``.grad`` (written over
@@ -105,11 +134,10 @@ class TapeEngine:
         return float(loss.data)
 
     def leaves(self):
-        """Every parameter leaf: wte, wpe, block by block, lnfw, lnfb."""
-        out = [self.wte, self.wpe]
+        """Every parameter leaf: those outside the blocks, then block by block."""
+        out = list(self.globals.values())
         for layer in self.layers:
-            out.extend(layer[name] for name in PER_LAYER)
-        out.extend((self.lnfw, self.lnfb))
+            out.extend(layer.values())
         return out
 
     def close(self):

@@ -109,9 +109,10 @@ def sweep_order():
         start = (leaf.grad.ctypes.data - base) // 4
         return start, start + leaf.grad.size
 
-    last = [engine.wte, engine.wpe, *engine.layers[0].values()]
+    wte, wpe = engine.globals["wte"], engine.globals["wpe"]
+    last = [wte, wpe, *engine.layers[0].values()]
     return {"launches": launches, "leaves": len(engine.leaves()),
-            "last_leaves": [extent(leaf) for leaf in last], "wte": extent(engine.wte)}
+            "last_leaves": [extent(leaf) for leaf in last], "wte": extent(wte)}
 
 
 def fail(how):
