@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpt2.config import GPT2Config
+from gpt2.config import GPT2Config, config_from_dict
 from gpt2.params import ParamArena, num_parameters
 
 
@@ -223,7 +223,7 @@ def _parse_checkpoint_header(f, path, file_size):
                          "(the file was damaged or edited)")
     try:
         header = json.loads(header_bytes)
-        config = GPT2Config.from_dict(header["config"])
+        config = config_from_dict(header["config"])
         sections = {}
         for s in header["sections"]:
             entry = {k: int(s[k]) for k in ("offset", "nbytes", "crc32")}

@@ -54,6 +54,7 @@ class GPT2Config:
                              f"n_head ({self.n_head})")
 
     family = "gpt2"
+    family_name = "GPT-2"
     # Parameter names (llm.c order); those between wte/wpe and lnfw/lnfb are per block.
     per_layer = ("ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
                  "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb")
@@ -84,6 +85,9 @@ class GPT2Config:
     @property
     def head_size(self):
         return self.n_embd // self.n_head
+
+    def describe(self):
+        return f"L={self.n_layer} H={self.n_head} C={self.n_embd} V={self.vocab_size}"
 
     @classmethod
     def preset(cls, name):
@@ -171,6 +175,7 @@ class LlamaConfig:
     qkv_bias: bool = False
 
     family = "llama"
+    family_name = "Llama"
     norm_weights = ("rms1w", "rms2w", "rmsfw")
     biases = ("qkvb",)
     residual_projections = ()
@@ -230,6 +235,10 @@ class LlamaConfig:
         if not self.tie_embeddings:
             shapes["lm_head"] = (Vp, C)
         return shapes
+
+    def describe(self):
+        return (f"L={self.n_layer} H={self.n_head} KV={self.n_kv_head} C={self.n_embd} "
+                f"I={self.intermediate_size} V={self.vocab_size}")
 
     @classmethod
     def preset(cls, name):

@@ -249,14 +249,16 @@ class DataParallelTrainer:
         config = model.config
         n = num_parameters(config)
         offsets = layer_major_offsets(config)
-        # A bucket never straddles wte's end, wpe's end, a block boundary or the start of
-        # a block's attention projection: the upper part of each block (attention
-        # projection and MLP, 21 MB in GPT-2 124M) is final before the sweep runs the
-        # block's attention backward, the lower part (ln1, qkv: 7 MB) when it leaves
-        # the block; block 0's lower part is all of the blocks the sweep leaves exposed.
-        cuts = [offsets["wpe", None][0]]
+        # A bucket never straddles the end of a parameter before the blocks (GPT-2: wte,
+        # wpe), a block boundary or the start of a block's attention projection: the
+        # upper part of each block (attention projection and MLP, 21 MB in GPT-2 124M)
+        # is final before the sweep runs the block's attention backward, the lower part
+        # (ln1, qkv: 7 MB) when it leaves the block; block 0's lower part is all of the
+        # blocks the sweep leaves exposed.
+        first_block = offsets[config.per_layer[0], 0][0]
+        cuts = [stop for (name, l), (_, stop) in offsets.items() if stop <= first_block]
         cuts += [offsets[name, l][0] for l in range(config.n_layer)
-                 for name in ("ln1w", "attprojw")]
+                 for name in (config.per_layer[0], "attprojw")]
         self.layout = BucketLayout(n, self.size, bucket_bytes, cuts=cuts)
         if model._tape_engine is not None:
             raise ValueError("build the DataParallelTrainer before the model's first step")

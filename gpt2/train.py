@@ -139,17 +139,22 @@ def fraction(text):
 
 
 def build_parser(prog=None):
-    from gpt2.config import PRESETS
+    from gpt2.config import ALL_PRESETS
     p = OneLineErrorParser(prog=prog or program_name(), description=__doc__,
                                 epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", choices=tuple(PRESETS), default=None,
-                   help=f"size preset, gpt2 being the 124M GPT-2 (default: {DEFAULT_MODEL}, or "
-                        f"the sizes of --init-from or --resume, which it must match if given)")
-    m.add_argument("--init-from", default=None, metavar="FILE",
-                   help="start from weights: an llm.c model file (gpt2_124M.bin) or a Hugging "
-                        "Face model.safetensors with its config.json in the same directory")
+    m.add_argument("--model", choices=tuple(ALL_PRESETS), default=None, metavar="PRESET",
+                   help=f"the model: GPT-2 ({', '.join(p for p, c in ALL_PRESETS.items() if c.family == 'gpt2')}; "
+                        f"gpt2 is the 124M GPT-2) or the Llama family "
+                        f"({', '.join(p for p, c in ALL_PRESETS.items() if c.family == 'llama')}) "
+                        f"(default: {DEFAULT_MODEL}, or the sizes of --init-from or --resume, "
+                        f"which it must match if given)")
+    m.add_argument("--init-from", default=None, metavar="PATH",
+                   help="start from weights: a Hugging Face model directory (config.json and "
+                        "model.safetensors or its shards: GPT-2, Llama, Qwen2), an llm.c model "
+                        "file (gpt2_124M.bin) or a GPT-2 model.safetensors with its config.json "
+                        "beside it")
     m.add_argument("--engine", choices=("tape", "manual"), default="tape",
                    help="tape: backward derived by the adtape tape; manual: hand-sequenced "
                         "(default: %(default)s)")
@@ -229,6 +234,9 @@ def build_parser(prog=None):
                    help="replace the output of another run in --out-dir (by default such a "
                         "directory is refused)")
     o.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint at all")
+    o.add_argument("--save-hf", default=None, metavar="DIR",
+                   help="at the end of the run, also write the model as a Hugging Face "
+                        "directory (config.json, model.safetensors) that transformers loads")
     o.add_argument("--resume", default=None, metavar="FILE",
                    help="continue the run saved in this checkpoint (see below)")
     o.add_argument("--sample-tokens", type=non_negative_int, metavar="N", default=300,
@@ -364,7 +372,7 @@ def plot_losses(path, rows):
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("GPT-2 training loss")
+    ax.set_title("training loss")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -741,6 +749,9 @@ def _prepare(args, explicit, comm=None):
         if args.engine != "tape":
             raise UsageError("--max-memory plans the tape engine's memory: leave out "
                              "--engine manual")
+        if config.family != "gpt2":
+            raise UsageError(f"--max-memory plans GPT-2 models only so far; for "
+                             f"{model_name} set --tape-budget or --checkpointing yourself")
     _check_snapshots(args, explicit, config)
     tokens, tokenizer = load_tokens(args)
     if tokens.size and int(tokens.max()) >= config.vocab_size:
@@ -838,12 +849,16 @@ def _check_snapshots(args, explicit, config):
 def _model_config(args, explicit, resumed):
     """(config, params or None, what the model is called): from --resume, --init-from or --model."""
     from gpt2 import checkpoint as ckpt
-    from gpt2.config import GPT2Config
+    from gpt2.config import preset
     params = None
     if resumed is not None:
         config, source = resumed.config, args.resume
     elif args.init_from:
-        if args.init_from.endswith(".bin"):
+        if os.path.isdir(args.init_from):
+            from gpt2 import hf
+            with blame("--init-from"):
+                params = hf.load_dir(args.init_from)
+        elif args.init_from.endswith(".bin"):
             with blame("--init-from"):
                 params = ckpt.import_llmc(args.init_from)
         else:
@@ -858,8 +873,8 @@ def _model_config(args, explicit, resumed):
                 params = ckpt.import_hf_gpt2(args.init_from)
         config, source = params.config, args.init_from
     else:
-        return GPT2Config.preset(args.model or DEFAULT_MODEL), None, args.model or DEFAULT_MODEL
-    if "model" in explicit and GPT2Config.preset(args.model) != config:
+        return preset(args.model or DEFAULT_MODEL), None, args.model or DEFAULT_MODEL
+    if "model" in explicit and preset(args.model) != config:
         raise UsageError(f"--model {args.model} does not match {source}, which holds "
                          f"{config.preset_name() or 'a model'} with "
                          + ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
@@ -922,8 +937,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         log = RunLog(os.path.join(args.out_dir, "log.csv") if writer else None, inputs.history)
 
     n_params = sum(v.size for v in model.params.views.values())
-    print(f"GPT-2 {inputs.model_name}: {n_params / 1e6:.2f}M parameters, L={config.n_layer} "
-          f"H={config.n_head} C={config.n_embd} V={config.vocab_size}; B={args.batch_size} "
+    print(f"{config.family_name} {inputs.model_name}: {n_params / 1e6:.2f}M parameters, "
+          f"{config.describe()}; B={args.batch_size} "
           f"T={args.seq_len}, {n_threads} threads, engine={args.engine}, memory: "
           f"{describe_memory_policy(args, inputs.plan)}, corpus {inputs.tokens.size:,} tokens"
           + (f"; resuming at step {start_step}" if start_step else ""), flush=True)
@@ -1009,6 +1024,10 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                     save(step + 1)
             if not args.no_checkpoint:
                 save(args.steps)
+            if args.save_hf and writer:
+                from gpt2 import hf
+                with blame("--save-hf", (OSError, ValueError)):
+                    hf.save_dir(args.save_hf, model.params)
     finally:
         bar.close()
         log.close()
