@@ -15,6 +15,7 @@ import numpy as np
 
 from kernels import attention as _attention
 from kernels import layers as _layers
+from kernels import llama as _llama
 from kernels import loss as _loss
 from kernels import matmul as _matmul
 
@@ -22,7 +23,8 @@ from adtape import buffers as _buffers
 from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp, defvjp_accumulate
 
 __all__ = ["encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
-           "attention_linear", "softmax_cross_entropy"]
+           "attention_linear", "softmax_cross_entropy", "rmsnorm", "rope", "swiglu",
+           "swiglu_linear"]
 
 ENCODER = Primitive("encoder", ("ids", "wte", "wpe"))
 LAYERNORM = Primitive("layernorm", ("x", "weight", "bias"))
@@ -33,6 +35,10 @@ GELU_LINEAR = Primitive("gelu_linear", ("x", "weight", "bias"))
 ATTENTION = Primitive("attention", ("qkv",))
 ATTENTION_LINEAR = Primitive("attention_linear", ("qkv", "weight", "bias"))
 SOFTMAX_CROSS_ENTROPY = Primitive("softmax_cross_entropy", ("logits", "targets"))
+RMSNORM = Primitive("rmsnorm", ("x", "weight"))
+ROPE = Primitive("rope", ("qkv",))
+SWIGLU = Primitive("swiglu", ("gate_up",))
+SWIGLU_LINEAR = Primitive("swiglu_linear", ("gate_up", "weight", "bias"))
 
 
 def _data(x):
@@ -183,56 +189,61 @@ def _gelu_linear_bwd(g, dests, fresh, x, weight):
         _layers.gelu_backward(dests[0], x, dh, overwrite=fresh[0])
 
 
-def _attention_forward(op, qd, n_head):
+def _attention_forward(op, qd, n_head, n_kv_head):
     """(output, log-sum-exps) of causal attention over a contiguous packed ``qkv``."""
-    if qd.ndim != 3 or qd.shape[2] % 3:
-        raise ValueError(f"{op}: qkv must have shape (B, T, 3C), got {qd.shape}")
-    B, T, C3 = qd.shape
-    out = _buffers.empty((B, T, C3 // 3))
+    try:
+        B, T, n_head, n_kv_head, hs = _attention.attention_shapes(qd, n_head, n_kv_head)
+    except ValueError as e:
+        raise ValueError(f"{op}: {e}") from None
+    out = _buffers.empty((B, T, n_head * hs))
     # Each query's log-sum-exp: with qkv and out, all the backward needs (it
     # recomputes the probabilities), O(T) per head where they are O(T^2).
     lse = _buffers.empty((B, n_head, T))
-    _attention.attention_forward(out, lse, qd, n_head)
+    _attention.attention_forward(out, lse, qd, n_head, n_kv_head=n_kv_head)
     return out, lse
 
 
-def attention(qkv, n_head):
-    """Causal multi-head self-attention of a packed (B,T,3C) ``[q|k|v]``; returns (B,T,C)."""
+def attention(qkv, n_head, n_kv_head=None):
+    """Causal self-attention of a packed ``[q|k|v]`` (B, T, (n_head + 2 n_kv_head) hs):
+    returns (B, T, n_head hs).  Query head h reads kv head h // (n_head // n_kv_head)
+    (grouped-query attention); n_kv_head None: n_head, GPT-2's (B, T, 3C)."""
     qd = np.ascontiguousarray(_data(qkv))
-    out, lse = _attention_forward("attention", qd, n_head)
+    out, lse = _attention_forward("attention", qd, n_head, n_kv_head)
     if _needs_grad(qkv):
         return _record(ATTENTION, out, (qkv,),
-                       (qkv if qd is _data(qkv) else qd, out, lse, n_head), None)
+                       (qkv if qd is _data(qkv) else qd, out, lse, n_head, n_kv_head), None)
     return _constant(out)
 
 
-def _attention_bwd(g, dests, fresh, qkv, out, lse, n_head):
+def _attention_bwd(g, dests, fresh, qkv, out, lse, n_head, n_kv_head):
     _attention.attention_backward(dests[0], _contiguous(g), qkv, out, lse, n_head,
-                                  overwrite=fresh[0])
+                                  n_kv_head=n_kv_head, overwrite=fresh[0])
 
 
-def attention_linear(qkv, n_head, weight, bias=None):
-    """``linear(attention(qkv, n_head), weight, bias)``, the attention's output saved once
-    (on the byte tape the two ops would each push a copy of it: the attention for its
-    backward, the projection as its input)."""
+def attention_linear(qkv, n_head, weight, bias=None, n_kv_head=None):
+    """``linear(attention(qkv, n_head, n_kv_head), weight, bias)``, the attention's output
+    saved once (on the byte tape the two ops would each push a copy of it: the attention
+    for its backward, the projection as its input)."""
     qd = np.ascontiguousarray(_data(qkv))
     wd = _data(weight)
-    a, lse = _attention_forward("attention_linear", qd, n_head)
+    a, lse = _attention_forward("attention_linear", qd, n_head, n_kv_head)
     out = _buffers.empty(a.shape[:2] + (wd.shape[0],))
     _matmul.matmul_forward(out, a, wd, None if bias is None else _data(bias))
     if _needs_grad(qkv, weight, bias):
         return _record(ATTENTION_LINEAR, out, (qkv, weight, bias),
-                       (qkv if qd is _data(qkv) else qd, a, lse, weight, n_head), None)
+                       (qkv if qd is _data(qkv) else qd, a, lse, weight, n_head, n_kv_head),
+                       None)
     return _constant(out)
 
 
-def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head):
+def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head, n_kv_head):
     da = None if dests[0] is None else _buffers.empty_like(a)
     dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
     _matmul.matmul_backward(da, dw, dests[2], _contiguous(g), a, weight,
                             overwrite=(True, ow_w, fresh[2]))
     if da is not None:
-        _attention.attention_backward(dests[0], da, qkv, a, lse, n_head, overwrite=fresh[0])
+        _attention.attention_backward(dests[0], da, qkv, a, lse, n_head, n_kv_head=n_kv_head,
+                                      overwrite=fresh[0])
 
 
 def softmax_cross_entropy(logits, targets, V=None):
@@ -264,6 +275,89 @@ def _softmax_cross_entropy_vjp(g, logits, lse, targets, V):
     return dlogits
 
 
+def rmsnorm(x, weight, eps):
+    """RMS normalisation over the last axis, as Hugging Face's LlamaRMSNorm:
+    ``weight * (x / sqrt(mean(x^2) + eps))``; x (B,T,C) or (N,C), weight (C,)."""
+    xd = np.ascontiguousarray(_data(x))
+    out = _buffers.empty_like(xd)
+    rrms = _buffers.empty(xd.shape[:-1])
+    _llama.rmsnorm_forward(out, rrms, xd, _data(weight), eps)
+    if _needs_grad(x, weight):
+        return _record(RMSNORM, out, (x, weight), (x if xd is _data(x) else xd, weight, rrms),
+                       None)
+    return _constant(out)
+
+
+def _rmsnorm_bwd(g, dests, fresh, x, weight, rrms):
+    dx, ow_x = _or_scratch(dests[0], fresh[0], x)
+    dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
+    _llama.rmsnorm_backward(dx, dw, _contiguous(g), x, weight, rrms, overwrite=(ow_x, ow_w))
+
+
+def rope(qkv, cos, sin, n_rot_heads):
+    """Rotary position embedding (Hugging Face's rotate-half convention, position t) of
+    the first ``n_rot_heads`` heads of each row of a packed (B, T, W) ``qkv``; the other
+    heads pass through.  For ``[q | k | v]`` with n_head query and n_kv_head key/value
+    heads, n_rot_heads = n_head + n_kv_head.  cos, sin: (maxT, head_dim / 2) tables from
+    ``kernels.llama.rope_tables``, constants (no gradient) kept by reference for the
+    backward, so they must not change before it."""
+    qd = np.ascontiguousarray(_data(qkv))
+    cd, sd = _data(cos), _data(sin)
+    out = _buffers.empty_like(qd)
+    _llama.rope_forward(out, qd, cd, sd, n_rot_heads)
+    if _needs_grad(qkv):
+        return _record(ROPE, out, (qkv,), (_constant(cd), _constant(sd), n_rot_heads), None)
+    return _constant(out)
+
+
+def _rope_bwd(g, dests, fresh, cos, sin, n_rot_heads):
+    _llama.rope_backward(dests[0], _contiguous(g), cos, sin, n_rot_heads, overwrite=fresh[0])
+
+
+def swiglu(gate_up):
+    """``silu(gate) * up`` of a packed (B,T,2I) or (N,2I) ``gate_up`` holding ``[gate | up]``
+    in each row (one matrix product gives both); returns (B,T,I) or (N,I)."""
+    gd = np.ascontiguousarray(_data(gate_up))
+    out = _buffers.empty(gd.shape[:-1] + (gd.shape[-1] // 2 if gd.ndim else 0,))
+    _llama.swiglu_forward(out, gd)
+    if _needs_grad(gate_up):
+        return _record(SWIGLU, out, (gate_up,), (gate_up if gd is _data(gate_up) else gd,), None)
+    return _constant(out)
+
+
+def _swiglu_bwd(g, dests, fresh, gate_up):
+    _llama.swiglu_backward(dests[0], _contiguous(g), gate_up, overwrite=fresh[0])
+
+
+def swiglu_linear(gate_up, weight, bias=None):
+    """``linear(swiglu(gate_up), weight, bias)`` (Llama's down projection) saving only
+    ``gate_up``: the backward recomputes ``swiglu(gate_up)`` (the same kernel, so the same
+    bits) for the weight gradient, as ``gelu_linear`` does.  That keeps 2I floats a row
+    for the MLP's second half instead of 3I."""
+    gd = np.ascontiguousarray(_data(gate_up))
+    wd = _data(weight)
+    h = _buffers.empty(gd.shape[:-1] + (gd.shape[-1] // 2 if gd.ndim else 0,))
+    _llama.swiglu_forward(h, gd)
+    out = _buffers.empty(h.shape[:-1] + (wd.shape[0],))
+    _matmul.matmul_forward(out, h, wd, None if bias is None else _data(bias))
+    if _needs_grad(gate_up, weight, bias):
+        return _record(SWIGLU_LINEAR, out, (gate_up, weight, bias),
+                       (gate_up if gd is _data(gate_up) else gd, weight), None)
+    return _constant(out)
+
+
+def _swiglu_linear_bwd(g, dests, fresh, gate_up, weight):
+    h = _buffers.empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,))
+    _llama.swiglu_forward(h, gate_up)
+    dh = None if dests[0] is None else _buffers.empty_like(h)
+    dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
+    _matmul.matmul_backward(dh, dw, dests[2], _contiguous(g), h, weight,
+                            overwrite=(True, ow_w, fresh[2]))
+    del h
+    if dh is not None:
+        _llama.swiglu_backward(dests[0], dh, gate_up, overwrite=fresh[0])
+
+
 defvjp_accumulate(ENCODER, _encoder_bwd, overwrite=True)
 defvjp_accumulate(LAYERNORM, _layernorm_bwd, overwrite=True)
 defvjp_accumulate(GELU, _gelu_bwd, overwrite=True)
@@ -273,3 +367,7 @@ defvjp_accumulate(GELU_LINEAR, _gelu_linear_bwd, overwrite=True)
 defvjp_accumulate(ATTENTION, _attention_bwd, overwrite=True)
 defvjp_accumulate(ATTENTION_LINEAR, _attention_linear_bwd, overwrite=True)
 defvjp(SOFTMAX_CROSS_ENTROPY, _softmax_cross_entropy_vjp, None)
+defvjp_accumulate(RMSNORM, _rmsnorm_bwd, overwrite=True)
+defvjp_accumulate(ROPE, _rope_bwd, overwrite=True)
+defvjp_accumulate(SWIGLU, _swiglu_bwd, overwrite=True)
+defvjp_accumulate(SWIGLU_LINEAR, _swiglu_linear_bwd, overwrite=True)

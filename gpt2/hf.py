@@ -81,13 +81,17 @@ def _llama_config(hf, kind):
                                         "original_max_position_embeddings")}
         scaling["rope_type"] = "llama3"
     elif rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported (default and llama3 are)")
+        raise ValueError(f"rope_type {rope_type!r} is not supported (default and llama3 are)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (silu is)")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias is not supported")
     if kind == "qwen2" and hf.get("use_sliding_window"):
-        raise ValueError("sliding-window attention is not supported")
+        raise ValueError("use_sliding_window: sliding-window attention is not supported")
+    if kind == "llama" and hf.get("attention_bias"):
+        # Llama's flag puts a bias on the output projection too, which our layout lacks.
+        raise ValueError("attention_bias: biases on Llama's attention projections are not "
+                         "supported (Qwen2's q/k/v biases are)")
     n_head = hf["num_attention_heads"]
     return LlamaConfig(
         n_layer=hf["num_hidden_layers"], n_head=n_head,
@@ -97,7 +101,7 @@ def _llama_config(hf, kind):
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head, rope_theta=float(theta),
         rope_scaling=scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", kind != "llama")),
-        qkv_bias=kind == "qwen2" or bool(hf.get("attention_bias", False)))
+        qkv_bias=kind == "qwen2")
 
 
 def hf_config_dict(config):

@@ -1,7 +1,12 @@
-"""Causal multi-head self-attention (GPT-2 / llm.c layout), forward and backward.
+"""Causal self-attention, multi-head (GPT-2 / llm.c layout) or grouped-query (Llama's),
+forward and backward.
 
-qkv (B, T, 3C) holds [q | k | v], each split head-major (head h in columns
-h*hs .. h*hs+hs, hs = C / n_head); out (B, T, C).  Scores are scaled by 1/sqrt(hs).
+qkv (B, T, (n_head + 2 n_kv_head) hs) holds [q | k | v], each split head-major: n_head
+query heads (head h in columns h*hs .. h*hs+hs), then n_kv_head key heads, then as
+many value heads; query head h reads kv head h // (n_head / n_kv_head).  K and V are
+read where they are, never repeated per query head.  out (B, T, C), C = n_head hs.
+With n_kv_head = n_head (the default) qkv is GPT-2's (B, T, 3C).  Scores are scaled
+by 1/sqrt(hs).
 What the forward keeps for the backward is O(T) per head, not O(T^2): lse
 (B, NH, T), each query's log-sum-exp of its scores.  The backward recomputes the
 probabilities tile by tile from q, k and lse, P = exp(S - lse), as FlashAttention-2's
@@ -11,9 +16,15 @@ one more product, Q K^T, in the backward, and saves writing the probabilities in
 forward and reading them back: at T = 64 to 1024 the pair is as fast as before or
 faster.
 
-Parallelism: one OpenMP task per (batch, head) pair, each owning its slice of
-out, lse and dqkv, so the backward needs no atomics and no serial loop over heads
-(B * NH is 48 or more at GPT-2's shapes, enough tasks for the cores).
+Parallelism: the forward runs one OpenMP task per (batch, query head), each owning
+its slice of out and lse; a thread packs K and V only when its task's kv head is not
+the one it packed last.  The backward runs one task per (batch, kv head), owning the
+kv head's dk and dv and its group's dq, the group's query heads one after the other
+(for GPT-2 that is one per (batch, head)): no atomics, no serial loop over heads, and
+sums taken in one order whatever the thread count.  B * NH is 48 or more at GPT-2's
+shapes, B * n_kv_head 12 at SmolLM2-135M's (B = 4, 3 kv heads), enough tasks for a
+few cores; fewer tasks than threads leave threads idle in the backward (why the
+groups are not split further: the attention section of kernels/README.md).
 
 Why not BLAS inside the parallel loop: the BLAS that scipy ships (OpenBLAS,
 pthreads build) is not reentrant from an OpenMP team.  Measured here, sgemm
@@ -115,21 +126,32 @@ cdef extern from *:
         return attn_packed_floats(ATTN_BQ, hs) + 16;
     }
 
-    static void attn_head_forward(int wide, float* out, float* lse, const float* qkv,
-                                  ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs, ptrdiff_t h,
-                                  float scale, float* pk, float* pv, float* scores) {
-        ADT_LANES_CALL(wide, attn_head_forward, (out, lse, qkv, T, C, hs, h, scale, pk, pv,
-                                                 scores));
+    static void attn_head_forward(int wide, float* out, float* lse, const float* q,
+                                  const float* k, const float* v, ptrdiff_t T, ptrdiff_t ldq,
+                                  ptrdiff_t ldo, ptrdiff_t hs, float scale, int pack_kv,
+                                  float* pk, float* pv, float* scores) {
+        ADT_LANES_CALL(wide, attn_head_forward, (out, lse, q, k, v, T, ldq, ldo, hs, scale,
+                                                 pack_kv, pk, pv, scores));
     }
-    static void attn_head_backward(int wide, float* dqkv, const float* dout, const float* qkv,
-                                   const float* out, const float* lse, ptrdiff_t T,
-                                   ptrdiff_t C, ptrdiff_t hs, ptrdiff_t h, float scale,
-                                   int overwrite, float* pkt, float* pvt, float* pk,
-                                   float* pq, float* pdo, float* ptile, float* dstile,
-                                   float* drow) {
-        ADT_LANES_CALL(wide, attn_head_backward, (dqkv, dout, qkv, out, lse, T, C, hs, h,
-                                                  scale, overwrite, pkt, pvt, pk, pq, pdo,
-                                                  ptile, dstile, drow));
+    /* One (batch, kv head) task of the backward: the rep query heads of its group,
+       h0 .. h0 + rep - 1, one after the other, each adding its share into the kv
+       head's dk and dv (the first writes them, with overwrite), K and V packed once
+       for the group.  The task owns the group's dq and the kv head's dk and dv, and
+       adds in one order, whatever the thread count.  dqkv, qkv point at the batch's
+       rows (ldq floats each), dout, out at the batch's (ldo floats), lse at the
+       batch's (NH, T); kcol and vcol are the kv head's first columns of k and v. */
+    static void attn_kv_backward(int wide, float* dqkv, const float* dout, const float* qkv,
+                                 const float* out, const float* lse, ptrdiff_t T,
+                                 ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs, ptrdiff_t h0,
+                                 ptrdiff_t rep, ptrdiff_t kcol, ptrdiff_t vcol, float scale,
+                                 int overwrite, float* pkt, float* pvt, float* pk, float* pq,
+                                 float* pdo, float* ptile, float* dstile, float* drow) {
+        for (ptrdiff_t h = h0; h < h0 + rep; h++)
+            ADT_LANES_CALL(wide, attn_head_backward,
+                           (dqkv + h * hs, dqkv + kcol, dqkv + vcol, dout + h * hs,
+                            qkv + h * hs, qkv + kcol, qkv + vcol, out + h * hs, lse + h * T,
+                            T, ldq, ldo, hs, scale, overwrite, overwrite && h == h0, h == h0,
+                            pkt, pvt, pk, pq, pdo, ptile, dstile, drow));
     }
     """
     enum:
@@ -138,31 +160,41 @@ cdef extern from *:
     Py_ssize_t attn_pack_floats(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
     Py_ssize_t attn_panel_floats(Py_ssize_t hs) noexcept nogil
     Py_ssize_t attn_score_ld(Py_ssize_t T) noexcept nogil
-    void attn_head_forward(bint wide, float* out, float* lse, const float* qkv, Py_ssize_t T,
-                           Py_ssize_t C, Py_ssize_t hs, Py_ssize_t h, float scale,
-                           float* pk, float* pv, float* scores) noexcept nogil
-    void attn_head_backward(bint wide, float* dqkv, const float* dout, const float* qkv,
-                            const float* out, const float* lse, Py_ssize_t T, Py_ssize_t C,
-                            Py_ssize_t hs, Py_ssize_t h, float scale, bint overwrite,
-                            float* pkt, float* pvt, float* pk, float* pq, float* pdo,
-                            float* ptile, float* dstile, float* drow) noexcept nogil
+    void attn_head_forward(bint wide, float* out, float* lse, const float* q, const float* k,
+                           const float* v, Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo,
+                           Py_ssize_t hs, float scale, bint pack_kv, float* pk, float* pv,
+                           float* scores) noexcept nogil
+    void attn_kv_backward(bint wide, float* dqkv, const float* dout, const float* qkv,
+                          const float* out, const float* lse, Py_ssize_t T, Py_ssize_t ldq,
+                          Py_ssize_t ldo, Py_ssize_t hs, Py_ssize_t h0, Py_ssize_t rep,
+                          Py_ssize_t kcol, Py_ssize_t vcol, float scale, bint overwrite,
+                          float* pkt, float* pvt, float* pk, float* pq, float* pdo,
+                          float* ptile, float* dstile, float* drow) noexcept nogil
 
 
 cdef struct Scratch:
-    # One malloc for all threads, each slice 64-byte aligned for the packed panels.
+    # One malloc for all threads: each thread's slice of floats, 64-byte aligned for the
+    # packed panels, then a cache line per thread for the forward's held_kv.
     void* raw
     float* base
     Py_ssize_t per_thread
+    # The (batch, kv head) whose K and V a thread's slice holds (-1: none yet), at
+    # held_kv[8 * thread].
+    Py_ssize_t* held_kv
 
 
 cdef int _scratch_alloc(Scratch* s, int n_threads, Py_ssize_t floats) except -1 nogil:
+    cdef int t
     s.per_thread = (floats + 15) // 16 * 16
-    s.raw = malloc(n_threads * s.per_thread * sizeof(float) + 64)
+    s.raw = malloc(n_threads * (s.per_thread * sizeof(float) + 64) + 64)
     if s.raw == NULL:
         with gil:
             raise MemoryError(f"attention: cannot allocate {n_threads} scratch buffers of "
                               f"{floats} floats")
     s.base = <float*>((<uintptr_t>s.raw + 63) & ~(<uintptr_t>63))
+    s.held_kv = <Py_ssize_t*>(s.base + n_threads * s.per_thread)
+    for t in range(n_threads):
+        s.held_kv[8 * t] = -1
     return 0
 
 
@@ -173,31 +205,45 @@ cdef inline Py_ssize_t _lines(Py_ssize_t floats) noexcept nogil:
 
 cdef int attention_forward_c(float* out, float* lse, const float* qkv,
                              Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH,
-                             int n_threads) except -1 nogil:
-    cdef Py_ssize_t hs = C // NH
+                             Py_ssize_t NKV, int n_threads) except -1 nogil:
+    # One task per (batch, query head).  A thread packs K and V only when its task's kv
+    # head is not the one its scratch holds: the static schedule gives each thread a
+    # run of consecutive query heads, mostly of one group.
+    cdef Py_ssize_t hs = C // NH, rep = NH // NKV, ldq = C + 2 * NKV * hs
     cdef float scale = 1.0 / sqrt(<double>hs)
-    cdef Py_ssize_t bh, b
+    cdef Py_ssize_t bh, b, h, kv, t
+    cdef const float* k
     cdef float* work
+    cdef bint pack_kv
     cdef Scratch s
     cdef Py_ssize_t pack = _lines(attn_pack_floats(T, hs))
     cdef bint wide = lanes_wide()
     _scratch_alloc(&s, n_threads, 2 * pack + ATTN_BQ * attn_score_ld(T))
     for bh in prange(B * NH, schedule='static', nogil=True, num_threads=n_threads):
         b = bh // NH
-        work = s.base + omp_get_thread_num_safe() * s.per_thread
-        attn_head_forward(wide, out + b * T * C, lse + bh * T, qkv + b * T * 3 * C,
-                          T, C, hs, bh % NH, scale, work, work + pack, work + 2 * pack)
+        h = bh % NH
+        kv = b * NKV + h // rep
+        t = omp_get_thread_num_safe()
+        pack_kv = s.held_kv[8 * t] != kv
+        s.held_kv[8 * t] = kv
+        work = s.base + t * s.per_thread
+        k = qkv + b * T * ldq + C + (h // rep) * hs
+        attn_head_forward(wide, out + b * T * C + h * hs, lse + bh * T,
+                          qkv + b * T * ldq + h * hs, k, k + NKV * hs, T, ldq, C, hs, scale,
+                          pack_kv, work, work + pack, work + 2 * pack)
     free(s.raw)
     return 0
 
 
 cdef int attention_backward_c(float* dqkv, const float* dout, const float* qkv,
                               const float* out, const float* lse, Py_ssize_t B, Py_ssize_t T,
-                              Py_ssize_t C, Py_ssize_t NH, bint overwrite,
+                              Py_ssize_t C, Py_ssize_t NH, Py_ssize_t NKV, bint overwrite,
                               int n_threads) except -1 nogil:
-    cdef Py_ssize_t hs = C // NH
+    # One task per (batch, kv head), owning the kv head's dk and dv and its group's dq
+    # (attn_kv_backward): B * NKV tasks, B * NH for GPT-2.
+    cdef Py_ssize_t hs = C // NH, rep = NH // NKV, ldq = C + 2 * NKV * hs
     cdef float scale = 1.0 / sqrt(<double>hs)
-    cdef Py_ssize_t bh, b
+    cdef Py_ssize_t bg, b, g
     cdef float* work
     cdef Scratch s
     cdef Py_ssize_t pack = _lines(attn_pack_floats(T, hs))
@@ -206,59 +252,70 @@ cdef int attention_backward_c(float* dqkv, const float* dout, const float* qkv,
     cdef Py_ssize_t tiles = 3 * pack + 2 * panel
     cdef bint wide = lanes_wide()
     _scratch_alloc(&s, n_threads, tiles + 2 * tile + ATTN_BQ)
-    for bh in prange(B * NH, schedule='static', nogil=True, num_threads=n_threads):
-        b = bh // NH
+    for bg in prange(B * NKV, schedule='static', nogil=True, num_threads=n_threads):
+        b = bg // NKV
+        g = bg % NKV
         work = s.base + omp_get_thread_num_safe() * s.per_thread
-        attn_head_backward(wide, dqkv + b * T * 3 * C, dout + b * T * C, qkv + b * T * 3 * C,
-                           out + b * T * C, lse + bh * T, T, C, hs, bh % NH, scale, overwrite,
-                           work, work + pack, work + 2 * pack, work + 3 * pack,
-                           work + 3 * pack + panel, work + tiles, work + tiles + tile,
-                           work + tiles + 2 * tile)
+        attn_kv_backward(wide, dqkv + b * T * ldq, dout + b * T * C, qkv + b * T * ldq,
+                         out + b * T * C, lse + b * NH * T, T, ldq, C, hs, g * rep, rep,
+                         C + g * hs, C + (NKV + g) * hs, scale, overwrite,
+                         work, work + pack, work + 2 * pack, work + 3 * pack,
+                         work + 3 * pack + panel, work + tiles, work + tiles + tile,
+                         work + tiles + 2 * tile)
     free(s.raw)
     return 0
 
 
 # ---------------------------------------------------------------- Python boundary
 
-def _attention_shapes(qkv, n_head):
-    """(B, T, C, n_head) from qkv (B, T, 3C), checking the head split."""
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def attention_shapes(qkv, n_head, n_kv_head=None):
+    """(B, T, n_head, n_kv_head, head size) of a packed qkv (B, T, (n_head + 2 n_kv_head)
+    * head size), checking the head split: n_kv_head (None: n_head) must divide n_head."""
     if not isinstance(qkv, np.ndarray) or qkv.ndim != 3:
-        raise ValueError(f"qkv must be a 3-D (B, T, 3C) array, got "
-                         f"{getattr(qkv, 'shape', type(qkv).__name__)}")
-    B, T, C3 = qkv.shape
-    if C3 % 3:
-        raise ValueError(f"qkv's last dimension {C3} must be 3*C (q, k and v)")
-    if isinstance(n_head, bool) or not isinstance(n_head, (int, np.integer)) or n_head < 1:
-        raise ValueError(f"n_head must be a positive integer, got {n_head!r}")
-    C = C3 // 3
-    if C == 0:
+        raise ValueError(f"qkv must be a 3-D (B, T, (n_head + 2*n_kv_head) * head_size) "
+                         f"array, got {getattr(qkv, 'shape', type(qkv).__name__)}")
+    NH = _positive_int("n_head", n_head)
+    NKV = NH if n_kv_head is None else _positive_int("n_kv_head", n_kv_head)
+    if NH % NKV:
+        raise ValueError(f"n_kv_head = {NKV} does not divide n_head = {NH}: each kv head "
+                         f"must serve the same number of query heads")
+    B, T, W = qkv.shape
+    if W == 0:
         # A head size of 0 makes the score scale 1/sqrt(0): there is no attention to take.
         raise ValueError("qkv's last dimension is 0: C (and the head size) must be positive")
-    if C % n_head:
-        raise ValueError(f"C = {C} (qkv's last dimension / 3) is not divisible by "
-                         f"n_head = {n_head}")
-    return B, T, C, int(n_head)
+    heads = NH + 2 * NKV
+    if W % heads:
+        raise ValueError(f"qkv's last dimension {W} must be (n_head + 2*n_kv_head) * "
+                         f"head_size = {heads} * head_size (q, k and v heads) for "
+                         f"n_head = {NH}, n_kv_head = {NKV}")
+    return B, T, NH, NKV, W // heads
 
 
-def _check_forward(out, lse, qkv, n_head, int ft):
-    B, T, C, NH = _attention_shapes(qkv, n_head)
-    checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
-    checked_data("out", out, ft, (B, T, C), True)
+def _check_forward(out, lse, qkv, n_head, n_kv_head, int ft):
+    B, T, NH, NKV, hs = attention_shapes(qkv, n_head, n_kv_head)
+    checked_data("qkv", qkv, ft, (B, T, (NH + 2 * NKV) * hs), False)
+    checked_data("out", out, ft, (B, T, NH * hs), True)
     checked_data("lse", lse, ft, (B, NH, T), True)
     check_disjoint((("out", out), ("lse", lse)), (("qkv", qkv),))
-    return B, T, C, NH
+    return B, T, NH, NKV, hs
 
 
-def _check_backward(dqkv, dout, qkv, out, lse, n_head, int ft):
-    B, T, C, NH = _attention_shapes(qkv, n_head)
-    checked_data("qkv", qkv, ft, (B, T, 3 * C), False)
-    checked_data("dout", dout, ft, (B, T, C), False)
-    checked_data("out", out, ft, (B, T, C), False)
+def _check_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head, int ft):
+    B, T, NH, NKV, hs = attention_shapes(qkv, n_head, n_kv_head)
+    checked_data("qkv", qkv, ft, (B, T, (NH + 2 * NKV) * hs), False)
+    checked_data("dout", dout, ft, (B, T, NH * hs), False)
+    checked_data("out", out, ft, (B, T, NH * hs), False)
     checked_data("lse", lse, ft, (B, NH, T), False)
-    checked_data("dqkv", dqkv, ft, (B, T, 3 * C), True)
+    checked_data("dqkv", dqkv, ft, (B, T, (NH + 2 * NKV) * hs), True)
     check_disjoint((("dqkv", dqkv),),
                     (("dout", dout), ("qkv", qkv), ("out", out), ("lse", lse)))
-    return B, T, C, NH
+    return B, T, NH, NKV, hs
 
 
 def _threads_for(n_threads, B, T, C):
@@ -269,30 +326,35 @@ def _threads_for(n_threads, B, T, C):
     return resolve_threads(n_threads)
 
 
-def attention_forward(out, lse, qkv, n_head, *, n_threads=None):
+def attention_forward(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None):
     """Causal attention: out (B, T, C) and lse (B, n_head, T), each query's
-    log-sum-exp of its scaled scores (what the backward needs), from qkv (B, T, 3C);
-    both overwritten."""
-    cdef Py_ssize_t B, T, C, NH
-    B, T, C, NH = _check_forward(out, lse, qkv, n_head, cnp.NPY_FLOAT32)
-    cdef int nt = _threads_for(n_threads, B, T, C)
+    log-sum-exp of its scaled scores (what the backward needs), from qkv (B, T,
+    C + 2 n_kv_head hs), C = n_head hs; both overwritten.  Query head h reads kv head
+    h // (n_head // n_kv_head) (grouped-query attention; n_kv_head None: n_head, each
+    query head its own, GPT-2's qkv (B, T, 3C))."""
+    cdef Py_ssize_t B, T, NH, NKV, hs
+    B, T, NH, NKV, hs = _check_forward(out, lse, qkv, n_head, n_kv_head, cnp.NPY_FLOAT32)
+    cdef int nt = _threads_for(n_threads, B, T, NH * hs)
     if B == 0 or T == 0:
         return
     cdef float* out_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>out)
     cdef float* lse_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
     cdef const float* qkv_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>qkv)
     with nogil:
-        attention_forward_c(out_p, lse_p, qkv_p, B, T, C, NH, nt)
+        attention_forward_c(out_p, lse_p, qkv_p, B, T, NH * hs, NH, NKV, nt)
 
 
-def attention_backward(dqkv, dout, qkv, out, lse, n_head, *, overwrite=False, n_threads=None):
-    """Accumulate into dqkv (B, T, 3C) the gradient of attention_forward's out, given
-    dout (B, T, C), the forward's qkv, and its out and lse (``overwrite``: dqkv is set
-    instead, whatever it held).  The probabilities are recomputed, tile by tile."""
+def attention_backward(dqkv, dout, qkv, out, lse, n_head, *, n_kv_head=None, overwrite=False,
+                       n_threads=None):
+    """Accumulate into dqkv (shaped as qkv) the gradient of attention_forward's out,
+    given dout (B, T, C), the forward's qkv, and its out and lse (``overwrite``: dqkv is
+    set instead, whatever it held).  The probabilities are recomputed, tile by tile; a
+    kv head's dk and dv sum over its group's query heads."""
     ow, = overwrite_flags(overwrite, ("dqkv",))
-    cdef Py_ssize_t B, T, C, NH
-    B, T, C, NH = _check_backward(dqkv, dout, qkv, out, lse, n_head, cnp.NPY_FLOAT32)
-    cdef int nt = _threads_for(n_threads, B, T, C)
+    cdef Py_ssize_t B, T, NH, NKV, hs
+    B, T, NH, NKV, hs = _check_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head,
+                                        cnp.NPY_FLOAT32)
+    cdef int nt = _threads_for(n_threads, B, T, NH * hs)
     if B == 0 or T == 0:
         return
     cdef float* dqkv_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>dqkv)
@@ -302,27 +364,30 @@ def attention_backward(dqkv, dout, qkv, out, lse, n_head, *, overwrite=False, n_
     cdef const float* lse_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
     cdef bint overwrite_c = ow
     with nogil:
-        attention_backward_c(dqkv_p, dout_p, qkv_p, out_p, lse_p, B, T, C, NH, overwrite_c, nt)
+        attention_backward_c(dqkv_p, dout_p, qkv_p, out_p, lse_p, B, T, NH * hs, NH, NKV,
+                             overwrite_c, nt)
 
 
 # ---------------------------------------------------------------- naive twins
 
 cdef void _forward_naive(floating[:, :, ::1] out, floating[:, :, ::1] lse,
-                         floating[:, :, ::1] qkv, Py_ssize_t NH) noexcept nogil:
-    cdef Py_ssize_t B = qkv.shape[0], T = qkv.shape[1], C = qkv.shape[2] // 3
-    cdef Py_ssize_t hs = C // NH
+                         floating[:, :, ::1] qkv, Py_ssize_t NH, Py_ssize_t NKV) noexcept nogil:
+    cdef Py_ssize_t B = qkv.shape[0], T = qkv.shape[1], hs = qkv.shape[2] // (NH + 2 * NKV)
+    cdef Py_ssize_t C = NH * hs
     cdef double scale = 1.0 / sqrt(<double>hs)
-    cdef Py_ssize_t b, h, i, j, d
+    cdef Py_ssize_t b, h, i, j, d, kc, vc
     cdef double s, mx, total
     cdef double* p = <double*>malloc(max(T, 1) * sizeof(double))
     for b in range(B):
         for h in range(NH):
+            kc = C + h // (NH // NKV) * hs         # the first columns of its kv head's k
+            vc = kc + NKV * hs                     # and v
             for i in range(T):
                 mx = -1e300
                 for j in range(i + 1):
                     s = 0.0
                     for d in range(hs):
-                        s += qkv[b, i, h * hs + d] * qkv[b, j, C + h * hs + d]
+                        s += qkv[b, i, h * hs + d] * qkv[b, j, kc + d]
                     p[j] = s * scale
                     mx = max(mx, p[j])
                 total = 0.0
@@ -333,23 +398,26 @@ cdef void _forward_naive(floating[:, :, ::1] out, floating[:, :, ::1] lse,
                 for d in range(hs):
                     s = 0.0
                     for j in range(i + 1):
-                        s += p[j] / total * qkv[b, j, 2 * C + h * hs + d]
+                        s += p[j] / total * qkv[b, j, vc + d]
                     out[b, i, h * hs + d] = s
     free(p)
 
 
 cdef void _backward_naive(floating[:, :, ::1] dqkv, floating[:, :, ::1] dout,
                           floating[:, :, ::1] qkv, floating[:, :, ::1] out,
-                          floating[:, :, ::1] lse, Py_ssize_t NH) noexcept nogil:
+                          floating[:, :, ::1] lse, Py_ssize_t NH, Py_ssize_t NKV) noexcept nogil:
     # The same recomputation as the kernel, in plain loops: P[i, j] = exp(s[i, j] -
-    # lse[i]), D[i] = dout[i] . out[i], dS = P (dout[i] . v[j] - D[i]) * scale.
-    cdef Py_ssize_t B = qkv.shape[0], T = qkv.shape[1], C = qkv.shape[2] // 3
-    cdef Py_ssize_t hs = C // NH
+    # lse[i]), D[i] = dout[i] . out[i], dS = P (dout[i] . v[j] - D[i]) * scale; a kv
+    # head's dk and dv gather the terms of every query head of its group.
+    cdef Py_ssize_t B = qkv.shape[0], T = qkv.shape[1], hs = qkv.shape[2] // (NH + 2 * NKV)
+    cdef Py_ssize_t C = NH * hs
     cdef double scale = 1.0 / sqrt(<double>hs)
-    cdef Py_ssize_t b, h, i, j, d
+    cdef Py_ssize_t b, h, i, j, d, kc, vc
     cdef double s, p, dp, dsum, ds
     for b in range(B):
         for h in range(NH):
+            kc = C + h // (NH // NKV) * hs
+            vc = kc + NKV * hs
             for i in range(T):
                 dsum = 0.0
                 for d in range(hs):
@@ -358,37 +426,37 @@ cdef void _backward_naive(floating[:, :, ::1] dqkv, floating[:, :, ::1] dout,
                     s = 0.0
                     dp = 0.0
                     for d in range(hs):
-                        s += qkv[b, i, h * hs + d] * qkv[b, j, C + h * hs + d]
-                        dp += dout[b, i, h * hs + d] * qkv[b, j, 2 * C + h * hs + d]
+                        s += qkv[b, i, h * hs + d] * qkv[b, j, kc + d]
+                        dp += dout[b, i, h * hs + d] * qkv[b, j, vc + d]
                     p = exp(s * scale - lse[b, h, i])
                     ds = p * (dp - dsum) * scale
                     for d in range(hs):
-                        dqkv[b, j, 2 * C + h * hs + d] += p * dout[b, i, h * hs + d]
-                        dqkv[b, i, h * hs + d] += ds * qkv[b, j, C + h * hs + d]
-                        dqkv[b, j, C + h * hs + d] += ds * qkv[b, i, h * hs + d]
+                        dqkv[b, j, vc + d] += p * dout[b, i, h * hs + d]
+                        dqkv[b, i, h * hs + d] += ds * qkv[b, j, kc + d]
+                        dqkv[b, j, kc + d] += ds * qkv[b, i, h * hs + d]
 
 
-def attention_forward_naive(out, lse, qkv, n_head, *, n_threads=None):
+def attention_forward_naive(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None):
     """Plain-loop twin of ``attention_forward`` (serial; float32 or float64)."""
     cdef int ft = float_type(qkv)
-    B, T, C, NH = _check_forward(out, lse, qkv, n_head, ft)
+    B, T, NH, NKV, hs = _check_forward(out, lse, qkv, n_head, n_kv_head, ft)
     resolve_threads(n_threads)
     if ft == cnp.NPY_FLOAT32:
-        _forward_naive[float](out, lse, qkv, NH)
+        _forward_naive[float](out, lse, qkv, NH, NKV)
     else:
-        _forward_naive[double](out, lse, qkv, NH)
+        _forward_naive[double](out, lse, qkv, NH, NKV)
 
 
-def attention_backward_naive(dqkv, dout, qkv, out, lse, n_head, *, overwrite=False,
-                             n_threads=None):
+def attention_backward_naive(dqkv, dout, qkv, out, lse, n_head, *, n_kv_head=None,
+                             overwrite=False, n_threads=None):
     """Plain-loop twin of ``attention_backward`` (serial; float32 or float64)."""
     ow, = overwrite_flags(overwrite, ("dqkv",))
     cdef int ft = float_type(qkv)
-    B, T, C, NH = _check_backward(dqkv, dout, qkv, out, lse, n_head, ft)
+    B, T, NH, NKV, hs = _check_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head, ft)
     resolve_threads(n_threads)
     if ow:
         dqkv[...] = 0
     if ft == cnp.NPY_FLOAT32:
-        _backward_naive[float](dqkv, dout, qkv, out, lse, NH)
+        _backward_naive[float](dqkv, dout, qkv, out, lse, NH, NKV)
     else:
-        _backward_naive[double](dqkv, dout, qkv, out, lse, NH)
+        _backward_naive[double](dqkv, dout, qkv, out, lse, NH, NKV)

@@ -80,7 +80,7 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_pack_b)(float* restrict pb, const float*
                 ptrdiff_t j = 0, kc8 = kc / 8 * 8;
                 for (; j + 8 <= nr; j += 8) {
                     const float* src = B + (j0 + j) * ldb + k0;
-                    /* the rows are a head's slice of qkv, 3C floats apart, read
+                    /* the rows are a head's slice of qkv, a row of qkv apart, read
                        from memory (each head's first touch): fetch ahead */
                     for (ptrdiff_t i = 0; i < 8; i++)
                         for (ptrdiff_t p = 0; p < kc; p += 16)
@@ -250,68 +250,74 @@ ADT_LANES_INLINE float ADT_LANES_FN(attn_softmax_row)(float* s, ptrdiff_t n, ptr
     return mx + logf(total);
 }
 
-/* One (batch, head): qkv and out point at this batch's (T, 3C) / (T, C) rows, lse
-   at this head's T log-sum-exps; pk, pv are attn_pack_floats scratch and scores
-   (BQ, attn_score_ld(T)) holds a query block's scores, then its probabilities, which
-   the product with V reads there, in cache.  Only the block's BQ rows of
-   probabilities ever exist: nothing T x T is stored. */
+/* One (batch, query head): q, k and v point at the first column of this head's q and
+   its kv head's k and v in the batch's qkv rows (ldq floats apart), out at the head's
+   first column of the batch's out rows (ldo apart), lse at the head's T log-sum-exps.
+   pk, pv are attn_pack_floats scratch, packed with K^T and V unless pack_kv is 0 (they
+   hold this kv head's already: the thread's previous task was another query head of
+   its group); scores (BQ, attn_score_ld(T)) holds a query block's scores, then its
+   probabilities, which the product with V reads there, in cache.  Only the block's BQ
+   rows of probabilities ever exist: nothing T x T is stored. */
 ADT_LANES_ATTR
-static void ADT_LANES_FN(attn_head_forward)(float* out, float* lse, const float* qkv,
-                                            ptrdiff_t T, ptrdiff_t C, ptrdiff_t hs,
-                                            ptrdiff_t h, float scale, float* pk, float* pv,
+static void ADT_LANES_FN(attn_head_forward)(float* out, float* lse, const float* q,
+                                            const float* k, const float* v, ptrdiff_t T,
+                                            ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
+                                            float scale, int pack_kv, float* pk, float* pv,
                                             float* scores) {
-    ptrdiff_t C3 = 3 * C, lds = attn_score_ld(T);
-    const float* q = qkv + h * hs;
-    ADT_LANES_FN(attn_pack_b)(pk, qkv + C + h * hs, C3, 1, hs, T);      /* K^T (hs, T) */
-    ADT_LANES_FN(attn_pack_b)(pv, qkv + 2 * C + h * hs, C3, 0, T, hs);  /* V (T, hs) */
+    ptrdiff_t lds = attn_score_ld(T);
+    if (pack_kv) {
+        ADT_LANES_FN(attn_pack_b)(pk, k, ldq, 1, hs, T);   /* K^T (hs, T) */
+        ADT_LANES_FN(attn_pack_b)(pv, v, ldq, 0, T, hs);   /* V (T, hs) */
+    }
     for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
         ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
         ptrdiff_t kend = i0 + rows;
         /* whole slivers: K^T's zero padding gives the columns past T, and those
            past the diagonal are masked by the softmax */
         ptrdiff_t kpad = ADT_LANES_FN(attn_npad)(kend);
-        ADT_LANES_FN(attn_gemm)(rows, kpad, hs, scale, q + i0 * C3, C3, 1, pk, attn_kcs(hs),
+        ADT_LANES_FN(attn_gemm)(rows, kpad, hs, scale, q + i0 * ldq, ldq, 1, pk, attn_kcs(hs),
                                 ADT_LANES_FN(attn_npad)(T), 0, scores, lds, ATTN_TRI_C, i0);
         for (ptrdiff_t r = 0; r < rows; r++)
             lse[i0 + r] = ADT_LANES_FN(attn_softmax_row)(scores + r * lds, i0 + r + 1, kpad);
         ADT_LANES_FN(attn_gemm)(rows, hs, kend, 1.0f, scores, lds, 1, pv, attn_kcs(T),
-                                ADT_LANES_FN(attn_npad)(hs), 0, out + i0 * C + h * hs, C,
+                                ADT_LANES_FN(attn_npad)(hs), 0, out + i0 * ldo, ldo,
                                 ATTN_TRI_UPTO, i0);
     }
 }
 
-/* One (batch, head), FlashAttention-2's backward on (BQ, BK) tiles: for each block of
-   queries i and each key block j up to the diagonal, the probabilities are
+/* One (batch, query head), FlashAttention-2's backward on (BQ, BK) tiles: for each
+   block of queries i and each key block j up to the diagonal, the probabilities are
    recomputed from the scores and the saved log-sum-exps, P = exp(S - lse), and
      dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P * (dP - D_i) * scale,
      dQ_i += dS K_j,    dK_j += dS^T Q_i,
-   with D_i = rowsum(dO_i * O_i) (= sum_j P dP, the softmax's correction).  The task
-   owns the head's whole slices of dq, dk and dv, so no two threads write one row.
-   With overwrite, each slice's first product writes it instead of adding: dq_i's
-   at key block 0, dk_j's and dv_j's at the diagonal tile, where query blocks reach
-   key block j first (BK divides BQ, so that tile covers the whole key block).
-   pkt, pvt, pk are attn_pack_floats scratch (K^T, V^T, K packed once per head), pq
-   and pdo (BQ, hs) panels for the query block's Q and dO, ptile and dstile (BQ, BK)
-   tiles, drow BQ floats. */
+   with D_i = rowsum(dO_i * O_i) (= sum_j P dP, the softmax's correction).  q, k, v
+   and dq, dk, dv point at the first column of this head's q and its kv head's k and
+   v in the batch's rows of qkv and dqkv (ldq floats apart), o and dO at the head's
+   first column of the batch's out and dout rows (ldo apart), lse at its T
+   log-sum-exps.  The caller's task owns the head's dq and its kv head's dk and dv
+   (attn_kv_backward), so no two threads write one row.  With overwrite_q, dq_i's
+   first product (at key block 0) writes it instead of adding; with overwrite_kv, so
+   do dk_j's and dv_j's (at the diagonal tile, where query blocks reach key block j
+   first: BK divides BQ, so that tile covers the whole key block).
+   pkt, pvt, pk are attn_pack_floats scratch, packed with K^T, V^T and K unless
+   pack_kv is 0 (they hold this kv head's already); pq and pdo (BQ, hs) panels for
+   the query block's Q and dO, ptile and dstile (BQ, BK) tiles, drow BQ floats. */
 ADT_LANES_ATTR
-static void ADT_LANES_FN(attn_head_backward)(float* dqkv, const float* dout, const float* qkv,
-                                             const float* out, const float* lse, ptrdiff_t T,
-                                             ptrdiff_t C, ptrdiff_t hs, ptrdiff_t h,
-                                             float scale, int overwrite, float* pkt,
-                                             float* pvt, float* pk, float* pq, float* pdo,
-                                             float* ptile, float* dstile, float* drow) {
-    ptrdiff_t C3 = 3 * C;
-    const float* q = qkv + h * hs;
-    const float* o = out + h * hs;
-    const float* dO = dout + h * hs;
-    float* dq = dqkv + h * hs;
-    float* dk = dqkv + C + h * hs;
-    float* dv = dqkv + 2 * C + h * hs;
+static void ADT_LANES_FN(attn_head_backward)(float* dq, float* dk, float* dv, const float* dO,
+                                             const float* q, const float* k, const float* v,
+                                             const float* o, const float* lse, ptrdiff_t T,
+                                             ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
+                                             float scale, int overwrite_q, int overwrite_kv,
+                                             int pack_kv, float* pkt, float* pvt, float* pk,
+                                             float* pq, float* pdo, float* ptile,
+                                             float* dstile, float* drow) {
     ptrdiff_t ks_hs = attn_kcs(hs), ks_T = attn_kcs(T);
     ptrdiff_t npad_T = ADT_LANES_FN(attn_npad)(T), npad_hs = ADT_LANES_FN(attn_npad)(hs);
-    ADT_LANES_FN(attn_pack_b)(pkt, qkv + C + h * hs, C3, 1, hs, T);      /* K^T (hs, T) */
-    ADT_LANES_FN(attn_pack_b)(pvt, qkv + 2 * C + h * hs, C3, 1, hs, T);  /* V^T (hs, T) */
-    ADT_LANES_FN(attn_pack_b)(pk, qkv + C + h * hs, C3, 0, T, hs);       /* K (T, hs) */
+    if (pack_kv) {
+        ADT_LANES_FN(attn_pack_b)(pkt, k, ldq, 1, hs, T);  /* K^T (hs, T) */
+        ADT_LANES_FN(attn_pack_b)(pvt, v, ldq, 1, hs, T);  /* V^T (hs, T) */
+        ADT_LANES_FN(attn_pack_b)(pk, k, ldq, 0, T, hs);   /* K (T, hs) */
+    }
     ADT_VI lane;
     for (int l = 0; l < ADT_W; l++) lane[l] = l;
     ADT_VT zero = {0}, vscale = ADT_V(splat)(scale);
@@ -319,18 +325,18 @@ static void ADT_LANES_FN(attn_head_backward)(float* dqkv, const float* dout, con
         ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
         ptrdiff_t kend = i0 + rows, ks_rows = attn_kcs(rows);
         for (ptrdiff_t r = 0; r < rows; r++)
-            drow[r] = ADT_LANES_FN(attn_dot)(dO + (i0 + r) * C, o + (i0 + r) * C, hs);
-        ADT_LANES_FN(attn_pack_b)(pq, q + i0 * C3, C3, 0, rows, hs);
-        ADT_LANES_FN(attn_pack_b)(pdo, dO + i0 * C, C, 0, rows, hs);
+            drow[r] = ADT_LANES_FN(attn_dot)(dO + (i0 + r) * ldo, o + (i0 + r) * ldo, hs);
+        ADT_LANES_FN(attn_pack_b)(pq, q + i0 * ldq, ldq, 0, rows, hs);
+        ADT_LANES_FN(attn_pack_b)(pdo, dO + i0 * ldo, ldo, 0, rows, hs);
         for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
             ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
             ptrdiff_t cpad = ADT_LANES_FN(attn_npad)(cols);
             /* S = scale Q_i K_j^T and dP = dO_i V_j^T: a column slice of a packed
                operand starts j0 columns in, each depth block keeping its stride */
-            ADT_LANES_FN(attn_gemm)(rows, cpad, hs, scale, q + i0 * C3, C3, 1,
+            ADT_LANES_FN(attn_gemm)(rows, cpad, hs, scale, q + i0 * ldq, ldq, 1,
                                     pkt + j0 * ks_hs, ks_hs, npad_T, 0, ptile, ATTN_BK,
                                     ATTN_TRI_C, i0 - j0);
-            ADT_LANES_FN(attn_gemm)(rows, cpad, hs, 1.0f, dO + i0 * C, C, 1,
+            ADT_LANES_FN(attn_gemm)(rows, cpad, hs, 1.0f, dO + i0 * ldo, ldo, 1,
                                     pvt + j0 * ks_hs, ks_hs, npad_T, 0, dstile, ATTN_BK,
                                     ATTN_TRI_C, i0 - j0);
             /* P and dS in place of S and dP; keys past the query (in the diagonal
@@ -351,16 +357,16 @@ static void ADT_LANES_FN(attn_head_backward)(float* dqkv, const float* dout, con
                 }
             }
             /* dV_j += P^T dO_i and dK_j += dS^T Q_i (the tiles read transposed) */
-            int add_kv = !(overwrite && j0 >= i0);
+            int add_kv = !(overwrite_kv && j0 >= i0);
             ADT_LANES_FN(attn_gemm)(cols, hs, rows, 1.0f, ptile, 1, ATTN_BK, pdo, ks_rows,
-                                    npad_hs, add_kv, dv + j0 * C3, C3, ATTN_TRI_FROM, i0 - j0);
+                                    npad_hs, add_kv, dv + j0 * ldq, ldq, ATTN_TRI_FROM, i0 - j0);
             ADT_LANES_FN(attn_gemm)(cols, hs, rows, 1.0f, dstile, 1, ATTN_BK, pq, ks_rows,
-                                    npad_hs, add_kv, dk + j0 * C3, C3, ATTN_TRI_FROM, i0 - j0);
+                                    npad_hs, add_kv, dk + j0 * ldq, ldq, ATTN_TRI_FROM, i0 - j0);
             /* dQ_i += dS K_j: rows j0.. of packed K, inside one of its depth blocks
                (BK divides ATTN_KC, and T < ATTN_KC is a single block) */
             ADT_LANES_FN(attn_gemm)(rows, hs, cols, 1.0f, dstile, ATTN_BK, 1,
                                     pk + j0 / ks_T * ks_T * npad_hs + j0 % ks_T * ATTN_NR,
-                                    ks_T, npad_hs, !(overwrite && j0 == 0), dq + i0 * C3, C3,
+                                    ks_T, npad_hs, !(overwrite_q && j0 == 0), dq + i0 * ldq, ldq,
                                     ATTN_TRI_UPTO, i0 - j0);
         }
     }

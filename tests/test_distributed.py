@@ -303,16 +303,17 @@ def test_launcher_environment_is_read():
 
 # -- gpt2-train under mpiexec ---------------------------------------------------------------
 
-TRAIN_ARGS = ["--model", "tiny", "-B", "4", "-T", "32", "--corpus-bytes", "100K",
+TRAIN_ARGS = ["-B", "4", "-T", "32", "--corpus-bytes", "100K",
               "--schedule", "constant", "--warmup", "0", "--eval-interval", "0",
               "--sample-tokens", "0", "--no-progress"]
 
 
-def run_train(args, out_dir, ranks=None):
+def run_train(args, out_dir, ranks=None, model="tiny"):
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(pathlib.Path(gpt2.__file__).parent.parent),
                                            os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "gpt2.train", *TRAIN_ARGS, *args, "--out-dir", str(out_dir)]
+    command = [sys.executable, "-m", "gpt2.train", "--model", model, *TRAIN_ARGS, *args,
+               "--out-dir", str(out_dir)]
     if ranks:
         command = [mpiexec(), "-n", str(ranks), *command]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
@@ -324,20 +325,22 @@ def logged_losses(out_dir):
     return [float(line.split(",")[column]) for line in lines[1:]]
 
 
-def test_gpt2_train_under_mpiexec(tmp_path):
+@pytest.mark.parametrize("model, family", [("tiny", "GPT-2"), ("llama-tiny", "Llama")])
+def test_gpt2_train_under_mpiexec(tmp_path, model, family):
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
-    proc = run_train(["--steps", "6"], one)
+    proc = run_train(["--steps", "6"], one, model=model)
     assert proc.returncode == 0, proc.stderr
-    proc = run_train(["--steps", "3", "--zero", "1"], two, ranks=RANKS)
+    proc = run_train(["--steps", "3", "--zero", "1"], two, ranks=RANKS, model=model)
     assert proc.returncode == 0, proc.stderr
     # Rank 0 alone prints and writes.
     assert proc.stdout.count("data parallel: 2 ranks") == 1
-    assert proc.stdout.count("GPT-2 tiny") == 1
+    assert proc.stdout.count(f"{family} {model}") == 1
     summary = json.loads((two / "summary.json").read_text())
     assert (summary["ranks"], summary["global_batch"], summary["zero"]) == (RANKS, 4, 1)
     assert relative_error(logged_losses(two), logged_losses(one)[:3]) < 1e-6
     # The 2-rank checkpoint resumes in one process where the 2-rank run stopped.
-    proc = run_train(["--steps", "6", "--resume", str(two / "checkpoint.bin")], resumed)
+    proc = run_train(["--steps", "6", "--resume", str(two / "checkpoint.bin")], resumed,
+                     model=model)
     assert proc.returncode == 0, proc.stderr
     # Its log.csv holds the whole run: the 2-rank steps, then the resumed ones.
     assert logged_losses(resumed)[:3] == logged_losses(two)
