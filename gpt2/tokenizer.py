@@ -1,4 +1,8 @@
-"""Tokenizers: byte-level (256 ids), GPT-2 BPE from a tiktoken file, and llm.c's decode-only vocabulary.
+"""Tokenizers: byte-level (256 ids), GPT-2 BPE from a tiktoken file, llm.c's decode-only
+vocabulary, and Hugging Face's two formats through their own libraries: a ``tokenizer.json``
+(the ``tokenizers`` library) and a SentencePiece ``tokenizer.model`` (``sentencepiece``), both
+optional (``pip install 'adtape[hf]'``).  ``load_tokenizer`` tells the file kinds apart and
+``find_tokenizer`` finds a model directory's own.
 
 GPT-2 BPE (``GPT2BPETokenizer``) reads a local tiktoken encoding file (the format of
 ``r50k_base.tiktoken``: one ``base64(token_bytes) rank`` per line) and encodes with byte-level
@@ -19,6 +23,7 @@ of such characters may differ from tiktoken's.
 """
 import base64
 import binascii
+import importlib
 import os
 import re
 
@@ -284,3 +289,123 @@ class GPT2BPETokenizer(_VocabDecoder):
         else:
             self._encode_ordinary(text, out)
         return np.asarray(out, dtype=np.int32)
+
+
+HF_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model")
+_TIKTOKEN_HEAD = re.compile(rb"[A-Za-z0-9+/=\s]*")
+
+
+def _optional_import(module, what):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"reading {what} needs the {module} package: "
+                          f"pip install 'adtape[hf]'") from None
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library.
+
+    ``encode`` adds no special tokens (no BOS), as for the other tokenizers here: the data
+    is one stream of text.  ``eot_token`` is None: which token ends a text is not in
+    tokenizer.json (transformers reads it from tokenizer_config.json).
+    """
+
+    eot_token = None
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        tokenizers = _optional_import("tokenizers", f"the tokenizer file {self.path!r}")
+        with open(self.path, "rb") as f:
+            data = f.read()
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as e:  # the library raises a bare Exception for a malformed file
+            raise ValueError(f"{self.path!r} is not a Hugging Face tokenizer.json: {e}") from None
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise ValueError(f"{self.path!r} holds no tokens")
+        # Ids may be sparse: the vocabulary spans up to the largest one.
+        self.vocab_size = max(vocab.values()) + 1
+
+    def encode(self, text):
+        _check_text(text, "HFTokenizer")
+        # The batch call without offsets is three times faster than encode on a long text.
+        ids = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        return np.asarray(ids, dtype=np.int32)
+
+    def decode(self, ids):
+        ids = _ids_array(ids, self.vocab_size, "HFTokenizer")
+        return self._tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model (``tokenizer.model``: Llama 2, TinyLlama, Mistral) through the
+    ``sentencepiece`` library.  ``encode`` adds no BOS or EOS."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        spm = _optional_import("sentencepiece", f"the SentencePiece model {self.path!r}")
+        with open(self.path, "rb") as f:
+            proto = f.read()
+        self._processor = spm.SentencePieceProcessor()
+        try:
+            self._processor.LoadFromSerializedProto(proto)
+        except RuntimeError:
+            raise ValueError(f"{self.path!r} is not a SentencePiece model (its protobuf does "
+                             f"not parse)") from None
+        self.vocab_size = self._processor.get_piece_size()
+        eos = self._processor.eos_id()
+        self.eot_token = eos if eos >= 0 else None
+
+    def encode(self, text):
+        _check_text(text, "SentencePieceTokenizer")
+        return np.asarray(self._processor.encode(text), dtype=np.int32)
+
+    def decode(self, ids):
+        ids = _ids_array(ids, self.vocab_size, "SentencePieceTokenizer")
+        return self._processor.decode(ids.tolist())
+
+
+def _looks_like_sentencepiece(head):
+    # A SentencePiece ModelProto opens with its first piece: field 1, length-delimited (0x0a,
+    # then a varint length), whose own first field, the piece's text, is 0x0a again.
+    if head[:1] != b"\n":
+        return False
+    end = 1
+    while end < len(head) and head[end] & 0x80:
+        end += 1
+    return head[end + 1:end + 2] == b"\n"
+
+
+def load_tokenizer(path):
+    """The tokenizer in a file: a Hugging Face ``tokenizer.json``, a SentencePiece
+    ``tokenizer.model`` or a tiktoken file (GPT-2 BPE), told apart by the name's extension
+    (.json, .model, .tiktoken), else by the contents."""
+    path = os.fspath(path)
+    kinds = {".json": HFTokenizer, ".model": SentencePieceTokenizer,
+             ".tiktoken": GPT2BPETokenizer}
+    ext = os.path.splitext(path)[1].lower()
+    if ext in kinds:
+        return kinds[ext](path)
+    with open(path, "rb") as f:
+        head = f.read(256)
+    if head.lstrip()[:1] == b"{":
+        return HFTokenizer(path)
+    if _looks_like_sentencepiece(head):
+        return SentencePieceTokenizer(path)
+    if _TIKTOKEN_HEAD.fullmatch(head):
+        return GPT2BPETokenizer(path)
+    raise ValueError(f"{path!r} is not a tokenizer file: neither JSON (a Hugging Face "
+                     f"tokenizer.json), a SentencePiece model (tokenizer.model) nor a "
+                     f"tiktoken file (lines of 'base64_token rank')")
+
+
+def find_tokenizer(directory):
+    """The path of a Hugging Face model directory's tokenizer (tokenizer.json preferred,
+    else tokenizer.model), or None if it has neither."""
+    for name in HF_TOKENIZER_NAMES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return path
+    return None

@@ -162,8 +162,10 @@ def build_parser(prog=None):
     d.add_argument("--data", default=None, metavar="FILE",
                    help="a text file or an llm.c token file (.bin) (default: the built-in corpus)")
     d.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="'bytes', or a tiktoken file (r50k_base.tiktoken) for GPT-2 BPE "
-                        "(default: bytes)")
+                   help="'bytes', a tiktoken file (r50k_base.tiktoken) for GPT-2 BPE, or a "
+                        "Hugging Face tokenizer.json or SentencePiece tokenizer.model (needs "
+                        "pip install 'adtape[hf]') (default: the --init-from directory's "
+                        "tokenizer.json or tokenizer.model, else bytes)")
     d.add_argument("--corpus-bytes", type=positive_size, default="3M", metavar="SIZE",
                    help="size of the built-in corpus (default: 3M)")
     d.add_argument("--val-fraction", type=fraction, metavar="F", default=0.05,
@@ -316,13 +318,21 @@ def blame(what, errors=INPUT_ERRORS):
 
 
 def load_tokens(args):
-    """(tokens, tokenizer) for --data/--tokenizer, or the built-in corpus."""
+    """(tokens, tokenizer) for --data/--tokenizer, or the built-in corpus.
+
+    Without --tokenizer, an --init-from model directory's own tokenizer (tokenizer.json,
+    else tokenizer.model) is used, and args.tokenizer names it so that --resume reads it too.
+    """
     from gpt2 import data, tokenizer as tok
+    given = args.tokenizer is not None
+    if not given and args.init_from and os.path.isdir(args.init_from):
+        args.tokenizer = tok.find_tokenizer(args.init_from)
     if args.tokenizer in (None, "bytes"):
         tokenizer = tok.ByteTokenizer()
     else:
-        with blame("--tokenizer"):
-            tokenizer = tok.GPT2BPETokenizer(args.tokenizer)
+        with blame("--tokenizer" if given else f"--init-from {args.init_from}",
+                   INPUT_ERRORS + (ImportError,)):
+            tokenizer = tok.load_tokenizer(args.tokenizer)
     if args.data is None:
         with blame("--corpus-bytes"):
             return data.default_corpus_tokens(tokenizer, max_bytes=args.corpus_bytes), tokenizer
@@ -333,22 +343,12 @@ def load_tokens(args):
 
 
 def sample(model, prompt_ids, n_tokens, temperature, top_k, rng):
-    """Autoregressive sampling with temperature and top-k; returns every token id."""
-    import numpy as np
-    cfg = model.config
-    ids = list(prompt_ids) or [0]
-    for _ in range(n_tokens):
-        context = np.array([ids[-cfg.block_size:]], dtype=np.int32)
-        logits, _ = model.forward(context)
-        row = logits[0, -1, :cfg.vocab_size].astype(np.float64) / max(temperature, 1e-6)
-        if 0 < top_k < row.size:
-            cut = np.partition(row, -top_k)[-top_k]
-            row[row < cut] = -np.inf
-        row -= row.max()
-        probs = np.exp(row)
-        probs /= probs.sum()
-        ids.append(int(rng.choice(row.size, p=probs)))
-    return ids
+    """Autoregressive sampling with temperature (0: the likeliest token) and top-k, with a
+    key/value cache (gpt2.generate); returns (every token id, the seconds it took)."""
+    from gpt2.generate import generate
+    t0 = time.perf_counter()
+    ids = generate(model, prompt_ids, n_tokens, temperature, top_k, rng)
+    return ids, time.perf_counter() - t0
 
 
 def evaluate(model, loader, n_batches):
@@ -1074,8 +1074,6 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
                                   "snapshots": args.snapshots,
                                   "predicted_ms": inputs.plan.predicted_ms,
                                   "predicted_peak_bytes": inputs.plan.predicted_peak_bytes}
-    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
     print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
           + (f" (validation {summary['final_val_loss']:.3f})"
              if summary["final_val_loss"] is not None else "")
@@ -1086,18 +1084,26 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
         print(TapeWatch.describe(tape), flush=True)
     if inputs.plan is not None and median_ms is not None:
         print(f"--max-memory: {inputs.plan.compare(median_ms, peak_rss)}", flush=True)
+    summary["sample_tokens_per_s"] = None
     if args.sample_tokens:
-        ids = sample(model, inputs.prompt_ids, args.sample_tokens, args.temperature, args.top_k,
-                     np.random.default_rng(args.seed))
+        ids, seconds = sample(model, inputs.prompt_ids, args.sample_tokens, args.temperature,
+                              args.top_k, np.random.default_rng(args.seed))
+        summary["sample_tokens_per_s"] = args.sample_tokens / seconds
+    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if args.sample_tokens:
         print("----- sample -----")
-        if tokenizer.vocab_size < config.vocab_size:
+        if max(ids) >= tokenizer.vocab_size:
             print(f"(token ids: the model's vocabulary has {config.vocab_size} tokens, the "
                   f"{'byte' if args.tokenizer in (None, 'bytes') else 'given'} tokenizer "
-                  f"{tokenizer.vocab_size}; pass --tokenizer with the model's tiktoken file, "
-                  f"e.g. r50k_base.tiktoken for GPT-2, to see text)")
+                  f"{tokenizer.vocab_size}; pass --tokenizer with the model's tokenizer.json, "
+                  f"tokenizer.model or tiktoken file (r50k_base.tiktoken for GPT-2) to see "
+                  f"text)")
             print(" ".join(map(str, ids)))
         else:
             print(tokenizer.decode(ids))
+        print(f"({args.sample_tokens} tokens in {seconds:.2f} s, "
+              f"{summary['sample_tokens_per_s']:.1f} tokens/s)")
         print("------------------")
     return summary
 
