@@ -35,7 +35,7 @@ def unlinked(profile):
 
 @pytest.fixture(scope="module")
 def machine():
-    return unlinked(load_profile("this-machine"))
+    return unlinked(load_profile("zen4-2core-vm"))
 
 
 @pytest.fixture(scope="module")

@@ -4,23 +4,32 @@
   python -m gpt2.perfmodel.calibrate --disk-only [--spill-dir DIR]   (what the memory planner needs)
   python -m gpt2.perfmodel.calibrate --link-only [--ranks 2]   (what data-parallel estimates need)
 
-Measures, at the model's real shapes (GPT-2 124M at a few (B, T); --quick: the tiny
-preset): float32 sgemm throughput through the kernels' gemm for the forward product and both
-backward products, the peak on a large square sgemm, memory bandwidth by array size,
-the fixed cost of one kernel call and of one tape record, our kernels' throughput by op
-class (attention, layernorm, GELU, residual, embedding, loss, optimizer: whichever are
-built), the spill device's sequential write and read rates (O_DIRECT: the disk, not
-the page cache) and the baseline RSS of a process that ran one tiny training step.  The machine is shared, so every figure is the median of several runs,
-interleaved across the shapes (one run of each shape per round).
+The profile goes to this machine's entry in the user's cache (gpt2.perfmodel.hardware:
+~/.cache/adtape/profiles/<cpu>-<digest>-<threads>t.json), which ``--hardware
+this-machine``, ``--plan`` and ``gpt2-train --max-memory`` read; --output writes elsewhere.
+--disk-only and --link-only update that file.
+
+Measures, at GPT-2 124M's shapes at a few (B, T): float32 sgemm throughput through the
+kernels' gemm for the forward product and both backward products, the peak on a large
+square sgemm, memory bandwidth by array size (copied by all the threads), the fixed cost
+of one kernel call and of one tape record, our kernels' throughput by op class
+(attention, layernorm, GELU, residual, embedding, loss, optimizer: whichever are built),
+the spill device's sequential write and read rates (O_DIRECT: the disk, not the page
+cache) and the baseline RSS of a process that ran one tiny training step.  The machine is shared, so
+every figure is the median of several runs, interleaved across the shapes (one run of
+each shape per round).  --quick (what the first use of this-machine runs, ~15 s on two
+cores) times the same shapes with fewer repeats, probes 256 MB of disk and skips the
+link.  Each phase is one line on stderr, and a note says when other processes took more
+than a tenth of the CPU meanwhile (the figures are then too slow).
 
 The link between ranks on this machine (``--link-only``, and part of a full calibration
 where mpiexec and mpi4py are installed): ``mpiexec -n RANKS`` runs gpt2.perfmodel.linkprobe,
 which times blocking all-reduce, reduce-scatter and all-gather from 64 bytes to
 --link-max-bytes, what buckets in flight cost the computation beside them, each rank's
-sgemm and copy rates with every rank computing at once on cores / RANKS threads, and
-the MPI runtime's resident bytes.  Each collective gets a latency (from the sizes up to
-4 KiB) and a bandwidth (from the sizes of 1 MiB and more, least relative squares) in
-the terms of gpt2.perfmodel.collectives, stored in the profile's ``interconnect``.
+sgemm and copy rates with every rank computing at once on the profile's threads / RANKS
+threads, and the MPI runtime's resident bytes.  Each collective gets a latency (from the
+sizes up to 4 KiB) and a bandwidth (from the sizes of 1 MiB and more, least relative
+squares) in the terms of gpt2.perfmodel.collectives, stored in the profile's ``interconnect``.
 """
 import argparse
 import datetime
@@ -39,11 +48,19 @@ import numpy as np
 
 from . import collectives
 from .graph import GraphOptions, step_graph
-from .hardware import PROFILE_DIR, EfficiencyCurve, HardwareProfile, Interconnect, load_profile, save_profile
+from .hardware import (EfficiencyCurve, HardwareProfile, Interconnect, cpu_identity, load_profile, profile_cache_dir,
+                       resolve_threads, save_profile, this_machine_name, this_machine_path, this_machine_profile)
 from .spec import ModelSpec, ParallelConfig, Workload
 
+GPT2_124M = ModelSpec(12, 12, 768, 50257)
 FULL_CONFIGS = ((1, 64), (4, 64), (4, 256))
-QUICK_CONFIGS = ((1, 16), (2, 32))
+# What a calibration runs: GPT-2 124M's shapes at these (B, T), repeats per figure, the
+# side of the square sgemm for the peak, the largest array of the bandwidth curve (log2
+# bytes), and the disk probe's bytes.  The quick one (first use: about 12 s on two cores,
+# where the full one takes 25 without the link probe) keeps the shapes and sizes: the
+# curves are tables by FLOPs, and a size left out is interpolated from its neighbours.
+FULL = {"configs": FULL_CONFIGS, "repeats": 7, "peak_size": 2048, "max_array": 28, "disk_bytes": 1024 << 20}
+QUICK = {"configs": FULL_CONFIGS, "repeats": 3, "peak_size": 2048, "max_array": 28, "disk_bytes": 256 << 20}
 
 
 def _median_times(tasks, repeats, warmup=1):
@@ -72,24 +89,38 @@ def measure_peak(size, repeats):
     (kernels.gemm: our OpenMP threads, BLAS single-threaded on each block)."""
     from kernels.gemm import gemm_rowmajor
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((size, size), dtype=np.float32)
-    b = rng.standard_normal((size, size), dtype=np.float32)
+    a, b = _random(rng, size, size), _random(rng, size, size)
     c = np.empty_like(a)
     t = _median_times({"peak": lambda: gemm_rowmajor(c, a, b, trans_b=True)}, repeats)["peak"]
     return 2.0 * size ** 3 / t
 
 
+def _random(rng, *shape):
+    """A float32 array of standard normal values at the speed of a copy: one random block of
+    64 Ki values repeated (the timings need values that are not constant, not independent
+    ones, and drawing hundreds of millions would take seconds)."""
+    out = np.empty(shape, np.float32)
+    flat = out.reshape(-1)
+    block = rng.standard_normal(min(1 << 16, flat.size), dtype=np.float32)
+    whole = flat.size - flat.size % block.size
+    flat[:whole].reshape(-1, block.size)[:] = block
+    flat[whole:] = block[:flat.size - whole]
+    return out
+
+
 def _gemm_task(variant, rows, fan_in, fan_out, rng):
+    """A callable running one product of the matmul (rows, fan_in) x (fan_in, fan_out):
+    the forward one, or the input's or the weight's gradient."""
     from kernels.gemm import gemm_rowmajor
-    inp = rng.standard_normal((rows, fan_in), dtype=np.float32)
-    weight = rng.standard_normal((fan_out, fan_in), dtype=np.float32)
-    dout = rng.standard_normal((rows, fan_out), dtype=np.float32)
     if variant == "fwd":
+        inp, weight = _random(rng, rows, fan_in), _random(rng, fan_out, fan_in)
         out = np.empty((rows, fan_out), np.float32)
         return lambda: gemm_rowmajor(out, inp, weight, trans_b=True)
     if variant == "bwd_input":
+        dout, weight = _random(rng, rows, fan_out), _random(rng, fan_out, fan_in)
         dinp = np.empty((rows, fan_in), np.float32)
         return lambda: gemm_rowmajor(dinp, dout, weight)
+    dout, inp = _random(rng, rows, fan_out), _random(rng, rows, fan_in)
     dweight = np.empty((fan_out, fan_in), np.float32)
     return lambda: gemm_rowmajor(dweight, dout, inp, trans_a=True)
 
@@ -137,14 +168,29 @@ def _curve(points):
     return EfficiencyCurve(max_efficiency=min(best, 64.0), half_size=half, points=tuple(pts))
 
 
-def measure_memory(sizes, repeats):
-    """Copy bandwidth (bytes read + written per second) by array size; returns (peak bw, curve)."""
+# Below this many bytes one thread copies (adtape/_parcopy.pyx's PAR_COPY_MIN): a team
+# costs more than it saves.
+PARALLEL_COPY_MIN = 1 << 20
+
+
+def measure_memory(sizes, repeats, threads=1):
+    """Copy bandwidth (bytes read + written per second) by array size; returns (peak bw, curve).
+
+    From PARALLEL_COPY_MIN bytes up, ``threads`` threads each copy one contiguous part, as
+    the tape's copies do (one core reaches only part of the machine's bandwidth)."""
+    from concurrent.futures import ThreadPoolExecutor
     tasks = {}
-    for n in sizes:
-        src = np.ones(n // 4, np.float32)
-        dst = np.empty_like(src)
-        tasks[n] = (lambda s=src, d=dst: np.copyto(d, s))
-    times = _median_times(tasks, repeats)
+    with ThreadPoolExecutor(threads) as pool:
+        for n in sizes:
+            src = np.ones(n // 4, np.float32)
+            dst = np.empty_like(src)
+            if n < PARALLEL_COPY_MIN or threads == 1:
+                tasks[n] = (lambda s=src, d=dst: np.copyto(d, s))
+            else:
+                bounds = np.linspace(0, src.size, threads + 1).astype(int)
+                parts = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+                tasks[n] = (lambda parts=parts: list(pool.map(lambda part: np.copyto(*part), parts)))
+        times = _median_times(tasks, repeats)
     bw = {n: 2.0 * n / times[n] for n in sizes}
     dram = bw[max(sizes)]
     return dram, _curve([(2.0 * n, bw[n] / dram) for n in sizes])
@@ -190,7 +236,7 @@ def _kernel_tasks(spec, b, t, rng):
     """{(op name, phase): callable} running our kernels at the shapes of one (B, T)."""
     from kernels import layers
     C, N, F, nh = spec.n_embd, b * t, spec.ffn_hidden, spec.n_head
-    f = lambda *shape: rng.standard_normal(shape, dtype=np.float32)   # noqa: E731
+    f = lambda *shape: _random(rng, *shape)   # noqa: E731
     x, y, dx = f(b, t, C), np.empty((b, t, C), np.float32), f(b, t, C)
     w, bias, dw, db = f(C), f(C), np.zeros(C, np.float32), np.zeros(C, np.float32)
     mean, rstd = np.empty((b, t), np.float32), np.empty((b, t), np.float32)
@@ -239,7 +285,8 @@ def _optimizer_tasks(spec, rng):
     except ImportError:
         return {}, 0
     n = spec.num_parameters()
-    p, g = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32) * 1e-3
+    p, g = _random(rng, n), _random(rng, n)
+    g *= np.float32(1e-3)
     m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
     return {("adamw", "optim"): lambda: optim.adamw_step(p, g, m, v, 1, 1e-4, weight_decay=0.1)}, n
 
@@ -481,56 +528,144 @@ def calibrate_link(profile, ranks=2, threads=None, max_bytes=100 << 20, repeats=
                                 calibration=calibration)
 
 
-def calibrate(threads=None, quick=False, spec=None, configs=None, repeats=None, spill_dir=None):
-    """Measure this machine with ``threads`` threads (restored afterwards); returns a HardwareProfile."""
+def calibrate(threads=None, quick=False, spec=None, configs=None, repeats=None, spill_dir=None, progress=None):
+    """Measure this machine with ``threads`` threads (restored afterwards); returns a HardwareProfile.
+
+    ``quick``: the QUICK settings instead of FULL (fewer repeats, a smaller disk probe);
+    ``spec`` and ``configs``: other shapes to time (tests use tiny ones); ``progress``:
+    called with each phase's name as it starts.
+    """
     threads, previous = _set_threads(threads)
+    start = _cpu_seconds()
     try:
-        return _calibrate(threads, quick, spec, configs, repeats, spill_dir)
+        profile = _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress or (lambda phase: None))
     finally:
         _set_threads(previous)
+    # Another process's work slows every figure down (an OpenMP team waits for its
+    # descheduled thread): say so, where it happened, in the profile.
+    elsewhere = _busy_elsewhere(start, _cpu_seconds())
+    notes = list(profile.calibration["notes"])
+    if elsewhere > BUSY_ELSEWHERE_NOTE:
+        notes.append(f"other processes used {elsewhere:.0%} of the CPU during the calibration: its figures are "
+                     f"slower than this machine when quiet; run python -m gpt2.perfmodel.calibrate again when it is")
+    return profile.with_changes(calibration=dict(profile.calibration, busy_elsewhere=round(elsewhere, 3),
+                                                 notes=notes))
 
 
-def _calibrate(threads, quick, spec, configs, repeats, spill_dir):
+# Share of the machine's CPU time that other processes may take during a calibration
+# before the profile says its figures are too slow.
+BUSY_ELSEWHERE_NOTE = 0.1
+
+
+def _cpu_seconds():
+    """(wall seconds, CPU seconds all processes have used, CPU seconds of this process and its
+    finished children)."""
     import psutil
-    if spec is None:
-        spec = ModelSpec(2, 2, 32, 256, block_size=64) if quick else ModelSpec(12, 12, 768, 50257)
-    configs = tuple(configs or (QUICK_CONFIGS if quick else FULL_CONFIGS))
-    repeats = repeats or (3 if quick else 7)
-    peak = measure_peak(256 if quick else 2048, repeats)
+    machine = psutil.cpu_times()
+    busy = sum(getattr(machine, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+    own = psutil.Process().cpu_times()
+    return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
+
+
+def _busy_elsewhere(start, end):
+    """The share of the machine's CPU capacity other processes (and the hypervisor) used
+    between two ``_cpu_seconds()``."""
+    import psutil
+    wall, busy, own = (b - a for a, b in zip(start, end))
+    return max(0.0, min(1.0, (busy - own) / (wall * (psutil.cpu_count() or 1)))) if wall > 0 else 0.0
+
+
+def _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress):
+    import psutil
+    settings = QUICK if quick else FULL
+    spec = spec or GPT2_124M
+    configs = tuple(configs or settings["configs"])
+    repeats = repeats or settings["repeats"]
+    progress("peak")
+    peak = measure_peak(settings["peak_size"], repeats)
+    progress("matmuls")
     matmul_curves, gemm_rates = measure_matmuls(spec, configs, peak, repeats)
-    mem_sizes = [1 << k for k in (range(14, 22, 2) if quick else range(14, 29, 2))]
-    bandwidth, memory_curve = measure_memory(mem_sizes, repeats)
+    progress("memory")
+    bandwidth, memory_curve = measure_memory([1 << k for k in range(14, settings["max_array"] + 1, 2)], repeats,
+                                             threads)
+    progress("overheads")
     overhead, tape_cost, sources = measure_overheads(repeats)
+    progress("kernels")
     kernel_curves, notes = measure_kernels(spec, configs, peak, overhead, repeats)
     spill_dir = os.path.abspath(spill_dir or tempfile.gettempdir())
-    disk_write, disk_read, disk_method = measure_disk(spill_dir, (16 if quick else 1024) << 20)
+    progress("disk")
+    disk_write, disk_read, disk_method = measure_disk(spill_dir, settings["disk_bytes"])
+    progress("baseline RSS")
     baseline = measure_baseline_rss(threads)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    identity = cpu_identity()
     return HardwareProfile(
-        name="this-machine", kind="cpu",
-        source=f"measured by python -m gpt2.perfmodel.calibrate at {now}, {threads} threads"
-               + (" (quick)" if quick else ""),
+        name=this_machine_name(threads, identity), kind="cpu",
+        source=f"measured by python -m gpt2.perfmodel.calibrate{' --quick' if quick else ''} at {now} on "
+               f"{identity['model_name']}, {threads} threads",
         peak_flops={"fp32": peak}, memory_bandwidth=bandwidth,
         memory_capacity=float(psutil.virtual_memory().total), matmul_efficiency=matmul_curves,
         memory_efficiency=memory_curve, op_overhead=overhead, tape_overhead=tape_cost,
         disk_write_bandwidth=disk_write, disk_read_bandwidth=disk_read,
         threads=threads, sram_bytes=0.0, baseline_rss=baseline, interconnect=Interconnect(),
         kernel_efficiency=kernel_curves,
-        calibration={"time": now, "threads": threads, "quick": quick, "repeats": repeats,
+        calibration={"time": now, "cpu": identity, "threads": threads, "quick": quick, "repeats": repeats,
                      "model": [spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size],
                      "configs": [list(c) for c in configs], "sgemm_flops_per_s": gemm_rates,
                      "sources": sources, "notes": notes, "spill_dir": spill_dir, "disk_method": disk_method})
 
 
-def calibrate_disk(profile, spill_dir=None, threads=None):
-    """``profile`` with the spill device's rates (in ``spill_dir``) and the baseline RSS measured
-    afresh: what the memory planner needs, in well under a minute."""
+def calibrate_once(threads, stream, path):
+    """The quick calibration that the first use of ``this-machine`` runs (see
+    hardware.this_machine_profile): writes ``path``, announcing it as it goes in one line on
+    text ``stream`` (and a line per note, e.g. that the machine was busy)."""
+    def say(text):
+        stream.write(text)
+        stream.flush()
+    t0 = time.perf_counter()
+    say(f"calibrating this machine for the performance model (once, ~15 s, {threads} thread"
+        f"{'s' if threads > 1 else ''}): ")
+    try:
+        run_quick_calibration(threads, path, lambda phase: say(f"{phase}... "))
+    except BaseException:
+        say("failed\n")
+        raise
+    say(f"done in {time.perf_counter() - t0:.0f} s, kept in {path}\n")
+    for note in load_profile(path).calibration.get("notes", []):
+        say(f"note: {note}\n")
+
+
+PHASE_PREFIX = "phase: "
+
+
+def run_quick_calibration(threads, path, progress):
+    """``python -m gpt2.perfmodel.calibrate --quick`` for ``threads`` threads into ``path``, in a
+    child process: the calibration's arrays (gigabytes) and thread pools stay out of this
+    process, whose peak RSS a training run under --max-memory measures.  ``progress`` is
+    called with each phase's name; a failure raises RuntimeError with the child's errors."""
+    command = [sys.executable, "-m", "gpt2.perfmodel.calibrate", "--quick", "--threads", str(threads),
+               "--output", path, "--progress", "names"]
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as child:
+        errors = []
+        for line in child.stderr:
+            if line.startswith(PHASE_PREFIX):
+                progress(line[len(PHASE_PREFIX):].rstrip("\n"))
+            else:
+                errors.append(line)
+    if child.returncode != 0:
+        raise RuntimeError(f"the calibration of this machine ({' '.join(command[1:5])} ...) failed with exit "
+                           f"status {child.returncode}: {''.join(errors).strip()[-800:]}")
+
+
+def calibrate_disk(profile, spill_dir=None):
+    """``profile`` with the spill device's rates (in ``spill_dir``) and the baseline RSS (with its
+    threads) measured afresh: what the memory planner needs, in well under a minute."""
     spill_dir = os.path.abspath(spill_dir or tempfile.gettempdir())
-    disk_write, disk_read, disk_method = measure_disk(spill_dir, 1024 << 20)
+    disk_write, disk_read, disk_method = measure_disk(spill_dir, FULL["disk_bytes"])
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     calibration = dict(profile.calibration, spill_dir=spill_dir, disk_method=disk_method, disk_time=now)
     return profile.with_changes(disk_write_bandwidth=disk_write, disk_read_bandwidth=disk_read,
-                                baseline_rss=measure_baseline_rss(threads or profile.threads or None),
+                                baseline_rss=measure_baseline_rss(profile.threads or None),
                                 calibration=calibration)
 
 
@@ -556,13 +691,36 @@ def _bytes(text):
     return parse_size(text)
 
 
+def _phase_lines(stream, names_only=False):
+    """A ``progress`` for calibrate(): one line per phase on ``stream``, with the time so far,
+    or (``names_only``) as run_quick_calibration reads them."""
+    t0 = time.perf_counter()
+    if names_only:
+        return lambda phase: print(f"{PHASE_PREFIX}{phase}", file=stream, flush=True)
+    return lambda phase: print(f"calibrate [{time.perf_counter() - t0:5.1f} s] {phase}...", file=stream, flush=True)
+
+
+def _existing(path, threads):
+    """The profile at ``path`` (--output), or this machine's for ``threads`` threads: the one
+    --disk-only and --link-only update."""
+    if path is not None:
+        return load_profile(path)
+    return this_machine_profile(threads, calibrate_if_missing=False)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m gpt2.perfmodel.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=None, help="threads for BLAS and OpenMP (default: all cores)")
-    p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats (seconds)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads the profile is for: BLAS and OpenMP run with them (default: the kernels' "
+                        "count, OMP_NUM_THREADS or all cores); --link-only shares them among the ranks")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer (B, T) and repeats, 256 MB of disk, no link (~15 s on two cores): what the "
+                        "first use of this-machine runs")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--output", default=os.path.join(PROFILE_DIR, "this-machine.json"))
+    p.add_argument("--output", default=None,
+                   help="profile file to write (default: this machine's in the cache, "
+                        f"{os.path.join(profile_cache_dir(), '<cpu>-<digest>-<threads>t.json')})")
     p.add_argument("--spill-dir", default=None,
                    help="directory whose device the tape spills to (default: the system temp dir)")
     p.add_argument("--disk-only", action="store_true",
@@ -574,35 +732,46 @@ def main(argv=None):
     p.add_argument("--link-max-bytes", type=_bytes, default=100 << 20,
                    help="largest collective of the link measurement (default 100M)")
     p.add_argument("--link-timeout", type=int, default=300, help="seconds the link measurement may take")
+    p.add_argument("--progress", choices=("lines", "names"), default="lines", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     if args.spill_dir is not None and not os.path.isdir(args.spill_dir):
         raise SystemExit(f"error: --spill-dir {args.spill_dir!r} is not a directory")
+    threads = resolve_threads(args.threads)
+    output = args.output or this_machine_path(threads)
+    progress = _phase_lines(sys.stderr, names_only=args.progress == "names")
     if args.link_only:
         try:
-            profile = calibrate_link(load_profile(args.output), args.ranks, args.threads, args.link_max_bytes,
+            profile = _existing(args.output, threads)
+            progress(f"link (mpiexec -n {args.ranks})")
+            profile = calibrate_link(profile, args.ranks, max(1, profile.threads // args.ranks), args.link_max_bytes,
                                      args.repeats or 5, args.link_timeout)
         except (FileNotFoundError, ValueError, LinkUnavailable) as exc:
             raise SystemExit(f"error: {exc}") from None
-        save_profile(profile, args.output)
+        save_profile(profile, output)
         print(describe_link(profile))
-        print(f"wrote {args.output}")
+        print(f"wrote {output}")
         return 0
     if args.disk_only:
         try:
-            profile = calibrate_disk(load_profile(args.output), args.spill_dir, args.threads)
+            profile = _existing(args.output, threads)
+            progress(f"disk and baseline RSS ({profile.threads} threads)")
+            profile = calibrate_disk(profile, args.spill_dir)
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"error: {exc}") from None
     else:
-        profile = calibrate(args.threads, args.quick, repeats=args.repeats, spill_dir=args.spill_dir)
-        try:
-            profile = calibrate_link(profile, args.ranks, None, (4 if args.quick else 100) << 20,
-                                     3 if args.quick else 5, args.link_timeout)
-        except LinkUnavailable as exc:
-            notes = profile.calibration["notes"] + [f"link between ranks not measured: {exc}"]
-            profile = profile.with_changes(calibration=dict(profile.calibration, notes=notes))
-    save_profile(profile, args.output)
+        profile = calibrate(threads, args.quick, repeats=args.repeats, spill_dir=args.spill_dir, progress=progress)
+        if not args.quick:
+            try:
+                progress(f"link (mpiexec -n {args.ranks})")
+                profile = calibrate_link(profile, args.ranks, max(1, threads // args.ranks), 100 << 20, 5,
+                                         args.link_timeout)
+            except LinkUnavailable as exc:
+                notes = profile.calibration["notes"] + [f"link between ranks not measured: {exc}"]
+                profile = profile.with_changes(calibration=dict(profile.calibration, notes=notes))
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    save_profile(profile, output)
     print(f"peak sgemm {profile.peak('fp32') / 1e9:.1f} GFLOP/s, copy bandwidth "
           f"{profile.memory_bandwidth / 1e9:.2f} GB/s, kernel call {profile.op_overhead * 1e6:.2f} us, "
           f"tape record {profile.tape_overhead * 1e6:.2f} us, spill write {profile.disk_write_bandwidth / 1e9:.2f} "
@@ -611,9 +780,9 @@ def main(argv=None):
           f"({profile.threads} threads)")
     if profile.interconnect.measured:
         print(describe_link(profile))
-    for note in profile.calibration["notes"]:
+    for note in profile.calibration.get("notes", []):
         print(f"note: {note}")
-    print(f"wrote {args.output}")
+    print(f"wrote {output}")
     return 0
 
 

@@ -2,7 +2,7 @@
 or sweeps one parameter and plots step time and memory against it.
 
 Examples:
-  python -m gpt2.perfmodel --model gpt2 --batch 4 --seq 64 --hardware this-machine
+  python -m gpt2.perfmodel --model gpt2 --batch 4 --seq 64 --hardware this-machine   # calibrates once
   python -m gpt2.perfmodel --n-layer 96 --n-head 96 --n-embd 12288 --vocab 51200 --seq 2048 \\
       --batch 1536 --micro-batch 1 --hardware a100-80gb-sxm --precision bf16 --layout megatron \\
       --tp 8 --pp 16 --dp 12 --recompute full
@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 from .estimate import device_view, estimate
 from .graph import GraphOptions
-from .hardware import available_profiles, load_profile
+from .hardware import THIS_MACHINE, available_profiles, load_profile
 from .spec import RECOMPUTE_POLICIES, ModelSpec, ParallelConfig, Workload
 
 # Sweepable parameters: name -> (where it lives, field, type).
@@ -54,8 +54,9 @@ def build_parser():
     w.add_argument("--causal-flops", action="store_true", help="attention kernels skip the masked half")
     h = p.add_argument_group("hardware and parallelism")
     h.add_argument("--hardware", default=None,
-                   help=f"profile path or name ({', '.join(available_profiles())}; default: generic-cpu, "
-                        f"this-machine with --plan)")
+                   help=f"profile path or name: {', '.join(available_profiles())}, or {THIS_MACHINE} (this "
+                        f"machine's, for --threads, measured on first use in ~15 s and kept in the cache); "
+                        f"default: generic-cpu (approximate), {THIS_MACHINE} with --plan")
     for name in ("dp", "tp", "pp", "ep", "interleave"):
         h.add_argument(f"--{name}", type=int, default=1)
     h.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
@@ -77,7 +78,9 @@ def build_parser():
                     help="choose the fastest memory policy of the tape engine within --max-memory")
     pl.add_argument("--max-memory", type=_size, help="peak RSS limit for --plan, e.g. 8G")
     pl.add_argument("--spill-dir", default=None, help="where the tape would spill (checked against the profile)")
-    pl.add_argument("--threads", type=int, default=None, help="threads training will use")
+    pl.add_argument("--threads", type=int, default=None,
+                    help="threads training will use (default: OMP_NUM_THREADS or all cores): which of this "
+                         "machine's profiles is read, and what a profile measured with others is compared to")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the estimate as JSON")
     o.add_argument("--sweep", help="PARAM=v1,v2,... with PARAM in " + ", ".join(SWEEPABLE))
@@ -119,7 +122,7 @@ def setup_from_args(args):
                               dp_bucket_bytes=args.bucket_mb * (1 << 20),
                               tape_budget=args.tape_budget, overlap_spill_io=args.overlap_spill)
     options = GraphOptions(layout=args.layout, causal_attention_flops=args.causal_flops)
-    return spec, workload, parallel, load_profile(args.hardware or "generic-cpu"), options
+    return spec, workload, parallel, load_profile(args.hardware or "generic-cpu", args.threads), options
 
 
 def run_plan(args):
@@ -154,7 +157,7 @@ def _fmt_bytes(n):
 def format_table(est, spec, workload, parallel, hardware):
     lines = [f"model: {spec.n_layer} layers, {spec.n_head} heads, C={spec.n_embd}, V={spec.vocab_size} "
              f"({spec.num_parameters() / 1e6:.1f}M params)   batch {workload.global_batch} x seq {workload.seq_len}"
-             f"   {workload.precision}   hardware: {hardware.name}",
+             f"   {workload.precision}   hardware: {hardware.describe()}",
              f"parallel: dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} ep={parallel.ep} "
              f"sp={parallel.sequence_parallel} interleave={parallel.interleave} zero={parallel.sharding} "
              f"recompute={parallel.recompute} flash={parallel.flash_attention}"]
@@ -210,8 +213,9 @@ def parse_sweep(text):
     return name, parsed
 
 
-def run_sweep(name, values, spec, workload, parallel, hardware, options):
-    """[(value, Estimate)] for each value of the swept parameter."""
+def run_sweep(name, values, spec, workload, parallel, hardware, options, threads=None):
+    """[(value, Estimate)] for each value of the swept parameter (``threads``: which of this
+    machine's profiles a swept ``this-machine`` is)."""
     where, field, _ = SWEEPABLE[name]
     out = []
     for value in values:
@@ -221,28 +225,58 @@ def run_sweep(name, values, spec, workload, parallel, hardware, options):
         elif where == "parallel":
             p = parallel.with_changes(**{field: value})
         else:
-            hw = load_profile(value)
+            hw = load_profile(value, threads)
         out.append((value, estimate(spec, w, p, hw, options)))
     return out
 
 
-def plot_sweep(name, results, path):
+# The swept parameter's axis label, with its unit.
+SWEEP_LABELS = {
+    "batch": "global batch (sequences per step)", "seq": "sequence length (tokens)",
+    "micro_batch": "micro-batch (sequences)", "dp": "data-parallel ranks", "tp": "tensor-parallel ranks",
+    "pp": "pipeline stages", "ep": "expert-parallel ranks", "interleave": "pipeline chunks per stage",
+    "zero": "ZeRO stage", "recompute": "recomputation policy", "checkpoints": "binomial checkpoint slots",
+    "tape_budget": "tape budget (bytes kept in memory, -1: all)", "hardware": "hardware profile",
+}
+
+
+def plot_sweep(name, results, path, title=""):
+    """Predicted step time (left axis) and memory per device (right axis) against the swept
+    parameter, with a legend; ``title``: a second title line (the model, the hardware)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     labels = [str(v) for v, _ in results]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
     times = [e.step_time for _, e in results]
-    ax.plot(labels, times, "o-", color="tab:blue", label="step time")
-    ax.set_xlabel(name)
-    ax.set_ylabel("predicted step time (s)", color="tab:blue")
-    ax2 = ax.twinx()
-    ax2.plot(labels, [e.memory.total / 2**30 for _, e in results], "s--", color="tab:red", label="memory")
-    ax2.set_ylabel("predicted memory per device (GiB)", color="tab:red")
-    ax.set_title(f"perfmodel sweep over {name}")
+    in_ms = max(times) < 1.0
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    time_line, = ax.plot(labels, [t * 1e3 if in_ms else t for t in times], "o-", color="tab:blue",
+                         label="step time (left axis)")
+    ax.set_xlabel(SWEEP_LABELS.get(name, name))
+    ax.set_ylabel(f"predicted step time ({'ms' if in_ms else 's'})", color="tab:blue")
+    ax.tick_params(axis="y", colors="tab:blue")
+    # Different headroom on the two axes, so that the curves' largest points do not meet.
+    ax.set_ylim(0, 1.1 * ax.get_ylim()[1])
+    ax.grid(True, alpha=0.3)
+    memory = ax.twinx()
+    memory_line, = memory.plot(labels, [e.memory.total / 2**30 for _, e in results], "s--", color="tab:red",
+                               label="memory per device (right axis)")
+    memory.set_ylabel("predicted memory per device (GiB)", color="tab:red")
+    memory.tick_params(axis="y", colors="tab:red")
+    memory.set_ylim(0, 1.3 * memory.get_ylim()[1])
+    ax.legend(handles=[time_line, memory_line], loc="upper left")
+    ax.set_title(f"Predicted step time and memory against {name}" + (f"\n{title}" if title else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def thread_note(profile, threads):
+    """A line saying that ``profile`` was measured with other than ``threads`` threads, or ""."""
+    if threads is None or not profile.threads or profile.threads == threads:
+        return ""
+    return (f"note: profile {profile.name} was measured with {profile.threads} threads, not the {threads} of "
+            f"--threads; its rates are for {profile.threads}")
 
 
 def main(argv=None):
@@ -250,7 +284,7 @@ def main(argv=None):
     if args.plan:
         try:
             run_plan(args)
-        except (ValueError, FileNotFoundError) as exc:
+        except (ValueError, FileNotFoundError, RuntimeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
@@ -258,24 +292,34 @@ def main(argv=None):
         spec, workload, parallel, hardware, options = setup_from_args(args)
         if args.sweep:
             name, values = parse_sweep(args.sweep)
-            results = run_sweep(name, values, spec, workload, parallel, hardware, options)
+            results = run_sweep(name, values, spec, workload, parallel, hardware, options, args.threads)
         else:
             results = None
             est = estimate(spec, workload, parallel, hardware, options)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    note = thread_note(hardware, args.threads) if results is None or name != "hardware" else ""
+    if note:
+        print(note, file=sys.stderr)
     if results is None:
         print(json.dumps(est.as_dict(), indent=2) if args.json else format_table(est, spec, workload, parallel, hardware))
         return 0
+    described = "each profile swept" if name == "hardware" else hardware.describe()
     if args.json:
         print(json.dumps([{"value": v, **e.as_dict()} for v, e in results], indent=2))
     else:
+        print(f"model: {spec.n_layer} layers, C={spec.n_embd}, V={spec.vocab_size}   hardware: {described}")
         print(f"{name:>14}{'step':>14}{'tokens/s':>14}{'memory':>16}{'MFU':>8}{'bubble':>8}")
         for v, e in results:
             print(f"{str(v):>14}{_fmt_time(e.step_time):>14}{e.tokens_per_second:>14,.0f}"
                   f"{_fmt_bytes(e.memory.total):>16}{e.mfu:>8.1%}{e.bubble_fraction:>8.1%}")
     if args.plot:
-        plot_sweep(name, results, args.plot)
+        fixed = [f"{spec.n_layer} layers, C={spec.n_embd}"] + [
+            f"{label} {value}" for key, label, value in (("batch", "batch", workload.global_batch),
+                                                         ("seq", "seq", workload.seq_len)) if key != name]
+        if name != "hardware":
+            fixed.append(f"{hardware.name}{' (approximate)' if hardware.approximate else ''}")
+        plot_sweep(name, results, args.plot, ", ".join(fixed + [workload.precision]))
         print(f"wrote {args.plot}")
     return 0
 

@@ -1,4 +1,5 @@
-"""Per-operation task graph of one GPT-style training step, with FLOPs, bytes and saved tensors.
+"""Per-operation task graph of one decoder training step (GPT-2 or Llama family), with FLOPs,
+bytes and saved tensors.
 
 ``step_graph`` lists the ops one device runs for one micro-batch on one pipeline
 stage: forward, recomputation, backward, then (once per step) the optimizer.  Every
@@ -7,9 +8,13 @@ matmuls, and the tensors its forward saves for the backward pass.
 
 Two layouts of what is saved:
 - ``"adtape"``: what our kernels need (kernels_api.md): layernorm saves its input and
-  mean/rstd, each matmul its input, fused attention saves qkv, its output and each
-  query's log-sum-exp (B, n_head, T) and recomputes the probabilities in the backward;
-  no dropout; activations in the workload's precision.
+  mean/rstd, rmsnorm its input and 1/rms, each matmul its input, fused attention saves
+  qkv (q|k|v of n_head + 2 n_kv_head heads), its output and each query's log-sum-exp
+  (B, n_head, T) and recomputes the probabilities in the backward; rope keeps only its
+  tables (constants, by reference); the SwiGLU MLP's down projection (nn.swiglu_linear)
+  keeps only gate|up and recomputes swiglu in its backward; our encoder adds a zero
+  position row under rotary positions and keeps it; no dropout; activations in the
+  workload's precision.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
   1-byte dropout masks after softmax, attention projection and MLP; attention split
   into QK^T, softmax, dropout, AV); this reproduces 34sbh + 5as^2b per layer.
@@ -26,6 +31,11 @@ LAYERNORM_FWD_FLOPS = 8
 LAYERNORM_BWD_FLOPS = 12
 GELU_FWD_FLOPS = 10
 GELU_BWD_FLOPS = 16
+RMSNORM_FWD_FLOPS = 4
+RMSNORM_BWD_FLOPS = 10
+ROPE_FLOPS = 3                  # per rotated element, each way: x cos + rotate_half(x) sin
+SWIGLU_FWD_FLOPS = 6            # per output element: silu(gate) * up
+SWIGLU_BWD_FLOPS = 12
 SOFTMAX_FLOPS = 5
 ADAMW_FLOPS = 14
 
@@ -79,14 +89,17 @@ class _Builder:
         self.megatron = options.layout == "megatron"
 
     # --- primitive ops: each returns (forward op, [backward ops]) ---------------
-    def matmul(self, name, layer, rows, fan_in, fan_out, bias=True, input_shard=1):
+    def matmul(self, name, layer, rows, fan_in, fan_out, bias=True, input_shard=1, saved=None):
         """input_shard: the saved input is split this many ways (sequence parallelism keeps the
-        scattered input of a column-parallel matmul and all-gathers it again in backward)."""
+        scattered input of a column-parallel matmul and all-gathers it again in backward);
+        saved: what the forward keeps instead of its input (a fused op's)."""
         e = self.e
         gemm = 2.0 * rows * fan_in * fan_out
+        if saved is None:
+            saved = (Saved(f"{name}.input", e * rows * fan_in / input_shard),)
         fwd = Op(name, "matmul", "fwd", layer, gemm,
                  e * (rows * fan_in + fan_in * fan_out + rows * fan_out + (fan_out if bias else 0)), "fwd",
-                 (Saved(f"{name}.input", e * rows * fan_in / input_shard),), 1, gemm)
+                 tuple(saved), 1 if saved else 0, gemm)
         bwd_in = Op(name, "matmul", "bwd", layer, gemm,
                     e * (rows * fan_out + fan_in * fan_out + 2 * rows * fan_in), "bwd_input", gemm_flops=gemm)
         bwd_w = Op(name, "matmul", "bwd", layer, gemm + (rows * fan_out if bias else 0),
@@ -100,6 +113,12 @@ class _Builder:
         bwd = Op(name, op_class, "bwd", layer, bwd_flops * elems, e * bwd_rw * elems)
         return fwd, [bwd]
 
+    def norm(self, name, layer):
+        """The spec's normalisation (``name`` without its family prefix: 1, 2 or f)."""
+        if self.spec.norm == "layernorm":
+            return self.layernorm(f"ln{name}", layer)
+        return self.rmsnorm(f"rms{name}", layer)
+
     def layernorm(self, name, layer):
         C, N, e = self.spec.n_embd, self.N / self.rep, self.e
         saved = [Saved(f"{name}.input", e * N * C)]
@@ -111,6 +130,28 @@ class _Builder:
         fwd.nbytes += 2 * 4 * N + 2 * e * C
         bwd[0].nbytes += 2 * 4 * N + 4 * e * C
         return fwd, bwd
+
+    def rmsnorm(self, name, layer):
+        C, N, e = self.spec.n_embd, self.N / self.rep, self.e
+        saved = [Saved(f"{name}.input", e * N * C)]
+        if not self.megatron:
+            saved.append(Saved(f"{name}.rrms", 4 * N))
+        fwd, bwd = self.pointwise(name, "layernorm", layer, N * C, RMSNORM_FWD_FLOPS, RMSNORM_BWD_FLOPS,
+                                  2, 4, saved)
+        # 1/rms and the (C,) weight.
+        fwd.nbytes += 4 * N + e * C
+        bwd[0].nbytes += 4 * N + 2 * e * C
+        return fwd, bwd
+
+    def rope(self, layer):
+        """Rotary embedding of the q and k heads of the packed q|k|v (v copied through); its
+        tables are constants kept by reference, so it saves nothing."""
+        spec, N, e = self.spec, self.N, self.e
+        rotated = N * (spec.n_head + spec.n_kv_head) * spec.head_dim / self.tp
+        row = N * spec.qkv_width / self.tp
+        fwd = Op("rope", "elementwise", "fwd", layer, ROPE_FLOPS * rotated, e * 2 * row)
+        bwd = Op("rope", "elementwise", "bwd", layer, ROPE_FLOPS * rotated, e * 2 * row)
+        return fwd, [bwd]
 
     def dropout(self, name, layer, elems):
         # Forward writes the output and a 1-byte mask; backward reads the mask.
@@ -128,12 +169,15 @@ class _Builder:
         """Attention core (between the qkv and projection matmuls) of the local heads."""
         spec, b, s, e = self.spec, self.b, self.s, self.e
         heads = spec.n_head / self.tp
+        # Grouped-query attention: each rank keeps at least one key/value head.
+        kv_heads = max(spec.n_kv_head / self.tp, 1)
         d = spec.head_size
         pairs = s * (s + 1) / 2 if self.options.causal_attention_flops else s * s
         mm = 2.0 * b * heads * pairs * d          # one of QK^T or AV
         soft = SOFTMAX_FLOPS * b * heads * pairs
-        qkv_elems = 3 * b * s * heads * d
         out_elems = b * s * heads * d
+        kv_elems = b * s * kv_heads * d
+        qkv_elems = out_elems + 2 * kv_elems
         probs = b * heads * s * s
         if self.flash:
             # FlashAttention (Dao et al. 2022): K and V are streamed once per block of
@@ -164,18 +208,20 @@ class _Builder:
             return [fwd], [bwd]
         # Megatron: QK^T (saves q, k), softmax (saves output), dropout (mask), AV (saves
         # dropout output and v).
-        qk = Op("attn.qk", "attention", "fwd", layer, mm, e * (2 * out_elems + probs), "",
-                (Saved("attn.q", e * out_elems), Saved("attn.k", e * out_elems)), 1, mm)
+        qk = Op("attn.qk", "attention", "fwd", layer, mm, e * (out_elems + kv_elems + probs), "",
+                (Saved("attn.q", e * out_elems), Saved("attn.k", e * kv_elems)), 1, mm)
         sm = Op("attn.softmax", "attention", "fwd", layer, soft, e * 2 * probs, "",
                 (Saved("attn.softmax_out", e * probs),), 1)
         dr_fwd, dr_bwd = self.dropout("attn.dropout", layer, probs)
-        av = Op("attn.av", "attention", "fwd", layer, mm, e * (probs + 2 * out_elems), "",
-                (Saved("attn.dropout_out", e * probs), Saved("attn.v", e * out_elems)), 1, mm)
+        av = Op("attn.av", "attention", "fwd", layer, mm, e * (probs + out_elems + kv_elems), "",
+                (Saved("attn.dropout_out", e * probs), Saved("attn.v", e * kv_elems)), 1, mm)
         fwd = [qk, sm, dr_fwd, av]
-        bwd = [Op("attn.av", "attention", "bwd", layer, 2 * mm, e * (3 * probs + 3 * out_elems), gemm_flops=2 * mm)
+        bwd = [Op("attn.av", "attention", "bwd", layer, 2 * mm, e * (3 * probs + out_elems + 2 * kv_elems),
+                  gemm_flops=2 * mm)
                ] + dr_bwd + [
             Op("attn.softmax", "attention", "bwd", layer, soft, e * 3 * probs),
-            Op("attn.qk", "attention", "bwd", layer, 2 * mm, e * (probs + 4 * out_elems), gemm_flops=2 * mm)]
+            Op("attn.qk", "attention", "bwd", layer, 2 * mm, e * (probs + 2 * out_elems + 2 * kv_elems),
+               gemm_flops=2 * mm)]
         return fwd, bwd
 
     def mlp(self, layer):
@@ -193,6 +239,9 @@ class _Builder:
             groups = [(rows, F / self.tp)] * local_experts
         for i, (rows, hidden) in enumerate(groups):
             tag = f"expert{i}." if spec.n_experts else ""
+            if spec.gated_mlp:
+                pairs += self.swiglu_mlp(tag, layer, rows, hidden)
+                continue
             pairs.append(self.matmul(f"{tag}fc", layer, rows, C, hidden, input_shard=self.rep))
             pairs.append(self.pointwise(f"{tag}gelu", "elementwise", layer, rows * hidden, GELU_FWD_FLOPS,
                                         GELU_BWD_FLOPS, 2, 4,
@@ -200,19 +249,38 @@ class _Builder:
             pairs.append(self.matmul(f"{tag}fcproj", layer, rows, hidden, C))
         return pairs
 
+    def swiglu_mlp(self, tag, layer, rows, hidden):
+        """gate|up matmul (2 x hidden columns), silu(gate) * up, down matmul.  Ours
+        (nn.swiglu_linear) keeps only gate|up for both the swiglu and the down projection
+        and recomputes swiglu(gate|up) in the backward; Megatron's keeps both inputs."""
+        C, e, bias = self.spec.n_embd, self.e, self.spec.linear_bias
+        elems = rows * hidden
+        gate_up = Saved(f"{tag}swiglu.gate_up", e * 2 * elems)
+        gateup = self.matmul(f"{tag}gateup", layer, rows, C, 2 * hidden, bias=bias, input_shard=self.rep)
+        swiglu_fwd, swiglu_bwd = self.pointwise(f"{tag}swiglu", "elementwise", layer, elems, SWIGLU_FWD_FLOPS,
+                                                SWIGLU_BWD_FLOPS, 3, 5, [gate_up] if self.megatron else [])
+        if self.megatron:
+            return [gateup, (swiglu_fwd, swiglu_bwd), self.matmul(f"{tag}down", layer, rows, hidden, C, bias=bias)]
+        down = self.matmul(f"{tag}down", layer, rows, hidden, C, bias=bias, saved=[gate_up])
+        recompute = Op(f"{tag}swiglu.recompute", "elementwise", "bwd", layer, SWIGLU_FWD_FLOPS * elems, e * 3 * elems)
+        return [gateup, (swiglu_fwd, swiglu_bwd + [recompute]), down]
+
     def layer(self, layer):
         """Forward ops and backward ops (in backward order) of one transformer block."""
         spec, N = self.spec, self.N
         C = spec.n_embd
-        pairs = [self.layernorm("ln1", layer),
-                 self.matmul("qkv", layer, N, C, 3 * C / self.tp, input_shard=self.rep)]
+        pairs = [self.norm("1", layer),
+                 self.matmul("qkv", layer, N, C, spec.qkv_width / self.tp, bias=spec.qkv_bias,
+                             input_shard=self.rep)]
+        if spec.positions == "rope":
+            pairs.append(self.rope(layer))
         att_fwd, att_bwd = self.attention(layer)
         fwd = [p[0] for p in pairs] + att_fwd
         bwd = [op for p in pairs for op in p[1]] + att_bwd
-        pairs = [self.matmul("attproj", layer, N, C / self.tp, C)]
+        pairs = [self.matmul("attproj", layer, N, spec.n_head * spec.head_dim / self.tp, C, bias=spec.linear_bias)]
         if self.megatron:
             pairs.append(self.dropout("attproj.dropout", layer, N * C / self.rep))
-        pairs += [self.residual("residual1", layer), self.layernorm("ln2", layer)]
+        pairs += [self.residual("residual1", layer), self.norm("2", layer)]
         pairs += self.mlp(layer)
         if self.megatron:
             pairs.append(self.dropout("mlp.dropout", layer, N * C / self.rep))
@@ -223,17 +291,20 @@ class _Builder:
 
     def embedding(self):
         C, N, e = self.spec.n_embd, self.N, self.e
-        # Our encoder keeps the int32 token ids for its backward scatter.
+        # Our encoder keeps the int32 token ids for its backward scatter; with rotary
+        # positions it adds a zero (T, C) float32 position row, which it keeps too.
         saved = () if self.megatron else (Saved("encoder.ids", 4.0 * N),)
+        if self.spec.positions == "rope" and not self.megatron:
+            saved += (Saved("encoder.zero_positions", 4.0 * self.s * C),)
         fwd = Op("encoder", "embedding", "fwd", -1, N * C, 4 * N + e * 3 * N * C, "", saved, len(saved))
         bwd = Op("encoder", "embedding", "bwd", -1, 2 * N * C, 4 * N + e * 5 * N * C)
         return fwd, [bwd]
 
     def head(self):
-        """Final layernorm, tied LM head (vocab split over tp) and cross-entropy."""
+        """Final norm, LM head (vocab split over tp; tied or not, the same product) and cross-entropy."""
         spec, N, e = self.spec, self.N, self.e
         Vp = spec.padded_vocab / self.tp
-        lnf = self.layernorm("lnf", -1)
+        lnf = self.norm("f", -1)
         logits = self.matmul("lm_head", -1, N, spec.n_embd, Vp, bias=False)
         # The loss keeps the log-sum-exp; logits stay alive for the backward (dlogits are
         # written in place over them).
@@ -347,9 +418,9 @@ def stage_parameters(spec, parallel, stage):
     if stage == 0:
         params += spec.embedding_params() / parallel.tp
     if stage == parallel.pp - 1:
-        params += 2 * spec.n_embd
-        if parallel.pp > 1:
-            # The last stage keeps its own copy of the tied embedding for the LM head.
+        params += spec.norm_params
+        if parallel.pp > 1 or not spec.tied_head:
+            # The LM head's own weights, or the last stage's copy of the tied embedding.
             params += spec.padded_vocab * spec.n_embd / parallel.tp
     return params
 
@@ -375,8 +446,10 @@ def palm_flops_per_token(n_params, n_layer, n_head, head_dim, seq_len):
 
 def model_flops_per_token(spec, seq_len):
     """PaLM's definition for a ModelSpec: N counts the parameters a token uses, without the
-    position embedding (it does no arithmetic; PaLM has none)."""
-    n = spec.active_parameters() - spec.block_size * spec.n_embd
+    position embedding (it does no arithmetic; PaLM has none), nor the token embedding when
+    the LM head has its own weights (then it is only looked up)."""
+    token_lookup = 0 if spec.tied_head else spec.padded_vocab * spec.n_embd
+    n = spec.active_parameters() - spec.position_params() - token_lookup
     return palm_flops_per_token(n, spec.n_layer, spec.n_head, spec.head_size, seq_len)
 
 

@@ -1,8 +1,13 @@
 """Hardware profiles: peak rates, efficiency curves and interconnect, as plain JSON data.
 
 A profile says how fast one device computes and moves bytes, and how devices talk.
-Published profiles (A100, H100, a generic CPU) ship in ``profiles/``; the profile of
-this machine is written by ``python -m gpt2.perfmodel.calibrate``.
+Published profiles (A100, H100, a generic CPU) and the profiles measured on our own
+machines (``zen4-2core-vm``) ship in ``profiles/``.  ``this-machine`` is not a file in the
+package: it names the profile measured here, kept in the user's cache
+(``$XDG_CACHE_HOME/adtape/profiles/``, default ``~/.cache/adtape/profiles/``) under a
+name made of the CPU (model name, family, model, feature flags) and the thread count,
+and measured by a quick calibration the first time it is asked for
+(``this_machine_profile``); ``python -m gpt2.perfmodel.calibrate`` measures it in full.
 
 Efficiency is not one number: a small op reaches a smaller share of the peak than a
 large one.  A curve is either ``eff(x) = max_efficiency * x / (x + half_size)``, where x
@@ -15,12 +20,19 @@ different speeds.  ``kernel_efficiency`` holds measured curves of our other kern
 (attention, layernorm, ...) by op class, as a share of the fp32 peak by FLOPs.
 """
 import bisect
+import contextlib
+import hashlib
 import json
 import math
 import os
+import platform
+import re
+import secrets
+import sys
 from dataclasses import asdict, dataclass, field, replace
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+THIS_MACHINE = "this-machine"
 
 MATMUL_VARIANTS = ("fwd", "bwd_input", "bwd_weight")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -158,6 +170,19 @@ class HardwareProfile:
             if getattr(self, key) < 0:
                 raise ValueError(f"profile {self.name!r}: {key} must be >= 0, got {getattr(self, key)!r}")
 
+    @property
+    def approximate(self):
+        """Datasheet peaks and assumed efficiency curves, not a calibration's measurements."""
+        return not self.calibration
+
+    def describe(self):
+        """The profile's name, and what its figures are worth: approximate, or measured with
+        how many threads on which CPU."""
+        if self.approximate:
+            return f"{self.name} (approximate: datasheet figures and assumed efficiencies, not measured)"
+        cpu = self.calibration.get("cpu", {}).get("model_name")
+        return f"{self.name} (measured{' on ' + cpu if cpu else ''}, {self.threads} threads)"
+
     def peak(self, precision):
         try:
             return self.peak_flops[precision]
@@ -248,14 +273,18 @@ def profile_from_dict(data, origin="<dict>"):
         raise ValueError(f"{origin}: {exc}") from None
 
 
-def load_profile(name_or_path):
-    """Load a profile by file path or by the name of a shipped profile (``a100-80gb-sxm``)."""
+def load_profile(name_or_path, threads=None):
+    """Load a profile by file path, by the name of a shipped profile (``a100-80gb-sxm``), or
+    ``this-machine``: this machine's profile for ``threads`` threads (``this_machine_profile``,
+    which calibrates it once where it has not been measured)."""
+    if name_or_path == THIS_MACHINE:
+        return this_machine_profile(threads)
     path = name_or_path
     if not os.path.exists(path):
         path = os.path.join(PROFILE_DIR, f"{name_or_path}.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"hardware profile {name_or_path!r} not found (as a path or in "
-                                f"{PROFILE_DIR}: {', '.join(available_profiles())})")
+                                f"{PROFILE_DIR}: {', '.join(available_profiles())}; or {THIS_MACHINE})")
     with open(path) as f:
         try:
             data = json.load(f)
@@ -265,14 +294,134 @@ def load_profile(name_or_path):
 
 
 def save_profile(profile, path):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(profile.to_dict(), f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write ``profile`` to ``path`` atomically: a file of its own beside it (writers at once do
+    not share one), then renamed over it."""
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # the umask decides, as for open()
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(profile.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def available_profiles():
+    """Names of the profiles shipped in PROFILE_DIR (``this-machine`` is not one of them)."""
     if not os.path.isdir(PROFILE_DIR):
         return []
     return sorted(n[:-5] for n in os.listdir(PROFILE_DIR) if n.endswith(".json"))
+
+
+def profile_cache_dir():
+    """Where this machine's profiles are kept: ``$XDG_CACHE_HOME/adtape/profiles``, by default
+    ``~/.cache/adtape/profiles`` (a relative XDG_CACHE_HOME is ignored, as the XDG spec says)."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        cache = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "adtape", "profiles")
+
+
+def cpu_identity():
+    """What this machine's profile is keyed by: the CPU's model name, family, model and a
+    digest of its feature flags, from /proc/cpuinfo's first processor (x86 and ARM fields)
+    where there is one, else what the platform module says."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    if info:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = sorted((info.get("flags") or info.get("Features") or "").split())
+    return {"model_name": info.get("model name") or platform.processor() or platform.machine() or "unknown cpu",
+            "family": info.get("cpu family") or info.get("CPU implementer", ""),
+            "model": info.get("model") or info.get("CPU part", ""),
+            "flags_sha256": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16],
+            "machine": f"{platform.system()} {platform.machine()}"}
+
+
+def this_machine_name(threads, identity=None):
+    """The file name (without .json) of this machine's profile for ``threads`` threads: the CPU
+    readably, then a digest of ``cpu_identity()``, then the threads, e.g.
+    ``amd-epyc-9r14-f25m17-1a2b3c4d-2t``."""
+    identity = identity or cpu_identity()
+    words = re.sub(r"\((r|tm)\)|@.*|\b(cpu|processor|\d+-core)\b", " ", identity["model_name"].lower())
+    slug = "-".join(re.findall(r"[a-z0-9]+", words))[:40].strip("-") or "cpu"
+    if identity["family"] or identity["model"]:
+        slug += "-" + re.sub(r"[^a-z0-9]", "", f"f{identity['family']}m{identity['model']}".lower())
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{slug}-{digest}-{threads}t"
+
+
+def this_machine_path(threads=None):
+    """Where this machine's profile for ``threads`` threads (None: the kernels' count) is kept
+    (see ``this_machine_name``)."""
+    return os.path.join(profile_cache_dir(), f"{this_machine_name(resolve_threads(threads))}.json")
+
+
+def resolve_threads(threads=None):
+    """``threads``, or the count the kernels use when it is None (kernels.threads:
+    ``set_num_threads``, OMP_NUM_THREADS, the cores this process may run on)."""
+    if threads is None:
+        from kernels import threads as kernel_threads
+        return kernel_threads.get_num_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    return threads
+
+
+def this_machine_profile(threads=None, calibrate_if_missing=True, progress=None):
+    """This machine's profile for ``threads`` threads (None: the kernels' count), from the cache.
+
+    Where there is none, ``calibrate_if_missing`` runs the quick calibration in a child
+    process (GPT-2 124M's shapes, about 15 s on two cores: calibrate.calibrate_once), says
+    so in one line on ``progress`` (a text stream, by default sys.stderr) and keeps the
+    result for the next time; otherwise raises FileNotFoundError.  A cached profile whose
+    recorded CPU or thread count is not this one's raises ValueError.  Calibrations are
+    serialised by a lock on the cache directory, so that ranks started together measure
+    one at a time and the others read the result.
+    """
+    threads = resolve_threads(threads)
+    identity = cpu_identity()
+    path = this_machine_path(threads)
+    if not os.path.exists(path):
+        if not calibrate_if_missing:
+            raise FileNotFoundError(f"no profile of this machine for {threads} threads ({path}): run python -m "
+                                    f"gpt2.perfmodel.calibrate --threads {threads}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with _cache_lock(os.path.dirname(path)):
+            if not os.path.exists(path):
+                from .calibrate import calibrate_once
+                calibrate_once(threads, progress or sys.stderr, path)
+    profile = load_profile(path)
+    recorded = profile.calibration.get("cpu")
+    if recorded != identity or profile.threads != threads:
+        raise ValueError(f"{path} was measured on {recorded or 'an unrecorded CPU'} with {profile.threads} threads, "
+                         f"not on this CPU ({identity}) with {threads}: remove it, or recalibrate with python -m "
+                         f"gpt2.perfmodel.calibrate --threads {threads}")
+    return profile
+
+
+@contextlib.contextmanager
+def _cache_lock(path):
+    """An exclusive lock on directory ``path`` while the block runs (flock; none where the
+    platform lacks it)."""
+    try:
+        import fcntl
+    except ImportError:   # pragma: no cover - Windows
+        yield
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)   # closing releases the lock

@@ -163,6 +163,12 @@ class _Accounting:
         # A block's arrays in the heap: copied onto the byte tape, each is freed in step
         # with the next one's allocation; the heap keeps the block's worth.
         self.block_heap = sum(v for v in block.values() if v < MMAP_THRESHOLD_BYTES)
+        # Held by reference, a block's forward arrays leave a hole in the heap where one it
+        # frees is refilled only in part: under rotary positions the q|k|v product is freed
+        # for its rotated copy and the attention's narrower output takes its place (SmolLM2-135M
+        # (4,1024): 190 MiB free in the heap at the end of the forward pass, 30 x 6 MiB here).
+        rotary = spec.positions == "rope"
+        self.block_hole = e * N * (spec.qkv_width - spec.n_head * spec.head_dim) if rotary else 0.0
         # The loss's backward: the logits' gradient (written over the logits popped off
         # the tape, a fresh array when they were held by reference), then the lm_head
         # input's gradient; the first is mapped at GPT-2's sizes, the second is not.
@@ -171,9 +177,14 @@ class _Accounting:
         self.head_mapped = logits_gradient if logits_gradient >= MMAP_THRESHOLD_BYTES else 0.0
         self.head_heap = head_working - self.head_mapped
         # One block's backward at its fullest: the residual gradient coming in and the two
-        # it splits into, with the MLP's two hidden-width gradients (gelu and fc outputs).
-        F = spec.ffn_hidden
-        self.block_gradients = e * N * (3 * C + max(2 * F, 3 * C + C))
+        # it splits into, with the widest of the MLP's gradients (GELU: of the fc and gelu
+        # outputs, 2F; SwiGLU's down projection: gate|up's beside the recomputed swiglu
+        # output and its gradient, 4I) and the attention's (q|k|v's beside the output's;
+        # rope: q|k|v's before and after the rotation).
+        F, W = spec.ffn_hidden, spec.qkv_width
+        mlp = 4 * F if spec.gated_mlp else 2 * F
+        attention = max(W + spec.n_head * spec.head_dim, 2 * W if rotary else 0)
+        self.block_gradients = e * N * (3 * C + max(mlp, attention))
         self.model_states = MODEL_STATE_ARENAS * FLOAT_BYTES * spec.num_parameters()
 
     def stored(self, checkpointing, snapshots, by_reference):
@@ -200,10 +211,11 @@ class _Accounting:
           the op being reversed, popped; under a budget, also one block's forward arrays
           before their copies free them;
         - with checkpointing, the re-run block's arrays (freed as their copies go onto the
-          byte tape), its gradients and one popped op."""
+          byte tape), its gradients and one popped op;
+        and held by reference, the holes the blocks' forward passes left below them."""
         if checkpointing == "none":
             if by_reference:
-                heap = max(self.head_heap, self.block_gradients)
+                heap = self.n_layer * self.block_hole + max(self.head_heap, self.block_gradients)
             else:
                 heap = max(self.head_heap, self.block_gradients + self.largest_op_saved, self.block_heap)
         else:
@@ -217,8 +229,10 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
 
     ``hardware``: a profile name, path or ``HardwareProfile`` (its disk rates should be
     the spill directory's: ``python -m gpt2.perfmodel.calibrate --disk-only --spill-dir
-    DIR``); ``threads``: the threads training will use (the profile's compute rates are
-    scaled from the threads they were measured with); ``flash``: the model's attention
+    DIR``); ``this-machine``, the default, is this machine's profile for ``threads``,
+    calibrated on first use (hardware.this_machine_profile); ``threads``: the threads
+    training will use (None: the kernels' count; a given profile's compute rates are
+    scaled from the threads they were measured with, and a note says so); ``flash``: the model's attention
     keeps O(T) per row (FlashAttention) instead of the T x T probabilities;
     ``baseline_bytes``: the resident memory of the process before the model exists
     (interpreter, libraries, the data set), when it is larger than the profile's.  Raises
@@ -291,8 +305,8 @@ def _prepare(config, B, T, hardware, threads, baseline_bytes):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if T > config.block_size:
         raise ValueError(f"T={T} exceeds the model's block_size {config.block_size}")
-    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    notes = []
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware, threads)
+    notes = [f"profile {profile.describe()}"] if profile.approximate else []
     if threads is not None and profile.threads and threads != profile.threads:
         scale = threads / profile.threads
         profile = profile.with_changes(peak_flops={k: v * scale for k, v in profile.peak_flops.items()})
@@ -322,7 +336,8 @@ def _least_memory(acc, profile, B, T, flash, policies, max_memory):
 
 
 def minimum_memory(config, B, T, hardware="this-machine", flash=False):
-    """The least ``max_memory`` (bytes) any policy can train ``config`` at (B, T) within."""
+    """The least ``max_memory`` (bytes) any policy can train ``config`` at (B, T) within
+    (``hardware`` as ``plan_memory``'s)."""
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     spec = ModelSpec.from_config(config)
     least = _least_memory(_Accounting(spec, B, T, flash), profile, B, T, flash, _policies(spec), HUGE_BYTES)

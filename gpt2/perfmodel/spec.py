@@ -1,7 +1,10 @@
 """What is being modelled: the transformer, the batch, and how the work is split.
 
-``ModelSpec`` is a GPT-style decoder (llm.c parameter layout, optionally with
-mixture-of-experts MLPs).  ``ParallelConfig`` holds every distributed-training
+``ModelSpec`` is a decoder-only transformer whose family differences are data: GPT-2
+(llm.c parameter layout: LayerNorm, learned positions, GELU MLP, biases, tied head,
+optionally mixture-of-experts MLPs) by default; the Llama family (RMSNorm, rotary
+positions, grouped-query attention, SwiGLU MLP, no biases but Qwen2's on q/k/v, tied or
+untied head) with ``ModelSpec.from_config(LlamaConfig)``.  ``ParallelConfig`` holds every distributed-training
 feature; each one at its neutral value (size 1, stage 0, "none", False) switches its
 terms off exactly.
 """
@@ -16,6 +19,11 @@ def _positive_int(owner, name, value, minimum=1):
         raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
 
 
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     n_layer: int
@@ -28,14 +36,36 @@ class ModelSpec:
     n_experts: int = 0             # 0: dense MLP; >0: mixture of experts in every layer
     top_k: int = 1
     capacity_factor: float = 1.0
+    n_kv_head: int = None          # key/value heads (grouped-query attention); None: n_head
+    head_dim: int = None           # None: n_embd // n_head
+    intermediate_size: int = None  # the MLP's width; None: ffn_mult * n_embd
+    norm: str = "layernorm"        # "layernorm" (weight and bias) or "rmsnorm" (weight only)
+    mlp: str = "gelu"              # "gelu": fc, GELU, fcproj; "swiglu": gate|up (2I), silu(gate) * up, down
+    positions: str = "learned"     # "learned": a position embedding table; "rope": rotary, no parameters
+    tied_head: bool = True         # the LM head is the token embedding (else its own weights)
+    linear_bias: bool = True       # biases on the attention projection and the MLP's matmuls
+    qkv_bias: bool = None          # biases on the q|k|v projection; None: linear_bias
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "ffn_mult",
                      "vocab_multiple", "top_k"):
             _positive_int("ModelSpec", name, getattr(self, name))
         _positive_int("ModelSpec", "n_experts", self.n_experts, minimum=0)
-        if self.n_embd % self.n_head:
-            raise ValueError(f"ModelSpec.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.head_dim is None:
+            if self.n_embd % self.n_head:
+                raise ValueError(f"ModelSpec.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
+        for name, default in (("n_kv_head", self.n_head), ("intermediate_size", self.ffn_mult * self.n_embd),
+                              ("qkv_bias", self.linear_bias)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        for name in ("n_kv_head", "head_dim", "intermediate_size"):
+            _positive_int("ModelSpec", name, getattr(self, name))
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"ModelSpec.n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
+        for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelSpec.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"ModelSpec.top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
         if not self.capacity_factor > 0:
@@ -43,14 +73,26 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config, **extra):
-        """From any object with n_layer, n_head, n_embd, vocab_size, block_size (GPT2Config)."""
+        """From a model config: a GPT2Config (n_layer, n_head, n_embd, vocab_size, block_size)
+        or a LlamaConfig (family "llama": also its key/value heads, head size, MLP width,
+        tied head and q/k/v biases; RMSNorm, rotary positions, SwiGLU, no other biases)."""
         fields = {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")}
+        if getattr(config, "family", "gpt2") == "llama":
+            fields.update(n_kv_head=config.n_kv_head, head_dim=config.head_dim,
+                          intermediate_size=config.intermediate_size, norm="rmsnorm", mlp="swiglu",
+                          positions="rope", tied_head=config.tie_embeddings, linear_bias=False,
+                          qkv_bias=config.qkv_bias)
         fields.update(extra)
         return cls(**fields)
 
     @property
     def head_size(self):
-        return self.n_embd // self.n_head
+        return self.head_dim
+
+    @property
+    def qkv_width(self):
+        """Columns of the packed q|k|v projection: (n_head + 2 n_kv_head) head_dim (3C without GQA)."""
+        return (self.n_head + 2 * self.n_kv_head) * self.head_dim
 
     @property
     def padded_vocab(self):
@@ -59,28 +101,48 @@ class ModelSpec:
 
     @property
     def ffn_hidden(self):
-        return self.ffn_mult * self.n_embd
+        return self.intermediate_size
+
+    @property
+    def gated_mlp(self):
+        """The MLP's first matmul gives gate and up (2I columns) for a gated activation."""
+        return self.mlp == "swiglu"
+
+    @property
+    def norm_params(self):
+        """Parameters of one normalisation: weight and bias (LayerNorm) or weight (RMSNorm)."""
+        return 2 * self.n_embd if self.norm == "layernorm" else self.n_embd
 
     @property
     def mlp_params_per_expert(self):
         C, F = self.n_embd, self.ffn_hidden
-        return C * F + F + F * C + C
+        fan_out = 2 * F if self.gated_mlp else F
+        return C * fan_out + F * C + (fan_out + C if self.linear_bias else 0)
 
     def layer_params(self):
         """Parameters of one transformer block (all experts counted)."""
-        C = self.n_embd
-        attention = 2 * C + 3 * C * C + 3 * C + C * C + C      # ln1, qkv, attproj
+        C, W, A = self.n_embd, self.qkv_width, self.n_head * self.head_dim
+        attention = self.norm_params + C * W + (W if self.qkv_bias else 0) + A * C + (C if self.linear_bias else 0)
         experts = max(self.n_experts, 1)
-        mlp = 2 * C + experts * self.mlp_params_per_expert    # ln2, experts
+        mlp = self.norm_params + experts * self.mlp_params_per_expert
         router = C * self.n_experts
         return attention + mlp + router
 
+    def position_params(self):
+        """The learned position embedding's parameters (none with rotary positions)."""
+        return self.block_size * self.n_embd if self.positions == "learned" else 0
+
     def embedding_params(self):
-        return self.padded_vocab * self.n_embd + self.block_size * self.n_embd
+        return self.padded_vocab * self.n_embd + self.position_params()
+
+    def head_params(self):
+        """The LM head's own weights (none when it is the token embedding)."""
+        return 0 if self.tied_head else self.padded_vocab * self.n_embd
 
     def num_parameters(self):
-        """All parameters, llm.c layout (padded vocab, tied LM head, final layernorm)."""
-        return self.embedding_params() + self.n_layer * self.layer_params() + 2 * self.n_embd
+        """All parameters, llm.c layout (padded vocab, final norm; the LM head tied unless ``tied_head``
+        is False)."""
+        return self.embedding_params() + self.n_layer * self.layer_params() + self.norm_params + self.head_params()
 
     def active_parameters(self):
         """Parameters one token passes through (MoE: top_k experts instead of all)."""
