@@ -1,7 +1,7 @@
-"""Benchmark one GPT-2 124M training step, ours against PyTorch eager, in the same run.
+"""Benchmark one training step of GPT-2 124M or a Llama model, ours against PyTorch eager.
 
-  python bench/train_step.py [--quick] [--threads N] [--steps 5] [--weight-decay 0.1]
-                             [--configs 1x16,4x64] [--ftz both|on|off]
+  python bench/train_step.py [--model gpt2] [--quick] [--threads N] [--steps 5]
+                             [--weight-decay 0.1] [--configs 1x16,4x64] [--ftz both|on|off]
 
 A step is zero grad, forward, backward and AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8,
 weight decay 0.1 unless --weight-decay), no gradient clipping, per the fairness rules of
@@ -39,6 +39,21 @@ Prints a table, writes bench/results/train_step.json (one record per (B, T) and 
 setting), bench/results/train_step_raw.json (per-step times, machine limits, skipped
 configurations and why) and bench/results/train_step.png; --quick writes
 train_step_quick*.json/.png so that a short run does not replace the full one.
+
+--model takes a Llama-family preset instead (smollm2-135m, ...; those with Llama 3 rope
+scaling excepted): our tape engine against two baselines on the same weights, batch and
+threads, each worker building all three: PyTorch eager (bench/torch_llama.py, packed
+q|k|v and gate|up projections) and transformers' LlamaForCausalLM (Qwen2ForCausalLM for
+Qwen2) with attn_implementation="sdpa", loaded by from_pretrained from our weights
+saved by gpt2.hf.save_dir.  The first step's losses must agree within 1e-4 (absolute).
+The grid is (1,64) (4,64) (4,256) (4,1024); the ratios are medians of the per-step
+ratios of interleaved steps; N counts the q|k|v, output, gate|up and down projections
+and the LM head (V rows), the attention FLOPs use n_head * head_dim for C, and the
+bytes use the floats per token and layer that our backward reads (the block's input,
+both norms' outputs, the rotated q|k|v, the attention's output, the residual after
+attention and gate|up: 4C + (n_head + 2 n_kv_head) head_dim + n_head head_dim + 2 I).
+The peak RSS of the worker during each side's warm-up step is recorded.  Results go to
+train_step_<preset>.json, _raw.json and .png; each record names its model.
 """
 import argparse
 import json
@@ -51,11 +66,26 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
+from _runinfo import cpu_name, git_commit  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 GRID = ((1, 16), (1, 32), (2, 16), (1, 64), (4, 64), (4, 256), (8, 1024))
 QUICK_GRID = ((1, 16), (4, 64))
+LLAMA_GRID = ((1, 64), (4, 64), (4, 256), (4, 1024))
+LLAMA_QUICK_GRID = ((1, 64), (4, 64))
 ENGINES = ("tape", "manual")
+# The Llama family: our tape engine, PyTorch eager, transformers' model.
+LLAMA_SIDES = ("tape", "torch", "transformers")
+LLAMA_LOSS_TOLERANCE = 1e-4
+# --long-steps applies from this many tokens per step: SmolLM2-135M's (4, 1024) takes
+# 20-60 s per step per side on 2 cores.
+LONG_TOKENS = 4096
+# One side's activations over ours, for the memory estimate: PyTorch eager keeps the
+# elementwise intermediates of RMSNorm, rope and SwiGLU for its backward (9.2 GB
+# against our 5.7 GB for SmolLM2-135M at (4, 1024), each side alone), and three sides
+# taking turns in one heap leave it fragmented: the worker's peak was 17.7 GiB there,
+# which this factor with MEMORY_MARGIN covers.
+LLAMA_ACTIVATION_FACTOR = 2.2
 LR, BETAS, EPS = 1e-4, (0.9, 0.999), 1e-8
 TARGET_SPEEDUP = 2.0
 TAPE_OVERHEAD_LIMIT = 1.05
@@ -85,14 +115,32 @@ def parse_configs(text):
     return tuple(configs)
 
 
+def model_choices():
+    """gpt2 and the Llama-family presets bench/torch_llama.py can build (default rope)."""
+    from gpt2.config import LLAMA_PRESETS
+    return ("gpt2",) + tuple(name for name, sizes in LLAMA_PRESETS.items()
+                             if sizes.get("rope_scaling") is None)
+
+
+def model_config(name):
+    from gpt2.config import preset
+    return preset(name)
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=model_choices(), default="gpt2",
+                   help="GPT-2 124M (default) or a Llama-family preset, e.g. smollm2-135m")
     p.add_argument("--quick", action="store_true",
-                   help=f"configurations {QUICK_GRID} with 3 timed steps each")
+                   help=f"configurations {QUICK_GRID} (Llama: {LLAMA_QUICK_GRID}) with 3 "
+                        f"timed steps each")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="threads on both sides (default: all cores this process may use)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="timed steps per side and configuration (default 5, --quick 3)")
+    p.add_argument("--long-steps", type=positive_int, default=None,
+                   help=f"timed steps for configurations of {LONG_TOKENS} tokens (B*T) or more "
+                        f"(default: --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--configs", type=parse_configs, default=None,
                    help="comma-separated BxT list instead of the grid")
@@ -110,22 +158,45 @@ def build_parser():
 # -- formulas ---------------------------------------------------------------------
 
 def model_sizes(config):
-    """(N matmul parameters, Np floats of the parameter layout) of a GPT2Config."""
+    """(N matmul parameters, Np floats of the parameter layout) of either family."""
     from gpt2.params import num_parameters
     n_layout = num_parameters(config)
     C = config.n_embd
-    n_matmul = n_layout - config.block_size * C - (config.padded_vocab_size - config.vocab_size) * C
-    return n_matmul, n_layout
+    if config.family == "gpt2":
+        n_matmul = (n_layout - config.block_size * C
+                    - (config.padded_vocab_size - config.vocab_size) * C)
+        return n_matmul, n_layout
+    per_layer = (config.qkv_width * C + C * config.n_head * config.head_dim
+                 + 3 * config.intermediate_size * C)
+    # The LM head's V real rows (the tied wte's or lm_head's); an untied wte is a lookup.
+    return config.n_layer * per_layer + config.vocab_size * C, n_layout
+
+
+def attention_width(config):
+    """The channels attention scores and mixes: n_head * head_dim (GPT-2: C)."""
+    return config.n_embd if config.family == "gpt2" else config.n_head * config.head_dim
+
+
+def saved_floats(config):
+    """Floats per token and layer that the backward reads: GPT-2 16 C (ln1, qkv, atty,
+    residual2, ln2, fch, fch_gelu, residual3); Llama the block's input, the two norms'
+    outputs, the rotated q|k|v, the attention's output, the residual after attention
+    and gate|up (the down projection recomputes the SwiGLU output from it)."""
+    C = config.n_embd
+    if config.family == "gpt2":
+        return 16 * C
+    return (4 * C + config.qkv_width + config.n_head * config.head_dim
+            + 2 * config.intermediate_size)
 
 
 def step_flops(config, B, T):
     n_matmul, _ = model_sizes(config)
-    return 6 * n_matmul * B * T + 6 * config.n_layer * B * T * T * config.n_embd
+    return 6 * n_matmul * B * T + 6 * config.n_layer * B * T * T * attention_width(config)
 
 
 def step_bytes(config, B, T):
     _, n_layout = model_sizes(config)
-    per_token = 32 * config.n_layer * config.n_embd + 5 * config.padded_vocab_size
+    per_token = 2 * config.n_layer * saved_floats(config) + 5 * config.padded_vocab_size
     return 4 * (12 * n_layout + B * T * per_token)
 
 
@@ -271,26 +342,56 @@ def _all_or_none_zero(arr):
                        f"FTZ/DAZ and some not")
 
 
-def run_step_worker(args):
-    n, ftz, B, T = args.threads, bool(args.ftz_on), args.B, args.T
+def start_worker(n, ftz):
+    """Flush-to-zero, malloc retention and n threads on every side; returns torch."""
     # MXCSR first: threads inherit it from the thread that creates them, and the
     # OpenMP pool (shared with PyTorch, one libgomp), OpenBLAS and MKL start later.
     from kernels import _openmp
     _openmp.set_flush_denormal(ftz, n)
-    # As gpt2.train does: keep freed memory mapped, for both sides (process-wide).
+    # As gpt2.train does: keep freed memory mapped, for every side (process-wide).
     _openmp.set_malloc_retention()
     import torch
     import torch_gpt2
     torch_gpt2.configure_torch(n, ftz)
-    import importlib.util
-
-    import numpy as np
-    import psutil
-    from gpt2.config import GPT2Config
-    from gpt2.model import GPT2
     from kernels import threads
     threads.set_num_threads(n)
     _openmp.set_flush_denormal(ftz, n)
+    return torch
+
+
+def random_batch(config, B, T, seed):
+    """(inputs, targets) int32 (B, T): a fixed random token sequence and its next tokens."""
+    import numpy as np
+    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (B, T + 1),
+                                                  dtype=np.int64)
+    return (np.ascontiguousarray(tokens[:, :-1], dtype=np.int32),
+            np.ascontiguousarray(tokens[:, 1:], dtype=np.int32))
+
+
+def interleave(steps, sides, n_steps):
+    """n_steps timed steps of every side, interleaved, the order reversed every other
+    round: ({side: [seconds]}, {side: [loss]})."""
+    times = {s: [] for s in sides}
+    losses = {s: [] for s in sides}
+    for r in range(n_steps):
+        for s in (sides if r % 2 == 0 else sides[::-1]):
+            t0 = time.perf_counter()
+            losses[s].append(steps[s]())
+            times[s].append(time.perf_counter() - t0)
+    return times, losses
+
+
+def run_step_worker(args):
+    if args.model != "gpt2":
+        return run_llama_worker(args)
+    n, ftz, B, T = args.threads, bool(args.ftz_on), args.B, args.T
+    torch = start_worker(n, ftz)
+    import importlib.util
+
+    import psutil
+    import torch_gpt2
+    from gpt2.config import GPT2Config
+    from gpt2.model import GPT2
 
     config = GPT2Config.preset("gpt2")
     engines = [e for e in ENGINES
@@ -306,10 +407,7 @@ def run_step_worker(args):
         return result
     result["flush_check_before"] = check_flush(ftz, torch)
 
-    tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, (B, T + 1),
-                                                       dtype=np.int64)
-    inputs = np.ascontiguousarray(tokens[:, :-1], dtype=np.int32)
-    targets = np.ascontiguousarray(tokens[:, 1:], dtype=np.int32)
+    inputs, targets = random_batch(config, B, T, args.seed)
     t_inputs = torch_gpt2.as_index_tensor(inputs, "inputs")
     t_targets = torch_gpt2.as_index_tensor(targets, "targets")
 
@@ -332,13 +430,7 @@ def run_step_worker(args):
             raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
                                f"PyTorch's ({warm_loss['torch']:.6f}): the two sides do not "
                                f"compute the same step")
-    times = {s: [] for s in sides}
-    losses = {s: [] for s in sides}
-    for r in range(args.steps):
-        for s in (sides if r % 2 == 0 else sides[::-1]):
-            t0 = time.perf_counter()
-            losses[s].append(steps[s]())
-            times[s].append(time.perf_counter() - t0)
+    times, losses = interleave(steps, sides, args.steps)
     result["flush_check_after"] = check_flush(ftz, torch)
     # Limits again here, in this configuration's conditions (on a shared machine a
     # measurement taken while others run reads low; the best of the run counts).
@@ -354,21 +446,129 @@ def run_step_worker(args):
     return result
 
 
+def llama_memory_estimate(config, B, T):
+    """Bytes a Llama worker would touch: the parameters, gradients and both moments of
+    each of its three sides, plus one side's activations (each side frees its own after
+    its backward): ours (``saved_floats`` per token and layer, the logits and their
+    gradient) times LLAMA_ACTIVATION_FACTOR for the baselines' larger graphs."""
+    _, n_layout = model_sizes(config)
+    ours_acts = 4 * B * T * (config.n_layer * saved_floats(config) + 2 * config.padded_vocab_size)
+    return len(LLAMA_SIDES) * 4 * 4 * n_layout + LLAMA_ACTIVATION_FACTOR * ours_acts
+
+
+class RssSampler:
+    """The process's largest RSS while the ``with`` block runs (psutil, every 5 ms)."""
+
+    def __init__(self, interval=0.005):
+        import psutil
+        self.process = psutil.Process()
+        self.interval = interval
+
+    def _run(self):
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __enter__(self):
+        import threading
+        self.before = self.peak = self.process.memory_info().rss
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+def run_llama_worker(args):
+    """One (B, T) of a Llama-family model: ours (tape), PyTorch eager, transformers."""
+    n, ftz, B, T = args.threads, bool(args.ftz_on), args.B, args.T
+    torch = start_worker(n, ftz)
+    import resource
+
+    import psutil
+    import torch_gpt2
+    import torch_llama
+    from gpt2.model import GPT2
+
+    config = model_config(args.model)
+    sides = list(LLAMA_SIDES)
+    result = {"model": args.model, "B": B, "T": T, "ftz": ftz, "threads": n, "sides": sides}
+    need = llama_memory_estimate(config, B, T)
+    available = psutil.virtual_memory().available
+    result["memory_estimate_bytes"] = int(need)
+    if need * MEMORY_MARGIN > available:
+        result["skipped"] = (f"needs about {need / GiB:.1f} GiB (three sides' model states, "
+                             f"one side's activations), {need * MEMORY_MARGIN / GiB:.1f} GiB "
+                             f"with the x{MEMORY_MARGIN} margin; {available / GiB:.1f} GiB "
+                             f"available")
+        return result
+    result["flush_check_before"] = check_flush(ftz, torch)
+
+    inputs, targets = random_batch(config, B, T, args.seed)
+    t_inputs = torch_gpt2.as_index_tensor(inputs, "inputs")
+    t_targets = torch_gpt2.as_index_tensor(targets, "targets")
+    model = GPT2(config, seed=args.seed)
+    baselines = {"torch": torch_llama.build_model(config, model.params),
+                 "transformers": torch_llama.build_transformers(config, model.params)}
+    optimizers = {s: torch_gpt2.make_adamw(m, lr=LR, betas=BETAS, eps=EPS,
+                                           weight_decay=args.weight_decay)
+                  for s, m in baselines.items()}
+    steps = {"tape": lambda: model.train_step(inputs, targets, LR,
+                                              weight_decay=args.weight_decay)[0]}
+    for s in baselines:
+        steps[s] = (lambda m=baselines[s], o=optimizers[s]:
+                    torch_gpt2.train_step(m, o, t_inputs, t_targets))
+
+    # The warm-up step is the first step of each side from the same weights: the
+    # same maths gives the same loss, to float32 rounding.
+    warm_loss, rss = {}, {}
+    for s in sides:
+        with RssSampler() as sampler:
+            warm_loss[s] = steps[s]()
+        rss[s] = {"before": sampler.before, "peak": sampler.peak}
+    for s in sides[1:]:
+        if abs(warm_loss[s] - warm_loss["tape"]) > LLAMA_LOSS_TOLERANCE:
+            raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
+                               f"ours ({warm_loss['tape']:.6f}) by more than "
+                               f"{LLAMA_LOSS_TOLERANCE}: the sides do not compute the same "
+                               f"step")
+    times, losses = interleave(steps, sides, args.steps)
+    result["flush_check_after"] = check_flush(ftz, torch)
+    result["limits"] = measure_limits(n, repeats=3)
+    result["warmup_loss"] = warm_loss
+    result["loss"] = losses
+    result["seconds"] = times
+    result["warmup_rss_bytes"] = rss
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model.close()
+    return result
+
+
 # -- driver ---------------------------------------------------------------------------
 
-def run_worker(kind, args, extra, timeout=3600):
+def run_worker(kind, args, extra, steps=None, timeout=3600):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind,
-               "--threads", str(args.threads), "--steps", str(args.steps),
+               "--threads", str(args.threads), "--steps", str(steps or args.steps),
                "--weight-decay", repr(args.weight_decay), "--seed", str(args.seed),
-               "--result-file", path, *extra]
+               "--model", args.model, "--result-file", path, *extra]
         proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"worker {' '.join(extra) or kind} failed with exit code "
                                f"{proc.returncode}")
         with open(path) as f:
             return json.load(f)
+
+
+def machine_floor(flops, bytes_moved, limits):
+    """(seconds the step needs at the machine's limits, "compute" or "memory")."""
+    compute_s = flops / (limits["sgemm_gflops"] * 1e9)
+    memory_s = bytes_moved / (limits["bandwidth_gbs"] * 1e9)
+    return max(compute_s, memory_s), "compute" if compute_s >= memory_s else "memory"
 
 
 def summarize(raw, config, limits):
@@ -378,16 +578,13 @@ def summarize(raw, config, limits):
     ours_engine = "tape" if "tape" in med else "manual"
     flops = step_flops(config, B, T)
     bytes_moved = step_bytes(config, B, T)
-    floor_s = max(flops / (limits["sgemm_gflops"] * 1e9),
-                  bytes_moved / (limits["bandwidth_gbs"] * 1e9))
-    bound = ("compute" if flops / limits["sgemm_gflops"] >= bytes_moved / limits["bandwidth_gbs"]
-             else "memory")
+    floor_s, bound = machine_floor(flops, bytes_moved, limits)
 
     def paired_ratio(num, den):
         return statistics.median(a / b for a, b in zip(raw["seconds"][num], raw["seconds"][den]))
 
     rec = {
-        "B": B, "T": T, "ftz": raw["ftz"], "threads": raw["threads"],
+        "model": "gpt2", "B": B, "T": T, "ftz": raw["ftz"], "threads": raw["threads"],
         "ours_engine": ours_engine,
         "ours_ms": med[ours_engine], "torch_ms": med["torch"],
         "manual_ms": med.get("manual"), "tape_ms": med.get("tape"),
@@ -405,6 +602,44 @@ def summarize(raw, config, limits):
     }
     if "manual" in med and ours_engine != "manual":
         rec["manual_speedup"] = med["torch"] / med["manual"]
+    return rec
+
+
+def summarize_llama(raw, config, limits):
+    """The record of one Llama-family configuration: per side ms (median), tokens/s,
+    GFLOP/s and share of the limit; the baselines' time over ours, as the median of the
+    per-step ratios (``*_paired``, the figure to quote) and as the ratio of medians."""
+    B, T = raw["B"], raw["T"]
+    sec = raw["seconds"]
+    med = {s: 1e3 * statistics.median(v) for s, v in sec.items()}
+    flops = step_flops(config, B, T)
+    bytes_moved = step_bytes(config, B, T)
+    floor_s, bound = machine_floor(flops, bytes_moved, limits)
+    warm = raw["warmup_loss"]
+    rec = {"model": raw["model"], "B": B, "T": T, "ftz": raw["ftz"], "threads": raw["threads"],
+           "ours_engine": "tape", "ours_ms": med["tape"]}
+    for s in LLAMA_SIDES[1:]:
+        rec[f"{s}_ms"] = med[s]
+    for s in LLAMA_SIDES[1:]:
+        rec[f"{s}_over_ours"] = med[s] / med["tape"]
+        rec[f"{s}_over_ours_paired"] = statistics.median(
+            a / b for a, b in zip(sec[s], sec["tape"]))
+    for s in LLAMA_SIDES:
+        prefix = "" if s == "tape" else f"{s}_"
+        rec[f"{prefix}tokens_per_s"] = B * T / (med[s] / 1e3)
+        rec[f"{prefix}gflops"] = flops / (med[s] / 1e3) / 1e9
+        rec[f"{prefix}share"] = floor_s / (med[s] / 1e3)
+    rec.update({
+        "bound": bound, "flops": flops, "bytes": bytes_moved, "steps": len(sec["tape"]),
+        "first_step_loss": warm,
+        "first_step_loss_max_diff": max(abs(warm[s] - warm["tape"]) for s in LLAMA_SIDES),
+        # Each side's own losses over the timed steps (the same batch again and again):
+        # how far the three trajectories drift apart after a few AdamW updates.
+        "timed_loss_max_diff": max(abs(a - b) for s in LLAMA_SIDES[1:]
+                                   for a, b in zip(raw["loss"][s], raw["loss"]["tape"])),
+        "peak_rss_bytes": raw["peak_rss_bytes"],
+        "warmup_peak_rss_bytes": {s: v["peak"] for s, v in raw["warmup_rss_bytes"].items()},
+    })
     return rec
 
 
@@ -426,6 +661,67 @@ def print_table(records, skipped):
               f"{100 * r['torch_share']:>6.1f}% {r['bound']}")
     for s in skipped:
         print(f"{s['B']:>2} {s['T']:>5} {'on' if s['ftz'] else 'off':>3} skipped: {s['skipped']}")
+
+
+def print_table_llama(records, skipped):
+    head = (f"{'B':>2} {'T':>5} {'FTZ':>3} {'ours ms':>9} {'torch ms':>9} {'HF ms':>9} "
+            f"{'torch/us':>8} {'HF/us':>6} {'tok/s':>7} {'GFLOP/s':>7} {'share':>6} "
+            f"{'t.share':>7} {'HF.share':>8} {'peak RSS':>8} bound")
+    print(head)
+    print("-" * len(head))
+    for r in records:
+        print(f"{r['B']:>2} {r['T']:>5} {'on' if r['ftz'] else 'off':>3} {r['ours_ms']:>9.1f} "
+              f"{r['torch_ms']:>9.1f} {r['transformers_ms']:>9.1f} "
+              f"{r['torch_over_ours_paired']:>7.2f}x {r['transformers_over_ours_paired']:>5.2f}x "
+              f"{r['tokens_per_s']:>7.0f} {r['gflops']:>7.1f} {100 * r['share']:>5.1f}% "
+              f"{100 * r['torch_share']:>6.1f}% {100 * r['transformers_share']:>7.1f}% "
+              f"{r['peak_rss_bytes'] / GiB:>6.1f}Gi {r['bound']}")
+    for s in skipped:
+        print(f"{s['B']:>2} {s['T']:>5} {'on' if s['ftz'] else 'off':>3} skipped: {s['skipped']}")
+
+
+def plot_llama(records, path, threads, limits, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    settings = [f for f in (True, False) if any(r["ftz"] is f for r in records)]
+    fig, axes = plt.subplots(2, len(settings), figsize=(7 * len(settings), 8), squeeze=False)
+    for col, ftz in enumerate(settings):
+        recs = [r for r in records if r["ftz"] is ftz]
+        labels = [f"({r['B']},{r['T']})" for r in recs]
+        x = np.arange(len(recs))
+        series = [("ours (tape)", "ours_ms", "tab:blue"),
+                  ("PyTorch eager", "torch_ms", "tab:gray"),
+                  ("transformers (sdpa)", "transformers_ms", "tab:purple")]
+        width = 0.8 / len(series)
+        ax = axes[0, col]
+        for i, (name, key, color) in enumerate(series):
+            ax.bar(x + (i - 1) * width, [r[key] for r in recs], width, label=name, color=color)
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=min(r[key] for r in recs for _, key, _ in series) / 4)
+        ax.set_xticks(x, labels)
+        ax.set_ylabel("ms per training step (median)")
+        ax.set_title(f"FTZ/DAZ {'on' if ftz else 'off'}, {threads} threads")
+        ax.legend()
+        ax = axes[1, col]
+        for i, (name, key, color) in enumerate(series[1:]):
+            values = [r[f"{key[:-3]}_over_ours_paired"] for r in recs]
+            xs = x + (i - 0.5) * 0.35
+            ax.bar(xs, values, 0.35, color=color, label=f"{name} time / ours")
+            for xi, v in zip(xs, values):
+                ax.annotate(f"{v:.2f}x", (xi, v), ha="center", va="bottom")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("(B, T)")
+        ax.set_ylabel("baseline time / ours (median of paired steps)")
+        ax.legend()
+    fig.suptitle(f"{title} training step; sgemm peak {limits['sgemm_gflops']:.0f} GFLOP/s, "
+                 f"memory bandwidth {limits['bandwidth_gbs']:.1f} GB/s (measured in this run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(records, path, threads, limits):
@@ -489,20 +785,29 @@ def main(argv=None):
             json.dump(result, f)
         return
 
-    from gpt2.config import GPT2Config
-    config = GPT2Config.preset("gpt2")
-    grid = args.configs or (QUICK_GRID if args.quick else GRID)
+    config = model_config(args.model)
+    llama = config.family != "gpt2"
+    if llama:
+        grid = args.configs or (LLAMA_QUICK_GRID if args.quick else LLAMA_GRID)
+        title = f"{args.model} ({config.describe()})"
+    else:
+        grid = args.configs or (QUICK_GRID if args.quick else GRID)
+        title = "GPT-2 124M"
     ftz_passes = {"both": (True, False), "on": (True,), "off": (False,)}[args.ftz]
     started = time.time()
-    print(f"GPT-2 124M training step, {args.threads} threads, {args.steps} timed steps, "
-          f"weight decay {args.weight_decay}", flush=True)
+    long_note = (f" ({args.long_steps} from {LONG_TOKENS} tokens)"
+                 if args.long_steps is not None else "")
+    print(f"{title} training step, {args.threads} threads, {args.steps} timed steps"
+          f"{long_note}, weight decay {args.weight_decay}", flush=True)
     limits_runs = [run_worker("limits", args, [])]
     raws, records, skipped = [], [], []
     for ftz in ftz_passes:
         for B, T in grid:
             t0 = time.time()
+            long = args.long_steps is not None and B * T >= LONG_TOKENS
             raw = run_worker("step", args, ["--B", str(B), "--T", str(T),
-                                            "--ftz-on", str(int(ftz))])
+                                            "--ftz-on", str(int(ftz))],
+                             steps=args.long_steps if long else args.steps)
             raws.append(raw)
             if "skipped" in raw:
                 skipped.append({"B": B, "T": T, "ftz": ftz, "skipped": raw["skipped"]})
@@ -519,14 +824,21 @@ def main(argv=None):
               "bandwidth_gbs": max(r["bandwidth_gbs"] for r in limits_runs)}
     for raw in raws:
         if "skipped" not in raw:
-            rec = summarize(raw, config, limits)
+            rec = (summarize_llama if llama else summarize)(raw, config, limits)
             rec.update(limits)
             records.append(rec)
     print()
-    print_table(records, skipped)
+    (print_table_llama if llama else print_table)(records, skipped)
     n_matmul, n_layout = model_sizes(config)
+    if llama:
+        flops_formula = "6*N*B*T + 6*L*B*T^2*(n_head*head_dim)"
+        bytes_formula = ("4*(12*Np + B*T*(2*L*(4*C + (n_head + 2*n_kv_head)*head_dim "
+                         "+ n_head*head_dim + 2*I) + 5*Vp))")
+    else:
+        flops_formula = "6*N*B*T + 6*L*B*T^2*C"
+        bytes_formula = "4*(12*Np + B*T*(32*L*C + 5*Vp))"
     print(f"\nN = {n_matmul:,} matmul parameters ({n_layout:,} floats in the layout); "
-          f"FLOPs = 6*N*B*T + 6*L*B*T^2*C; bytes = 4*(12*Np + B*T*(32*L*C + 5*Vp))")
+          f"FLOPs = {flops_formula}; bytes = {bytes_formula}")
     print(f"limits (best of {len(limits_runs)} measurements in this run): sgemm "
           f"{limits['sgemm_gflops']:.1f} GFLOP/s (scipy best "
           f"{max(r['scipy_sgemm_gflops'] for r in limits_runs):.1f}, PyTorch best "
@@ -538,6 +850,15 @@ def main(argv=None):
     for ftz in ftz_passes:
         recs = [r for r in records if r["ftz"] is ftz]
         if not recs:
+            continue
+        if llama:
+            for s in LLAMA_SIDES[1:]:
+                ratios = [r[f"{s}_over_ours_paired"] for r in recs]
+                print(f"FTZ {'on' if ftz else 'off'}: {s} time / ours (paired) "
+                      f"{min(ratios):.2f}x to {max(ratios):.2f}x")
+            print(f"  first-step losses agree within "
+                  f"{max(r['first_step_loss_max_diff'] for r in recs):.1e}; timed steps "
+                  f"within {max(r['timed_loss_max_diff'] for r in recs):.1e}")
             continue
         engine = recs[0]["ours_engine"]
         met = [r for r in recs if r["speedup"] >= TARGET_SPEEDUP]
@@ -553,21 +874,28 @@ def main(argv=None):
             print("  tape engine not available (gpt2/tape_engine.py missing): ours = manual")
     print(f"total {time.time() - started:.0f} s")
 
-    stem = "train_step_quick" if args.quick else "train_step"
+    stem = "train_step" if not llama else f"train_step_{args.model}"
+    if args.quick:
+        stem = stem.replace("train_step", "train_step_quick", 1)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
         json.dump(records, f, indent=1)
-    meta = {"threads": args.threads, "weight_decay": args.weight_decay, "lr": LR,
-            "betas": BETAS, "eps": EPS, "steps": args.steps, "seed": args.seed,
+    meta = {"model": args.model, "threads": args.threads, "weight_decay": args.weight_decay,
+            "lr": LR, "betas": BETAS, "eps": EPS, "steps": args.steps, "long_steps": args.long_steps,
+            "long_tokens": LONG_TOKENS, "seed": args.seed,
+            "cpu": cpu_name(), "commit": git_commit(),
             "n_matmul_params": n_matmul, "n_layout_floats": n_layout,
-            "flops_formula": "6*N*B*T + 6*L*B*T^2*C",
-            "bytes_formula": "4*(12*Np + B*T*(32*L*C + 5*Vp))",
+            "flops_formula": flops_formula, "bytes_formula": bytes_formula,
             "limits": limits, "limits_runs": limits_runs, "skipped": skipped, "workers": raws}
     with open(os.path.join(RESULTS, f"{stem}_raw.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    plot(records, os.path.join(RESULTS, f"{stem}.png"), args.threads, limits)
+    if not records:
+        print("nothing measured: no plot")
+    elif llama:
+        plot_llama(records, os.path.join(RESULTS, f"{stem}.png"), args.threads, limits, title)
+    else:
+        plot(records, os.path.join(RESULTS, f"{stem}.png"), args.threads, limits)
     print(f"wrote bench/results/{stem}.json, {stem}_raw.json, {stem}.png")
-
 
 if __name__ == "__main__":
     main()
