@@ -35,8 +35,8 @@ Figures per configuration:
   NumPy copy, add and in-place add) are measured at the start and the end of the run and inside every
   worker before its steps; the best counts.
 
-Prints a table, writes bench/results/train_step.json (one record per (B, T) and FTZ
-setting), bench/results/train_step_raw.json (per-step times, machine limits, skipped
+Prints a table, writes bench/results/train_step.json (one record per model, (B, T) and
+FTZ setting; a run replaces its own model's records), bench/results/train_step_raw.json (per-step times, machine limits, skipped
 configurations and why) and bench/results/train_step.png; --quick writes
 train_step_quick*.json/.png so that a short run does not replace the full one.
 
@@ -52,8 +52,9 @@ and the LM head (V rows), the attention FLOPs use n_head * head_dim for C, and t
 bytes use the floats per token and layer that our backward reads (the block's input,
 both norms' outputs, the rotated q|k|v, the attention's output, the residual after
 attention and gate|up: 4C + (n_head + 2 n_kv_head) head_dim + n_head head_dim + 2 I).
-The peak RSS of the worker during each side's warm-up step is recorded.  Results go to
-train_step_<preset>.json, _raw.json and .png; each record names its model.
+The peak RSS of the worker during each side's warm-up step is recorded.  Records carry
+``ours_ms``, ``torch_ms`` (plain PyTorch) and ``hf_ms`` (transformers) and go to
+train_step.json beside GPT-2's; the raw data and plot to train_step_<preset>_raw.json, .png.
 """
 import argparse
 import json
@@ -75,7 +76,7 @@ LLAMA_GRID = ((1, 64), (4, 64), (4, 256), (4, 1024))
 LLAMA_QUICK_GRID = ((1, 64), (4, 64))
 ENGINES = ("tape", "manual")
 # The Llama family: our tape engine, PyTorch eager, transformers' model.
-LLAMA_SIDES = ("tape", "torch", "transformers")
+LLAMA_SIDES = ("tape", "torch", "hf")   # hf: transformers' model
 LLAMA_LOSS_TOLERANCE = 1e-4
 # --long-steps applies from this many tokens per step: SmolLM2-135M's (4, 1024) takes
 # 20-60 s per step per side on 2 cores.
@@ -512,7 +513,7 @@ def run_llama_worker(args):
     t_targets = torch_gpt2.as_index_tensor(targets, "targets")
     model = GPT2(config, seed=args.seed)
     baselines = {"torch": torch_llama.build_model(config, model.params),
-                 "transformers": torch_llama.build_transformers(config, model.params)}
+                 "hf": torch_llama.build_transformers(config, model.params)}
     optimizers = {s: torch_gpt2.make_adamw(m, lr=LR, betas=BETAS, eps=EPS,
                                            weight_decay=args.weight_decay)
                   for s, m in baselines.items()}
@@ -562,6 +563,19 @@ def run_worker(kind, args, extra, steps=None, timeout=3600):
                                f"{proc.returncode}")
         with open(path) as f:
             return json.load(f)
+
+
+def write_records(path, model, records):
+    """Replace ``model``'s records in the JSON list at ``path``, keeping other models'."""
+    try:
+        with open(path) as f:
+            kept = [r for r in json.load(f) if r.get("model", "gpt2") != model]
+    except FileNotFoundError:
+        kept = []
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(kept + records, f, indent=1)
+    os.replace(tmp, path)
 
 
 def machine_floor(flops, bytes_moved, limits):
@@ -671,10 +685,10 @@ def print_table_llama(records, skipped):
     print("-" * len(head))
     for r in records:
         print(f"{r['B']:>2} {r['T']:>5} {'on' if r['ftz'] else 'off':>3} {r['ours_ms']:>9.1f} "
-              f"{r['torch_ms']:>9.1f} {r['transformers_ms']:>9.1f} "
-              f"{r['torch_over_ours_paired']:>7.2f}x {r['transformers_over_ours_paired']:>5.2f}x "
+              f"{r['torch_ms']:>9.1f} {r['hf_ms']:>9.1f} "
+              f"{r['torch_over_ours_paired']:>7.2f}x {r['hf_over_ours_paired']:>5.2f}x "
               f"{r['tokens_per_s']:>7.0f} {r['gflops']:>7.1f} {100 * r['share']:>5.1f}% "
-              f"{100 * r['torch_share']:>6.1f}% {100 * r['transformers_share']:>7.1f}% "
+              f"{100 * r['torch_share']:>6.1f}% {100 * r['hf_share']:>7.1f}% "
               f"{r['peak_rss_bytes'] / GiB:>6.1f}Gi {r['bound']}")
     for s in skipped:
         print(f"{s['B']:>2} {s['T']:>5} {'on' if s['ftz'] else 'off':>3} skipped: {s['skipped']}")
@@ -694,7 +708,7 @@ def plot_llama(records, path, threads, limits, title):
         x = np.arange(len(recs))
         series = [("ours (tape)", "ours_ms", "tab:blue"),
                   ("PyTorch eager", "torch_ms", "tab:gray"),
-                  ("transformers (sdpa)", "transformers_ms", "tab:purple")]
+                  ("transformers (sdpa)", "hf_ms", "tab:purple")]
         width = 0.8 / len(series)
         ax = axes[0, col]
         for i, (name, key, color) in enumerate(series):
@@ -874,12 +888,11 @@ def main(argv=None):
             print("  tape engine not available (gpt2/tape_engine.py missing): ours = manual")
     print(f"total {time.time() - started:.0f} s")
 
-    stem = "train_step" if not llama else f"train_step_{args.model}"
-    if args.quick:
-        stem = stem.replace("train_step", "train_step_quick", 1)
+    # One records file for every model: this run replaces its own model's records.
+    table = "train_step_quick" if args.quick else "train_step"
+    stem = table if not llama else f"{table}_{args.model}"
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
-        json.dump(records, f, indent=1)
+    write_records(os.path.join(RESULTS, f"{table}.json"), args.model, records)
     meta = {"model": args.model, "threads": args.threads, "weight_decay": args.weight_decay,
             "lr": LR, "betas": BETAS, "eps": EPS, "steps": args.steps, "long_steps": args.long_steps,
             "long_tokens": LONG_TOKENS, "seed": args.seed,
@@ -895,7 +908,8 @@ def main(argv=None):
         plot_llama(records, os.path.join(RESULTS, f"{stem}.png"), args.threads, limits, title)
     else:
         plot(records, os.path.join(RESULTS, f"{stem}.png"), args.threads, limits)
-    print(f"wrote bench/results/{stem}.json, {stem}_raw.json, {stem}.png")
+    print(f"wrote bench/results/{table}.json ({args.model}'s records), {stem}_raw.json, "
+          f"{stem}.png")
 
 if __name__ == "__main__":
     main()

@@ -327,24 +327,30 @@ def logged_losses(out_dir):
 
 @pytest.mark.parametrize("model, family", [("tiny", "GPT-2"), ("llama-tiny", "Llama")])
 def test_gpt2_train_under_mpiexec(tmp_path, model, family):
-    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
-    proc = run_train(["--steps", "6"], one, model=model)
+    """2 ranks x B/2 train as 1 process x B over 10 steps, with and without --zero 1, and
+    a 2-rank checkpoint resumes in one process."""
+    one, plain, two, resumed = (tmp_path / name for name in ("one", "plain", "two", "resumed"))
+    proc = run_train(["--steps", "10"], one, model=model)
     assert proc.returncode == 0, proc.stderr
-    proc = run_train(["--steps", "3", "--zero", "1"], two, ranks=RANKS, model=model)
+    proc = run_train(["--steps", "10"], plain, ranks=RANKS, model=model)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((plain / "summary.json").read_text())["zero"] == 0
+    assert relative_error(logged_losses(plain), logged_losses(one)) < 1e-6
+    proc = run_train(["--steps", "5", "--zero", "1"], two, ranks=RANKS, model=model)
     assert proc.returncode == 0, proc.stderr
     # Rank 0 alone prints and writes.
     assert proc.stdout.count("data parallel: 2 ranks") == 1
     assert proc.stdout.count(f"{family} {model}") == 1
     summary = json.loads((two / "summary.json").read_text())
     assert (summary["ranks"], summary["global_batch"], summary["zero"]) == (RANKS, 4, 1)
-    assert relative_error(logged_losses(two), logged_losses(one)[:3]) < 1e-6
+    assert relative_error(logged_losses(two), logged_losses(one)[:5]) < 1e-6
     # The 2-rank checkpoint resumes in one process where the 2-rank run stopped.
-    proc = run_train(["--steps", "6", "--resume", str(two / "checkpoint.bin")], resumed,
+    proc = run_train(["--steps", "10", "--resume", str(two / "checkpoint.bin")], resumed,
                      model=model)
     assert proc.returncode == 0, proc.stderr
     # Its log.csv holds the whole run: the 2-rank steps, then the resumed ones.
-    assert logged_losses(resumed)[:3] == logged_losses(two)
-    assert relative_error(logged_losses(resumed)[3:], logged_losses(one)[3:]) < 1e-6
+    assert logged_losses(resumed)[:5] == logged_losses(two)
+    assert relative_error(logged_losses(resumed)[5:], logged_losses(one)[5:]) < 1e-6
 
 
 def test_gpt2_train_refuses_a_batch_the_ranks_do_not_divide(tmp_path):
