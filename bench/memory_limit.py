@@ -151,9 +151,9 @@ def policy_kwargs(policy, args):
     if policy.startswith("binomial"):
         return {"checkpointing": "binomial", "snapshots": int(policy[len("binomial"):])}, None
     if policy == "planner":
-        from gpt2.config import GPT2Config
+        from gpt2.config import preset
         from gpt2.perfmodel.plan import plan_memory
-        plan = plan_memory(GPT2Config.preset(args.model), args.B, args.T, args.budget,
+        plan = plan_memory(preset(args.model), args.B, args.T, args.budget,
                            spill_dir=args.spill_dir, threads=args.threads)
         return plan.engine_kwargs(), plan      # its tape_kwargs carry spill_dir
     raise ValueError(f"not one of our policies: {policy!r}")
@@ -161,9 +161,9 @@ def policy_kwargs(policy, args):
 
 def run_ours(args):
     _configure(args.threads)
-    from gpt2.config import GPT2Config
+    from gpt2.config import preset
     from gpt2.model import GPT2
-    config = GPT2Config.preset(args.model)
+    config = preset(args.model)
     kwargs, plan = policy_kwargs(args.worker, args)
     result = {"policy_kwargs": kwargs}
     if plan is not None:
@@ -208,12 +208,16 @@ def run_torch(args):
     import torch_gpt2
     from torch.utils.checkpoint import checkpoint
     torch_gpt2.configure_torch(args.threads, True)
-    from gpt2.config import GPT2Config
+    from gpt2.config import preset
     from gpt2.params import ParamArena, init_params_
-    config = GPT2Config.preset(args.model)
+    config = preset(args.model)
     params = ParamArena(config)
     init_params_(params, 0)
-    model = torch_gpt2.build_model(config, params)
+    if config.family == "llama":
+        import torch_llama
+        model = torch_llama.build_model(config, params)
+    else:
+        model = torch_gpt2.build_model(config, params)
     del params
     if args.worker == "torch-ckpt":
         class Checkpointed(torch.nn.Module):
@@ -221,8 +225,8 @@ def run_torch(args):
                 super().__init__()
                 self.block = block
 
-            def forward(self, x):
-                return checkpoint(self.block, x, use_reentrant=False)
+            def forward(self, x, *rest):   # rest: a Llama block's rotary tables
+                return checkpoint(self.block, x, *rest, use_reentrant=False)
         model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
     opt = torch_gpt2.make_adamw(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     inputs, targets = _batch(config, args.B, args.T)
@@ -237,9 +241,9 @@ def run_torch(args):
 def run_probe(args):
     """Saved activation bytes of one forward pass at (1, T) for T = 32 and 64, to scale."""
     _configure(args.threads)
-    from gpt2.config import GPT2Config
+    from gpt2.config import preset
     from gpt2.model import GPT2
-    config = GPT2Config.preset(args.model)
+    config = preset(args.model)
     model = GPT2(config, seed=0, engine="tape")
     saved = {}
     for T in (32, 64):
@@ -354,8 +358,8 @@ def main(argv=None):
             print(f"{model} probe failed: {probe['error']}", file=sys.stderr)
             continue
         acts, need = step_estimate_bytes(probe, B, T)
-        from gpt2.config import GPT2Config
-        config = GPT2Config.preset(model)
+        from gpt2.config import preset
+        config = preset(model)
         # The largest layer's working set: one block's saved values and their gradients
         # (a recomputed block, or the sweep over one block), or the LM head's logits and
         # their gradient.

@@ -157,3 +157,19 @@ def test_gpt2_train_plans_a_llama_model(profile, monkeypatch, tmp_path):
     plan = summary["memory_plan"]
     assert plan["policy"] == "in-memory" and plan["max_memory"] == 4 << 30
     assert plan["predicted_peak_bytes"] <= 4 << 30 and summary["final_loss"] is not None
+
+
+def test_the_perfmodel_command_takes_llama_presets(capsys):
+    from gpt2.perfmodel import cli
+    assert cli.main(["--model", "smollm2-135m", "--batch", "4", "--seq", "1024", "--json",
+                     "--hardware", "zen4-2core-vm"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    spec = ModelSpec.from_config(preset("smollm2-135m"))
+    assert data["step_time"] > 0
+    assert spec.num_parameters() == num_parameters(preset("smollm2-135m"))
+    assert cli.main(["--plan", "--max-memory", "20G", "--model", "tinyllama-1.1b", "--batch", "1",
+                     "--seq", "1024", "--hardware", "zen4-2core-vm"]) == 0
+    out = capsys.readouterr().out
+    assert "22 layers, C=2048, V=32000" in out and "chose " in out
+    with pytest.raises(SystemExit, match="error: .*unknown.*llama-9b|error: .*llama-9b"):
+        cli.main(["--model", "llama-9b", "--batch", "1", "--seq", "8"])

@@ -34,7 +34,8 @@ def build_parser():
     p = argparse.ArgumentParser(prog="python -m gpt2.perfmodel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", help="a GPT2Config preset name (gpt2.config), e.g. gpt2, small, tiny")
+    m.add_argument("--model", help="a preset of gpt2.config, either family: gpt2, small, tiny, "
+                                    "smollm2-135m, tinyllama-1.1b, llama-3.2-1b, ...")
     m.add_argument("--n-layer", type=int)
     m.add_argument("--n-head", type=int)
     m.add_argument("--n-embd", type=int)
@@ -96,13 +97,17 @@ def _size(text):
 def model_from_args(args):
     if args.model:
         try:
-            from gpt2.config import GPT2Config
+            from gpt2.config import preset
         except ImportError as exc:
             raise SystemExit(f"--model {args.model!r} needs gpt2.config ({exc}); give --n-layer, --n-head, "
                              f"--n-embd and --vocab instead") from None
         extra = dict(vocab_multiple=args.vocab_multiple, n_experts=args.experts, top_k=args.top_k,
                      capacity_factor=args.capacity)
-        return ModelSpec.from_config(GPT2Config.preset(args.model), **extra)
+        try:
+            config = preset(args.model)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        return ModelSpec.from_config(config, **extra)
     missing = [f"--{n}" for n in ("n-layer", "n-head", "n-embd", "vocab") if getattr(args, n.replace("-", "_")) is None]
     if missing:
         raise SystemExit(f"give --model or all of {', '.join(missing)}")
@@ -127,12 +132,15 @@ def setup_from_args(args):
 
 def run_plan(args):
     """Print the memory planner's table for the model and (B, T) of ``args``."""
-    from gpt2.config import GPT2Config
+    from gpt2.config import GPT2Config, preset
     from .plan import plan_memory
     if args.max_memory is None:
         raise ValueError("--plan needs --max-memory SIZE (e.g. 8G)")
     spec = model_from_args(args)
-    config = GPT2Config(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size, spec.block_size)
+    if args.model:
+        config = preset(args.model)
+    else:
+        config = GPT2Config(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size, spec.block_size)
     plan = plan_memory(config, args.batch, args.seq, args.max_memory, hardware=args.hardware or "this-machine",
                        spill_dir=args.spill_dir, threads=args.threads, flash=args.flash)
     if args.json:
