@@ -1605,6 +1605,19 @@ cdef class Tape:
             pthread_mutex_unlock(&self.t.io_mu)
 
 
+def checksum_bytes(data):
+    """The disk tier's 64-bit checksum of a contiguous buffer, computed without the GIL:
+    the one the spill file's slabs carry, for the other state the disk tier stores
+    (``adtape.statefile``)."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef size_t n = view.shape[0]
+    cdef uint64_t h
+    cdef const char* p = <const char*>&view[0] if n else NULL
+    with nogil:
+        h = checksum(p, n)
+    return h
+
+
 def _default_slab_bytes(memory_budget):
     """2 MiB (one huge page); with a budget, at most budget / 32 (a power of two,
     64 KiB to 2 MiB), so the one slab that may stand above the budget stays small."""

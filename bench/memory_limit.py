@@ -11,7 +11,9 @@ Policies (ours, the tape engine):
   ``--spill-dir`` and prefetched back during the reverse sweep;
 - ``layer``: per-block checkpointing (block inputs kept, blocks recomputed);
 - ``binomial2``, ``binomial4``: Revolve over the blocks with 2 and 4 snapshots;
-- ``planner``: what ``gpt2.perfmodel.plan.plan_memory`` chooses for ``--max-memory``.
+- ``planner``: what ``gpt2.perfmodel.plan.plan_memory`` chooses for ``--max-memory``;
+- ``offload-moments``: activations in RAM, the AdamW moments in a file in ``--spill-dir``
+  streamed during the update (``gpt2-train --offload moments``).
 PyTorch eager at the same (B, T), per shared/BENCHMARKS.md: ``torch`` without
 checkpointing where it fits, ``torch-ckpt`` with ``torch.utils.checkpoint`` per block.
 
@@ -54,7 +56,7 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 CONFIGS = (("gpt2", 4, 1024), ("gpt2", 8, 1024), ("gpt2-medium", 4, 1024))
 QUICK_CONFIGS = (("gpt2", 2, 128),)
 OUR_POLICIES = ("memory", "budget2", "budget4", "budget8", "layer", "binomial2", "binomial4",
-                "planner")
+                "planner", "offload-moments")
 TORCH_POLICIES = ("torch", "torch-ckpt")
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.1
 # Fraction of available memory an in-memory run may be estimated to take.
@@ -148,6 +150,8 @@ def policy_kwargs(policy, args):
         return {"tape_kwargs": {"memory_budget": args.budget, **spill}}, None
     if policy == "layer":
         return {"checkpointing": "layer"}, None
+    if policy == "offload-moments":
+        return {"offload": "moments", "offload_dir": args.spill_dir}, None
     if policy.startswith("binomial"):
         return {"checkpointing": "binomial", "snapshots": int(policy[len("binomial"):])}, None
     if policy == "planner":
@@ -170,7 +174,7 @@ def run_ours(args):
         result["plan"] = plan.describe()
         result["predicted_ms"] = plan.predicted_ms
         result["predicted_peak_bytes"] = plan.predicted_peak_bytes
-    else:
+    elif "offload" not in kwargs:
         # The performance model's prediction of this policy (the planner weighs the same).
         from gpt2.perfmodel.plan import predict_policy
         guess = predict_policy(config, args.B, args.T, kwargs.get("tape_kwargs", {}).get("memory_budget"),
@@ -199,6 +203,9 @@ def run_ours(args):
     result["saved_bytes"] = model._tape_engine.last_forward_bytes
     result["peak_resident_tape_bytes"] = after.get("peak_resident_bytes")
     result["spill_file_bytes_end"] = after.get("spill_file_bytes")
+    if model.moments is not None:
+        model.finish_update()      # the last step's update, as the in-memory runs make it
+        result["offload"] = model.moments.stats()
     model.close()
     return result
 

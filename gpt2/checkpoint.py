@@ -118,7 +118,13 @@ def _config_mismatch(expected, found):
 
 
 def _as_flat(arr, config, name):
-    """Flat float32 buffer of a ParamArena or of a 1-D float32 array of the layout's size."""
+    """Flat float32 buffer of a ParamArena or of a 1-D float32 array of the layout's size,
+    or a streamed section (``pieces()``: flat order; ``gpt2.offload.StreamedMoment``)."""
+    if hasattr(arr, "pieces"):
+        if arr.nbytes != 4 * num_parameters(config):
+            raise ValueError(f"{name} holds {arr.nbytes} bytes, the layout needs "
+                             f"{4 * num_parameters(config)}")
+        return arr
     if isinstance(arr, ParamArena):
         if arr.config != config:
             raise ValueError(f"{name} has config {arr.config}, the parameters have {config}")
@@ -186,24 +192,33 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
                      ("adam_v", _as_flat(adam_v, config, "adam_v"))]
     table, offset = [], 0
     for name, flat in sections:
+        # The CRC32s are computed as the sections are written (a streamed section is read
+        # once); the header goes in last, in the room its widest CRC values would take.
         table.append({"name": name, "offset": offset, "nbytes": flat.nbytes,
-                      "crc32": zlib.crc32(memoryview(flat).cast("B"))})
+                      "crc32": 0xFFFFFFFF})
         offset = _align(offset + flat.nbytes)
     header = {"config": config.to_dict(), "step": int(step), "adam_step": int(adam_step),
               "data_state": data_state, "extra": extra, "sections": table}
     try:
-        header_bytes = json.dumps(header).encode("utf-8")
+        widest = json.dumps(header).encode("utf-8")
     except (TypeError, ValueError) as e:
         raise ValueError(f"data_state and extra must be JSON-serializable: {e}") from None
-    data_start = _align(_PREAMBLE.size + len(header_bytes))
-    header_bytes = header_bytes.ljust(data_start - _PREAMBLE.size, b" ")
+    data_start = _align(_PREAMBLE.size + len(widest))
     with atomic_writer(path) as f:
+        for entry, (_, flat) in zip(table, sections):
+            f.seek(data_start + entry["offset"])
+            crc = 0
+            for piece in (flat.pieces() if hasattr(flat, "pieces") else [(0, flat)]):
+                data = memoryview(piece[1]).cast("B")
+                crc = zlib.crc32(data, crc)
+                f.write(data)
+            entry["crc32"] = crc
+        header_bytes = json.dumps(header).encode("utf-8").ljust(data_start - _PREAMBLE.size,
+                                                                b" ")
+        f.seek(0)
         f.write(_PREAMBLE.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, zlib.crc32(header_bytes),
                                len(header_bytes)))
         f.write(header_bytes)
-        for entry, (_, flat) in zip(table, sections):
-            f.seek(data_start + entry["offset"])
-            f.write(memoryview(flat).cast("B"))
 
 
 def _parse_checkpoint_header(f, path, file_size):
@@ -288,6 +303,20 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None)
         arenas = {}
         for name in expected_names:
             dest = destinations[name]
+            if hasattr(dest, "load"):       # a streamed section (gpt2.offload.StreamedMoment)
+                entry = sections[name]
+                f.seek(data_start + entry["offset"])
+                crc = [0]
+
+                def read_into(piece, name=name):
+                    _readinto_exact(f, piece, path, f"section {name}")
+                    crc[0] = zlib.crc32(memoryview(piece).cast("B"), crc[0])
+                dest.load(read_into)
+                if crc[0] != entry["crc32"]:
+                    raise ValueError(f"checkpoint {path!r} is corrupt: section {name} fails "
+                                     "its CRC32 check")
+                arenas[name] = dest
+                continue
             if dest is None:
                 dest = ParamArena(file_config)
             elif not isinstance(dest, ParamArena) or dest.config != file_config:

@@ -66,12 +66,15 @@ class ActivationArena:
             start += padded[name]
 
 
+OFFLOAD_POLICIES = (None, "moments")
+
+
 class GPT2:
     """A model of either family (``GPT2Config`` or ``LlamaConfig``) with its gradients and
     AdamW state, each one arena.  Only GPT-2 has the hand-sequenced engine."""
 
     def __init__(self, config, seed=0, engine="tape", tape_kwargs=None, checkpointing="none",
-                 snapshots=2):
+                 snapshots=2, offload=None, offload_dir=None):
         if not isinstance(config, (GPT2Config, LlamaConfig)):
             raise TypeError(f"config must be a GPT2Config or LlamaConfig, got "
                             f"{type(config).__name__}")
@@ -85,6 +88,9 @@ class GPT2:
                              f"got {checkpointing!r}")
         if checkpointing != "none" and engine != "tape":
             raise ValueError("checkpointing recomputes through the tape: use engine='tape'")
+        if offload not in OFFLOAD_POLICIES:
+            raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOAD_POLICIES))}, "
+                             f"got {offload!r}")
         self.config = config
         self.params = ParamArena(config)
         init_params_(self.params, seed)
@@ -94,10 +100,19 @@ class GPT2:
         # count as zero (zero_grad, or a train_step's deferred zeroing) and the next
         # backward writes over them instead - no pass over memory to zero them.
         self._grads_fresh = True
-        self.adam_m = ParamArena(config)
-        self.adam_m.zero_()
-        self.adam_v = ParamArena(config)
-        self.adam_v.zero_()
+        # offload="moments": the AdamW moments live on disk (gpt2.offload), adam_m and
+        # adam_v are None, and each update runs during the next forward pass.
+        self.offload = offload
+        self.moments = None
+        if offload == "moments":
+            from gpt2.offload import MomentOffload
+            self.moments = MomentOffload(config, spill_dir=offload_dir)
+            self.adam_m = self.adam_v = None
+        else:
+            self.adam_m = ParamArena(config)
+            self.adam_m.zero_()
+            self.adam_v = ParamArena(config)
+            self.adam_v.zero_()
         self.adam_step = 0
         self.engine = engine
         self.tape_kwargs = dict(tape_kwargs or {})
@@ -149,6 +164,7 @@ class GPT2:
     def forward(self, inputs, targets=None):
         """Logits (B, T, Vp) - a view valid until the next call - and the mean loss if targets."""
         inputs, targets = self.check_batch(inputs, targets)
+        self.finish_update()
         if self.config.family != "gpt2":
             return self._forward_tape(inputs, targets)
         B, T = inputs.shape
@@ -179,6 +195,10 @@ class GPT2:
     def loss_and_grad(self, inputs, targets):
         """Mean cross-entropy loss; its gradient is accumulated into ``self.grads``."""
         inputs, targets = self.check_batch(inputs, targets)
+        if self.engine == "manual" or self._tape_engine is None:
+            # The tape engine applies a pending offloaded update block by block as its
+            # forward pass reaches each; the other paths apply it whole first.
+            self.finish_update()
         fresh, self._grads_fresh = self._grads_fresh, False
         if self.engine == "manual":
             B, T = inputs.shape
@@ -211,9 +231,27 @@ class GPT2:
         """One AdamW update of every parameter (PyTorch semantics, decay on all of them),
         with the gradients multiplied by ``grad_scale`` as they are read."""
         self.adam_step += 1
+        if self.moments is not None:
+            # Deferred: the moments stream in while the next forward pass computes.
+            self.moments.begin(self.params.flat, self.grads.flat, self.adam_step, lr, beta1,
+                               beta2, eps, weight_decay, grad_scale)
+            return
         optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat,
                          self.adam_step, lr, beta1, beta2, eps, weight_decay,
                          grad_scale=grad_scale)
+
+    def finish_update(self):
+        """Complete an offloaded AdamW update still pending (nothing otherwise): before
+        anything but the next training step reads the parameters."""
+        if self.moments is not None:
+            self.moments.finish()
+
+    def optimizer_moments(self):
+        """(adam_m, adam_v) for ``gpt2.checkpoint``: the arenas, or with offloaded moments
+        sections streamed from and to disk."""
+        if self.moments is not None:
+            return self.moments.moment(0), self.moments.moment(1)
+        return self.adam_m, self.adam_v
 
     def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None):
         """Zero grads, forward, backward, (clip), AdamW. Returns (loss, grad norm or None).
@@ -244,6 +282,8 @@ class GPT2:
         if self._tape_engine is not None:
             self._tape_engine.close()
             self._tape_engine = None
+        if self.moments is not None:
+            self.moments.close()
 
     # -- the hand-sequenced baseline (llm.c) ----------------------------------------
 

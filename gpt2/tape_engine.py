@@ -93,13 +93,21 @@ class TapeEngine:
         self.ops = family_ops(self.config)
         self.last_forward_bytes = 0    # residual bytes saved by the last forward pass
 
+    def _ready(self, stage):
+        # An offloaded AdamW update still pending updates each stage's parameters as the
+        # forward pass reaches it (gpt2.offload).
+        if self.model.moments is not None:
+            self.model.moments.ready(stage)
+
     def block(self, l, x):
         """Transformer block ``l`` of the model's family."""
+        self._ready(l)
         return self.ops.block(self.layers[l], x)
 
     def forward_logits(self, inputs):
         """The logits (B, T, padded vocabulary) as a recorded Tensor."""
         cfg = self.config
+        self._ready("embed")
         x = self.ops.embed(inputs, self.globals)
         if self.checkpointing == "none":
             for l in range(cfg.n_layer):
@@ -109,6 +117,7 @@ class TapeEngine:
                 x = checkpoint(functools.partial(self.block, l), x)
         else:
             x = checkpoint_loop(self.block, x, cfg.n_layer, self.snapshots, pass_index=True)
+        self._ready("head")
         return self.ops.head(x, self.globals)
 
     def forward_loss(self, inputs, targets):
@@ -126,6 +135,7 @@ class TapeEngine:
         try:
             with self.optape:
                 loss = self.forward_loss(inputs, targets)
+            self.model.finish_update()     # the backward writes the gradients it reads
             self.last_forward_bytes = self.optape.saved_bytes
             loss.backward()
         finally:

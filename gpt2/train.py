@@ -214,6 +214,11 @@ def build_parser(prog=None):
                           "binomial (Revolve) schedule over the layers (default: %(default)s)")
     mem.add_argument("--snapshots", type=positive_int, metavar="N", default=2,
                      help="snapshots for --checkpointing binomial (default: %(default)s)")
+    mem.add_argument("--offload", choices=("none", "moments"), default="none",
+                     help="moments: keep the AdamW moments (8 bytes per parameter) in a file "
+                          "in --spill-dir and stream them through RAM during the update, "
+                          "which runs as the next forward pass reaches each block "
+                          "(default: %(default)s)")
     mem.add_argument("--max-memory", type=positive_size, default=None, metavar="SIZE",
                      help="choose --tape-budget and --checkpointing to stay within SIZE of "
                           "RAM at the fastest predicted step (the performance model's profile "
@@ -417,8 +422,11 @@ def read_log(path, up_to_step):
 
 
 def memory_policy(args, plan=None):
-    """How the run keeps its activations, for summary.json."""
-    return {"tape_budget": args.tape_budget,
+    """How the run keeps its activations and model states, for summary.json."""
+    return {"offload": args.offload,
+            "offload_dir": ((args.spill_dir or tempfile.gettempdir())
+                            if args.offload != "none" else None),
+            "tape_budget": args.tape_budget,
             "spill_dir": (args.spill_dir or tempfile.gettempdir()) if args.tape_budget else None,
             "checkpointing": args.checkpointing,
             "snapshots": args.snapshots if args.checkpointing == "binomial" else None,
@@ -438,6 +446,8 @@ def describe_memory_policy(args, plan=None):
         parts.append(f"binomial checkpointing with {args.snapshots} snapshot"
                      + ("s" if args.snapshots != 1 else ""))
     text = " and ".join(parts) or "activations in RAM"
+    if args.offload == "moments":
+        text += (f"; AdamW moments on disk in {args.spill_dir or tempfile.gettempdir()}")
     return text + (f" (chosen by --max-memory {format_size(args.max_memory)})"
                    if plan is not None else "")
 
@@ -454,8 +464,15 @@ class TapeWatch:
         self.model = model
         self.first = self.last = None       # Tape.stats after the first and the last step
         self.steps = 0
+        self.offload_first = self.offload_last = None
+        self.offload_steps = 0
 
     def after_step(self):
+        if self.model.moments is not None:
+            self.offload_steps += 1
+            self.offload_last = self.model.moments.stats()
+            if self.offload_first is None:
+                self.offload_first = self.offload_last
         stats = self.model.tape_stats
         if stats is None or stats["memory_budget"] is None:
             return
@@ -479,6 +496,31 @@ class TapeWatch:
                 "push_wait_ms_per_step": per["push_wait_ns"] / 1e6,
                 "prefetch_hits_per_step": per["prefetch_hits"],
                 "prefetch_misses_per_step": per["prefetch_misses"]}
+
+    def offload_summary(self):
+        """The offloaded moments' traffic per step (after the first), or None."""
+        last = self.offload_last
+        if last is None:
+            return None
+        n = max(1, self.offload_steps - 1)
+        base = self.offload_first if self.offload_steps > 1 else dict.fromkeys(last, 0)
+        per = {k: (last[k] - base[k]) / n for k in ("bytes_read", "bytes_written",
+                                                      "read_wait_ns", "prefetch_misses")}
+        return {"state": "moments", "file_bytes": last["file_bytes"],
+                "window_bytes": last["window_bytes"],
+                "read_bytes_per_step": per["bytes_read"],
+                "written_bytes_per_step": per["bytes_written"],
+                "read_wait_ms_per_step": per["read_wait_ns"] / 1e6,
+                "units_waited_per_step": per["prefetch_misses"]}
+
+    @staticmethod
+    def describe_offload(o):
+        from gpt2.perfmodel.plan import format_size
+        return (f"AdamW moments on disk ({format_size(o['file_bytes'])} file, "
+                f"{format_size(o['window_bytes'])} window in RAM): per step "
+                f"{format_size(o['read_bytes_per_step'])} read and "
+                f"{format_size(o['written_bytes_per_step'])} written, the update waited "
+                f"{o['read_wait_ms_per_step']:.0f} ms on reads")
 
     @staticmethod
     def describe(t):
@@ -736,6 +778,9 @@ def _prepare(args, explicit, comm=None):
                          + ("not a directory" if os.path.exists(args.spill_dir)
                             else "no such directory"))
 
+    if comm is not None and comm.Get_size() > 1 and args.offload != "none":
+        raise UsageError(f"--offload {args.offload} trains in one process for now: leave it "
+                         f"out under mpiexec")
     config, params, model_name = _model_config(args, explicit, resumed)
     if args.seq_len is None:
         args.seq_len = min(128, config.block_size)
@@ -896,7 +941,9 @@ def _train(args, inputs, n_threads, comm=None):
         tape_kwargs["spill_dir"] = args.spill_dir
     with blame("model"):
         model = GPT2(inputs.config, seed=args.seed, engine=args.engine, tape_kwargs=tape_kwargs,
-                     checkpointing=args.checkpointing, snapshots=args.snapshots)
+                     checkpointing=args.checkpointing, snapshots=args.snapshots,
+                     offload=None if args.offload == "none" else args.offload,
+                     offload_dir=args.spill_dir)
     try:
         return _train_model(args, inputs, model, n_threads, comm)
     finally:
@@ -919,9 +966,10 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     start_step = 0
     if inputs.resumed is not None:
         with blame("--resume"):
+            adam_m, adam_v = model.optimizer_moments()
             state = (trainer.load_checkpoint(args.resume) if trainer else
                      ckpt.load_checkpoint(args.resume, config, params=model.params,
-                                          adam_m=model.adam_m, adam_v=model.adam_v))
+                                          adam_m=adam_m, adam_v=adam_v))
         model.adam_step = state.adam_step
         start_step = state.step
     ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
@@ -952,12 +1000,14 @@ def _train_model(args, inputs, model, n_threads, comm=None):
 
     def save(step):
         t0 = time.perf_counter()
+        model.finish_update()
         if trainer:  # collective: rank 0 gathers the sharded state and writes
             trainer.save_checkpoint(ckpt_path, step=step, data_state=train.state(),
                                     extra={"args": saved_args})
         else:
-            ckpt.save_checkpoint(ckpt_path, model.params, step=step, adam_m=model.adam_m,
-                                 adam_v=model.adam_v, adam_step=model.adam_step,
+            adam_m, adam_v = model.optimizer_moments()
+            ckpt.save_checkpoint(ckpt_path, model.params, step=step, adam_m=adam_m,
+                                 adam_v=adam_v, adam_step=model.adam_step,
                                  data_state=train.state(), extra={"args": saved_args})
         schedule.saved(time.perf_counter() - t0)
 
@@ -1023,6 +1073,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                     save(step + 1)
             if not args.no_checkpoint:
                 save(args.steps)
+            model.finish_update()
             if args.save_hf and writer:
                 from gpt2 import hf
                 with blame("--save-hf", (OSError, ValueError)):
@@ -1037,11 +1088,11 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     if not writer:
         return None
     return _finish(args, inputs, model, n_threads, log.rows, rows, start_step, peak_rss,
-                   trainer, tape_watch.summary(), checkpoints)
+                   trainer, tape_watch.summary(), checkpoints, tape_watch.offload_summary())
 
 
 def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss, trainer=None,
-            tape=None, checkpoints=None):
+            tape=None, checkpoints=None, offload=None):
     """summary.json and loss.png of the whole run, then the sample."""
     import numpy as np
     config, tokenizer = inputs.config, inputs.tokenizer
@@ -1066,6 +1117,7 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
                    zero=args.zero if trainer else 0, tape=tape)
     summary["memory_policy"] = memory_policy(args, inputs.plan)
     summary["checkpoints"] = checkpoints
+    summary["offload"] = offload
     if inputs.plan is not None:
         summary["memory_plan"] = {"policy": inputs.plan.policy, "max_memory": args.max_memory,
                                   "tape_budget": args.tape_budget,
@@ -1081,6 +1133,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
           flush=True)
     if tape is not None:
         print(TapeWatch.describe(tape), flush=True)
+    if offload is not None:
+        print(TapeWatch.describe_offload(offload), flush=True)
     if inputs.plan is not None and median_ms is not None:
         print(f"--max-memory: {inputs.plan.compare(median_ms, peak_rss)}", flush=True)
     summary["sample_tokens_per_s"] = None

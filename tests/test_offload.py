@@ -1,0 +1,248 @@
+"""Model states on the disk tier: adtape.statefile.StateFile and gpt2-train --offload moments.
+
+The offloaded update must be the in-memory AdamW to the bit (the same kernel over the
+same elements, deferred into the next forward pass), its file must be bounded, unlinked
+and checked, and checkpoints must move between the two freely.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import adtape
+import gpt2
+from adtape import SpillError, TapeCorruptionError
+from adtape.statefile import StateFile
+from gpt2 import checkpoint as ckpt
+from gpt2.config import preset
+from gpt2.model import GPT2
+from gpt2.offload import MomentOffload
+
+PACKAGE_ROOTS = os.pathsep.join({os.path.dirname(os.path.dirname(m.__file__))
+                                 for m in (adtape, gpt2)})
+
+
+# -- StateFile ---------------------------------------------------------------------------
+
+def make_file(tmp_path, sizes=(40, 4096, 12, 0, 9000), units=((0, 2), (2, 4), (4, 5)), **kw):
+    return StateFile(sizes, units, spill_dir=tmp_path, **kw)
+
+
+def test_records_read_as_zeros_until_written_and_round_trip(tmp_path):
+    f = make_file(tmp_path)
+    try:
+        assert os.listdir(tmp_path) == []          # unlinked at creation
+        assert f.file_bytes % 4096 == 0
+        assert not f.read_record(1).any()
+        rng = np.random.default_rng(0)
+        data = {r: rng.standard_normal(n // 4).astype(np.float32)
+                for r, n in enumerate(f.record_nbytes)}
+        for r, d in data.items():
+            f.write_record(r, d)
+        for r, d in data.items():
+            assert np.array_equal(f.read_record(r), d)
+        # Units through the window: read ahead, changed, written behind, read again.
+        f.prefetch(range(3))
+        for u, (a, b) in enumerate(f.units):
+            buf = f.acquire(u)
+            for r in range(a, b):
+                view = f.record_view(buf, r)
+                assert np.array_equal(view, data[r])
+                view += 1
+            f.release(u, dirty=True)
+        f.flush()
+        for r, d in data.items():
+            assert np.array_equal(f.read_record(r), d + 1)
+        assert f.stats["bytes_written"] >= sum(f.record_nbytes)
+    finally:
+        f.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_corrupt_byte_is_named_by_file_and_offset(tmp_path):
+    f = make_file(tmp_path)
+    try:
+        for r, n in enumerate(f.record_nbytes):
+            f.write_record(r, np.ones(n // 4, np.float32))
+        f._corrupt_for_tests(4, byte=100)
+        offset = f.unit_offset[2] + f.record_offset[4]
+        with pytest.raises(TapeCorruptionError, match=f"record 4 at offset {offset}"):
+            f.read_record(4)
+        f.prefetch([2])
+        with pytest.raises(TapeCorruptionError, match="AdamW|state|record 4"):
+            f.acquire(2)
+        assert np.array_equal(f.read_record(1), np.ones(1024, np.float32))   # the rest is intact
+    finally:
+        f.close()
+
+
+def test_bad_layouts_and_a_closed_file_raise(tmp_path):
+    with pytest.raises(ValueError, match="units"):
+        StateFile([4, 4], [(0, 1)], spill_dir=tmp_path)
+    with pytest.raises(ValueError, match="window"):
+        StateFile([4], [(0, 1)], spill_dir=tmp_path, window=1)
+    with pytest.raises(FileNotFoundError, match="spill_dir"):
+        StateFile([4], [(0, 1)], spill_dir=tmp_path / "missing")
+    f = make_file(tmp_path)
+    with pytest.raises(ValueError, match="holds 40 bytes"):
+        f.write_record(0, np.zeros(3, np.float32))
+    f.close()
+    with pytest.raises(adtape.TapeClosedError):
+        f.acquire(0)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs: a real full disk."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_full_disk_is_found_when_the_file_is_made(tiny_disk):
+    with pytest.raises(SpillError, match="cannot reserve 8,388,608 bytes"):
+        StateFile([8 << 20], [(0, 1)], spill_dir=tiny_disk)
+    assert os.listdir(tiny_disk) == []
+
+
+# -- the model ---------------------------------------------------------------------------
+
+def batches(config, n, B=2, T=16, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        tokens = rng.integers(0, config.vocab_size, (B, T + 1))
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def train(model, steps, clip=1.0, seed=0):
+    return [model.train_step(x, y, 1e-3, weight_decay=0.1, grad_clip=clip)
+            for x, y in batches(model.config, steps, seed=seed)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_offloaded_moments_train_bit_identically_to_in_memory(name, tmp_path):
+    config = preset(name)
+    memory = GPT2(config, seed=1)
+    small_units = dict(unit_bytes=1 << 14, segment_floats=1000, window=3)
+    offloaded = GPT2(config, seed=1, offload="moments", offload_dir=tmp_path)
+    # Small units and segments: many of each, split inside parameters.
+    offloaded.moments.close()
+    offloaded.moments = MomentOffload(config, spill_dir=tmp_path, **small_units)
+    assert len(offloaded.moments.unit_segments) > 3 * config.n_layer
+    try:
+        assert train(memory, 50) == train(offloaded, 50)
+        offloaded.finish_update()
+        assert np.array_equal(memory.params.flat, offloaded.params.flat)
+        assert np.array_equal(memory.adam_m.flat, offloaded.moments.read_flat(0))
+        assert np.array_equal(memory.adam_v.flat, offloaded.moments.read_flat(1))
+        assert os.listdir(tmp_path) == []
+        stats = offloaded.moments.stats()
+        assert stats["bytes_read"] > 0 and stats["window_bytes"] < stats["file_bytes"]
+    finally:
+        offloaded.close()
+        memory.close()
+
+
+def test_checkpoints_move_between_offloaded_and_in_memory_models(tmp_path):
+    config = preset("tiny")
+    a = GPT2(config, seed=2)
+    b = GPT2(config, seed=2, offload="moments", offload_dir=tmp_path)
+    try:
+        train(a, 5)
+        train(b, 5)
+        b.finish_update()
+        for model, path in ((a, tmp_path / "a.bin"), (b, tmp_path / "b.bin")):
+            m, v = model.optimizer_moments()
+            ckpt.save_checkpoint(path, model.params, step=5, adam_m=m, adam_v=v,
+                                 adam_step=model.adam_step)
+        loaded = ckpt.load_checkpoint(tmp_path / "b.bin")
+        assert np.array_equal(loaded.adam_m.flat, a.adam_m.flat)
+        assert np.array_equal(loaded.adam_v.flat, a.adam_v.flat)
+        assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+        # An in-memory checkpoint resumed with offloaded moments, and on: the same steps.
+        c = GPT2(config, seed=9, offload="moments", offload_dir=tmp_path)
+        try:
+            m, v = c.optimizer_moments()
+            state = ckpt.load_checkpoint(tmp_path / "a.bin", config, params=c.params,
+                                         adam_m=m, adam_v=v)
+            c.adam_step = state.adam_step
+            assert train(c, 4, seed=5) == train(a, 4, seed=5)
+        finally:
+            c.close()
+        # A corrupt moment section is refused.
+        data = bytearray((tmp_path / "a.bin").read_bytes())
+        data[-5] ^= 0xFF
+        (tmp_path / "bad.bin").write_bytes(bytes(data))
+        d = GPT2(config, seed=9, offload="moments", offload_dir=tmp_path)
+        try:
+            m, v = d.optimizer_moments()
+            with pytest.raises(ValueError, match="adam_v fails its CRC32"):
+                ckpt.load_checkpoint(tmp_path / "bad.bin", config, params=d.params,
+                                     adam_m=m, adam_v=v)
+        finally:
+            d.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_moment_corrupted_on_disk_stops_the_next_step(tmp_path):
+    model = GPT2(preset("tiny"), seed=0, offload="moments", offload_dir=tmp_path)
+    try:
+        train(model, 2)
+        model.finish_update()
+        model.moments.file._corrupt_for_tests(3)
+        with pytest.raises(TapeCorruptionError, match="AdamW moments file .* offset"):
+            train(model, 2)
+    finally:
+        model.close()
+
+
+def run_cli(*args, cwd):
+    cmd = [sys.executable, "-m", "gpt2.train", "-B", "2", "-T", "16",
+           "--corpus-bytes", "50K", "--eval-interval", "0", "--sample-tokens", "0",
+           "--no-progress", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd,
+                          env=dict(os.environ, PYTHONPATH=PACKAGE_ROOTS), timeout=300)
+
+
+def test_gpt2_train_offload_moments_resumes_and_reports(tmp_path):
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    full = run_cli("--model", "tiny", "--steps", "8", "--out-dir", tmp_path / "full",
+                   cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    first = run_cli("--model", "tiny", "--steps", "4", "--offload", "moments", "--spill-dir", spill,
+                    "--out-dir", tmp_path / "off", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "AdamW moments on disk" in first.stdout
+    rest = run_cli("--resume", tmp_path / "off" / "checkpoint.bin", "--steps", "8",
+                   "--out-dir", tmp_path / "off", cwd=tmp_path)      # resumed in memory
+    assert rest.returncode == 0, rest.stderr
+    log = lambda d: [line.split(",")[1] for line in (d / "log.csv").read_text().splitlines()]
+    assert log(tmp_path / "off") == log(tmp_path / "full")
+    assert os.listdir(spill) == []
+    import json
+    summary = json.loads((tmp_path / "off" / "summary.json").read_text())
+    assert summary["memory_policy"]["offload"] == "none"
+
+
+def test_gpt2_train_on_a_full_disk_is_one_error_line(tiny_disk, tmp_path):
+    ok = run_cli("--model", "small", "--steps", "2", "--out-dir", tmp_path / "run", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    before = (tmp_path / "run" / "checkpoint.bin").read_bytes()
+    proc = run_cli("--resume", tmp_path / "run" / "checkpoint.bin",
+                   "--steps", "4", "--offload", "moments", "--spill-dir", tiny_disk,
+                   cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0] and "cannot reserve" in lines[0]
+    assert "No space left on device" in lines[0] and "Errno" not in lines[0]
+    assert (tmp_path / "run" / "checkpoint.bin").read_bytes() == before
+    assert os.listdir(tiny_disk) == []
