@@ -7,7 +7,10 @@
   derivatives (``defvjp``, ``custom_vjp``); ``checkpoint`` and
   ``checkpoint_loop`` (binomial schedule).  GPT-2 ops over the OpenMP kernels
   are in ``adtape.nn``.
-* Scalar mode: ``Scalar`` variables on a ``ScalarTape`` for plain Python functions.
+* ``adtape.numpy`` (NumPy's functions, recorded) and the transforms ``grad``,
+  ``jvp``, ``jacrev``/``jacobian``, ``jacfwd``, ``hessian``, ``hvp``, to any order.
+* Scalar mode: ``Scalar`` variables on a ``ScalarTape`` for plain Python functions
+  (``adtape.math`` for the ``math`` module's functions).
 """
 import os as _os
 
@@ -29,7 +32,8 @@ from adtape.tensor import (Tensor, OpTape, Primitive, primitive, defvjp, defvjp_
 from adtape.vjps import (add, sub, mul, div, neg, power, matmul, exp, log, tanh, sum, mean,
                          reshape, transpose, getitem, embedding)
 from adtape.scalar import Scalar, ScalarTape
-from adtape.functional import grad, value_and_grad
+from adtape.functional import (grad, value_and_grad, jvp, jacrev, jacobian, jacfwd, hessian,
+                               hvp)
 from adtape.gradcheck import check_grads
 from adtape.checkpointing import checkpoint, checkpoint_loop, revolve_cost, revolve_schedule
 
@@ -43,7 +47,8 @@ __all__ = [
     "add", "sub", "mul", "div", "neg", "power", "matmul", "exp", "log", "tanh", "sum", "mean",
     "reshape", "transpose", "getitem", "embedding",
     # scalar mode, transforms, checking, checkpointing
-    "Scalar", "ScalarTape", "grad", "value_and_grad", "check_grads",
+    "Scalar", "ScalarTape", "grad", "value_and_grad", "jvp", "jacrev", "jacobian", "jacfwd",
+    "hessian", "hvp", "check_grads",
     "checkpoint", "checkpoint_loop", "revolve_cost", "revolve_schedule",
 ]
 __version__ = "0.1.0"

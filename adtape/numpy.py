@@ -1,13 +1,19 @@
-"""NumPy's names for the ops adtape can differentiate, and NumPy's protocols for Tensors.
+"""NumPy's names for the functions adtape can differentiate, and NumPy's protocols for Tensors.
 
 ``import adtape.numpy as anp`` (as ``autograd.numpy``) gives functions that take
-arrays, Python numbers and Tensors and record like adtape's ops: ``anp.exp(x)``
-is ``adtape.exp(x)``.  A NumPy name adtape has no derivative rule for raises
-AttributeError naming it, so ``hasattr(anp, "sin")`` says whether adtape can
-differentiate ``numpy.sin``.
+arrays, Python numbers and Tensors, broadcast like NumPy, keep float32/float64
+and record onto the current ``OpTape``: ``anp.sin(x)``, ``anp.linalg.solve(a, b)``.
+Each is a primitive of the derivative table (``adtape.numpy_vjps``, the built-in
+ops of ``adtape.vjps``) or a composition of them; the rules can themselves be
+differentiated, so ``grad`` of ``grad``, ``hessian`` and ``jvp`` work through all
+of them.  A NumPy name adtape has no derivative rule for raises AttributeError
+naming it, so ``hasattr(anp, "sort")`` says whether adtape can differentiate
+``numpy.sort``; a supported function called with options it has no rule for
+(``pad`` with ``mode="reflect"``, ``einsum`` with ``...``) raises
+NotImplementedError naming them.
 
 The same table answers NumPy when it is handed a Tensor (``Tensor.__array_ufunc__``
-and ``__array_function__``): ``np.exp(t)``, ``np.sum(t, axis=0)`` and
+and ``__array_function__``): ``np.sin(t)``, ``np.sum(t, axis=0)`` and
 ``ndarray * t`` record the adtape op.  Every other NumPy function, ufunc method
 (``np.add.reduce``) or ufunc keyword (``out=``, ``where=``, ``dtype=``) raises
 TypeError, for a Tensor that requires grad and a constant one alike, so a
@@ -15,15 +21,26 @@ program never loses a gradient silently and behaves the same with or without
 grad.  ``np.asarray(t)`` is the explicit detach: it returns the data, and no
 gradient flows through what is computed from it.
 """
+import builtins
 import inspect
+import sys
+import types
 
 import numpy as np
 
+from adtape import numpy_vjps as _t
 from adtape import vjps as _ops
+from adtape.scalar import Scalar
 from adtape.tensor import Tensor, _constant
+
 
 def _data(a):
     return a.data if type(a) is Tensor else a
+
+
+def _shape_only(shape):
+    """A zero-memory array of ``shape`` for NumPy's shape arithmetic and checks."""
+    return np.broadcast_to(np.False_, shape)
 
 
 def positive(x):
@@ -31,35 +48,580 @@ def positive(x):
     return x if type(x) is Tensor else _constant(np.asarray(np.positive(x)))
 
 
-# keepdims is keyword-only: NumPy's third and fourth positions are dtype and out.
+def _elementwise(prim, scalar_name=None):
+    """The adtape.numpy function of a unary primitive; a Scalar goes to scalar mode."""
+    def f(x):
+        if type(x) is Scalar:
+            from adtape import math as _math
+            return getattr(_math, scalar_name or prim.name)(x)
+        return prim(x)
+    f.__name__ = prim.name
+    f.__qualname__ = prim.name
+    f.__doc__ = f"numpy.{prim.name}, recorded (rule in adtape.numpy_vjps)."
+    return f
+
+
+sin = _elementwise(_t.SIN)
+cos = _elementwise(_t.COS)
+tan = _elementwise(_t.TAN)
+arcsin = _elementwise(_t.ARCSIN, "asin")
+arccos = _elementwise(_t.ARCCOS, "acos")
+arctan = _elementwise(_t.ARCTAN, "atan")
+sinh = _elementwise(_t.SINH)
+cosh = _elementwise(_t.COSH)
+arcsinh = _elementwise(_t.ARCSINH, "asinh")
+arccosh = _elementwise(_t.ARCCOSH, "acosh")
+arctanh = _elementwise(_t.ARCTANH, "atanh")
+sqrt = _elementwise(_t.SQRT)
+cbrt = _elementwise(_t.CBRT)
+square = _elementwise(_t.SQUARE)
+absolute = _elementwise(_t.ABS, "fabs")
+abs = absolute
+reciprocal = _elementwise(_t.RECIPROCAL)
+exp2 = _elementwise(_t.EXP2)
+expm1 = _elementwise(_t.EXPM1)
+log2 = _elementwise(_t.LOG2)
+log10 = _elementwise(_t.LOG10)
+log1p = _elementwise(_t.LOG1P)
+sign = _elementwise(_t.SIGN)
+floor = _elementwise(_t.FLOOR)
+ceil = _elementwise(_t.CEIL)
+rint = _elementwise(_t.RINT)
+trunc = _elementwise(_t.TRUNC)
+
+
+def sigmoid(x):
+    """``1 / (1 + exp(-x))`` (not a NumPy name; as ``scipy.special.expit``)."""
+    return _t.SIGMOID(x)
+
+
+def arctan2(x1, x2):
+    return _t.ARCTAN2(x1, x2)
+
+
+def hypot(x1, x2):
+    return _t.HYPOT(x1, x2)
+
+
+def logaddexp(x1, x2):
+    return _t.LOGADDEXP(x1, x2)
+
+
+def logaddexp2(x1, x2):
+    return _t.LOGADDEXP2(x1, x2)
+
+
+def maximum(x1, x2):
+    """Elementwise maximum; on a tie each operand gets half the gradient (as autograd)."""
+    return _t.MAXIMUM(x1, x2)
+
+
+def minimum(x1, x2):
+    """Elementwise minimum; on a tie each operand gets half the gradient (as autograd)."""
+    return _t.MINIMUM(x1, x2)
+
+
+def clip(a, a_min=None, a_max=None):
+    """``numpy.clip``; the bounds may be arrays or Tensors too (they get the gradient
+    where they are the result)."""
+    if a_min is None and a_max is None:
+        raise ValueError("clip: give a_min or a_max (or both)")
+    return _t.CLIP(a, a_min, a_max)
+
+
+def where(condition, x=None, y=None):
+    """``numpy.where(condition, x, y)``; ``condition`` is not differentiated."""
+    if x is None or y is None:
+        raise TypeError("where: adtape differentiates where(condition, x, y); the one-argument "
+                        "form returns indices (np.nonzero)")
+    return _t.WHERE(x, y, condition=np.asarray(_data(condition), dtype=bool))
+
+
+def round(a, decimals=0):
+    return _t.ROUND(a, decimals=decimals)
+
+
+around = round
+
+
+# -- reductions (keepdims is keyword-only: NumPy's third and fourth positions are dtype
+# and out) -------------------------------------------------------------------------
+
+def _axis(axis):
+    return tuple(axis) if isinstance(axis, list) else axis
+
 
 def sum(a, axis=None, *, keepdims=False):
-    return _ops.sum(a, axis, keepdims)
+    return _ops.sum(a, _axis(axis), keepdims)
 
 
 def mean(a, axis=None, *, keepdims=False):
-    return _ops.mean(a, axis, keepdims)
+    return _ops.mean(a, _axis(axis), keepdims)
 
+
+def prod(a, axis=None, *, keepdims=False):
+    return _t.PROD(a, axis=_axis(axis), keepdims=keepdims)
+
+
+def max(a, axis=None, *, keepdims=False):
+    """``numpy.max``; tied maxima share the gradient evenly (as autograd)."""
+    return _t.MAX(a, axis=_axis(axis), keepdims=keepdims)
+
+
+def min(a, axis=None, *, keepdims=False):
+    """``numpy.min``; tied minima share the gradient evenly (as autograd)."""
+    return _t.MIN(a, axis=_axis(axis), keepdims=keepdims)
+
+
+amax = max
+amin = min
+
+
+def var(a, axis=None, *, ddof=0, keepdims=False):
+    return _t.VAR(a, axis=_axis(axis), ddof=ddof, keepdims=keepdims)
+
+
+def std(a, axis=None, *, ddof=0, keepdims=False):
+    return sqrt(var(a, axis, ddof=ddof, keepdims=keepdims))
+
+
+def logsumexp(a, axis=None, keepdims=False):
+    """``log(sum(exp(a), axis))`` computed stably (as ``scipy.special.logsumexp``)."""
+    return _t.LOGSUMEXP(a, axis=_axis(axis), keepdims=keepdims)
+
+
+def cumsum(a, axis=None):
+    return _t.CUMSUM(a, axis=axis)
+
+
+def cumprod(a, axis=None):
+    return _t.CUMPROD(a, axis=axis)
+
+
+def softmax(x, axis=-1):
+    """``exp(x) / sum(exp(x), axis)``, computed stably."""
+    return _t.SOFTMAX(x, axis=axis)
+
+
+def log_softmax(x, axis=-1):
+    """``x - logsumexp(x, axis)``."""
+    return _t.LOG_SOFTMAX(x, axis=axis)
+
+
+# -- shape and indexing ------------------------------------------------------------
 
 def reshape(a, shape):
     return _ops.reshape(a, shape)
+
+
+def ravel(a):
+    return _ops.reshape(a, (-1,))
 
 
 def transpose(a, axes=None):
     return _ops.transpose(a, axes)
 
 
+def expand_dims(a, axis):
+    return _ops.reshape(a, np.expand_dims(_shape_only(np.shape(_data(a))), axis).shape)
+
+
+def squeeze(a, axis=None):
+    return _ops.reshape(a, np.squeeze(_shape_only(np.shape(_data(a))), axis).shape)
+
+
+def broadcast_to(array, shape):
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if np.shape(_data(array)) == shape:
+        return array if type(array) is Tensor else _constant(np.asarray(array))
+    return _t.BROADCAST_TO(array, shape=shape)
+
+
+def _normalize_axes(axes, ndim, what):
+    single = isinstance(axes, (int, np.integer))
+    axes = (axes,) if single else tuple(axes)
+    out = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise np.exceptions.AxisError(f"{what}: axis {a} is out of bounds for an array of "
+                                          f"dimension {ndim}")
+        out.append(int(a) % ndim)
+    return out
+
+
+def swapaxes(a, axis1, axis2):
+    nd = np.ndim(_data(a))
+    i, j = _normalize_axes((axis1, axis2), nd, "swapaxes")
+    perm = list(range(nd))
+    perm[i], perm[j] = j, i
+    return _ops.transpose(a, tuple(perm))
+
+
+def moveaxis(a, source, destination):
+    nd = np.ndim(_data(a))
+    src = _normalize_axes(source, nd, "moveaxis")
+    dst = _normalize_axes(destination, nd, "moveaxis")
+    if len(src) != len(dst):
+        raise ValueError("moveaxis: source and destination must have the same number of "
+                         "elements")
+    order = [n for n in range(nd) if n not in src]
+    for d, s in sorted(zip(dst, src)):
+        order.insert(d, s)
+    return _ops.transpose(a, tuple(order))
+
+
+def flip(m, axis=None):
+    nd = np.ndim(_data(m))
+    axes = range(nd) if axis is None else _normalize_axes(axis, nd, "flip")
+    index = [slice(None)] * nd
+    for a in axes:
+        index[a] = slice(None, None, -1)
+    return _ops.getitem(m, tuple(index))
+
+
+def roll(a, shift, axis=None):
+    shift = tuple(int(s) for s in shift) if isinstance(shift, (tuple, list)) else int(shift)
+    axis = tuple(axis) if isinstance(axis, list) else axis
+    return _t.ROLL(a, shift=shift, axis=axis)
+
+
+def pad(array, pad_width, mode="constant", constant_values=0):
+    if mode != "constant":
+        raise NotImplementedError(f"pad: adtape has a rule for mode='constant' only, "
+                                  f"not mode={mode!r}")
+    if type(constant_values) is Tensor and constant_values.requires_grad:
+        raise NotImplementedError("pad: adtape has no rule for the argument constant_values "
+                                  "(a Tensor that requires grad)")
+    return _t.PAD(array, pad_width=pad_width, constant_values=_data(constant_values))
+
+
+def concatenate(arrays, axis=0):
+    arrays = list(arrays)
+    if not arrays:
+        raise ValueError("concatenate: need at least one array")
+    if axis is None:
+        arrays = [ravel(a) for a in arrays]
+        axis = 0
+    return _t.CONCATENATE(*arrays, axis=axis)
+
+
+def stack(arrays, axis=0):
+    arrays = list(arrays)
+    if not arrays:
+        raise ValueError("stack: need at least one array")
+    shapes = {np.shape(_data(a)) for a in arrays}
+    if len(shapes) != 1:
+        raise ValueError(f"stack: all input arrays must have the same shape, got "
+                         f"{sorted(shapes)}")
+    return concatenate([expand_dims(a, axis) for a in arrays], axis=axis)
+
+
+def hstack(tup):
+    arrays = [atleast_1d(a) for a in tup]
+    return concatenate(arrays, axis=0 if np.ndim(_data(arrays[0])) == 1 else 1)
+
+
+def vstack(tup):
+    return concatenate([atleast_2d(a) for a in tup], axis=0)
+
+
+def atleast_1d(a):
+    return a if np.ndim(_data(a)) >= 1 else reshape(a, (1,))
+
+
+def atleast_2d(a):
+    nd = np.ndim(_data(a))
+    return a if nd >= 2 else reshape(a, (1,) * (2 - nd) + np.shape(_data(a)))
+
+
+def _split(ary, indices_or_sections, axis, numpy_split):
+    shape = np.shape(_data(ary))
+    ax = _normalize_axes(axis, len(shape), "split")[0]
+    sizes = [len(p) for p in numpy_split(np.arange(shape[ax]), indices_or_sections)]
+    index = [slice(None)] * len(shape)
+    out = []
+    start = 0
+    for n in sizes:
+        index[ax] = slice(start, start + n)
+        out.append(_ops.getitem(ary, tuple(index)))
+        start += n
+    return out
+
+
+def split(ary, indices_or_sections, axis=0):
+    return _split(ary, indices_or_sections, axis, np.split)
+
+
+def array_split(ary, indices_or_sections, axis=0):
+    return _split(ary, indices_or_sections, axis, np.array_split)
+
+
+def tile(A, reps):
+    shape = np.shape(_data(A))
+    reps = (int(reps),) if isinstance(reps, (int, np.integer)) else tuple(int(r) for r in reps)
+    d = builtins.max(len(shape), len(reps))
+    shape = (1,) * (d - len(shape)) + shape
+    reps = (1,) * (d - len(reps)) + reps
+    spread = _ops.reshape(A, tuple(x for n in shape for x in (1, n)))
+    big = broadcast_to(spread, tuple(x for r, n in zip(reps, shape) for x in (r, n)))
+    return _ops.reshape(big, tuple(r * n for r, n in zip(reps, shape)))
+
+
+def take(a, indices, axis=None):
+    indices = np.asarray(_data(indices))
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"take: indices must be integers, got {indices.dtype}")
+    if axis is None:
+        return _ops.getitem(ravel(a), indices)
+    ax = _normalize_axes(axis, np.ndim(_data(a)), "take")[0]
+    return _ops.getitem(a, (slice(None),) * ax + (indices,))
+
+
+def repeat(a, repeats, axis=None):
+    if axis is None:
+        a = ravel(a)
+        axis = 0
+    n = np.shape(_data(a))[_normalize_axes(axis, np.ndim(_data(a)), "repeat")[0]]
+    return take(a, np.repeat(np.arange(n), _data(repeats)), axis)
+
+
+def take_along_axis(arr, indices, axis):
+    indices = np.asarray(_data(indices))
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"take_along_axis: indices must be integers, got {indices.dtype}")
+    if axis is None:
+        return _ops.getitem(ravel(arr), indices.reshape(-1))
+    shape = np.shape(_data(arr))
+    if indices.ndim != len(shape):
+        raise ValueError(f"take_along_axis: indices ({indices.ndim}-d) and arr ({len(shape)}-d) "
+                         f"must have the same number of dimensions")
+    ax = _normalize_axes(axis, len(shape), "take_along_axis")[0]
+    index = []
+    for d, n in enumerate(shape):
+        if d == ax:
+            index.append(np.where(indices < 0, indices + n, indices))
+        else:
+            index.append(np.arange(n).reshape((-1,) + (1,) * (len(shape) - 1 - d)))
+    return _ops.getitem(arr, tuple(index))
+
+
+def tril(m, k=0):
+    return _t.TRIL(m, k=k)
+
+
+def triu(m, k=0):
+    return _t.TRIU(m, k=k)
+
+
+def diagonal(a, offset=0, axis1=0, axis2=1):
+    return _t.DIAGONAL(a, offset=offset, axis1=axis1, axis2=axis2)
+
+
+def trace(a, offset=0, axis1=0, axis2=1):
+    return sum(diagonal(a, offset, axis1, axis2), -1)
+
+
+# -- products ----------------------------------------------------------------------
+
+def matmul(x1, x2):
+    return _ops.matmul(x1, x2)
+
+
 def dot(a, b):
-    """``numpy.dot`` of 1-d and 2-d operands, where it is ``matmul``."""
     a_ndim, b_ndim = np.ndim(_data(a)), np.ndim(_data(b))
-    if a_ndim not in (1, 2) or b_ndim not in (1, 2):
-        raise TypeError(f"dot of a {a_ndim}-d and a {b_ndim}-d operand: adtape has a rule for "
-                        f"numpy.dot only with 1-d and 2-d operands (where it is matmul); use "
-                        f"matmul, or multiply for a scalar operand")
-    return _ops.matmul(a, b)
+    if a_ndim == 0 or b_ndim == 0:
+        return _ops.mul(a, b)
+    if a_ndim <= 2 and b_ndim <= 2:
+        return _ops.matmul(a, b)
+    return tensordot(a, b, ([a_ndim - 1], [builtins.max(b_ndim - 2, 0)]))
 
 
-# These read only the shape: there is no value to differentiate.
+def vdot(a, b):
+    return sum(ravel(a) * ravel(b))
+
+
+def inner(a, b):
+    if np.ndim(_data(a)) == 0 or np.ndim(_data(b)) == 0:
+        return _ops.mul(a, b)
+    return tensordot(a, b, ([-1], [-1]))
+
+
+def outer(a, b):
+    return _ops.mul(_ops.reshape(a, (-1, 1)), _ops.reshape(b, (1, -1)))
+
+
+def tensordot(a, b, axes=2):
+    sa, sb = np.shape(_data(a)), np.shape(_data(b))
+    if isinstance(axes, (int, np.integer)):
+        axes_a = list(range(len(sa) - axes, len(sa)))
+        axes_b = list(range(axes))
+    else:
+        axes_a, axes_b = axes
+        axes_a = [axes_a] if isinstance(axes_a, (int, np.integer)) else list(axes_a)
+        axes_b = [axes_b] if isinstance(axes_b, (int, np.integer)) else list(axes_b)
+    axes_a = _normalize_axes(axes_a, len(sa), "tensordot")
+    axes_b = _normalize_axes(axes_b, len(sb), "tensordot")
+    if [sa[i] for i in axes_a] != [sb[i] for i in axes_b]:
+        raise ValueError(f"tensordot: shape-mismatch for sum: {sa} axes {axes_a} against "
+                         f"{sb} axes {axes_b}")
+    free_a = [i for i in range(len(sa)) if i not in axes_a]
+    free_b = [i for i in range(len(sb)) if i not in axes_b]
+    k = int(np.prod([sa[i] for i in axes_a]))
+    left = _ops.reshape(_ops.transpose(a, tuple(free_a + axes_a)), (-1, k))
+    right = _ops.reshape(_ops.transpose(b, tuple(axes_b + free_b)), (k, -1))
+    return _ops.reshape(_ops.matmul(left, right),
+                        tuple(sa[i] for i in free_a) + tuple(sb[i] for i in free_b))
+
+
+def kron(a, b):
+    sa, sb = np.shape(_data(a)), np.shape(_data(b))
+    d = builtins.max(len(sa), len(sb))
+    sa = (1,) * (d - len(sa)) + sa
+    sb = (1,) * (d - len(sb)) + sb
+    left = _ops.reshape(a, tuple(x for n in sa for x in (n, 1)))
+    right = _ops.reshape(b, tuple(x for n in sb for x in (1, n)))
+    return _ops.reshape(_ops.mul(left, right), tuple(m * n for m, n in zip(sa, sb)))
+
+
+def einsum(subscripts, *operands):
+    """``numpy.einsum`` in the subscripts form, without ``...`` (write the axes out)."""
+    return _t.EINSUM(*operands, subscripts=subscripts)
+
+
+# -- linear algebra: anp.linalg ----------------------------------------------------
+
+def _solve(a, b):
+    return _t.SOLVE(a, b)
+
+
+def _inv(a):
+    return _t.INV(a)
+
+
+def _det(a):
+    return _t.DET(a)
+
+
+def _slogdet(a):
+    """``(sign, logabsdet)``; the sign is a constant."""
+    sign_ = np.linalg.slogdet(_data(a))[0]
+    return _constant(np.asarray(sign_)), _t.LOGABSDET(a)
+
+
+def _cholesky(a):
+    return _t.CHOLESKY(a)
+
+
+def _eigh(a, UPLO="L"):
+    """``(w, v)`` of a symmetric matrix (its lower triangle is read); the gradient
+    assumes distinct eigenvalues and is symmetric."""
+    if UPLO != "L":
+        raise NotImplementedError(f"eigh: adtape has a rule for UPLO='L' only, not {UPLO!r}")
+    packed = _t.EIGH(a)
+    return _ops.getitem(packed, (Ellipsis, 0, slice(None))), \
+        _ops.getitem(packed, (Ellipsis, slice(1, None), slice(None)))
+
+
+def _svd(a, full_matrices=True, compute_uv=True, hermitian=False):
+    """``u, s, vh`` (or ``s``); as autograd, the rule needs ``full_matrices=False`` unless
+    the matrix is square, and distinct nonzero singular values."""
+    shape = np.shape(_data(a))
+    if len(shape) < 2:
+        raise ValueError(f"svd: need an array of at least 2 dimensions, got shape {shape}")
+    m, n = shape[-2], shape[-1]
+    if full_matrices and compute_uv and m != n:
+        raise NotImplementedError("svd: adtape has no rule for full_matrices=True with a "
+                                  "non-square matrix; pass full_matrices=False")
+    if hermitian:
+        raise NotImplementedError("svd: adtape has no rule for hermitian=True")
+    packed = _t.SVD(a)
+    s = _ops.getitem(packed, (Ellipsis, m, slice(None)))
+    if not compute_uv:
+        return s
+    u = _ops.getitem(packed, (Ellipsis, slice(0, m), slice(None)))
+    v = _ops.getitem(packed, (Ellipsis, slice(m + 1, None), slice(None)))
+    return u, s, swapaxes(v, -1, -2)
+
+
+def _norm(x, ord=None, axis=None, keepdims=False):
+    """``numpy.linalg.norm``: vector norms (any ``ord``), matrix norms
+    (``'fro'``, ``'nuc'``, 1, -1, 2, -2, inf, -inf)."""
+    nd = np.ndim(_data(x))
+    if axis is None:
+        if ord is None:
+            out = sqrt(sum(x * x))
+            return reshape(out, (1,) * nd) if keepdims else out
+        if nd not in (1, 2):
+            raise ValueError("norm: improper number of dimensions to norm")
+        axis = tuple(range(nd))
+    axes = tuple(_normalize_axes(axis, nd, "norm"))
+    if len(axes) == 1:
+        out = _vector_norm(x, ord, axes[0])
+    elif len(axes) == 2:
+        out = _matrix_norm(x, ord, axes)
+    else:
+        raise ValueError("norm: improper number of dimensions to norm")
+    if keepdims:
+        shape = np.shape(_data(x))
+        out = reshape(out, tuple(1 if i in axes else n for i, n in enumerate(shape)))
+    return out
+
+
+def _vector_norm(x, ord, axis):
+    if ord is None or ord == 2:
+        return sqrt(sum(x * x, axis))
+    if ord == np.inf:
+        return max(absolute(x), axis)
+    if ord == -np.inf:
+        return min(absolute(x), axis)
+    if ord == 0:
+        return _constant(np.asarray(np.sum(_data(x) != 0, axis=axis), dtype=np.asarray(
+            _data(x)).dtype))
+    if ord == 1:
+        return sum(absolute(x), axis)
+    if isinstance(ord, str):
+        raise ValueError(f"norm: invalid norm order {ord!r} for vectors")
+    return sum(absolute(x) ** ord, axis) ** (1.0 / ord)
+
+
+def _matrix_norm(x, ord, axes):
+    row, col = axes
+    if ord is None or ord == "fro":
+        return sqrt(sum(x * x, axes))
+    if ord in (1, -1):
+        colsums = sum(absolute(x), row)
+        return (max if ord == 1 else min)(colsums, col - (col > row))
+    if ord in (np.inf, -np.inf):
+        rowsums = sum(absolute(x), col)
+        return (max if ord == np.inf else min)(rowsums, row - (row > col))
+    if ord in ("nuc", 2, -2):
+        s = _svd(moveaxis(x, (row, col), (-2, -1)), full_matrices=False, compute_uv=False)
+        return {"nuc": sum, 2: max, -2: min}[ord](s, -1)
+    raise ValueError(f"norm: invalid norm order {ord!r} for matrices")
+
+
+linalg = types.ModuleType("adtape.numpy.linalg", "numpy.linalg's functions, recorded.")
+for _name, _fun in (("solve", _solve), ("inv", _inv), ("det", _det), ("slogdet", _slogdet),
+                    ("cholesky", _cholesky), ("eigh", _eigh), ("svd", _svd), ("norm", _norm)):
+    _fun.__name__ = _fun.__qualname__ = _name
+    setattr(linalg, _name, _fun)
+linalg.__all__ = ["solve", "inv", "det", "slogdet", "cholesky", "eigh", "svd", "norm"]
+
+
+def _linalg_getattr(name):
+    if name.startswith("__"):
+        raise AttributeError(f"module 'adtape.numpy.linalg' has no attribute {name!r}")
+    if hasattr(np.linalg, name):
+        raise AttributeError(f"adtape.numpy.linalg has no {name!r}: adtape has no derivative "
+                             f"rule for numpy.linalg.{name} yet")
+    raise AttributeError(f"module 'adtape.numpy.linalg' has no attribute {name!r}")
+
+
+linalg.__getattr__ = _linalg_getattr
+sys.modules["adtape.numpy.linalg"] = linalg
+
+
+# -- constants and constructors: no gradient to record -----------------------------
 
 def shape(a):
     return np.shape(_data(a))
@@ -73,43 +635,87 @@ def size(a, axis=None):
     return np.size(_data(a), axis)
 
 
+def zeros_like(a, dtype=None):
+    return np.zeros_like(_data(a), dtype=dtype)
+
+
+def ones_like(a, dtype=None):
+    return np.ones_like(_data(a), dtype=dtype)
+
+
+def full_like(a, fill_value, dtype=None):
+    return np.full_like(_data(a), _data(fill_value), dtype=dtype)
+
+
+def argmax(a, axis=None):
+    return np.argmax(_data(a), axis)
+
+
+def argmin(a, axis=None):
+    return np.argmin(_data(a), axis)
+
+
+def argsort(a, axis=-1):
+    return np.argsort(_data(a), axis)
+
+
+_CONSTANTS = {name: getattr(np, name) for name in (
+    "pi", "e", "inf", "nan", "newaxis", "float32", "float64", "int32", "int64", "bool_",
+    "ndarray", "zeros", "ones", "empty", "full", "eye", "identity", "arange", "linspace",
+    "array", "asarray")}
+globals().update(_CONSTANTS)
+
+
 # NumPy name -> adtape function with NumPy's signature (the part of it adtape supports).
 # A ufunc is recorded when NumPy calls it on a Tensor with positional operands only;
 # any other NumPy function is handed its arguments as the caller wrote them.
 _FUNCTIONS = {
-    "add": _ops.add,
-    "subtract": _ops.sub,
-    "multiply": _ops.mul,
-    "divide": _ops.div,
-    "true_divide": _ops.div,
-    "negative": _ops.neg,
-    "positive": positive,
-    "power": _ops.power,
-    "matmul": _ops.matmul,
-    "exp": _ops.exp,
-    "log": _ops.log,
+    "add": _ops.add, "subtract": _ops.sub, "multiply": _ops.mul, "divide": _ops.div,
+    "true_divide": _ops.div, "negative": _ops.neg, "positive": positive,
+    "power": _ops.power, "matmul": matmul, "exp": _ops.exp, "log": _ops.log,
     "tanh": _ops.tanh,
-    "sum": sum,
-    "mean": mean,
-    "reshape": reshape,
-    "transpose": transpose,
-    "dot": dot,
-    "shape": shape,
-    "ndim": ndim,
-    "size": size,
+    "sin": sin, "cos": cos, "tan": tan, "arcsin": arcsin, "arccos": arccos, "arctan": arctan,
+    "sinh": sinh, "cosh": cosh, "arcsinh": arcsinh, "arccosh": arccosh, "arctanh": arctanh,
+    "sqrt": sqrt, "cbrt": cbrt, "square": square, "absolute": absolute, "abs": absolute,
+    "reciprocal": reciprocal, "exp2": exp2, "expm1": expm1, "log2": log2, "log10": log10,
+    "log1p": log1p, "sign": sign, "floor": floor, "ceil": ceil, "rint": rint, "trunc": trunc,
+    "arctan2": arctan2, "hypot": hypot, "logaddexp": logaddexp, "logaddexp2": logaddexp2,
+    "maximum": maximum, "minimum": minimum, "clip": clip, "where": where, "round": round,
+    "around": around,
+    "sum": sum, "mean": mean, "prod": prod, "max": max, "min": min, "amax": amax,
+    "amin": amin, "var": var, "std": std, "cumsum": cumsum, "cumprod": cumprod,
+    "reshape": reshape, "ravel": ravel, "transpose": transpose, "expand_dims": expand_dims,
+    "squeeze": squeeze, "broadcast_to": broadcast_to, "swapaxes": swapaxes,
+    "moveaxis": moveaxis, "flip": flip, "roll": roll, "pad": pad,
+    "concatenate": concatenate, "stack": stack, "hstack": hstack, "vstack": vstack,
+    "atleast_1d": atleast_1d, "atleast_2d": atleast_2d, "split": split,
+    "array_split": array_split, "tile": tile, "repeat": repeat, "take": take,
+    "take_along_axis": take_along_axis, "tril": tril, "triu": triu, "diagonal": diagonal,
+    "trace": trace,
+    "dot": dot, "vdot": vdot, "inner": inner, "outer": outer, "tensordot": tensordot,
+    "kron": kron, "einsum": einsum,
+    "shape": shape, "ndim": ndim, "size": size, "zeros_like": zeros_like,
+    "ones_like": ones_like, "full_like": full_like, "argmax": argmax, "argmin": argmin,
+    "argsort": argsort,
 }
+_LINALG = {f"linalg.{name}": getattr(linalg, name) for name in linalg.__all__}
+# Not NumPy names (scipy.special's and adtape.nn's).
+_EXTRA = {"logsumexp": logsumexp, "softmax": softmax, "log_softmax": log_softmax,
+          "sigmoid": sigmoid}
 globals().update(_FUNCTIONS)
-__all__ = list(_FUNCTIONS)
+__all__ = sorted(set(_FUNCTIONS) | set(_EXTRA) | set(_CONSTANTS) | {"linalg"})
 
 _UFUNCS = {}            # numpy ufunc -> adtape function
 _ARRAY_FUNCTIONS = {}   # numpy function -> (adtape function, its signature)
-for _name, _fun in _FUNCTIONS.items():
-    _np_fun = getattr(np, _name)
+for _name, _fun in {**_FUNCTIONS, **_LINALG}.items():
+    _np_fun = np
+    for _part in _name.split("."):
+        _np_fun = getattr(_np_fun, _part)
     if isinstance(_np_fun, np.ufunc):
         _UFUNCS[_np_fun] = _fun
     else:
         _ARRAY_FUNCTIONS[_np_fun] = (_fun, inspect.signature(_fun))
-del _name, _fun, _np_fun
+del _name, _fun, _np_fun, _part
 
 
 def __getattr__(name):
@@ -151,7 +757,8 @@ def _array_ufunc(ufunc, method, inputs, kwargs):
 def _array_function(func, args, kwargs):
     """``Tensor.__array_function__``: record the function's adtape op, or raise TypeError."""
     entry = _ARRAY_FUNCTIONS.get(func)
-    name = f"{getattr(func, '__module__', None) or 'numpy'}.{func.__name__}"
+    module = getattr(func, "__module__", None) or "numpy"
+    name = f"{'numpy.linalg' if module.startswith('numpy.linalg') else module}.{func.__name__}"
     if entry is None:
         raise _lost_gradient(name)
     fun, signature = entry

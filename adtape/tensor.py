@@ -56,7 +56,7 @@ class Primitive:
     where ``fresh[i]``: that buffer holds no gradient yet, only garbage.
     """
     __slots__ = ("name", "argnames", "fwd", "vjps", "bwd", "bwd_acc", "bwd_overwrite",
-                 "__weakref__")
+                 "differentiable", "__weakref__")
 
     def __init__(self, name, argnames, fwd=None):
         self.name = name
@@ -66,13 +66,16 @@ class Primitive:
         self.bwd = None
         self.bwd_acc = None
         self.bwd_overwrite = False
+        # True when the rules are written in NumPy functions that also take Tensors, so
+        # that a sweep that records (higher order, forward mode) can differentiate them.
+        self.differentiable = False
 
     def __repr__(self):
         return f"<adtape primitive {self.name}({', '.join(self.argnames)})>"
 
     def __call__(self, *args, **kwargs):
         """Apply a primitive whose ``fwd(*arrays, **kwargs)`` returns ``(out, residuals)``."""
-        if len(args) != len(self.argnames):
+        if len(args) != len(self.argnames) and not self.argnames[-1].startswith("*"):
             raise TypeError(f"{self.name} takes {len(self.argnames)} arguments "
                             f"({', '.join(self.argnames)}), got {len(args)}")
         arrays = [a.data if type(a) is Tensor else a for a in args]
@@ -86,7 +89,7 @@ class Primitive:
         return _constant(out)
 
     def missing_rule(self, argnum):
-        name = self.argnames[argnum] if argnum < len(self.argnames) else str(argnum)
+        name = self.argnames[min(argnum, len(self.argnames) - 1)]
         return NotImplementedError(
             f"no VJP rule for argument {argnum} ({name!r}) of op {self.name!r}; "
             f"register one with adtape.defvjp({self.name}, ...)")
@@ -124,9 +127,14 @@ def _argnames(fun):
     return code.co_varnames[:code.co_argcount]
 
 
-def defvjp(prim, *pullbacks):
+def defvjp(prim, *pullbacks, differentiable=False):
     """Register one pullback per argument of ``prim``; ``None`` marks an argument
-    without a rule (differentiating through it raises NotImplementedError)."""
+    without a rule (differentiating through it raises NotImplementedError).
+
+    ``differentiable=True`` declares that the pullbacks are written in NumPy
+    functions and operators that adtape can record when handed Tensors (as the
+    built-in table's are), so ``grad`` of ``grad``, ``hessian`` and ``jvp`` may
+    differentiate them; otherwise those transforms raise NotImplementedError."""
     if not isinstance(prim, Primitive):
         raise TypeError(f"defvjp needs an adtape Primitive, got {type(prim).__name__}")
     if len(pullbacks) > len(prim.argnames):
@@ -135,6 +143,7 @@ def defvjp(prim, *pullbacks):
     prim.vjps = tuple(pullbacks) + (None,) * (len(prim.argnames) - len(pullbacks))
     prim.bwd = prim.bwd_acc = None
     prim.bwd_overwrite = False
+    prim.differentiable = bool(differentiable)
     return prim
 
 
@@ -154,6 +163,7 @@ def defvjp_accumulate(prim, bwd, overwrite=False):
     prim.bwd_acc = bwd
     prim.bwd_overwrite = bool(overwrite)
     prim.vjps = prim.bwd = None
+    prim.differentiable = False
     return prim
 
 
@@ -173,6 +183,7 @@ class custom_vjp:
         self.prim.bwd = bwd
         self.prim.vjps = self.prim.bwd_acc = None
         self.prim.bwd_overwrite = False
+        self.prim.differentiable = False
         return self
 
     def __call__(self, *args, **kwargs):
@@ -182,7 +193,7 @@ class custom_vjp:
 class _Graph:
     """One recording: the node list over a byte tape, and the leaves it reads."""
     __slots__ = ("nodes", "leaves", "tape", "owner", "freed", "child", "mark", "held",
-                 "held_ids", "held_bytes")
+                 "held_ids", "held_bytes", "keep")
 
     def __init__(self, tape, owner, mark=None):
         self.nodes = []
@@ -195,6 +206,9 @@ class _Graph:
         self.held = []          # residuals kept by reference and made read-only here
         self.held_ids = set()   # id() of every array kept by reference (alive while kept)
         self.held_bytes = 0     # bytes of the distinct arrays kept by reference
+        # > 0 while a transform records for a derivative of a derivative: nodes then keep
+        # their residual Tensors themselves (see _record), nothing goes on the byte tape.
+        self.keep = 0
 
     def release(self):
         """Make the residuals this graph held by reference writable again."""
@@ -573,6 +587,8 @@ def _record(prim, out, inputs, res, kwargs):
             refs.append(None)
             shapes.append(None)
     n_tape = 0
+    if graph.keep:
+        return _record_keeping(graph, prim, out, refs, shapes, res, kwargs)
     if res:
         push = graph.tape.push_array
         by_reference = graph.owner.by_reference
@@ -614,6 +630,23 @@ def _record(prim, out, inputs, res, kwargs):
     t._ref = len(nodes)
     t._is_leaf = False
     nodes.append((prim, refs, shapes, kept, n_tape, kwargs))
+    return t
+
+
+def _record_keeping(graph, prim, out, refs, shapes, res, kwargs):
+    """``_record`` for a graph that a derivative of a derivative will sweep: the node
+    keeps its residual Tensors (so the rules see them connected to the graph) and the
+    output's array as the output Tensor; ``n_tape`` -1 marks such a node."""
+    nodes = graph.nodes
+    t = _new_tensor(Tensor)
+    t.data = out
+    t.grad = None
+    t.requires_grad = True
+    t._graph = graph
+    t._ref = len(nodes)
+    t._is_leaf = False
+    kept = tuple(t if r is out else r for r in res) if res else ()
+    nodes.append((prim, refs, shapes, kept, -1, kwargs))
     return t
 
 
@@ -659,9 +692,9 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
             prim, refs, shapes, kept, n_tape, kwargs = nodes[i]
             if n_tape == 1:
                 popped = [pop()]
-            elif n_tape:
+            elif n_tape > 1:
                 popped = [pop() for _ in range(n_tape)]
-            if n_tape and parked is not None:
+            if n_tape > 0 and parked is not None:
                 for a in popped:
                     parked.push_array(a)
             g = grads[i]
@@ -672,6 +705,8 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
             grads[i] = None
             if not n_tape:
                 res = kept
+            elif n_tape < 0:
+                res = [r.data if type(r) is Tensor else r for r in kept]
             elif n_tape == len(kept):
                 popped.reverse()
                 res = popped
@@ -757,6 +792,74 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
     graph.release()
     if graph.mark is None and graph is graph.owner.graph:
         graph.owner._fresh_root()
+
+
+@contextlib.contextmanager
+def keeping(graph):
+    """Record onto ``graph`` in keep mode (see ``_record_keeping``) inside the block."""
+    graph.keep += 1
+    try:
+        yield graph
+    finally:
+        graph.keep -= 1
+
+
+def sweep_keeping(graph, start, out_ref, seed, wrt_refs, create):
+    """A reverse sweep over nodes ``start..out_ref`` of ``graph`` (recorded in keep mode)
+    that leaves the graph as it is, so it can run again with another seed.
+
+    Returns the cotangents reaching ``wrt_refs`` (node indices, or leaf refs) in that
+    order, ``None`` where none does.  With ``create`` the rules run with recording on,
+    onto the current graph, so the result can be differentiated again (their inputs
+    are Tensors of ``graph``); without it they run on constants.  An op whose rules
+    cannot take Tensors raises NotImplementedError: nothing is silently a constant.
+    """
+    nodes = graph.nodes
+    wanted = set(wrt_refs)
+    grads = {out_ref: seed}
+    enabled = _state.enabled
+    _state.enabled = create
+    try:
+        for i in range(out_ref, start - 1, -1):
+            if i in wanted:
+                continue
+            g = grads.pop(i, None)
+            if g is None:
+                continue
+            prim, refs, shapes, kept, n_tape, kwargs = nodes[i]
+            if n_tape >= 0 or not prim.differentiable:
+                raise NotImplementedError(
+                    f"op {prim.name!r} has no rule adtape can differentiate again (grad of "
+                    f"grad, hessian, jvp, jacfwd, jacrev record its VJP rule); the built-in "
+                    f"ops and adtape.numpy have such rules, kernel ops of adtape.nn do not"
+                    + ("" if n_tape < 0 else " (or it was recorded before the transform)"))
+            if prim.vjps is not None:
+                outs = []
+                for j, ref in enumerate(refs):
+                    if ref is None or (ref < start and ref not in wanted):
+                        outs.append(None)
+                        continue
+                    pullback = prim.vjps[j]
+                    if pullback is None:
+                        raise prim.missing_rule(j)
+                    outs.append(pullback(g, *kept, **kwargs) if kwargs else pullback(g, *kept))
+            else:
+                outs = prim.bwd(kept, g)
+            for j, ref in enumerate(refs):
+                if ref is None or (ref < start and ref not in wanted):
+                    continue
+                r = outs[j]
+                if r is None:
+                    raise prim.missing_rule(j)
+                if type(r) is not Tensor and type(r) is not _ndarray:
+                    r = np.asarray(r)
+                if r.shape != shapes[j]:
+                    r = _unbroadcast(r, shapes[j])
+                cur = grads.get(ref)
+                grads[ref] = r if cur is None else cur + r
+    finally:
+        _state.enabled = enabled
+    return [grads.get(ref) for ref in wrt_refs]
 
 
 # Leaf -> its gradient hooks (Tensor.register_grad_hook).

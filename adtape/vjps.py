@@ -310,12 +310,17 @@ def _matmul_y(g, x, y, x_ndim, y_ndim):
 
 
 def _reduced_grad(g, shape, kshape, scale):
+    if type(g) is Tensor:       # a sweep that records: stay differentiable
+        g = g.reshape(kshape)
+        return np.broadcast_to(g if scale == 1.0 else g * scale, shape)
     out = np.empty(shape, g.dtype)
     out[...] = g.reshape(kshape) if scale == 1.0 else g.reshape(kshape) * scale
     return out
 
 
 def _getitem_vjp(g, shape, index, basic):
+    if type(g) is Tensor:
+        return scatter_add(g, shape, index, basic)
     out = np.zeros(shape, g.dtype)
     if basic:
         out[index] = g
@@ -325,6 +330,8 @@ def _getitem_vjp(g, shape, index, basic):
 
 
 def _embedding_vjp(g, shape, ids):
+    if type(g) is Tensor:
+        return scatter_add(g, shape, ids, False)
     out = np.zeros(shape, g.dtype)
     np.add.at(out, ids.reshape(-1), g.reshape(-1, shape[1]))
     return out
@@ -334,23 +341,42 @@ def _transpose_vjp(g, axes):
     return g.transpose() if axes is None else g.transpose(np.argsort(axes))
 
 
-defvjp(ADD, lambda g: g, lambda g: g)
-defvjp(SUB, lambda g: g, lambda g: -g)
-defvjp(MUL, lambda g, y, x: g * y, lambda g, y, x: g * x)
-defvjp(DIV, lambda g, y, out: g / y, lambda g, y, out: -g * out / y)
+def scatter_add(g, shape, index, basic):
+    """An array of ``shape``, zero but for ``g`` added at ``index`` (repeats accumulate):
+    the gradient of ``x[index]``, recorded so that it can be differentiated again."""
+    gd = g.data if type(g) is Tensor else g
+    out = np.zeros(shape, gd.dtype)
+    if basic:
+        out[index] = gd
+    else:
+        np.add.at(out, index, gd)
+    if _state.enabled and type(g) is Tensor and g.requires_grad:
+        return _record(SCATTER_ADD, out, (g,), (), {"index": index})
+    return _constant(out)
+
+
+SCATTER_ADD = Primitive("scatter_add", ("g",))
+
+# The rules are written in NumPy functions and operators, which record when handed
+# Tensors (a sweep that records for a derivative of a derivative hands them Tensors).
+defvjp(ADD, lambda g: g, lambda g: g, differentiable=True)
+defvjp(SUB, lambda g: g, lambda g: -g, differentiable=True)
+defvjp(MUL, lambda g, y, x: g * y, lambda g, y, x: g * x, differentiable=True)
+defvjp(DIV, lambda g, y, out: g / y, lambda g, y, out: -g * out / y, differentiable=True)
 defvjp(POW, lambda g, x, y, out: g * y * x ** (y - 1),
-       lambda g, x, y, out: g * out * np.log(x))
-defvjp(MATMUL, _matmul_x, _matmul_y)
-defvjp(NEG, lambda g: -g)
-defvjp(EXP, lambda g, out: g * out)
-defvjp(LOG, lambda g, x: g / x)
-defvjp(TANH, lambda g, out: g * (1 - out * out))
-defvjp(SUM, _reduced_grad)
-defvjp(MEAN, _reduced_grad)
-defvjp(RESHAPE, lambda g, shape: g.reshape(shape))
-defvjp(TRANSPOSE, _transpose_vjp)
-defvjp(GETITEM, _getitem_vjp)
-defvjp(EMBEDDING, _embedding_vjp, None)
+       lambda g, x, y, out: g * out * np.log(x), differentiable=True)
+defvjp(MATMUL, _matmul_x, _matmul_y, differentiable=True)
+defvjp(NEG, lambda g: -g, differentiable=True)
+defvjp(EXP, lambda g, out: g * out, differentiable=True)
+defvjp(LOG, lambda g, x: g / x, differentiable=True)
+defvjp(TANH, lambda g, out: g * (1 - out * out), differentiable=True)
+defvjp(SUM, _reduced_grad, differentiable=True)
+defvjp(MEAN, _reduced_grad, differentiable=True)
+defvjp(RESHAPE, lambda g, shape: g.reshape(shape), differentiable=True)
+defvjp(TRANSPOSE, _transpose_vjp, differentiable=True)
+defvjp(GETITEM, _getitem_vjp, differentiable=True)
+defvjp(EMBEDDING, _embedding_vjp, None, differentiable=True)
+defvjp(SCATTER_ADD, lambda g, index: g[index], differentiable=True)
 
 
 # -- Tensor operators and methods --------------------------------------------------

@@ -113,25 +113,26 @@ def lost_gradient(what):
                                           rf".*np\.asarray\(tensor\)")
 
 
-def test_the_issue_example_raises_instead_of_returning_zeros():
-    with lost_gradient(r"numpy\.sin"):
-        ad.grad(lambda a: ad.sum(np.sin(a)))(np.zeros(2))
+def test_the_issue_example_records_and_a_function_without_a_rule_raises():
+    assert_bitwise_equal(ad.grad(lambda a: ad.sum(np.sin(a)))(np.zeros(2)), np.ones(2))
+    with lost_gradient(r"numpy\.sinc"):
+        ad.grad(lambda a: ad.sum(np.sinc(a)))(np.zeros(2))
 
 
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_a_numpy_function_without_a_rule_raises_naming_it(requires_grad):
     # A constant Tensor too: which functions work does not depend on grad being needed.
     t = Tensor(randn(3), requires_grad=requires_grad)
-    with lost_gradient(r"numpy\.sin"):
-        np.sin(t)
-    with ad.no_grad(), lost_gradient(r"numpy\.cos"):
-        np.cos(t)
-    with lost_gradient(r"numpy\.concatenate"):
-        np.concatenate([t, t])
-    with lost_gradient(r"numpy\.linalg\.norm"):
-        np.linalg.norm(t)
-    with lost_gradient(r"numpy\.maximum"):
-        np.maximum(np.zeros(3), t)
+    with lost_gradient(r"numpy\.sinc"):
+        np.sinc(t)
+    with ad.no_grad(), lost_gradient(r"numpy\.sort"):
+        np.sort(t)
+    with lost_gradient(r"numpy\.nanmean"):
+        np.nanmean(t)
+    with lost_gradient(r"numpy\.linalg\.qr"):
+        np.linalg.qr(t.reshape(1, 3))
+    with lost_gradient(r"numpy\.fmax"):
+        np.fmax(np.zeros(3), t)
     with lost_gradient(r"numpy\.floor_divide"):
         np.ones(3) // t
     with lost_gradient(r"numpy\.less"):
@@ -169,8 +170,9 @@ def test_ufunc_methods_and_keywords_raise():
     assert "takes (a, axis=None, *, keepdims=False)" in str(excinfo.value)
     with lost_gradient(r"numpy\.reshape with order="):
         np.reshape(t, (3, 2), order="F")
-    with pytest.raises(TypeError, match=r"dot of a 3-d and a 1-d operand.*only with 1-d and 2-d"):
-        np.dot(np.ones((2, 2, 3)), t[0])
+    # dot of N-d operands is recorded now (as tensordot, a matmul: the last bit may differ).
+    a = randn(2, 2, 3)
+    np.testing.assert_allclose(np.dot(a, t[0]).data, np.dot(a, t.data[0]), rtol=1e-14)
 
 
 def test_constant_tensors_through_numpy_stay_constant():
@@ -200,12 +202,16 @@ def test_np_asarray_is_the_explicit_detach():
 
 
 def test_adtape_numpy_exposes_the_table_under_numpy_names():
-    for name in anp.__all__:
+    for name in anp._FUNCTIONS:
         assert hasattr(np, name) and hasattr(anp, name), name
+    for name in anp.__all__:
+        assert hasattr(anp, name), name
     assert anp.exp is ad.exp and anp.multiply is ad.mul and anp.divide is anp.true_divide
-    assert not hasattr(anp, "sin") and hasattr(anp, "sum")
-    with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.sin"):
-        anp.sin
+    assert not hasattr(anp, "sort") and hasattr(anp, "sin")
+    with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.sort"):
+        anp.sort
+    with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.linalg\.qr"):
+        anp.linalg.qr
     with pytest.raises(AttributeError, match=r"no attribute 'not_a_numpy_name'"):
         anp.not_a_numpy_name
     # Arrays, Python numbers and Tensors alike; a Tensor operand records.

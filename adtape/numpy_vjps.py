@@ -1,0 +1,499 @@
+"""adtape.numpy's primitives and their VJP rules: the derivative table, autograd style.
+
+Each primitive computes its value with NumPy (``fwd``) and saves what its rules
+read: the output (``ans``) when a rule needs it, and the array operands.  Static
+arguments (axes, shapes, indices, masks) are keyword arguments, kept on the node
+and handed to the rules.  Rules are ``pullback(g, ans, *operands, **static)``
+and are written in NumPy functions and operators only, so that handed Tensors
+(by a sweep that records, for grad of grad, ``hessian`` or ``jvp``) they record
+differentiable ops through NumPy's protocols, and handed arrays they run on
+plain NumPy.  Masks read values through ``_value``: they are piecewise constant.
+
+Functions that are compositions of primitives (``std``, ``stack``, ``tensordot``,
+``take``, ...) are in ``adtape.numpy``; their derivatives come from the parts.
+"""
+import numpy as np
+
+from adtape.tensor import Primitive, Tensor, defvjp
+
+_ndarray = np.ndarray
+
+
+def _value(a):
+    """The array of a Tensor (for masks and shapes, which are not differentiated)."""
+    return a.data if type(a) is Tensor else a
+
+
+def _primitive(name, argnames, fun, saves_ans=False):
+    """A primitive computing ``fun(*operands, **static)`` that saves ``(ans?, *operands)``."""
+    if saves_ans:
+        def fwd(*operands, **static):
+            ans = np.asarray(fun(*operands, **static))
+            return ans, (ans,) + operands
+    else:
+        def fwd(*operands, **static):
+            return np.asarray(fun(*operands, **static)), (None,) + operands
+    return Primitive(name, argnames, fwd)
+
+
+TABLE = {}      # name -> primitive: the derivative table (docs are generated from it)
+
+
+def _def(name, argnames, fun, *pullbacks, saves_ans=False):
+    prim = _primitive(name, argnames, fun, saves_ans)
+    defvjp(prim, *pullbacks, differentiable=True)
+    TABLE[name] = prim
+    return prim
+
+
+def _reduced_shape(shape, axis):
+    """The keepdims shape of a reduction of an array of ``shape`` over ``axis``."""
+    if axis is None:
+        return (1,) * len(shape)
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    axes = {a % len(shape) for a in axes} if shape else set()
+    return tuple(1 if i in axes else n for i, n in enumerate(shape))
+
+
+def _keepdims(a, shape, axis):
+    """``a``, a reduction's result or cotangent, reshaped to broadcast against ``shape``."""
+    kshape = _reduced_shape(shape, axis)
+    return a if np.shape(a) == kshape else np.reshape(a, kshape)
+
+
+def _sum_to(g, shape):
+    """Sum a broadcast cotangent down to ``shape``."""
+    extra = np.ndim(g) - len(shape)
+    if extra > 0:
+        g = np.sum(g, axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and np.shape(g)[i] != 1)
+    if axes:
+        g = np.sum(g, axis=axes, keepdims=True)
+    return g
+
+
+# -- elementwise -------------------------------------------------------------------
+
+SIN = _def("sin", ("x",), np.sin, lambda g, ans, x: g * np.cos(x))
+COS = _def("cos", ("x",), np.cos, lambda g, ans, x: -g * np.sin(x))
+TAN = _def("tan", ("x",), np.tan, lambda g, ans, x: g / np.cos(x) ** 2)
+ARCSIN = _def("arcsin", ("x",), np.arcsin, lambda g, ans, x: g / np.sqrt(1 - x * x))
+ARCCOS = _def("arccos", ("x",), np.arccos, lambda g, ans, x: -g / np.sqrt(1 - x * x))
+ARCTAN = _def("arctan", ("x",), np.arctan, lambda g, ans, x: g / (1 + x * x))
+SINH = _def("sinh", ("x",), np.sinh, lambda g, ans, x: g * np.cosh(x))
+COSH = _def("cosh", ("x",), np.cosh, lambda g, ans, x: g * np.sinh(x))
+ARCSINH = _def("arcsinh", ("x",), np.arcsinh, lambda g, ans, x: g / np.sqrt(x * x + 1))
+ARCCOSH = _def("arccosh", ("x",), np.arccosh, lambda g, ans, x: g / np.sqrt(x * x - 1))
+ARCTANH = _def("arctanh", ("x",), np.arctanh, lambda g, ans, x: g / (1 - x * x))
+SQRT = _def("sqrt", ("x",), np.sqrt, lambda g, ans, x: g * 0.5 / ans, saves_ans=True)
+CBRT = _def("cbrt", ("x",), np.cbrt, lambda g, ans, x: g / (3 * ans * ans), saves_ans=True)
+SQUARE = _def("square", ("x",), np.square, lambda g, ans, x: g * 2 * x)
+ABS = _def("absolute", ("x",), np.abs, lambda g, ans, x: g * np.sign(x))
+RECIPROCAL = _def("reciprocal", ("x",), np.reciprocal, lambda g, ans, x: -g * ans * ans,
+                  saves_ans=True)
+EXP2 = _def("exp2", ("x",), np.exp2, lambda g, ans, x: g * ans * np.log(2.0), saves_ans=True)
+EXPM1 = _def("expm1", ("x",), np.expm1, lambda g, ans, x: g * (ans + 1), saves_ans=True)
+LOG2 = _def("log2", ("x",), np.log2, lambda g, ans, x: g / (x * np.log(2.0)))
+LOG10 = _def("log10", ("x",), np.log10, lambda g, ans, x: g / (x * np.log(10.0)))
+LOG1P = _def("log1p", ("x",), np.log1p, lambda g, ans, x: g / (1 + x))
+SIGMOID = _def("sigmoid", ("x",), lambda x: 0.5 * (np.tanh(0.5 * x) + 1),
+               lambda g, ans, x: g * ans * (1 - ans), saves_ans=True)
+
+
+def _zero_grad(g, ans, *operands, **static):
+    return np.zeros_like(g)
+
+
+# Piecewise constant: the derivative is zero wherever it exists (autograd and PyTorch agree).
+SIGN = _def("sign", ("x",), np.sign, _zero_grad)
+FLOOR = _def("floor", ("x",), np.floor, _zero_grad)
+CEIL = _def("ceil", ("x",), np.ceil, _zero_grad)
+ROUND = _def("round", ("x",), lambda x, decimals=0: np.round(x, decimals), _zero_grad)
+RINT = _def("rint", ("x",), np.rint, _zero_grad)
+TRUNC = _def("trunc", ("x",), np.trunc, _zero_grad)
+
+
+def _eq(a, b):
+    return np.equal(_value(a), _value(b))
+
+
+def _balanced(x, ans, y):
+    """Where ``x`` is the result, 1 (1/2 on a tie with ``y``): ties split the gradient."""
+    return _eq(x, ans) / (1.0 + _eq(x, y))
+
+
+ARCTAN2 = _def("arctan2", ("x1", "x2"), np.arctan2,
+               lambda g, ans, y, x: g * x / (x * x + y * y),
+               lambda g, ans, y, x: -g * y / (x * x + y * y))
+HYPOT = _def("hypot", ("x1", "x2"), np.hypot,
+             lambda g, ans, x, y: g * x / ans, lambda g, ans, x, y: g * y / ans, saves_ans=True)
+LOGADDEXP = _def("logaddexp", ("x1", "x2"), np.logaddexp,
+                 lambda g, ans, x, y: g * np.exp(x - ans),
+                 lambda g, ans, x, y: g * np.exp(y - ans), saves_ans=True)
+LOGADDEXP2 = _def("logaddexp2", ("x1", "x2"), np.logaddexp2,
+                  lambda g, ans, x, y: g * np.exp2(x - ans),
+                  lambda g, ans, x, y: g * np.exp2(y - ans), saves_ans=True)
+MAXIMUM = _def("maximum", ("x1", "x2"), np.maximum,
+               lambda g, ans, x, y: g * _balanced(x, ans, y),
+               lambda g, ans, x, y: g * _balanced(y, ans, x), saves_ans=True)
+MINIMUM = _def("minimum", ("x1", "x2"), np.minimum,
+               lambda g, ans, x, y: g * _balanced(x, ans, y),
+               lambda g, ans, x, y: g * _balanced(y, ans, x), saves_ans=True)
+
+
+def _inside(x, lo, hi):
+    x = _value(x)
+    inside = np.ones(np.shape(x), bool)
+    if lo is not None:
+        inside &= x >= _value(lo)
+    if hi is not None:
+        inside &= x <= _value(hi)
+    return inside
+
+
+# The bounds' gradients go where the bound is the result (PyTorch's convention at the
+# boundary: the input gets it there).
+CLIP = _def("clip", ("a", "a_min", "a_max"), np.clip,
+            lambda g, ans, x, lo, hi: g * _inside(x, lo, hi),
+            lambda g, ans, x, lo, hi: g * (_value(x) < _value(lo)),
+            lambda g, ans, x, lo, hi: g * (_value(x) > _value(hi)))
+WHERE = _def("where", ("x", "y"), lambda x, y, condition: np.where(condition, x, y),
+             lambda g, ans, x, y, condition: g * condition,
+             lambda g, ans, x, y, condition: g * ~condition)
+
+
+# -- reductions --------------------------------------------------------------------
+
+def _max_rule(g, ans, x, axis=None, keepdims=False):
+    shape = np.shape(x)
+    winners = _eq(x, _keepdims(ans, shape, axis))
+    share = winners / np.sum(winners, axis=axis, keepdims=True)
+    return _keepdims(g, shape, axis) * share
+
+
+MAX = _def("max", ("a",), np.max, _max_rule, saves_ans=True)
+MIN = _def("min", ("a",), np.min, _max_rule, saves_ans=True)
+
+
+def _no_zeros(x):
+    return bool(np.all(_value(x) != 0))
+
+
+def _others_product(x, axes):
+    """For each element of ``x``, the product of the others along ``axes`` (a tuple):
+    exact where ``x`` has zeros, by one product per position (O(n^2) along ``axes``)."""
+    nd = np.ndim(x)
+    axes = tuple(a % nd for a in axes)
+    rest = tuple(a for a in range(nd) if a not in axes)
+    moved = np.transpose(x, rest + axes)
+    lead = np.shape(moved)[:len(rest)]
+    n = int(np.prod([np.shape(x)[a] for a in axes]))
+    flat = np.reshape(moved, lead + (n,))
+    columns = []
+    for k in range(n):
+        one_hot = np.arange(n) == k
+        columns.append(np.prod(flat * ~one_hot + one_hot, axis=-1))
+    others = np.stack(columns, axis=-1) if columns else flat
+    others = np.reshape(others, np.shape(moved))
+    return np.transpose(others, tuple(np.argsort(rest + axes)))
+
+
+def _prod_rule(g, ans, x, axis=None, keepdims=False):
+    shape = np.shape(x)
+    g = _keepdims(g, shape, axis)
+    if _no_zeros(x):
+        return g * _keepdims(ans, shape, axis) / x
+    axes = tuple(range(len(shape))) if axis is None else (
+        axis if isinstance(axis, tuple) else (axis,))
+    return g * _others_product(x, axes)
+
+
+PROD = _def("prod", ("a",), np.prod, _prod_rule, saves_ans=True)
+
+
+def _var_rule(g, ans, x, axis=None, ddof=0, keepdims=False):
+    shape = np.shape(x)
+    count = np.prod(shape) / np.prod(_reduced_shape(shape, axis))
+    centred = x - np.mean(x, axis=axis, keepdims=True)
+    return _keepdims(g, shape, axis) * centred * (2.0 / (count - ddof))
+
+
+VAR = _def("var", ("a",), np.var, _var_rule)
+
+
+def _logsumexp(x, axis=None, keepdims=False):
+    top = np.max(x, axis=axis, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0)
+    out = np.log(np.sum(np.exp(x - top), axis=axis, keepdims=True)) + top
+    return out if keepdims else np.squeeze(out, axis=axis)
+
+
+LOGSUMEXP = _def("logsumexp", ("a",), _logsumexp,
+                 lambda g, ans, x, axis=None, keepdims=False:
+                 _keepdims(g, np.shape(x), axis) * np.exp(x - _keepdims(ans, np.shape(x), axis)),
+                 saves_ans=True)
+
+
+def _cumulative(fun, g, axis):
+    """``fun`` along ``axis`` of ``g`` from the far end (a reverse cumulative op)."""
+    return np.flip(fun(np.flip(g, axis), axis=axis), axis)
+
+
+def _cumsum_rule(g, ans, x, axis=None):
+    if axis is None:
+        return np.reshape(_cumulative(np.cumsum, g, 0), np.shape(x))
+    return _cumulative(np.cumsum, g, axis)
+
+
+def _cumprod_rule(g, ans, x, axis=None):
+    if axis is None:
+        return np.reshape(_cumprod_rule(g, ans, np.reshape(x, (-1,)), 0), np.shape(x))
+    if _no_zeros(x):
+        return _cumulative(np.cumsum, g * ans, axis) / x
+    # d ans_j / d x_k = prod_{i <= j, i != k} x_i for j >= k: one cumprod per k.
+    n = np.shape(x)[axis]
+    positions = np.arange(n).reshape((n,) + (1,) * (np.ndim(x) - 1 - axis % np.ndim(x)))
+    columns = []
+    for k in range(n):
+        one_hot = positions == k
+        partial = np.cumprod(x * ~one_hot + one_hot, axis=axis)
+        columns.append(np.sum(g * partial * (positions >= k), axis=axis))
+    return np.stack(columns, axis=axis)
+
+
+CUMSUM = _def("cumsum", ("a",), np.cumsum, _cumsum_rule)
+CUMPROD = _def("cumprod", ("a",), np.cumprod, _cumprod_rule, saves_ans=True)
+
+
+def _softmax(x, axis=-1):
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def _log_softmax(x, axis=-1):
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+SOFTMAX = _def("softmax", ("x",), _softmax,
+               lambda g, ans, x, axis=-1: ans * (g - np.sum(g * ans, axis=axis, keepdims=True)),
+               saves_ans=True)
+LOG_SOFTMAX = _def("log_softmax", ("x",), _log_softmax,
+                   lambda g, ans, x, axis=-1:
+                   g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True), saves_ans=True)
+
+
+# -- shape and indexing ------------------------------------------------------------
+
+BROADCAST_TO = _def("broadcast_to", ("array",), np.broadcast_to,
+                    lambda g, ans, x, shape: _sum_to(g, np.shape(x)))
+ROLL = _def("roll", ("a",), np.roll,
+            lambda g, ans, x, shift, axis=None:
+            np.roll(g, tuple(-s for s in shift) if isinstance(shift, tuple) else -shift, axis))
+
+TRIL = _def("tril", ("m",), np.tril, lambda g, ans, x, k=0: np.tril(g, k))
+TRIU = _def("triu", ("m",), np.triu, lambda g, ans, x, k=0: np.triu(g, k))
+
+
+def _pad_rule(g, ans, x, pad_width, mode="constant", constant_values=0):
+    widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (np.ndim(x), 2))
+    return g[tuple(slice(int(b), int(b) + n) for (b, _), n in zip(widths, np.shape(x)))]
+
+
+PAD = _def("pad", ("array",), np.pad, _pad_rule)
+
+
+def _diagonal_rule(g, ans, x, offset=0, axis1=0, axis2=1):
+    return diagonal_embed(g, np.shape(x), offset, axis1, axis2)
+
+
+DIAGONAL = _def("diagonal", ("a",), lambda a, offset=0, axis1=0, axis2=1:
+                np.diagonal(a, offset, axis1, axis2).copy(), _diagonal_rule)
+
+
+def _diagonal_embed(g, shape, offset, axis1, axis2):
+    out = np.zeros(shape, np.asarray(g).dtype)
+    n = np.shape(g)[-1]
+    rows = np.arange(n) + max(-offset, 0)
+    cols = np.arange(n) + max(offset, 0)
+    np.moveaxis(out, (axis1, axis2), (-2, -1))[..., rows, cols] = g
+    return out
+
+
+DIAGONAL_EMBED = _def("diagonal_embed", ("g",), _diagonal_embed,
+                      lambda g, ans, d, shape, offset, axis1, axis2:
+                      np.diagonal(g, offset, axis1, axis2))
+
+
+def diagonal_embed(g, shape, offset, axis1, axis2):
+    """An array of ``shape``, zero but for ``g`` on the diagonal (``np.diagonal``'s VJP)."""
+    return DIAGONAL_EMBED(g, shape=shape, offset=offset, axis1=axis1, axis2=axis2)
+
+
+def _concatenate(*arrays, axis=0):
+    return np.concatenate(arrays, axis=axis)
+
+
+def _concatenate_fwd(*arrays, axis=0):
+    out = np.concatenate(arrays, axis=axis)
+    return out, (tuple(np.shape(a)[axis] for a in arrays), axis)
+
+
+def _concatenate_bwd(res, g):
+    sizes, axis = res
+    return np.split(g, np.cumsum(sizes)[:-1].tolist(), axis=axis)
+
+
+CONCATENATE = Primitive("concatenate", ("*arrays",), _concatenate_fwd)
+CONCATENATE.bwd = _concatenate_bwd
+CONCATENATE.differentiable = True
+TABLE["concatenate"] = CONCATENATE
+
+
+# -- products and linear algebra ---------------------------------------------------
+
+def _parse_einsum(subscripts, n_operands):
+    """``(input subscripts, output subscripts)`` of an einsum specification."""
+    if not isinstance(subscripts, str):
+        raise NotImplementedError("einsum: adtape differentiates the subscripts form "
+                                  "(einsum('ij,jk->ik', a, b)), not the sublist form")
+    spec = subscripts.replace(" ", "")
+    if "." in spec:
+        raise NotImplementedError(f"einsum {subscripts!r}: adtape has no rule for '...' "
+                                  f"(write the axes out)")
+    inputs, arrow, output = spec.partition("->")
+    inputs = inputs.split(",")
+    if len(inputs) != n_operands:
+        raise ValueError(f"einsum {subscripts!r} names {len(inputs)} operands, "
+                         f"got {n_operands}")
+    if not arrow:
+        letters = "".join(inputs)
+        output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return inputs, output
+
+
+def _einsum_fwd(*operands, subscripts):
+    inputs, output = _parse_einsum(subscripts, len(operands))
+    out = np.einsum(f"{','.join(inputs)}->{output}", *operands)
+    return out, (inputs, output) + operands
+
+
+def _einsum_bwd(res, g):
+    inputs, output = res[0], res[1]
+    operands = res[2:]
+    grads = []
+    for i, (subs, x) in enumerate(zip(inputs, operands)):
+        if len(set(subs)) != len(subs):
+            raise NotImplementedError(f"einsum: no rule for operand {i} ({subs!r}): an index "
+                                      f"repeated within one operand (a diagonal)")
+        others = [s for j, s in enumerate(inputs) if j != i]
+        seen = set(output).union(*others)
+        kept = "".join(c for c in subs if c in seen)
+        r = np.einsum(",".join([output] + others) + "->" + kept, g,
+                      *[a for j, a in enumerate(operands) if j != i])
+        if kept != subs:        # indices summed within this operand alone: broadcast back
+            r = np.broadcast_to(np.reshape(r, [np.shape(x)[k] if c in seen else 1
+                                               for k, c in enumerate(subs)]), np.shape(x))
+        grads.append(r)
+    return grads
+
+
+EINSUM = Primitive("einsum", ("*operands",), _einsum_fwd)
+EINSUM.bwd = _einsum_bwd
+EINSUM.differentiable = True
+TABLE["einsum"] = EINSUM
+
+
+def _mT(a):
+    return np.swapaxes(a, -1, -2)
+
+
+def _solve_a(g, ans, a, b):
+    if np.ndim(b) == 1:
+        gb = _solve_b(g, ans, a, b)
+        return -gb[..., :, None] * ans[..., None, :]
+    return -_solve_b(g, ans, a, b) @ _mT(ans)
+
+
+def _solve_b(g, ans, a, b):
+    if np.ndim(b) == 1:
+        return np.linalg.solve(_mT(a), g[..., None])[..., 0]
+    return np.linalg.solve(_mT(a), g)
+
+
+SOLVE = _def("linalg.solve", ("a", "b"), np.linalg.solve, _solve_a, _solve_b, saves_ans=True)
+INV = _def("linalg.inv", ("a",), np.linalg.inv,
+           lambda g, ans, a: -_mT(ans) @ g @ _mT(ans), saves_ans=True)
+DET = _def("linalg.det", ("a",), np.linalg.det,
+           lambda g, ans, a: (g * ans)[..., None, None] * _mT(np.linalg.inv(a)), saves_ans=True)
+LOGABSDET = _def("linalg.slogdet", ("a",), lambda a: np.linalg.slogdet(a)[1],
+                 lambda g, ans, a: g[..., None, None] * _mT(np.linalg.inv(a)))
+
+
+def _cholesky_rule(g, ans, a):
+    # Murray (2016), as autograd: with phi keeping the lower triangle and half the
+    # diagonal, dA = L^-T phi(L^T dL) L^-1, symmetrised.
+    n = np.shape(ans)[-1]
+    phi = np.tril(_mT(ans) @ g) * (1.0 - 0.5 * np.eye(n))
+    s = np.linalg.solve(_mT(ans), _mT(np.linalg.solve(_mT(ans), _mT(phi))))
+    return 0.5 * (s + _mT(s))
+
+
+CHOLESKY = _def("linalg.cholesky", ("a",), np.linalg.cholesky, _cholesky_rule, saves_ans=True)
+
+
+def _eigh_packed(a):
+    w, v = np.linalg.eigh(a)
+    return np.concatenate([w[..., None, :], v], axis=-2)
+
+
+def _eigh_rule(g, ans, a):
+    # A = V diag(w) V^T: dA = V (diag(gw) + F * (V^T gV)) V^T with F_ij = 1/(w_j - w_i)
+    # off the diagonal (eigenvalues must be distinct), symmetrised.
+    n = np.shape(ans)[-1]
+    w, v = ans[..., 0, :], ans[..., 1:, :]
+    gw, gv = g[..., 0, :], g[..., 1:, :]
+    off = 1.0 - np.eye(n)
+    f = off / (w[..., None, :] - w[..., :, None] + np.eye(n))
+    inner = gw[..., None, :] * np.eye(n) + f * (_mT(v) @ gv)
+    s = v @ inner @ _mT(v)
+    return 0.5 * (s + _mT(s))
+
+
+EIGH = _def("linalg.eigh", ("a",), _eigh_packed, _eigh_rule, saves_ans=True)
+
+
+def _svd_packed(a):
+    u, s, vh = np.linalg.svd(a, full_matrices=False)
+    k = s.shape[-1]
+    m, n = a.shape[-2], a.shape[-1]
+    out = np.zeros(a.shape[:-2] + (m + 1 + n, k), a.dtype)
+    out[..., :m, :] = u
+    out[..., m, :] = s
+    out[..., m + 1:, :] = _mT(vh)
+    return out
+
+
+def _svd_rule(g, ans, a):
+    # Townsend (2016), for full_matrices=False and distinct nonzero singular values.
+    m, n = np.shape(a)[-2], np.shape(a)[-1]
+    k = min(m, n)
+    u, s, v = ans[..., :m, :], ans[..., m, :], ans[..., m + 1:, :]
+    gu, gs, gv = g[..., :m, :], g[..., m, :], g[..., m + 1:, :]
+    eye = np.eye(k)
+    s2 = s * s
+    f = (1.0 - eye) / (s2[..., None, :] - s2[..., :, None] + eye)
+    ut_gu = _mT(u) @ gu
+    vt_gv = _mT(v) @ gv
+    s_mat = s[..., None, :] * eye
+    s_inv = (1.0 / s)[..., None, :] * eye
+    middle = (gs[..., None, :] * eye
+              + (f * (ut_gu - _mT(ut_gu))) @ s_mat
+              + s_mat @ (f * (vt_gv - _mT(vt_gv))))
+    out = u @ middle @ _mT(v)
+    out = out + (np.eye(m) - u @ _mT(u)) @ gu @ s_inv @ _mT(v)
+    out = out + u @ s_inv @ _mT(gv) @ (np.eye(n) - v @ _mT(v))
+    return out
+
+
+SVD = _def("linalg.svd", ("a",), _svd_packed, _svd_rule, saves_ans=True)
