@@ -24,7 +24,7 @@ from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp,
 
 __all__ = ["encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
            "attention_linear", "softmax_cross_entropy", "rmsnorm", "rope", "swiglu",
-           "swiglu_linear"]
+           "swiglu_linear", "softmax", "log_softmax"]
 
 ENCODER = Primitive("encoder", ("ids", "wte", "wpe"))
 LAYERNORM = Primitive("layernorm", ("x", "weight", "bias"))
@@ -371,3 +371,16 @@ defvjp_accumulate(RMSNORM, _rmsnorm_bwd, overwrite=True)
 defvjp_accumulate(ROPE, _rope_bwd, overwrite=True)
 defvjp_accumulate(SWIGLU, _swiglu_bwd, overwrite=True)
 defvjp_accumulate(SWIGLU_LINEAR, _swiglu_linear_bwd, overwrite=True)
+
+
+def softmax(x, axis=-1):
+    """``exp(x) / sum(exp(x), axis)`` in any float dtype (``adtape.numpy.softmax``: its
+    rule can be differentiated again)."""
+    from adtape import numpy as anp
+    return anp.softmax(x, axis)
+
+
+def log_softmax(x, axis=-1):
+    """``x - logsumexp(x, axis)`` (``adtape.numpy.log_softmax``)."""
+    from adtape import numpy as anp
+    return anp.log_softmax(x, axis)

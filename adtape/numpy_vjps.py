@@ -117,9 +117,10 @@ def _eq(a, b):
     return np.equal(_value(a), _value(b))
 
 
-def _balanced(x, ans, y):
-    """Where ``x`` is the result, 1 (1/2 on a tie with ``y``): ties split the gradient."""
-    return _eq(x, ans) / (1.0 + _eq(x, y))
+def _balanced(g, x, ans, y):
+    """``g`` where ``x`` is the result (half of it on a tie with ``y``): ties split it."""
+    share = _eq(x, ans) / (1.0 + _eq(x, y))
+    return g * share.astype(g.dtype, copy=False)
 
 
 ARCTAN2 = _def("arctan2", ("x1", "x2"), np.arctan2,
@@ -134,11 +135,11 @@ LOGADDEXP2 = _def("logaddexp2", ("x1", "x2"), np.logaddexp2,
                   lambda g, ans, x, y: g * np.exp2(x - ans),
                   lambda g, ans, x, y: g * np.exp2(y - ans), saves_ans=True)
 MAXIMUM = _def("maximum", ("x1", "x2"), np.maximum,
-               lambda g, ans, x, y: g * _balanced(x, ans, y),
-               lambda g, ans, x, y: g * _balanced(y, ans, x), saves_ans=True)
+               lambda g, ans, x, y: _balanced(g, x, ans, y),
+               lambda g, ans, x, y: _balanced(g, y, ans, x), saves_ans=True)
 MINIMUM = _def("minimum", ("x1", "x2"), np.minimum,
-               lambda g, ans, x, y: g * _balanced(x, ans, y),
-               lambda g, ans, x, y: g * _balanced(y, ans, x), saves_ans=True)
+               lambda g, ans, x, y: _balanced(g, x, ans, y),
+               lambda g, ans, x, y: _balanced(g, y, ans, x), saves_ans=True)
 
 
 def _inside(x, lo, hi):
@@ -168,7 +169,7 @@ def _max_rule(g, ans, x, axis=None, keepdims=False):
     shape = np.shape(x)
     winners = _eq(x, _keepdims(ans, shape, axis))
     share = winners / np.sum(winners, axis=axis, keepdims=True)
-    return _keepdims(g, shape, axis) * share
+    return _keepdims(g, shape, axis) * share.astype(g.dtype, copy=False)
 
 
 MAX = _def("max", ("a",), np.max, _max_rule, saves_ans=True)

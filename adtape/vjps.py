@@ -338,7 +338,7 @@ def _embedding_vjp(g, shape, ids):
 
 
 def _transpose_vjp(g, axes):
-    return g.transpose() if axes is None else g.transpose(np.argsort(axes))
+    return g.transpose() if axes is None else g.transpose(tuple(np.argsort(axes).tolist()))
 
 
 def scatter_add(g, shape, index, basic):
