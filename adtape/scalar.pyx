@@ -9,10 +9,14 @@ walking identifiers downward, in nogil Cython, with one adjoint array.  Under a
 ``memory_budget`` the statements spill to disk like any tape content.
 """
 cimport cython
-from libc.math cimport cos, exp, fabs, log, pow, sin, sqrt, tan, tanh
+from libc.math cimport (acos, acosh, asin, asinh, atan, atan2, atanh, cbrt, cos, cosh, erf,
+                        erfc, exp, exp2, expm1, fabs, hypot, log, log1p, log2, log10, pow,
+                        sin, sinh, sqrt, tan, tanh, M_PI)
 from libc.stdint cimport int64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy
+
+import math as _m
 
 import numpy as np
 
@@ -21,7 +25,8 @@ from adtape._tape cimport (Tape, TapeStruct, tape_pop_f64_unlocked, tape_pop_i64
 
 from adtape._tape import TapeClosedError
 
-__all__ = ["ScalarTape", "Scalar", "exp_", "log_", "sin_", "cos_", "tan_", "tanh_", "sqrt_"]
+__all__ = ["ScalarTape", "Scalar", "exp_", "log_", "sin_", "cos_", "tan_", "tanh_", "sqrt_",
+           "atan2_", "hypot_", "copysign_"]
 
 cdef enum BinaryOp:
     OP_ADD
@@ -262,6 +267,59 @@ cdef object binary(object x, object y, int op):
     return constant(v)
 
 
+cdef object record2(object x, object y, double v, double dx, double dy):
+    """The result ``v`` of a function of two operands (Scalars or reals) with these
+    partials, recorded on the operands' tape."""
+    cdef int64_t xi = 0, yi = 0
+    cdef ScalarTape xt = None, yt = None
+    if type(x) is Scalar:
+        xi = (<Scalar>x).index
+        xt = (<Scalar>x).tape
+    if type(y) is Scalar:
+        yi = (<Scalar>y).index
+        yt = (<Scalar>y).tape
+    if xi and yi:
+        if xt is not yt:
+            raise ValueError("Scalars from two different ScalarTapes cannot be combined")
+        return xt.emit2(v, xi, dx, yi, dy)
+    if xi:
+        return xt.emit1(v, xi, dx)
+    if yi:
+        return yt.emit1(v, yi, dy)
+    return constant(v)
+
+
+cdef double real_value(object o) except? -1.0:
+    """The value of a Scalar or a real number; TypeError for anything else."""
+    cdef double v
+    if type(o) is Scalar:
+        return (<Scalar>o).value
+    if read_real(o, &v):
+        return v
+    raise TypeError(f"expected a Scalar or a real number, got {type(o).__name__}")
+
+
+def atan2_(y, x):
+    """atan2(y, x) of Scalars or reals, recorded."""
+    cdef double yv = real_value(y), xv = real_value(x)
+    cdef double r2 = xv * xv + yv * yv
+    return record2(y, x, atan2(yv, xv), xv / r2, -yv / r2)
+
+
+def hypot_(x, y):
+    """hypot(x, y) of Scalars or reals, recorded."""
+    cdef double xv = real_value(x), yv = real_value(y)
+    cdef double v = hypot(xv, yv)
+    return record2(x, y, v, xv / v, yv / v)
+
+
+def copysign_(x, y):
+    """copysign(x, y): ``|x|`` with the sign of ``y`` (its derivative in ``y`` is zero)."""
+    cdef double xv = real_value(x), yv = real_value(y)
+    cdef double v = fabs(xv) if (yv > 0 or (yv == 0 and 1.0 / yv > 0)) else -fabs(xv)
+    return record2(x, y, v, 1.0 if (v >= 0) == (xv >= 0) else -1.0, 0.0)
+
+
 cdef inline Scalar constant(double v):
     cdef Scalar out = Scalar.__new__(Scalar)
     out.value = v
@@ -353,20 +411,102 @@ cdef class Scalar:
         cdef double v = sqrt(self.value)
         return unary(self, v, 0.5 / v)
 
+    def asin(self):
+        return unary(self, asin(self.value), 1.0 / sqrt(1.0 - self.value * self.value))
+
+    def acos(self):
+        return unary(self, acos(self.value), -1.0 / sqrt(1.0 - self.value * self.value))
+
+    def atan(self):
+        return unary(self, atan(self.value), 1.0 / (1.0 + self.value * self.value))
+
+    def sinh(self):
+        return unary(self, sinh(self.value), cosh(self.value))
+
+    def cosh(self):
+        return unary(self, cosh(self.value), sinh(self.value))
+
+    def asinh(self):
+        return unary(self, asinh(self.value), 1.0 / sqrt(self.value * self.value + 1.0))
+
+    def acosh(self):
+        return unary(self, acosh(self.value), 1.0 / sqrt(self.value * self.value - 1.0))
+
+    def atanh(self):
+        return unary(self, atanh(self.value), 1.0 / (1.0 - self.value * self.value))
+
+    def exp2(self):
+        cdef double v = exp2(self.value)
+        return unary(self, v, v * log(2.0))
+
+    def expm1(self):
+        cdef double v = expm1(self.value)
+        return unary(self, v, v + 1.0)
+
+    def log2(self):
+        return unary(self, log2(self.value), 1.0 / (self.value * log(2.0)))
+
+    def log10(self):
+        return unary(self, log10(self.value), 1.0 / (self.value * log(10.0)))
+
+    def log1p(self):
+        return unary(self, log1p(self.value), 1.0 / (1.0 + self.value))
+
+    def cbrt(self):
+        cdef double v = cbrt(self.value)
+        return unary(self, v, 1.0 / (3.0 * v * v))
+
+    def erf(self):
+        return unary(self, erf(self.value),
+                     2.0 / sqrt(M_PI) * exp(-self.value * self.value))
+
+    def erfc(self):
+        return unary(self, erfc(self.value),
+                     -2.0 / sqrt(M_PI) * exp(-self.value * self.value))
+
+    def fabs(self):
+        return unary(self, fabs(self.value), 1.0 if self.value >= 0 else -1.0)
+
+    def apply(self, double value, double derivative):
+        """A function's result ``value`` whose derivative at this Scalar is
+        ``derivative``, recorded (how ``adtape.math`` adds functions in Python)."""
+        return unary(self, value, derivative)
+
     # Comparisons read values, so control flow can branch on them.
     def __lt__(self, other):
-        return self.value < float(other)
+        return self.value < real_value(other)
 
     def __le__(self, other):
-        return self.value <= float(other)
+        return self.value <= real_value(other)
 
     def __gt__(self, other):
-        return self.value > float(other)
+        return self.value > real_value(other)
 
     def __ge__(self, other):
-        return self.value >= float(other)
+        return self.value >= real_value(other)
+
+    # Integer-valued: the derivative is zero wherever it exists.
+    def __floor__(self):
+        return _m.floor(self.value)
+
+    def __ceil__(self):
+        return _m.ceil(self.value)
+
+    def __trunc__(self):
+        return _m.trunc(self.value)
+
+    def __round__(self, ndigits=None):
+        if ndigits is None:
+            return round(self.value)
+        return unary(self, round(self.value, ndigits), 0.0)
 
     def __float__(self):
+        if self.index != 0:
+            # math.sin(x) and friends call this: a float would carry no derivative.
+            raise TypeError(
+                "float() of a Scalar recorded on a ScalarTape would drop its derivative "
+                "(the math module's functions do this): use adtape.math's functions "
+                "(adtape.math.sin(x)), or x.value to take the value as a constant")
         return self.value
 
     def __repr__(self):
@@ -382,8 +522,6 @@ def _math(name, fn):
     f.__doc__ = f"{name} of a Scalar (recorded) or of a real number (a float)."
     return f
 
-
-import math as _m
 
 exp_ = _math("exp", _m.exp)
 log_ = _math("log", _m.log)
