@@ -101,6 +101,7 @@ SIGMOID = _def("sigmoid", ("x",), lambda x: 0.5 * (np.tanh(0.5 * x) + 1),
 
 
 def _zero_grad(g, ans, *operands, **static):
+    """Zero (the function is piecewise constant)."""
     return np.zeros_like(g)
 
 
@@ -166,6 +167,7 @@ WHERE = _def("where", ("x", "y"), lambda x, y, condition: np.where(condition, x,
 # -- reductions --------------------------------------------------------------------
 
 def _max_rule(g, ans, x, axis=None, keepdims=False):
+    """``g`` to the maxima (minima); tied ones share it evenly, as autograd."""
     shape = np.shape(x)
     winners = _eq(x, _keepdims(ans, shape, axis))
     share = winners / np.sum(winners, axis=axis, keepdims=True)
@@ -200,6 +202,7 @@ def _others_product(x, axes):
 
 
 def _prod_rule(g, ans, x, axis=None, keepdims=False):
+    """``g * ans / x``; where ``x`` has zeros, ``g`` times the product of the others."""
     shape = np.shape(x)
     g = _keepdims(g, shape, axis)
     if _no_zeros(x):
@@ -213,6 +216,7 @@ PROD = _def("prod", ("a",), np.prod, _prod_rule, saves_ans=True)
 
 
 def _var_rule(g, ans, x, axis=None, ddof=0, keepdims=False):
+    """``g * 2 (x - mean) / (N - ddof)``."""
     shape = np.shape(x)
     count = np.prod(shape) / np.prod(_reduced_shape(shape, axis))
     centred = x - np.mean(x, axis=axis, keepdims=True)
@@ -241,12 +245,14 @@ def _cumulative(fun, g, axis):
 
 
 def _cumsum_rule(g, ans, x, axis=None):
+    """The reversed cumulative sum of ``g``."""
     if axis is None:
         return np.reshape(_cumulative(np.cumsum, g, 0), np.shape(x))
     return _cumulative(np.cumsum, g, axis)
 
 
 def _cumprod_rule(g, ans, x, axis=None):
+    """``revcumsum(g * ans) / x``; exact at zeros (one cumprod per position)."""
     if axis is None:
         return np.reshape(_cumprod_rule(g, ans, np.reshape(x, (-1,)), 0), np.shape(x))
     if _no_zeros(x):
@@ -297,6 +303,7 @@ TRIU = _def("triu", ("m",), np.triu, lambda g, ans, x, k=0: np.triu(g, k))
 
 
 def _pad_rule(g, ans, x, pad_width, mode="constant", constant_values=0):
+    """The slice of ``g`` where ``x`` sits."""
     widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (np.ndim(x), 2))
     return g[tuple(slice(int(b), int(b) + n) for (b, _), n in zip(widths, np.shape(x)))]
 
@@ -305,6 +312,7 @@ PAD = _def("pad", ("array",), np.pad, _pad_rule)
 
 
 def _diagonal_rule(g, ans, x, offset=0, axis1=0, axis2=1):
+    """``g`` put on the diagonal of zeros (``diagonal_embed``)."""
     return diagonal_embed(g, np.shape(x), offset, axis1, axis2)
 
 
@@ -341,6 +349,7 @@ def _concatenate_fwd(*arrays, axis=0):
 
 
 def _concatenate_bwd(res, g):
+    """``g`` split at the operands' boundaries."""
     sizes, axis = res
     return np.split(g, np.cumsum(sizes)[:-1].tolist(), axis=axis)
 
@@ -380,6 +389,7 @@ def _einsum_fwd(*operands, subscripts):
 
 
 def _einsum_bwd(res, g):
+    """Each operand: einsum of ``g`` with the other operands, to its subscripts."""
     inputs, output = res[0], res[1]
     operands = res[2:]
     grads = []
@@ -410,6 +420,7 @@ def _mT(a):
 
 
 def _solve_a(g, ans, a, b):
+    """``-solve(a.T, g) @ ans.T``."""
     if np.ndim(b) == 1:
         gb = _solve_b(g, ans, a, b)
         return -gb[..., :, None] * ans[..., None, :]
@@ -417,6 +428,7 @@ def _solve_a(g, ans, a, b):
 
 
 def _solve_b(g, ans, a, b):
+    """``solve(a.T, g)``."""
     if np.ndim(b) == 1:
         return np.linalg.solve(_mT(a), g[..., None])[..., 0]
     return np.linalg.solve(_mT(a), g)
@@ -432,7 +444,8 @@ LOGABSDET = _def("linalg.slogdet", ("a",), lambda a: np.linalg.slogdet(a)[1],
 
 
 def _cholesky_rule(g, ans, a):
-    # Murray (2016), as autograd: with phi keeping the lower triangle and half the
+    """Murray (2016), symmetrised."""
+    # As autograd: with phi keeping the lower triangle and half the
     # diagonal, dA = L^-T phi(L^T dL) L^-1, symmetrised.
     n = np.shape(ans)[-1]
     phi = np.tril(_mT(ans) @ g) * (1.0 - 0.5 * np.eye(n))
@@ -449,6 +462,7 @@ def _eigh_packed(a):
 
 
 def _eigh_rule(g, ans, a):
+    """``V (diag(gw) + F * (V^T gV)) V^T``, symmetrised (distinct eigenvalues)."""
     # A = V diag(w) V^T: dA = V (diag(gw) + F * (V^T gV)) V^T with F_ij = 1/(w_j - w_i)
     # off the diagonal (eigenvalues must be distinct), symmetrised.
     n = np.shape(ans)[-1]
@@ -476,7 +490,7 @@ def _svd_packed(a):
 
 
 def _svd_rule(g, ans, a):
-    # Townsend (2016), for full_matrices=False and distinct nonzero singular values.
+    """Townsend (2016) (distinct nonzero singular values)."""
     m, n = np.shape(a)[-2], np.shape(a)[-1]
     k = min(m, n)
     u, s, v = ans[..., :m, :], ans[..., m, :], ans[..., m + 1:, :]

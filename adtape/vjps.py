@@ -286,6 +286,7 @@ def _is_basic_index(index):
 # -- VJP rules ---------------------------------------------------------------------
 
 def _matmul_x(g, x, y, x_ndim, y_ndim):
+    """``g @ y.T`` (vectors and batches as matmul treats them)."""
     if x_ndim == 2 and y_ndim == 2:
         return g @ y.T
     if y_ndim == 1:
@@ -298,6 +299,7 @@ def _matmul_x(g, x, y, x_ndim, y_ndim):
 
 
 def _matmul_y(g, x, y, x_ndim, y_ndim):
+    """``x.T @ g`` (vectors and batches as matmul treats them)."""
     if x_ndim == 2 and y_ndim == 2:
         return x.T @ g
     if x_ndim == 1:
@@ -310,6 +312,7 @@ def _matmul_y(g, x, y, x_ndim, y_ndim):
 
 
 def _reduced_grad(g, shape, kshape, scale):
+    """``g`` (times 1/count for mean) broadcast back over the reduced axes."""
     if type(g) is Tensor:       # a sweep that records: stay differentiable
         g = g.reshape(kshape)
         return np.broadcast_to(g if scale == 1.0 else g * scale, shape)
@@ -319,6 +322,7 @@ def _reduced_grad(g, shape, kshape, scale):
 
 
 def _getitem_vjp(g, shape, index, basic):
+    """``g`` added into zeros at ``index`` (repeated indices accumulate)."""
     if type(g) is Tensor:
         return scatter_add(g, shape, index, basic)
     out = np.zeros(shape, g.dtype)
@@ -330,6 +334,7 @@ def _getitem_vjp(g, shape, index, basic):
 
 
 def _embedding_vjp(g, shape, ids):
+    """``g``'s rows added into zeros at ``ids``."""
     if type(g) is Tensor:
         return scatter_add(g, shape, ids, False)
     out = np.zeros(shape, g.dtype)
@@ -338,6 +343,7 @@ def _embedding_vjp(g, shape, ids):
 
 
 def _transpose_vjp(g, axes):
+    """``g`` transposed back."""
     return g.transpose() if axes is None else g.transpose(tuple(np.argsort(axes).tolist()))
 
 
