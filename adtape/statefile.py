@@ -31,6 +31,11 @@ ALIGN = 4096            # O_DIRECT: buffer, offset and length in whole blocks
 RECORD_ALIGN = 64       # records inside a unit start on cache lines
 
 
+def aligned_buffer(nbytes):
+    """A page-aligned uint8 array of ``nbytes`` (O_DIRECT reads and writes into it)."""
+    return _aligned_buffer(nbytes)
+
+
 def _aligned_buffer(nbytes):
     raw = np.empty(nbytes + ALIGN, np.uint8)
     start = (-raw.ctypes.data) % ALIGN
@@ -42,7 +47,8 @@ class StateFile:
     consecutive and covering every record, each read and written whole; ``window``: the
     unit buffers (memory: ``window`` times the largest unit)."""
 
-    def __init__(self, record_nbytes, units, spill_dir=None, window=4, name="state"):
+    def __init__(self, record_nbytes, units, spill_dir=None, window=4, name="state",
+                 pooled=None):
         record_nbytes = [int(n) for n in record_nbytes]
         if any(n < 0 for n in record_nbytes):
             raise ValueError("StateFile: record sizes must be >= 0")
@@ -100,13 +106,19 @@ class StateFile:
         self.fd = fd
         self.spill_dir = spill_dir
 
-        biggest = max(self.unit_nbytes)
+        # The pool serves ``acquire`` (``pooled``: the units it may be asked for; the
+        # others move only through the caller's buffers, read_into / write_from).
+        pooled = range(len(units)) if pooled is None else list(pooled)
+        biggest = max([self.unit_nbytes[u] for u in pooled] or [ALIGN])
+        self._pool_bytes = biggest
         self._free = [_aligned_buffer(biggest) for _ in range(window)]
         self.window = window
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._state = ["disk"] * len(units)      # disk | loading | resident | writing
         self._buffer = [None] * len(units)
+        self._external = [False] * len(units)     # the buffer is the caller's (read_into)
+        self._held = set()                        # units acquired and not yet released
         self._wanted = collections.deque()        # units to read ahead, in order
         self._queue = collections.deque()         # ("read"|"write", unit) for the I/O thread
         self._error = None
@@ -144,7 +156,8 @@ class StateFile:
                     self._error = err
                 if kind == "read":
                     self._state[u] = "resident" if err is None else "disk"
-                    if err is not None:
+                    if err is not None or self._external[u]:
+                        self._state[u] = "disk"
                         self._give_back(u)
                 else:
                     self._state[u] = "disk"
@@ -211,13 +224,18 @@ class StateFile:
     # -- scheduling (lock held) ------------------------------------------------------------
 
     def _give_back(self, u):
-        self._free.append(self._buffer[u])
+        if not self._external[u]:
+            self._free.append(self._buffer[u])
         self._buffer[u] = None
+        self._external[u] = False
         self._schedule()
 
     def _schedule(self):
         while self._wanted and self._free:
-            u = self._wanted.popleft()
+            u = self._wanted[0]
+            if self._state[u] == "writing":
+                break           # read it once written: the read-ahead keeps its order
+            self._wanted.popleft()
             if self._state[u] != "disk" or self._buffer[u] is not None:
                 continue
             self._buffer[u] = self._free.pop()
@@ -245,26 +263,43 @@ class StateFile:
     def acquire(self, u):
         """Unit ``u``'s buffer (uint8, its records at ``record_offset``) once read; the
         caller owns it until ``release``."""
+        if self.unit_nbytes[u] > self._pool_bytes:
+            raise ValueError(f"{self.name} unit {u} is larger than the pool's buffers: read it "
+                             f"with read_into")
         with self._cv:
             self._raise_pending()
             if self._state[u] == "resident":
                 self.stats["prefetch_hits"] += 1
+                self._held.add(u)
                 return self._buffer[u]
             self.stats["prefetch_misses"] += 1
             t0 = time.perf_counter_ns()
             while self._state[u] != "resident":
                 if self._state[u] == "disk" and self._buffer[u] is None:
-                    if u not in self._wanted:
-                        self._wanted.appendleft(u)
-                    else:      # to the front: it is needed now
+                    if u in self._wanted:
                         self._wanted.remove(u)
-                        self._wanted.appendleft(u)
+                    self._wanted.appendleft(u)      # to the front: it is needed now
+                    if not self._free:
+                        self._evict_read_ahead()
                     self._schedule()
                 if self._state[u] != "resident":
                     self._cv.wait()
                 self._raise_pending()
             self.stats["read_wait_ns"] += time.perf_counter_ns() - t0
+            self._held.add(u)
             return self._buffer[u]
+
+    def _evict_read_ahead(self):
+        # Every buffer is taken: give back one read ahead and not yet acquired (clean),
+        # to be read again after the unit needed now (lock held).
+        for v in range(len(self._state) - 1, -1, -1):
+            if (self._state[v] == "resident" and v not in self._held
+                    and not self._external[v]):
+                self._state[v] = "disk"
+                self._free.append(self._buffer[v])
+                self._buffer[v] = None
+                self._wanted.insert(1, v)
+                return
 
     def record_view(self, buf, r, dtype=np.float32):
         """Record ``r`` inside its unit's buffer, as an array of ``dtype``."""
@@ -274,8 +309,9 @@ class StateFile:
     def release(self, u, dirty=True):
         """Hand unit ``u``'s buffer back: written behind when ``dirty``."""
         with self._cv:
-            if self._state[u] != "resident":
+            if self._state[u] != "resident" or u not in self._held:
                 raise RuntimeError(f"{self.name} unit {u} was not acquired")
+            self._held.discard(u)
             if dirty:
                 self._state[u] = "writing"
                 self._queue.append(("write", u))
@@ -283,6 +319,43 @@ class StateFile:
             else:
                 self._state[u] = "disk"
                 self._give_back(u)
+
+    # -- units read into and written from the caller's own buffers (the first
+    # ``unit_nbytes[u]`` bytes of a page-aligned uint8 array, e.g. ``aligned_buffer``),
+    # in the order asked, after everything queued before them --------------------------
+
+    def read_into(self, u, buf):
+        """Queue a read of unit ``u`` into ``buf``; ``wait(u)`` waits for it."""
+        with self._cv:
+            self._raise_pending()
+            self._idle_unit(u)
+            self._buffer[u] = buf
+            self._external[u] = True
+            self._state[u] = "loading"
+            self._queue.append(("read", u))
+            self._cv.notify_all()
+
+    def write_from(self, u, buf):
+        """Queue a write of unit ``u`` from ``buf`` (which must not change until
+        ``wait(u)``)."""
+        with self._cv:
+            self._raise_pending()
+            self._idle_unit(u)
+            self._buffer[u] = buf
+            self._external[u] = True
+            self._state[u] = "writing"
+            self._queue.append(("write", u))
+            self._cv.notify_all()
+
+    def wait(self, u):
+        """Wait until no read or write of unit ``u`` is queued or running."""
+        with self._cv:
+            t0 = time.perf_counter_ns()
+            while self._state[u] in ("loading", "writing"):
+                self._cv.wait()
+                self._raise_pending()
+            self.stats["read_wait_ns"] += time.perf_counter_ns() - t0
+            self._raise_pending()
 
     def flush(self):
         """Wait until every write queued has reached the file, and drop the read-ahead."""
@@ -299,8 +372,11 @@ class StateFile:
         # Wait until nobody reads or writes unit u (lock held).
         while self._state[u] in ("loading", "writing"):
             self._cv.wait()
-        if self._state[u] == "resident":
+        if self._state[u] == "resident" and u in self._held:
             raise RuntimeError(f"{self.name} unit {u} is acquired: release it first")
+        if self._state[u] == "resident":        # read ahead, not used: its bytes go stale
+            self._state[u] = "disk"
+            self._give_back(u)
 
     def read_record(self, r, out=None, dtype=np.float32):
         """Record ``r`` read now (checked), into ``out`` if given."""

@@ -178,7 +178,7 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
     array of the same layout. data_state / extra: JSON-serializable dicts (e.g.
     ``DataLoader.state()``, hyperparameters). The write is atomic (see ``atomic_writer``).
     """
-    if not isinstance(params, ParamArena):
+    if not isinstance(params, ParamArena) and not hasattr(params, "pieces"):
         raise TypeError(f"params must be a ParamArena, got {type(params).__name__}")
     config = params.config
     if (adam_m is None) != (adam_v is None):
@@ -186,7 +186,7 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
     for name, value in (("step", step), ("adam_step", adam_step)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    sections = [("params", params.in_llmc_order().flat)]
+    sections = [("params", params if hasattr(params, "pieces") else params.in_llmc_order().flat)]
     if adam_m is not None:
         sections += [("adam_m", _as_flat(adam_m, config, "adam_m")),
                      ("adam_v", _as_flat(adam_v, config, "adam_v"))]

@@ -30,7 +30,7 @@ class Decoder:
     def __init__(self, model, capacity=None):
         cfg = model.config
         self.config = cfg
-        self.views = model.params.views
+        self.views = model.param_arena().views
         self.rotary = cfg.family == "llama"
         self.n_kv_head = cfg.n_kv_head if self.rotary else cfg.n_head
         self.head_dim = cfg.head_dim if self.rotary else cfg.head_size

@@ -66,7 +66,7 @@ class ActivationArena:
             start += padded[name]
 
 
-OFFLOAD_POLICIES = (None, "moments")
+OFFLOAD_POLICIES = (None, "moments", "all")
 
 
 class GPT2:
@@ -91,11 +91,14 @@ class GPT2:
         if offload not in OFFLOAD_POLICIES:
             raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOAD_POLICIES))}, "
                              f"got {offload!r}")
+        if offload == "all" and (engine != "tape" or checkpointing != "none"):
+            raise ValueError("offload='all' runs on engine='tape' without checkpointing")
         self.config = config
         self.params = ParamArena(config)
         init_params_(self.params, seed)
-        self.grads = ParamArena(config)
-        self.grads.zero_()
+        self.grads = None if offload == "all" else ParamArena(config)
+        if self.grads is not None:
+            self.grads.zero_()
         # False: self.grads holds gradients the next backward adds to.  True: they
         # count as zero (zero_grad, or a train_step's deferred zeroing) and the next
         # backward writes over them instead - no pass over memory to zero them.
@@ -103,10 +106,18 @@ class GPT2:
         # offload="moments": the AdamW moments live on disk (gpt2.offload), adam_m and
         # adam_v are None, and each update runs during the next forward pass.
         self.offload = offload
+        # offload="all": the blocks' parameters and gradients too (gpt2.offload.FullOffload):
+        # params and grads are None, the engine's leaves are views of the offload's slots.
         self.moments = None
         if offload == "moments":
             from gpt2.offload import MomentOffload
             self.moments = MomentOffload(config, spill_dir=offload_dir)
+            self.adam_m = self.adam_v = None
+        elif offload == "all":
+            from gpt2.offload import FullOffload
+            self.moments = FullOffload(config, spill_dir=offload_dir)
+            self.set_params(self.params)
+            self.params = None
             self.adam_m = self.adam_v = None
         else:
             self.adam_m = ParamArena(config)
@@ -165,7 +176,7 @@ class GPT2:
         """Logits (B, T, Vp) - a view valid until the next call - and the mean loss if targets."""
         inputs, targets = self.check_batch(inputs, targets)
         self.finish_update()
-        if self.config.family != "gpt2":
+        if self.config.family != "gpt2" or self.offload == "all":
             return self._forward_tape(inputs, targets)
         B, T = inputs.shape
         a = self._activations(B, T)
@@ -200,6 +211,10 @@ class GPT2:
             # forward pass reaches each; the other paths apply it whole first.
             self.finish_update()
         fresh, self._grads_fresh = self._grads_fresh, False
+        if self.offload == "all" and not fresh:
+            raise NotImplementedError("with offload='all' each backward pass writes the "
+                                      "gradients anew: call zero_grad() before loss_and_grad "
+                                      "(no accumulation over several backward passes)")
         if self.engine == "manual":
             B, T = inputs.shape
             a = self._activations(B, T)
@@ -218,12 +233,15 @@ class GPT2:
         """Zero the gradients; ``deferred=True`` only marks them as zero, and the next
         backward writes over them instead of adding to them (no pass over memory;
         ``self.grads`` keeps its old values until then)."""
-        if not deferred:
+        if not deferred and self.grads is not None:
             optim.zero_grad(self.grads.flat)
         self._grads_fresh = True
 
     def clip_grad_norm(self, max_norm):
         """Scale gradients to global norm ``max_norm`` at most; returns the norm before."""
+        if self.offload == "all":
+            raise NotImplementedError("with offload='all' the gradients are on disk: clip "
+                                      "through train_step(..., grad_clip=)")
         return optim.clip_grad_norm(self.grads.flat, max_norm)
 
     def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
@@ -231,6 +249,9 @@ class GPT2:
         """One AdamW update of every parameter (PyTorch semantics, decay on all of them),
         with the gradients multiplied by ``grad_scale`` as they are read."""
         self.adam_step += 1
+        if self.offload == "all":
+            self.moments.begin(self.adam_step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+            return
         if self.moments is not None:
             # Deferred: the moments stream in while the next forward pass computes.
             self.moments.begin(self.params.flat, self.grads.flat, self.adam_step, lr, beta1,
@@ -249,9 +270,45 @@ class GPT2:
     def optimizer_moments(self):
         """(adam_m, adam_v) for ``gpt2.checkpoint``: the arenas, or with offloaded moments
         sections streamed from and to disk."""
+        if self.offload == "all":
+            from gpt2.offload import StreamedState
+            return StreamedState(self.moments, "m"), StreamedState(self.moments, "v")
         if self.moments is not None:
             return self.moments.moment(0), self.moments.moment(1)
         return self.adam_m, self.adam_v
+
+    def checkpoint_params(self):
+        """The parameters for ``gpt2.checkpoint`` (save and load): the arena, or with
+        offload="all" a section streamed from and to disk."""
+        if self.offload == "all":
+            from gpt2.offload import StreamedState
+            return StreamedState(self.moments, "p")
+        return self.params
+
+    def param_arena(self):
+        """Every parameter as a ParamArena: the model's own, or with offload="all" a copy
+        read from disk (for sampling and exports)."""
+        if self.offload != "all":
+            self.finish_update()
+            return self.params
+        arena = ParamArena(self.config)
+        for start, piece in self.moments.pieces("p"):
+            arena.flat[start:start + piece.size] = piece
+        return arena
+
+    def set_params(self, arena):
+        """Copy a ParamArena's values into the model's parameters."""
+        if self.offload != "all":
+            self.finish_update()
+            self.params.copy_(arena)
+            return
+        flat = arena.in_llmc_order().flat
+        position = [0]
+
+        def read_into(piece):
+            piece[...] = flat[position[0]:position[0] + piece.size]
+            position[0] += piece.size
+        self.moments.load("p", read_into)
 
     def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None):
         """Zero grads, forward, backward, (clip), AdamW. Returns (loss, grad norm or None).
@@ -263,10 +320,13 @@ class GPT2:
         more; the update is the same to the bit.  After the step ``self.grads`` holds
         the gradient as the backward left it, before clipping."""
         self.zero_grad(deferred=True)
+        if self.offload == "all":
+            self.moments.reset_norm()
         loss = self.loss_and_grad(inputs, targets)
         norm, scale = None, 1.0
         if grad_clip:
-            norm = optim.grad_norm(self.grads.flat)
+            norm = (self.moments.grad_norm() if self.offload == "all"
+                    else optim.grad_norm(self.grads.flat))
             scale = optim.clip_coefficient(norm, grad_clip)
         self.adamw_step(lr, weight_decay=weight_decay, grad_scale=scale)
         return loss, norm

@@ -20,13 +20,13 @@ evaluation, a sample).
 """
 import numpy as np
 
-from adtape.statefile import StateFile
+from adtape.statefile import StateFile, aligned_buffer
 from gpt2.params import layer_major_offsets, num_parameters, param_offsets
 from kernels import optim
 
 SEGMENT_FLOATS = 4 << 20     # 16 MiB per moment record at most
 UNIT_BYTES = 64 << 20        # m and v of the segments of one I/O unit
-WINDOW = 6                   # unit buffers: read ahead and written behind
+WINDOW = 8                   # unit buffers: read ahead and written behind
 
 
 class MomentOffload:
@@ -93,6 +93,11 @@ class MomentOffload:
         self.finish()
         self.pending = (params, grads, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
         self.next_unit = 0
+        self.file.prefetch(range(len(self.unit_segments)))
+
+    def read_ahead(self):
+        """Start reading the next update's first units now (the forward pass is over and
+        wrote them behind; the backward pass has time to read them back)."""
         self.file.prefetch(range(len(self.unit_segments)))
 
     def ready(self, stage):
@@ -183,3 +188,364 @@ class StreamedMoment:
             piece = buf[:n]
             read_into(piece)
             off.file.write_record(off.record[i, self.which], piece)
+
+
+# -- everything offloaded ------------------------------------------------------------------
+
+def _segments(config, segment_floats):
+    """Every (parameter, layer) slice in forward order, split at ``segment_floats``:
+    (flat start in the arena's llm.c order, floats, stage, name, layer or None, offset
+    inside the slice)."""
+    # Whole cache lines: the pieces of a split parameter lie back to back in a unit
+    # (records start on RECORD_ALIGN bytes), so a slot holds each parameter contiguously.
+    segment_floats = max(16, segment_floats // 16 * 16)
+    flat = param_offsets(config)
+    per_layer = set(config.per_layer)
+    segments, seen_block = [], False
+    for (name, layer), (lo, hi) in layer_major_offsets(config).items():
+        size = hi - lo
+        if name in per_layer:
+            seen_block = True
+            start, stage = flat[name][0] + layer * size, layer
+        else:
+            start, stage, layer = flat[name][0], ("head" if seen_block else "embed"), None
+        for off in range(0, size, segment_floats):
+            segments.append((start + off, min(segment_floats, size - off), stage, name, layer, off))
+    return segments
+
+
+class NormPartials:
+    """The global gradient norm of an arena whose pieces become final at different times,
+    to the bit of ``kernels.optim.grad_norm`` over the whole arena: the partial sums of
+    its blocks (``sum_squares_blocks``), the blocks that pieces share staged until whole."""
+
+    def __init__(self, n):
+        self.n = n
+        self.block = optim.norm_block()
+        self.partials = np.zeros((n + self.block - 1) // self.block)
+        self.reset()
+
+    def reset(self):
+        self.done = np.zeros(len(self.partials), bool)
+        self.staged = {}        # block -> [float32 buffer, floats filled]
+
+    def _block_len(self, k):
+        return min(self.block, self.n - k * self.block)
+
+    def add(self, start, x):
+        """The final gradient ``x`` (flat float32) of elements [start, start + x.size)."""
+        B, end = self.block, start + x.size
+        # [a, b): the whole blocks inside the piece (the arena's last block may be short);
+        # [start, a) and [b, end) lie inside one block each.
+        a = min(-(-start // B) * B, end)
+        b = end if end == self.n else max(a, end // B * B)
+        if a < b:
+            k = a // B
+            sums = optim.sum_squares_blocks(x[a - start:b - start])
+            self.partials[k:k + len(sums)] = sums
+            self.done[k:k + len(sums)] = True
+        for lo, hi in ((start, a), (b, end)):
+            if lo >= hi:
+                continue
+            k = lo // B
+            entry = self.staged.setdefault(k, [np.empty(self._block_len(k), np.float32), 0])
+            entry[0][lo - k * B:hi - k * B] = x[lo - start:hi - start]
+            entry[1] += hi - lo
+            if entry[1] == self._block_len(k):
+                self.partials[k] = optim.sum_squares_blocks(entry[0])[0]
+                self.done[k] = True
+                del self.staged[k]
+
+    def norm(self):
+        if not self.done.all():
+            raise RuntimeError(f"gradient norm: {int((~self.done).sum())} blocks of the "
+                               f"gradient are not final")
+        total = 0.0
+        for p in self.partials.tolist():    # one by one, in order, as grad_norm adds them
+            total += p
+        return float(np.sqrt(total))
+
+
+class FullOffload:
+    """``offload="all"``: the blocks' parameters and gradients on disk too, beside every
+    AdamW moment; RAM keeps the parameters outside the blocks (embedding, final norm,
+    head) with their gradients, ``slots`` blocks' parameters and gradients, and the unit
+    buffers.
+
+    Block l runs in slot ``l % slots``: its leaves (``layer_arrays``) are views of the
+    slot's buffers, which hold block l's parameters when its forward pass runs (the
+    deferred AdamW update reads them, updates them in the slot and writes them behind)
+    and again when its backward pass runs (read back as the sweep reaches the block's
+    output, ``backward_begin``); its gradients are written once final
+    (``backward_done``), and read back by the next update.  The I/O thread reads the
+    next block's parameters into the other slot while a block computes.
+    """
+
+    def __init__(self, config, spill_dir=None, slots=2, window=4, unit_bytes=UNIT_BYTES,
+                 segment_floats=SEGMENT_FLOATS):
+        if slots < 2:
+            raise ValueError(f"slots must be >= 2, got {slots}")
+        self.config = config
+        self.n = num_parameters(config)
+        self.n_layer = config.n_layer
+        self.slots = slots
+        shapes = config.param_shapes()
+        self.segments = segs = _segments(config, segment_floats)
+        self.global_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()
+                              if name not in config.per_layer}
+        self.global_grads = {name: np.zeros_like(p) for name, p in self.global_params.items()}
+        # Records and units.  Block l: P (its parameters: read into and written from its
+        # slot), G (its gradients: written from the slot, read by the update), then units
+        # of m|v records; the globals: m|v units only.
+        record_nbytes, units, self.record = [], [], {}
+        self.p_unit, self.g_unit, self.mv_units, self._mv_segments = {}, {}, {}, {}
+        stages = []
+        for i, seg in enumerate(segs):
+            if not stages or stages[-1][0] != seg[2]:
+                stages.append((seg[2], []))
+            stages[-1][1].append(i)
+
+        def add_unit(kind_records):
+            first = len(record_nbytes)
+            for key, nbytes in kind_records:
+                self.record[key] = len(record_nbytes)
+                record_nbytes.append(nbytes)
+            units.append((first, len(record_nbytes)))
+            return len(units) - 1
+
+        for stage, idx in stages:
+            if stage not in ("embed", "head"):
+                self.p_unit[stage] = add_unit([((i, "p"), 4 * segs[i][1]) for i in idx])
+                self.g_unit[stage] = add_unit([((i, "g"), 4 * segs[i][1]) for i in idx])
+            groups, size = [], 0
+            for i in idx:
+                if groups and size + 8 * segs[i][1] <= unit_bytes:
+                    groups[-1].append(i)
+                    size += 8 * segs[i][1]
+                else:
+                    groups.append([i])
+                    size = 8 * segs[i][1]
+            self.mv_units[stage] = []
+            for g in groups:
+                u = add_unit([((i, "m"), 4 * segs[i][1]) for i in g]
+                             + [((i, "v"), 4 * segs[i][1]) for i in g])
+                self.mv_units[stage].append(u)
+                self._mv_segments[u] = g
+        self.stages = [stage for stage, _ in stages]
+        self.stage_segments = {stage: idx for stage, idx in stages}
+        pooled = [u for us in self.mv_units.values() for u in us] + list(self.g_unit.values())
+        self.file = StateFile(record_nbytes, units, spill_dir=spill_dir, window=window,
+                              name="model state", pooled=pooled)
+        # The slots: one block's P and G units each, in the units' own layout.
+        f = self.file
+        p0, g0 = self.p_unit[0], self.g_unit[0]
+        self.slot_p = [aligned_buffer(f.unit_nbytes[p0]) for _ in range(slots)]
+        self.slot_g = [aligned_buffer(f.unit_nbytes[g0]) for _ in range(slots)]
+        self.slot_layer = [None] * slots     # whose parameters the slot holds (or is reading)
+        self.slot_g_unit = [None] * slots    # the G unit last written from the slot
+        self._arrays = [self._slot_arrays(s) for s in range(slots)]
+        self.norm_partials = NormPartials(self.n)
+        self.pending = None
+        self.next_stage = 0
+
+    # -- the slots ---------------------------------------------------------------------
+
+    def _slot_arrays(self, s):
+        """name -> (parameter view, gradient view) of block-shaped arrays in slot s."""
+        f, shapes, out = self.file, self.config.param_shapes(), {}
+        for i in self.stage_segments[0]:
+            _, n, _, name, _, off = self.segments[i]
+            if off:
+                continue        # a later piece of a parameter split into segments
+            size = int(np.prod(shapes[name][1:]))
+            p0 = f.record_offset[self.record[i, "p"]]
+            last = max(j for j in self.stage_segments[0] if self.segments[j][3] == name)
+            assert f.record_offset[self.record[last, "p"]] + 4 * self.segments[last][1] == p0 + 4 * size
+            g0 = f.record_offset[self.record[i, "g"]]
+            out[name] = (self.slot_p[s][p0:p0 + 4 * size].view(np.float32).reshape(shapes[name][1:]),
+                         self.slot_g[s][g0:g0 + 4 * size].view(np.float32).reshape(shapes[name][1:]))
+        return out
+
+    def layer_arrays(self, l):
+        """Block l's (parameter, gradient) arrays by name: views of its slot."""
+        return self._arrays[l % self.slots]
+
+    def _unit_of_layer(self, kind, l):
+        return (self.p_unit if kind == "p" else self.g_unit)[l]
+
+    def _load_params(self, l, wait=True):
+        """Queue the read of block l's parameters into its slot (unless it holds them)."""
+        s = l % self.slots
+        if self.slot_layer[s] != l:
+            self.file.read_into(self.p_unit[l], self.slot_p[s])
+            self.slot_layer[s] = l
+        if wait:
+            self.file.wait(self.p_unit[l])
+
+    def _prefetch_params(self, l):
+        if 0 <= l < self.n_layer:
+            self._load_params(l, wait=False)
+
+    def ensure_params(self, l):
+        """Block l's parameters in its slot (a forward pass with no update pending)."""
+        self._load_params(l)
+        self._prefetch_params(l + 1)
+
+    def backward_begin(self, l):
+        """The sweep reached block l's output: its parameters back into its slot, and the
+        slot's gradients free to be written over."""
+        s = l % self.slots
+        if self.slot_g_unit[s] is not None:
+            self.file.wait(self.slot_g_unit[s])
+        self._load_params(l)
+        self._prefetch_params(l - 1)
+
+    def backward_done(self, l):
+        """Block l's gradients are final: into the norm, then written behind."""
+        s = l % self.slots
+        for i in self.stage_segments[l]:
+            start, n, _, name, _, off = self.segments[i]
+            g = self._arrays[s][name][1].reshape(-1)
+            self.norm_partials.add(start, g[off:off + n])
+        self.file.write_from(self.g_unit[l], self.slot_g[s])
+        self.slot_g_unit[s] = self.g_unit[l]
+
+    def grad_norm(self):
+        """The global norm of this step's gradients (every block's final by now)."""
+        flat = param_offsets(self.config)
+        for name, g in self.global_grads.items():
+            self.norm_partials.add(flat[name][0], g.reshape(-1))
+        return self.norm_partials.norm()
+
+    def reset_norm(self):
+        self.norm_partials.reset()
+
+    # -- the deferred update -------------------------------------------------------------
+
+    def begin(self, step, lr, beta1, beta2, eps, weight_decay, grad_scale):
+        self.finish()
+        self.file.flush()      # the gradients written behind are on disk
+        self.pending = (step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+        self.next_stage = 0
+        order = []
+        for stage in self.stages:
+            if stage in self.g_unit:
+                order.append(self.g_unit[stage])
+            order += self.mv_units[stage]
+        self.file.prefetch(order)
+        self._prefetch_params(0)
+
+    def read_ahead(self):
+        """Start reading the next update's moments now (written behind during the forward
+        pass); not the gradients, which the backward pass is about to write."""
+        self.file.prefetch([u for stage in self.stages for u in self.mv_units[stage]])
+
+    def ready(self, stage):
+        """Before the forward pass runs ``stage``: its update if one is pending (and every
+        earlier stage's), else its parameters loaded."""
+        if self.pending is not None:
+            self._update_through(self.stages.index(stage))
+        if stage not in ("embed", "head"):
+            self.ensure_params(stage)
+
+    def finish(self):
+        if self.pending is not None:
+            self._update_through(len(self.stages) - 1)
+
+    def _update_through(self, last):
+        step, lr, b1, b2, eps, wd, scale = self.pending
+        f = self.file
+        while self.next_stage <= last:
+            stage = self.stages[self.next_stage]
+            block = stage not in ("embed", "head")
+            try:
+                if block:
+                    self._load_params(stage)
+                    self._prefetch_params(stage + 1)
+                    gbuf = f.acquire(self.g_unit[stage])
+                    arrays = self._arrays[stage % self.slots]
+                for u in self.mv_units[stage]:
+                    buf = f.acquire(u)
+                    try:
+                        for i in self._mv_segments[u]:
+                            _, n, _, name, _, off = self.segments[i]
+                            if block:
+                                p = arrays[name][0].reshape(-1)[off:off + n]
+                                g = f.record_view(gbuf, self.record[i, "g"])
+                            else:
+                                p = self.global_params[name].reshape(-1)[off:off + n]
+                                g = self.global_grads[name].reshape(-1)[off:off + n]
+                            optim.adamw_step(p, g, f.record_view(buf, self.record[i, "m"]),
+                                             f.record_view(buf, self.record[i, "v"]),
+                                             step, lr, b1, b2, eps, wd, grad_scale=scale)
+                    except BaseException:
+                        f.release(u, dirty=False)
+                        raise
+                    f.release(u, dirty=True)
+                if block:
+                    f.release(self.g_unit[stage], dirty=False)
+                    f.write_from(self.p_unit[stage], self.slot_p[stage % self.slots])
+            except BaseException:
+                self.pending = None
+                raise
+            self.next_stage += 1
+        if self.next_stage == len(self.stages):
+            self.pending = None
+
+    # -- whole arenas in llm.c order (checkpoints, sampling, exports) ---------------------
+
+    def flat_segments(self):
+        return sorted(range(len(self.segments)), key=lambda i: self.segments[i][0])
+
+    def pieces(self, kind):
+        """(flat start, float32 array) in llm.c order of "p" (parameters), "m" or "v"."""
+        self.finish()
+        self.file.flush()
+        for i in self.flat_segments():
+            start, n, _, name, layer, off = self.segments[i]
+            if kind == "p" and layer is None:
+                yield start, self.global_params[name].reshape(-1)[off:off + n]
+            else:
+                yield start, self.file.read_record(self.record[i, kind])
+
+    def load(self, kind, read_into):
+        """Fill "p", "m" or "v" from ``read_into(array)`` called in llm.c order."""
+        self.finish()
+        self.file.flush()
+        buf = np.empty(max(s[1] for s in self.segments), np.float32)
+        for i in self.flat_segments():
+            start, n, _, name, layer, off = self.segments[i]
+            if kind == "p" and layer is None:
+                read_into(self.global_params[name].reshape(-1)[off:off + n])
+            else:
+                piece = buf[:n]
+                read_into(piece)
+                self.file.write_record(self.record[i, kind], piece)
+        if kind == "p":
+            self.slot_layer = [None] * self.slots      # the slots hold stale parameters
+
+    def stats(self):
+        return dict(self.file.stats, file_bytes=self.file.file_bytes,
+                    window_bytes=self.file.window * self.file._pool_bytes
+                    + sum(b.nbytes for b in self.slot_p + self.slot_g))
+
+    def close(self):
+        self.pending = None
+        self.file.close()
+
+
+class StreamedState:
+    """"p" (parameters), "m" or "v" of a ``FullOffload`` as a checkpoint section, streamed
+    in llm.c order (what ``gpt2.checkpoint`` reads and writes instead of an arena)."""
+
+    def __init__(self, offload, kind):
+        self.offload = offload
+        self.kind = kind
+        self.config = offload.config
+        self.nbytes = 4 * offload.n
+
+    def pieces(self):
+        return self.offload.pieces(self.kind)
+
+    def load(self, read_into):
+        self.offload.load(self.kind, read_into)

@@ -20,8 +20,26 @@ import functools
 from adtape import nn
 from kernels import _openmp
 from adtape.checkpointing import checkpoint, checkpoint_loop
-from adtape.tensor import OpTape, Tensor, apply_deferred_zero
+from adtape.tensor import OpTape, Primitive, Tensor, apply_deferred_zero, defvjp
 
+
+
+def _marker_fwd(x, on_backward):
+    return x, ()
+
+
+def _marker_vjp(g, on_backward):
+    on_backward()
+    return g
+
+
+_MARKER = defvjp(Primitive("offload_marker", ("x",), _marker_fwd), _marker_vjp)
+
+
+def _marker(x, on_backward):
+    """``x`` itself (no copy), recorded so that the reverse sweep calls ``on_backward()``
+    when it passes this point."""
+    return _MARKER(x, on_backward=on_backward)
 
 
 def _leaf(value, grad):
@@ -83,13 +101,23 @@ class TapeEngine:
         # glibc would map the large ones afresh and fault them in every step (22%
         # of the step at B=4, T=64).  Process-wide, as gpt2.train sets it too.
         _openmp.set_malloc_retention()
-        p, g = model.params, model.grads
         per_layer = self.config.per_layer
-        # The parameters outside the blocks (GPT-2: wte, wpe, lnfw, lnfb), by name.
-        self.globals = {name: _leaf(p.views[name], g.views[name]) for name in p.views
-                        if name not in per_layer}
-        self.layers = [{name: _leaf(p.views[name][l], g.views[name][l]) for name in per_layer}
-                       for l in range(self.config.n_layer)]
+        self.full_offload = model.offload == "all"
+        if self.full_offload:
+            # Block l's leaves are views of its slot in the offload (gpt2.offload.FullOffload).
+            state = model.moments
+            self.globals = {name: _leaf(p, state.global_grads[name])
+                            for name, p in state.global_params.items()}
+            self.layers = [{name: _leaf(p, g) for name, (p, g) in state.layer_arrays(l).items()}
+                           for l in range(self.config.n_layer)]
+        else:
+            p, g = model.params, model.grads
+            # The parameters outside the blocks (GPT-2: wte, wpe, lnfw, lnfb), by name.
+            self.globals = {name: _leaf(p.views[name], g.views[name]) for name in p.views
+                            if name not in per_layer}
+            self.layers = [{name: _leaf(p.views[name][l], g.views[name][l])
+                            for name in per_layer}
+                           for l in range(self.config.n_layer)]
         self.ops = family_ops(self.config)
         self.last_forward_bytes = 0    # residual bytes saved by the last forward pass
 
@@ -102,7 +130,15 @@ class TapeEngine:
     def block(self, l, x):
         """Transformer block ``l`` of the model's family."""
         self._ready(l)
-        return self.ops.block(self.layers[l], x)
+        if not self.full_offload:
+            return self.ops.block(self.layers[l], x)
+        # Markers the sweep passes on its way: at the block's output before the block's
+        # backward (its parameters are read back), at its input after it (its gradients
+        # are final and written).
+        state = self.model.moments
+        x = _marker(x, on_backward=functools.partial(state.backward_done, l))
+        y = self.ops.block(self.layers[l], x)
+        return _marker(y, on_backward=functools.partial(state.backward_begin, l))
 
     def forward_logits(self, inputs):
         """The logits (B, T, padded vocabulary) as a recorded Tensor."""
@@ -136,6 +172,8 @@ class TapeEngine:
             with self.optape:
                 loss = self.forward_loss(inputs, targets)
             self.model.finish_update()     # the backward writes the gradients it reads
+            if self.model.moments is not None:
+                self.model.moments.read_ahead()
             self.last_forward_bytes = self.optape.saved_bytes
             loss.backward()
         finally:

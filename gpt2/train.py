@@ -214,13 +214,14 @@ def build_parser(prog=None):
                           "binomial (Revolve) schedule over the layers (default: %(default)s)")
     mem.add_argument("--snapshots", type=positive_int, metavar="N", default=2,
                      help="snapshots for --checkpointing binomial (default: %(default)s)")
-    mem.add_argument("--offload", choices=("none", "moments"), default="none",
+    mem.add_argument("--offload", choices=("none", "moments", "all"), default="none",
                      help="moments: keep the AdamW moments (8 bytes per parameter) in a file "
                           "in --spill-dir and stream them through RAM during the update, "
-                          "which runs as the next forward pass reaches each block "
-                          "(default: %(default)s)")
+                          "which runs as the next forward pass reaches each block; all: the "
+                          "blocks' parameters and gradients too (16 bytes per parameter), "
+                          "two blocks in RAM at a time (default: %(default)s)")
     mem.add_argument("--max-memory", type=positive_size, default=None, metavar="SIZE",
-                     help="choose --tape-budget and --checkpointing to stay within SIZE of "
+                     help="choose --tape-budget, --checkpointing and --offload to stay within SIZE of "
                           "RAM at the fastest predicted step (the performance model's profile "
                           "of this machine for --threads, measured on first use in about 15 s, "
                           "or by python -m gpt2.perfmodel.calibrate); excludes those two "
@@ -446,8 +447,10 @@ def describe_memory_policy(args, plan=None):
         parts.append(f"binomial checkpointing with {args.snapshots} snapshot"
                      + ("s" if args.snapshots != 1 else ""))
     text = " and ".join(parts) or "activations in RAM"
-    if args.offload == "moments":
-        text += (f"; AdamW moments on disk in {args.spill_dir or tempfile.gettempdir()}")
+    if args.offload != "none":
+        what = ("AdamW moments" if args.offload == "moments"
+                else "AdamW moments, the blocks' parameters and gradients")
+        text += f"; {what} on disk in {args.spill_dir or tempfile.gettempdir()}"
     return text + (f" (chosen by --max-memory {format_size(args.max_memory)})"
                    if plan is not None else "")
 
@@ -506,7 +509,7 @@ class TapeWatch:
         base = self.offload_first if self.offload_steps > 1 else dict.fromkeys(last, 0)
         per = {k: (last[k] - base[k]) / n for k in ("bytes_read", "bytes_written",
                                                       "read_wait_ns", "prefetch_misses")}
-        return {"state": "moments", "file_bytes": last["file_bytes"],
+        return {"state": self.model.offload, "file_bytes": last["file_bytes"],
                 "window_bytes": last["window_bytes"],
                 "read_bytes_per_step": per["bytes_read"],
                 "written_bytes_per_step": per["bytes_written"],
@@ -516,7 +519,8 @@ class TapeWatch:
     @staticmethod
     def describe_offload(o):
         from gpt2.perfmodel.plan import format_size
-        return (f"AdamW moments on disk ({format_size(o['file_bytes'])} file, "
+        what = "AdamW moments" if o["state"] == "moments" else "model state"
+        return (f"{what} on disk ({format_size(o['file_bytes'])} file, "
                 f"{format_size(o['window_bytes'])} window in RAM): per step "
                 f"{format_size(o['read_bytes_per_step'])} read and "
                 f"{format_size(o['written_bytes_per_step'])} written, the update waited "
@@ -781,13 +785,18 @@ def _prepare(args, explicit, comm=None):
     if comm is not None and comm.Get_size() > 1 and args.offload != "none":
         raise UsageError(f"--offload {args.offload} trains in one process for now: leave it "
                          f"out under mpiexec")
+    if args.offload == "all" and (args.engine != "tape" or args.checkpointing != "none"):
+        raise UsageError("--offload all runs on the tape engine without --checkpointing: "
+                         "leave out " + ("--engine manual" if args.engine != "tape"
+                                         else f"--checkpointing {args.checkpointing}"))
     config, params, model_name = _model_config(args, explicit, resumed)
     if args.seq_len is None:
         args.seq_len = min(128, config.block_size)
     if args.seq_len > config.block_size:
         raise UsageError(f"-T {args.seq_len} exceeds the model's block_size {config.block_size}")
     if args.max_memory is not None:
-        clash = [f"--{n.replace('_', '-')}" for n in ("tape_budget", "checkpointing", "snapshots")
+        clash = [f"--{n.replace('_', '-')}" for n in ("tape_budget", "checkpointing", "snapshots",
+                                                      "offload")
                  if n in explicit]
         if clash:
             raise UsageError(f"--max-memory chooses the memory policy itself: leave out "
@@ -934,6 +943,7 @@ def _train(args, inputs, n_threads, comm=None):
         policy = inputs.plan.engine_kwargs()
         args.tape_budget = policy["tape_kwargs"].get("memory_budget")
         args.checkpointing, args.snapshots = policy["checkpointing"], policy["snapshots"]
+        args.offload = policy.get("offload") or "none"
     tape_kwargs = {}
     if args.tape_budget is not None:
         tape_kwargs["memory_budget"] = args.tape_budget
@@ -956,10 +966,11 @@ def _train_model(args, inputs, model, n_threads, comm=None):
 
     from gpt2 import checkpoint as ckpt
     from gpt2 import distributed
+    from gpt2.params import num_parameters as _num_parameters
 
     config, train, val = inputs.config, inputs.train, inputs.val
     if inputs.params is not None:
-        model.params.copy_(inputs.params)
+        model.set_params(inputs.params)
     # Over MPI: every rank trains its rows of the global batch; rank 0 alone writes.
     trainer = distributed.trainer_from_args(model, comm, args, inputs.tokens)
     writer = trainer is None or trainer.rank == 0
@@ -968,7 +979,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         with blame("--resume"):
             adam_m, adam_v = model.optimizer_moments()
             state = (trainer.load_checkpoint(args.resume) if trainer else
-                     ckpt.load_checkpoint(args.resume, config, params=model.params,
+                     ckpt.load_checkpoint(args.resume, config, params=model.checkpoint_params(),
                                           adam_m=adam_m, adam_v=adam_v))
         model.adam_step = state.adam_step
         start_step = state.step
@@ -983,7 +994,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                         os.unlink(os.path.join(args.out_dir, name))
         log = RunLog(os.path.join(args.out_dir, "log.csv") if writer else None, inputs.history)
 
-    n_params = sum(v.size for v in model.params.views.values())
+    n_params = _num_parameters(config)
     print(f"{config.family_name} {inputs.model_name}: {n_params / 1e6:.2f}M parameters, "
           f"{config.describe()}; B={args.batch_size} "
           f"T={args.seq_len}, {n_threads} threads, engine={args.engine}, memory: "
@@ -1006,7 +1017,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                                     extra={"args": saved_args})
         else:
             adam_m, adam_v = model.optimizer_moments()
-            ckpt.save_checkpoint(ckpt_path, model.params, step=step, adam_m=adam_m,
+            ckpt.save_checkpoint(ckpt_path, model.checkpoint_params(), step=step, adam_m=adam_m,
                                  adam_v=adam_v, adam_step=model.adam_step,
                                  data_state=train.state(), extra={"args": saved_args})
         schedule.saved(time.perf_counter() - t0)
@@ -1077,7 +1088,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
             if args.save_hf and writer:
                 from gpt2 import hf
                 with blame("--save-hf", (OSError, ValueError)):
-                    hf.save_dir(args.save_hf, model.params)
+                    hf.save_dir(args.save_hf, model.param_arena())
     finally:
         bar.close()
         log.close()
@@ -1122,7 +1133,7 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
         summary["memory_plan"] = {"policy": inputs.plan.policy, "max_memory": args.max_memory,
                                   "tape_budget": args.tape_budget,
                                   "checkpointing": args.checkpointing,
-                                  "snapshots": args.snapshots,
+                                  "snapshots": args.snapshots, "offload": args.offload,
                                   "predicted_ms": inputs.plan.predicted_ms,
                                   "predicted_peak_bytes": inputs.plan.predicted_peak_bytes}
     print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"

@@ -249,6 +249,31 @@ def grad_norm(grads, *, n_threads=None):
     return sqrt(total)
 
 
+def sum_squares_blocks(x, *, n_threads=None):
+    """The float64 sums of squares of ``x``'s consecutive blocks of ``norm_block()`` floats
+    (the last may be shorter): the partial sums ``grad_norm`` adds, in order, for an
+    array whose blocks these are.  So a gradient held in pieces (each starting on a
+    block boundary of the whole) has the whole's norm to the bit: ``sqrt`` of the
+    partials added one by one in block order."""
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = _check_flat("x", x, False)
+    cdef Py_ssize_t n_blocks = (n + CHUNK - 1) // CHUNK, k
+    out = np.empty(n_blocks, np.float64)
+    cdef double[::1] o = out
+    cdef const float* xp = <float*>cnp.PyArray_DATA(<cnp.ndarray>x)
+    nt = serial_if_small(nt, n_threads, n)
+    if n_blocks:
+        with nogil:
+            for k in prange(n_blocks, schedule='static', num_threads=nt):
+                sum_squares_spans(xp + k * CHUNK, _span(k, n), NULL, 0, &o[k], NULL)
+    return out
+
+
+def norm_block():
+    """Floats per block of ``grad_norm``'s partial sums (``sum_squares_blocks``)."""
+    return CHUNK
+
+
 cdef _check_max_norm(max_norm):
     if not isfinite(max_norm) or max_norm < 0:
         raise ValueError(f"max_norm must be finite and >= 0, got {max_norm!r}")

@@ -16,6 +16,7 @@ from gpt2.model import GPT2
 from gpt2.params import num_parameters
 from gpt2.perfmodel import cli, load_profile
 from gpt2.perfmodel.calibrate import measure_baseline_rss, measure_disk
+from gpt2.offload import UNIT_BYTES, WINDOW
 from gpt2.perfmodel.plan import minimum_memory, plan_memory, predict_policy
 
 TINY = GPT2Config.preset("tiny")
@@ -67,11 +68,13 @@ def test_less_memory_is_never_faster(profile):
 
 
 def test_impossible_limit_names_the_minimum(profile):
-    states = 16 * num_parameters(GPT2_124M)
+    # The least model states: parameters and gradients, the AdamW moments on disk but
+    # for the offload's unit buffers.
+    states = 8 * num_parameters(GPT2_124M) + WINDOW * UNIT_BYTES
     fixed = states + profile.baseline_rss
     with pytest.raises(ValueError, match=f"at least .* \\({int(fixed)} bytes\\)") as info:
         plan_memory(GPT2_124M, 8, 1024, int(fixed) - 1, hardware=profile)
-    assert "parameters, gradients and AdamW moments" in str(info.value)
+    assert "parameters and gradients (with the AdamW moments on disk)" in str(info.value)
     # Above the model states but below what any policy's activations need.
     with pytest.raises(ValueError, match="required minimum") as info:
         plan_memory(GPT2_124M, 8, 1024, int(fixed) + (1 << 20), hardware=profile)
@@ -106,7 +109,8 @@ def test_predict_policy_is_what_the_planner_weighs(profile):
     plan = plan_memory(GPT2_124M, 8, 1024, 8 << 30, hardware=profile)
     assert len(plan.candidates) > 10
     for c in plan.candidates:
-        p = predict_policy(GPT2_124M, 8, 1024, c.tape_budget, c.checkpointing, c.snapshots, hardware=profile)
+        p = predict_policy(GPT2_124M, 8, 1024, c.tape_budget, c.checkpointing, c.snapshots, hardware=profile,
+                           offload=c.offload)
         assert (p.policy, p.predicted_ms, p.predicted_peak_bytes, p.memory) == \
             (c.policy, c.predicted_ms, c.predicted_peak_bytes, c.memory)
     with pytest.raises(ValueError, match="checkpointing"):
@@ -115,6 +119,15 @@ def test_predict_policy_is_what_the_planner_weighs(profile):
         predict_policy(GPT2_124M, 8, 1024, tape_budget=-1, hardware=profile)
     with pytest.raises(ValueError, match="block_size"):
         predict_policy(GPT2_124M, 8, 2048, hardware=profile)
+    with pytest.raises(ValueError, match="offload"):
+        predict_policy(GPT2_124M, 8, 1024, offload="everything", hardware=profile)
+    # Moments on disk: 8 bytes per parameter less in RAM (but the unit buffers), and the
+    # disk's time where the forward pass does not hide it.
+    memory = predict_policy(GPT2_124M, 8, 1024, hardware=profile)
+    moments = predict_policy(GPT2_124M, 8, 1024, hardware=profile, offload="moments")
+    assert (memory.predicted_peak_bytes - moments.predicted_peak_bytes
+            == 8 * num_parameters(GPT2_124M) - WINDOW * UNIT_BYTES)
+    assert moments.time["state I/O exposed"] > 0 and moments.policy.endswith("moments on disk")
 
 
 def test_a_budget_below_the_logits_costs_their_disk_time(profile):

@@ -34,6 +34,7 @@ from .graph import step_graph
 from .hardware import HardwareProfile, load_profile
 from .memory import loss_backward_bytes, saved_by_layer
 from .spec import ModelSpec, ParallelConfig, Workload
+from gpt2.offload import UNIT_BYTES, WINDOW
 
 FLOAT_BYTES = 4
 MODEL_STATE_ARENAS = 4          # parameters, gradients, AdamW m and v
@@ -50,6 +51,11 @@ MMAP_THRESHOLD_BYTES = 256 << 20
 BUDGET_SHARES = (2, 4, 8)
 # Saved arrays that are another op's saved array too (held once by reference).
 ALIASES = ("attn.out",)         # FlashAttention's output is the projection's input
+# Offloaded AdamW moments (gpt2.offload): the unit buffers in RAM, the largest unit, and
+# the disk tier's checksum rate on one core (adtape.checksum_bytes: 11 GB/s on the
+# 2-core Xeon), which the I/O thread spends on every byte read and written.
+OFFLOAD_POLICIES = (None, "moments")
+CHECKSUM_BYTES_PER_S = 11e9
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class Candidate:
     memory: dict                    # component -> bytes
     time: dict                      # component -> ms
     rejected: str = ""
+    offload: object = None          # None, or "moments": the AdamW moments on disk
 
     @property
     def fits(self):
@@ -83,6 +90,7 @@ class MemoryPlan:
     spill_dir: object
     candidates: list
     notes: list = field(default_factory=list)
+    offload: object = None          # None, or "moments"
 
     def describe(self):
         """One line: which policy, its predicted step time and peak against the limit."""
@@ -96,7 +104,11 @@ class MemoryPlan:
             tape_kwargs["memory_budget"] = self.tape_budget
             if self.spill_dir is not None:
                 tape_kwargs["spill_dir"] = self.spill_dir
-        return {"tape_kwargs": tape_kwargs, "checkpointing": self.checkpointing, "snapshots": self.snapshots}
+        kwargs = {"tape_kwargs": tape_kwargs, "checkpointing": self.checkpointing,
+                  "snapshots": self.snapshots}
+        if self.offload is not None:
+            kwargs.update(offload=self.offload, offload_dir=self.spill_dir)
+        return kwargs
 
     def compare(self, measured_ms, measured_peak_bytes):
         """One line: measured step time and peak RSS against the prediction."""
@@ -109,7 +121,8 @@ class MemoryPlan:
         """Every candidate, fastest first, with its predicted time, peak and verdict."""
         lines = [f"{'policy':<52}{'ms/step':>10}{'peak':>12}{'spilled':>12}  verdict"]
         for c in sorted(self.candidates, key=lambda c: (c.predicted_ms, c.predicted_peak_bytes)):
-            chosen = (c.policy == self.policy and c.tape_budget == self.tape_budget)
+            chosen = (c.policy == self.policy and c.tape_budget == self.tape_budget
+                      and c.offload == self.offload)
             verdict = "CHOSEN" if chosen else (c.rejected or "fits, slower")
             lines.append(f"{c.policy:<52}{c.predicted_ms:>10.1f}{format_size(c.predicted_peak_bytes):>12}"
                          f"{format_size(c.memory['spilled']):>12}  {verdict}")
@@ -187,6 +200,14 @@ class _Accounting:
         self.block_gradients = e * N * (3 * C + max(mlp, attention))
         self.model_states = MODEL_STATE_ARENAS * FLOAT_BYTES * spec.num_parameters()
 
+    def states(self, offload):
+        """Model-state bytes in RAM: four arenas, or with the moments on disk two and the
+        offload's unit buffers."""
+        if offload == "moments":
+            moments = self.model_states / 2
+            return moments + WINDOW * min(UNIT_BYTES, moments)
+        return self.model_states
+
     def stored(self, checkpointing, snapshots, by_reference):
         """Saved activation bytes at the end of the forward pass."""
         if checkpointing == "none":
@@ -244,29 +265,35 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     notes += _spill_dir_notes(profile, spill_dir)
     spec = ModelSpec.from_config(config)
     acc = _Accounting(spec, B, T, flash)
-    fixed = acc.model_states + profile.baseline_rss
-    if fixed > max_memory:
+    least_states = min(acc.states(offload) for offload in OFFLOAD_POLICIES)
+    if least_states + profile.baseline_rss > max_memory:
         raise ValueError(
-            f"max_memory {format_size(max_memory)} cannot be met: parameters, gradients and AdamW moments "
-            f"take {format_size(acc.model_states)} and the process baseline {format_size(profile.baseline_rss)}, "
-            f"so at least {format_size(fixed)} ({int(fixed)} bytes) is needed before any activation")
+            f"max_memory {format_size(max_memory)} cannot be met: parameters and gradients (with the AdamW "
+            f"moments on disk) take {format_size(least_states)} and the process baseline "
+            f"{format_size(profile.baseline_rss)}, so at least {format_size(least_states + profile.baseline_rss)} "
+            f"({int(least_states + profile.baseline_rss)} bytes) is needed before any activation")
 
     candidates = []
     policies = _policies(spec)
     for checkpointing, snapshots in policies:
         compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile)
-        candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, None, max_memory))
-        # The tape's peak holds the stored activations plus, under checkpointing, one re-run block.
-        tape_peak = acc.stored(checkpointing, snapshots, by_reference=False) + acc.rerun(checkpointing)
-        headroom = max_memory - fixed - acc.working(checkpointing, False) - TAPE_SLACK_BYTES
-        # Spilling less is never slower: the largest budget that fits is the one to weigh;
-        # without checkpointing, fixed shares of the activations are listed beside it.
-        budgets = {int(tape_peak) // share for share in BUDGET_SHARES} if checkpointing == "none" else set()
-        if acc.rerun(checkpointing) <= headroom < tape_peak:
-            budgets.add(int(headroom) >> 20 << 20)
-        for budget in sorted(budgets, reverse=True):
-            if budget > 0:
-                candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory))
+        for offload in OFFLOAD_POLICIES:
+            fixed = acc.states(offload) + profile.baseline_rss
+            candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, None, max_memory,
+                                         offload))
+            # The tape's peak holds the stored activations plus, under checkpointing, one re-run block.
+            tape_peak = acc.stored(checkpointing, snapshots, by_reference=False) + acc.rerun(checkpointing)
+            headroom = max_memory - fixed - acc.working(checkpointing, False) - TAPE_SLACK_BYTES
+            # Spilling less is never slower: the largest budget that fits is the one to weigh;
+            # without checkpointing, fixed shares of the activations are listed beside it.
+            budgets = ({int(tape_peak) // share for share in BUDGET_SHARES}
+                       if checkpointing == "none" and offload is None else set())
+            if acc.rerun(checkpointing) <= headroom < tape_peak:
+                budgets.add(int(headroom) >> 20 << 20)
+            for budget in sorted(budgets, reverse=True):
+                if budget > 0:
+                    candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget,
+                                                 max_memory, offload))
 
     fitting = [c for c in candidates if c.fits]
     if not fitting:
@@ -277,14 +304,18 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
             f"({least.predicted_peak_bytes} bytes); that is the required minimum at B={B}, T={T}")
     best = min(fitting, key=lambda c: (c.predicted_ms, c.predicted_peak_bytes))
     return MemoryPlan(best.policy, best.tape_budget, best.checkpointing, best.snapshots, best.predicted_ms,
-                      best.predicted_peak_bytes, int(max_memory), spill_dir, candidates, notes)
+                      best.predicted_peak_bytes, int(max_memory), spill_dir, candidates, notes,
+                      best.offload)
 
 
 def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapshots=0, hardware="this-machine",
-                   threads=None, flash=False, baseline_bytes=None):
+                   threads=None, flash=False, baseline_bytes=None, offload=None):
     """The predicted step time and peak memory (a ``Candidate``) of one policy, chosen or
     not: ``tape_budget`` bytes (None: everything in memory), ``checkpointing`` "none",
-    "layer" or "binomial" with ``snapshots``; the other arguments as ``plan_memory``'s."""
+    "layer" or "binomial" with ``snapshots``, ``offload`` None or "moments"; the other
+    arguments as ``plan_memory``'s."""
+    if offload not in OFFLOAD_POLICIES:
+        raise ValueError(f"offload must be None or 'moments', got {offload!r}")
     if checkpointing not in ("none", "layer", "binomial"):
         raise ValueError(f"checkpointing must be 'none', 'layer' or 'binomial', got {checkpointing!r}")
     if tape_budget is not None and not (isinstance(tape_budget, int) and tape_budget > 0):
@@ -294,7 +325,7 @@ def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapsho
     snapshots = snapshots if checkpointing == "binomial" else 0
     compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile)
     return _candidate(_Accounting(spec, B, T, flash), compute, profile, checkpointing, snapshots, tape_budget,
-                      HUGE_BYTES)
+                      HUGE_BYTES, offload)
 
 
 def _prepare(config, B, T, hardware, threads, baseline_bytes):
@@ -331,7 +362,9 @@ def _least_memory(acc, profile, B, T, flash, policies, max_memory):
     for checkpointing, snapshots in policies:
         compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile)
         for budget in (None, int(acc.rerun(checkpointing)) or MIN_TAPE_BUDGET):
-            least.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory))
+            for offload in OFFLOAD_POLICIES:
+                least.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory,
+                                        offload))
     return min(least, key=lambda c: c.predicted_peak_bytes)
 
 
@@ -350,17 +383,34 @@ def _policies(spec):
     return [("none", 0), ("layer", 0)] + [("binomial", s) for s in range(1, spec.n_layer)]
 
 
-def _policy_name(checkpointing, snapshots, budget):
+def _policy_name(checkpointing, snapshots, budget, offload=None):
     name = {"none": "in-memory" if budget is None else "",
             "layer": "layer checkpointing",
             "binomial": f"binomial checkpointing ({snapshots} snapshot{'s' if snapshots > 1 else ''})"}[checkpointing]
-    if budget is None:
-        return name
-    tape = f"{format_size(budget)} tape budget"
-    return f"{name} + {tape}" if name else tape
+    if budget is not None:
+        tape = f"{format_size(budget)} tape budget"
+        name = f"{name} + {tape}" if name else tape
+    if offload == "moments":
+        name = ("activations in memory" if name == "in-memory" else name) + " + moments on disk"
+    return name
 
 
-def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory):
+def offload_time(n_params, forward, backward, profile):
+    """Seconds of a step that streaming the AdamW moments (``--offload moments``) adds.
+
+    The update runs as the next forward pass reaches each block: the I/O thread reads the
+    moments (8 bytes per parameter) ahead of it, so the forward pass hides the reads, and
+    writes them behind, so the rest of the step hides the writes; the first unit is read
+    while the step waits, and every byte moved is checksummed on the I/O thread, whose
+    core time the compute threads lose."""
+    moments = 2 * FLOAT_BYTES * n_params
+    write, read = profile.spill_times(moments)
+    first = profile.spill_times(min(UNIT_BYTES, moments))[1]
+    checksums = 2 * moments / CHECKSUM_BYTES_PER_S / max(1, profile.threads)
+    return max(0.0, read - forward) + max(0.0, read + write - forward - backward) + first + checksums
+
+
+def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory, offload=None):
     """Predicted time and peak of one policy; ``compute`` is its estimate without a tape budget."""
     by_reference = budget is None
     stored = acc.stored(checkpointing, snapshots, by_reference)
@@ -385,16 +435,18 @@ def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memo
         copied = stored + acc.n_layer * rerun
         copy_s, spill_s = tape_io_time(copied, spilled, forward, backward, profile,
                                        record_over_budget=max(0.0, acc.largest_record - budget))
-    memory = {"model states": acc.model_states, "activations": resident, "working set": working,
+    state_s = offload_time(acc.spec.num_parameters(), forward, backward, profile) if offload else 0.0
+    memory = {"model states": acc.states(offload), "activations": resident, "working set": working,
               "tape slack": slack, "baseline": profile.baseline_rss, "spilled": spilled}
     peak = int(math.ceil(sum(v for k, v in memory.items() if k != "spilled")))
     if not rejected and peak > max_memory:
         rejected = f"over the limit by {format_size(peak - max_memory)}"
     recompute = sum(v for (phase, _), v in compute.compute.items() if phase == "recompute")
     time = {"compute": (compute.step_time - compute.optimizer - recompute) * 1e3, "recompute": recompute * 1e3,
-            "optimizer": compute.optimizer * 1e3, "tape copies": copy_s * 1e3, "spill I/O exposed": spill_s * 1e3}
-    return Candidate(_policy_name(checkpointing, snapshots, budget), checkpointing, snapshots, budget,
-                     sum(time.values()), peak, memory, time, rejected)
+            "optimizer": compute.optimizer * 1e3, "tape copies": copy_s * 1e3, "spill I/O exposed": spill_s * 1e3,
+            "state I/O exposed": state_s * 1e3}
+    return Candidate(_policy_name(checkpointing, snapshots, budget, offload), checkpointing, snapshots, budget,
+                     sum(time.values()), peak, memory, time, rejected, offload)
 
 
 def _spill_dir_notes(profile, spill_dir):
