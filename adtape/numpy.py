@@ -31,16 +31,13 @@ import numpy as np
 from adtape import numpy_vjps as _t
 from adtape import vjps as _ops
 from adtape.scalar import Scalar
-from adtape.tensor import Tensor, _constant
+from adtape.tensor import Tensor, _constant, _record, _state
+
+_ndarray = np.ndarray
 
 
 def _data(a):
     return a.data if type(a) is Tensor else a
-
-
-def _shape_only(shape):
-    """A zero-memory array of ``shape`` for NumPy's shape arithmetic and checks."""
-    return np.broadcast_to(np.False_, shape)
 
 
 def positive(x):
@@ -49,15 +46,54 @@ def positive(x):
 
 
 def _elementwise(prim, scalar_name=None):
-    """The adtape.numpy function of a unary primitive; a Scalar goes to scalar mode."""
+    """The adtape.numpy function of a unary primitive: a Tensor takes a fast path that
+    records what the rule reads; a Scalar goes to scalar mode."""
+    fun, saves = _t.SPEC[prim.name]
+    save_ans = saves in ("ans", "both")
+    save_x = saves in ("operands", "both")
+
     def f(x):
+        if type(x) is Tensor:
+            out = fun(x.data)
+            if type(out) is not _ndarray:
+                out = np.asarray(out)
+            if x.requires_grad and _state.enabled:
+                return _record(prim, out, (x,), (out if save_ans else None,
+                                                 x if save_x else None), None)
+            return _constant(out)
         if type(x) is Scalar:
             from adtape import math as _math
             return getattr(_math, scalar_name or prim.name)(x)
         return prim(x)
-    f.__name__ = prim.name
-    f.__qualname__ = prim.name
+    f.__name__ = f.__qualname__ = prim.name
     f.__doc__ = f"numpy.{prim.name}, recorded (rule in adtape.numpy_vjps)."
+    return f
+
+
+def _binary(prim, doc=""):
+    """The adtape.numpy function of a binary (broadcasting) primitive, with a fast path
+    for Tensor operands."""
+    fun, saves = _t.SPEC[prim.name]
+    save_ans = saves in ("ans", "both")
+    save_x = saves in ("operands", "both")
+
+    def f(x1, x2):
+        t1 = type(x1) is Tensor
+        t2 = type(x2) is Tensor
+        if not (t1 or t2):
+            return prim(x1, x2)
+        xd = x1.data if t1 else x1
+        yd = x2.data if t2 else x2
+        out = fun(xd, yd)
+        if type(out) is not _ndarray:
+            out = np.asarray(out)
+        if _state.enabled and ((t1 and x1.requires_grad) or (t2 and x2.requires_grad)):
+            return _record(prim, out, (x1, x2), (out if save_ans else None,
+                                                 x1 if save_x else None,
+                                                 x2 if save_x else None), None)
+        return _constant(out)
+    f.__name__ = f.__qualname__ = prim.name
+    f.__doc__ = doc or f"numpy.{prim.name}, recorded (rule in adtape.numpy_vjps)."
     return f
 
 
@@ -95,30 +131,14 @@ def sigmoid(x):
     return _t.SIGMOID(x)
 
 
-def arctan2(x1, x2):
-    return _t.ARCTAN2(x1, x2)
-
-
-def hypot(x1, x2):
-    return _t.HYPOT(x1, x2)
-
-
-def logaddexp(x1, x2):
-    return _t.LOGADDEXP(x1, x2)
-
-
-def logaddexp2(x1, x2):
-    return _t.LOGADDEXP2(x1, x2)
-
-
-def maximum(x1, x2):
-    """Elementwise maximum; on a tie each operand gets half the gradient (as autograd)."""
-    return _t.MAXIMUM(x1, x2)
-
-
-def minimum(x1, x2):
-    """Elementwise minimum; on a tie each operand gets half the gradient (as autograd)."""
-    return _t.MINIMUM(x1, x2)
+arctan2 = _binary(_t.ARCTAN2)
+hypot = _binary(_t.HYPOT)
+logaddexp = _binary(_t.LOGADDEXP)
+logaddexp2 = _binary(_t.LOGADDEXP2)
+maximum = _binary(_t.MAXIMUM, "Elementwise maximum; on a tie each operand gets half the "
+                              "gradient (as autograd).")
+minimum = _binary(_t.MINIMUM, "Elementwise minimum; on a tie each operand gets half the "
+                              "gradient (as autograd).")
 
 
 def clip(a, a_min=None, a_max=None):
@@ -223,11 +243,27 @@ def transpose(a, axes=None):
 
 
 def expand_dims(a, axis):
-    return _ops.reshape(a, np.expand_dims(_shape_only(np.shape(_data(a))), axis).shape)
+    shape = list(np.shape(_data(a)))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    nd = len(shape) + len(axes)
+    normalized = sorted(_normalize_axes(axes, nd, "expand_dims"))
+    if len(set(normalized)) != len(normalized):
+        raise ValueError(f"expand_dims: repeated axis in {axis!r}")
+    for ax in normalized:
+        shape.insert(ax, 1)
+    return _ops.reshape(a, tuple(shape))
 
 
 def squeeze(a, axis=None):
-    return _ops.reshape(a, np.squeeze(_shape_only(np.shape(_data(a))), axis).shape)
+    shape = np.shape(_data(a))
+    if axis is None:
+        return _ops.reshape(a, tuple(n for n in shape if n != 1))
+    axes = _normalize_axes(axis, len(shape), "squeeze")
+    for ax in axes:
+        if shape[ax] != 1:
+            raise ValueError(f"squeeze: cannot select an axis to squeeze out which has size "
+                             f"not equal to one (axis {ax} of shape {shape})")
+    return _ops.reshape(a, tuple(n for i, n in enumerate(shape) if i not in axes))
 
 
 def broadcast_to(array, shape):
@@ -549,8 +585,7 @@ def _norm(x, ord=None, axis=None, keepdims=False):
     nd = np.ndim(_data(x))
     if axis is None:
         if ord is None:
-            out = sqrt(sum(x * x))
-            return reshape(out, (1,) * nd) if keepdims else out
+            return _t.NORM2(x, axis=None, keepdims=keepdims)
         if nd not in (1, 2):
             raise ValueError("norm: improper number of dimensions to norm")
         axis = tuple(range(nd))
@@ -569,7 +604,7 @@ def _norm(x, ord=None, axis=None, keepdims=False):
 
 def _vector_norm(x, ord, axis):
     if ord is None or ord == 2:
-        return sqrt(sum(x * x, axis))
+        return _t.NORM2(x, axis=axis)
     if ord == np.inf:
         return max(absolute(x), axis)
     if ord == -np.inf:
@@ -587,7 +622,7 @@ def _vector_norm(x, ord, axis):
 def _matrix_norm(x, ord, axes):
     row, col = axes
     if ord is None or ord == "fro":
-        return sqrt(sum(x * x, axes))
+        return _t.NORM2(x, axis=axes)
     if ord in (1, -1):
         colsums = sum(absolute(x), row)
         return (max if ord == 1 else min)(colsums, col - (col > row))

@@ -24,25 +24,28 @@ def _value(a):
     return a.data if type(a) is Tensor else a
 
 
-def _primitive(name, argnames, fun, saves_ans=False):
-    """A primitive computing ``fun(*operands, **static)`` that saves ``(ans?, *operands)``."""
-    if saves_ans:
-        def fwd(*operands, **static):
-            ans = np.asarray(fun(*operands, **static))
-            return ans, (ans,) + operands
-    else:
-        def fwd(*operands, **static):
-            return np.asarray(fun(*operands, **static)), (None,) + operands
+def _primitive(name, argnames, fun, saves):
+    """A primitive computing ``fun(*operands, **static)`` that saves ``(ans, *operands)``,
+    with None in place of what ``saves`` leaves out ("ans", "operands", "both", "none")."""
+    keep_ans = saves in ("ans", "both")
+    keep_operands = saves in ("operands", "both")
+
+    def fwd(*operands, **static):
+        ans = np.asarray(fun(*operands, **static))
+        saved = operands if keep_operands else (None,) * len(operands)
+        return ans, (ans if keep_ans else None,) + saved
     return Primitive(name, argnames, fwd)
 
 
 TABLE = {}      # name -> primitive: the derivative table (docs are generated from it)
+SPEC = {}       # name -> (NumPy function, what it saves): adtape.numpy's fast paths
 
 
-def _def(name, argnames, fun, *pullbacks, saves_ans=False):
-    prim = _primitive(name, argnames, fun, saves_ans)
+def _def(name, argnames, fun, *pullbacks, saves="operands"):
+    prim = _primitive(name, argnames, fun, saves)
     defvjp(prim, *pullbacks, differentiable=True)
     TABLE[name] = prim
+    SPEC[name] = (fun, saves)
     return prim
 
 
@@ -85,19 +88,19 @@ COSH = _def("cosh", ("x",), np.cosh, lambda g, ans, x: g * np.sinh(x))
 ARCSINH = _def("arcsinh", ("x",), np.arcsinh, lambda g, ans, x: g / np.sqrt(x * x + 1))
 ARCCOSH = _def("arccosh", ("x",), np.arccosh, lambda g, ans, x: g / np.sqrt(x * x - 1))
 ARCTANH = _def("arctanh", ("x",), np.arctanh, lambda g, ans, x: g / (1 - x * x))
-SQRT = _def("sqrt", ("x",), np.sqrt, lambda g, ans, x: g * 0.5 / ans, saves_ans=True)
-CBRT = _def("cbrt", ("x",), np.cbrt, lambda g, ans, x: g / (3 * ans * ans), saves_ans=True)
+SQRT = _def("sqrt", ("x",), np.sqrt, lambda g, ans, x: g * 0.5 / ans, saves="ans")
+CBRT = _def("cbrt", ("x",), np.cbrt, lambda g, ans, x: g / (3 * ans * ans), saves="ans")
 SQUARE = _def("square", ("x",), np.square, lambda g, ans, x: g * 2 * x)
 ABS = _def("absolute", ("x",), np.abs, lambda g, ans, x: g * np.sign(x))
 RECIPROCAL = _def("reciprocal", ("x",), np.reciprocal, lambda g, ans, x: -g * ans * ans,
-                  saves_ans=True)
-EXP2 = _def("exp2", ("x",), np.exp2, lambda g, ans, x: g * ans * np.log(2.0), saves_ans=True)
-EXPM1 = _def("expm1", ("x",), np.expm1, lambda g, ans, x: g * (ans + 1), saves_ans=True)
+                  saves="ans")
+EXP2 = _def("exp2", ("x",), np.exp2, lambda g, ans, x: g * ans * np.log(2.0), saves="ans")
+EXPM1 = _def("expm1", ("x",), np.expm1, lambda g, ans, x: g * (ans + 1), saves="ans")
 LOG2 = _def("log2", ("x",), np.log2, lambda g, ans, x: g / (x * np.log(2.0)))
 LOG10 = _def("log10", ("x",), np.log10, lambda g, ans, x: g / (x * np.log(10.0)))
 LOG1P = _def("log1p", ("x",), np.log1p, lambda g, ans, x: g / (1 + x))
 SIGMOID = _def("sigmoid", ("x",), lambda x: 0.5 * (np.tanh(0.5 * x) + 1),
-               lambda g, ans, x: g * ans * (1 - ans), saves_ans=True)
+               lambda g, ans, x: g * ans * (1 - ans), saves="ans")
 
 
 def _zero_grad(g, ans, *operands, **static):
@@ -106,12 +109,13 @@ def _zero_grad(g, ans, *operands, **static):
 
 
 # Piecewise constant: the derivative is zero wherever it exists (autograd and PyTorch agree).
-SIGN = _def("sign", ("x",), np.sign, _zero_grad)
-FLOOR = _def("floor", ("x",), np.floor, _zero_grad)
-CEIL = _def("ceil", ("x",), np.ceil, _zero_grad)
-ROUND = _def("round", ("x",), lambda x, decimals=0: np.round(x, decimals), _zero_grad)
-RINT = _def("rint", ("x",), np.rint, _zero_grad)
-TRUNC = _def("trunc", ("x",), np.trunc, _zero_grad)
+SIGN = _def("sign", ("x",), np.sign, _zero_grad, saves="none")
+FLOOR = _def("floor", ("x",), np.floor, _zero_grad, saves="none")
+CEIL = _def("ceil", ("x",), np.ceil, _zero_grad, saves="none")
+ROUND = _def("round", ("x",), lambda x, decimals=0: np.round(x, decimals), _zero_grad,
+             saves="none")
+RINT = _def("rint", ("x",), np.rint, _zero_grad, saves="none")
+TRUNC = _def("trunc", ("x",), np.trunc, _zero_grad, saves="none")
 
 
 def _eq(a, b):
@@ -120,37 +124,39 @@ def _eq(a, b):
 
 def _balanced(g, x, ans, y):
     """``g`` where ``x`` is the result (half of it on a tie with ``y``): ties split it."""
-    share = _eq(x, ans) / (1.0 + _eq(x, y))
-    return g * share.astype(g.dtype, copy=False)
+    out = g * _eq(x, ans)
+    tie = _eq(x, y)
+    if tie.any():
+        out = out * np.where(tie, 0.5, 1.0).astype(g.dtype)
+    return out
 
 
 ARCTAN2 = _def("arctan2", ("x1", "x2"), np.arctan2,
                lambda g, ans, y, x: g * x / (x * x + y * y),
                lambda g, ans, y, x: -g * y / (x * x + y * y))
 HYPOT = _def("hypot", ("x1", "x2"), np.hypot,
-             lambda g, ans, x, y: g * x / ans, lambda g, ans, x, y: g * y / ans, saves_ans=True)
+             lambda g, ans, x, y: g * x / ans, lambda g, ans, x, y: g * y / ans, saves="both")
 LOGADDEXP = _def("logaddexp", ("x1", "x2"), np.logaddexp,
                  lambda g, ans, x, y: g * np.exp(x - ans),
-                 lambda g, ans, x, y: g * np.exp(y - ans), saves_ans=True)
+                 lambda g, ans, x, y: g * np.exp(y - ans), saves="both")
 LOGADDEXP2 = _def("logaddexp2", ("x1", "x2"), np.logaddexp2,
                   lambda g, ans, x, y: g * np.exp2(x - ans),
-                  lambda g, ans, x, y: g * np.exp2(y - ans), saves_ans=True)
+                  lambda g, ans, x, y: g * np.exp2(y - ans), saves="both")
 MAXIMUM = _def("maximum", ("x1", "x2"), np.maximum,
                lambda g, ans, x, y: _balanced(g, x, ans, y),
-               lambda g, ans, x, y: _balanced(g, y, ans, x), saves_ans=True)
+               lambda g, ans, x, y: _balanced(g, y, ans, x), saves="both")
 MINIMUM = _def("minimum", ("x1", "x2"), np.minimum,
                lambda g, ans, x, y: _balanced(g, x, ans, y),
-               lambda g, ans, x, y: _balanced(g, y, ans, x), saves_ans=True)
+               lambda g, ans, x, y: _balanced(g, y, ans, x), saves="both")
 
 
 def _inside(x, lo, hi):
     x = _value(x)
-    inside = np.ones(np.shape(x), bool)
-    if lo is not None:
-        inside &= x >= _value(lo)
-    if hi is not None:
-        inside &= x <= _value(hi)
-    return inside
+    if lo is None:
+        return x <= _value(hi)
+    if hi is None:
+        return x >= _value(lo)
+    return (x >= _value(lo)) & (x <= _value(hi))
 
 
 # The bounds' gradients go where the bound is the result (PyTorch's convention at the
@@ -170,12 +176,12 @@ def _max_rule(g, ans, x, axis=None, keepdims=False):
     """``g`` to the maxima (minima); tied ones share it evenly, as autograd."""
     shape = np.shape(x)
     winners = _eq(x, _keepdims(ans, shape, axis))
-    share = winners / np.sum(winners, axis=axis, keepdims=True)
-    return _keepdims(g, shape, axis) * share.astype(g.dtype, copy=False)
+    count = np.sum(winners, axis=axis, keepdims=True)
+    return (_keepdims(g, shape, axis) / count.astype(g.dtype)) * winners
 
 
-MAX = _def("max", ("a",), np.max, _max_rule, saves_ans=True)
-MIN = _def("min", ("a",), np.min, _max_rule, saves_ans=True)
+MAX = _def("max", ("a",), np.max, _max_rule, saves="both")
+MIN = _def("min", ("a",), np.min, _max_rule, saves="both")
 
 
 def _no_zeros(x):
@@ -212,7 +218,7 @@ def _prod_rule(g, ans, x, axis=None, keepdims=False):
     return g * _others_product(x, axes)
 
 
-PROD = _def("prod", ("a",), np.prod, _prod_rule, saves_ans=True)
+PROD = _def("prod", ("a",), np.prod, _prod_rule, saves="both")
 
 
 def _var_rule(g, ans, x, axis=None, ddof=0, keepdims=False):
@@ -223,7 +229,14 @@ def _var_rule(g, ans, x, axis=None, ddof=0, keepdims=False):
     return _keepdims(g, shape, axis) * centred * (2.0 / (count - ddof))
 
 
-VAR = _def("var", ("a",), np.var, _var_rule)
+def _var(x, axis=None, ddof=0, keepdims=False):
+    centred = x - np.mean(x, axis=axis, keepdims=True)
+    count = np.prod(np.shape(x)) / np.prod(_reduced_shape(np.shape(x), axis))
+    out = np.sum(centred * centred, axis=axis, keepdims=keepdims)
+    return out / np.asarray(count - ddof, dtype=out.dtype)
+
+
+VAR = _def("var", ("a",), _var, _var_rule)
 
 
 def _logsumexp(x, axis=None, keepdims=False):
@@ -236,12 +249,13 @@ def _logsumexp(x, axis=None, keepdims=False):
 LOGSUMEXP = _def("logsumexp", ("a",), _logsumexp,
                  lambda g, ans, x, axis=None, keepdims=False:
                  _keepdims(g, np.shape(x), axis) * np.exp(x - _keepdims(ans, np.shape(x), axis)),
-                 saves_ans=True)
+                 saves="both")
 
 
 def _cumulative(fun, g, axis):
     """``fun`` along ``axis`` of ``g`` from the far end (a reverse cumulative op)."""
-    return np.flip(fun(np.flip(g, axis), axis=axis), axis)
+    reverse = (slice(None),) * (axis % np.ndim(g)) + (slice(None, None, -1),)
+    return fun(g[reverse], axis=axis)[reverse]
 
 
 def _cumsum_rule(g, ans, x, axis=None):
@@ -269,12 +283,13 @@ def _cumprod_rule(g, ans, x, axis=None):
 
 
 CUMSUM = _def("cumsum", ("a",), np.cumsum, _cumsum_rule)
-CUMPROD = _def("cumprod", ("a",), np.cumprod, _cumprod_rule, saves_ans=True)
+CUMPROD = _def("cumprod", ("a",), np.cumprod, _cumprod_rule, saves="both")
 
 
 def _softmax(x, axis=-1):
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return e / np.sum(e, axis=axis, keepdims=True)
+    e /= np.sum(e, axis=axis, keepdims=True)
+    return e
 
 
 def _log_softmax(x, axis=-1):
@@ -282,33 +297,105 @@ def _log_softmax(x, axis=-1):
     return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
 
 
-SOFTMAX = _def("softmax", ("x",), _softmax,
-               lambda g, ans, x, axis=-1: ans * (g - np.sum(g * ans, axis=axis, keepdims=True)),
-               saves_ans=True)
+def _softmax_rule(g, ans, x, axis=-1):
+    """``ans * (g - sum(g * ans, axis))``."""
+    if type(g) is Tensor or type(ans) is Tensor:
+        return ans * (g - np.sum(g * ans, axis=axis, keepdims=True))
+    out = g * ans
+    out -= ans * np.add.reduce(out, axis=axis, keepdims=True)
+    return out
+
+
+SOFTMAX = _def("softmax", ("x",), _softmax, _softmax_rule,
+               saves="ans")
 LOG_SOFTMAX = _def("log_softmax", ("x",), _log_softmax,
                    lambda g, ans, x, axis=-1:
-                   g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True), saves_ans=True)
+                   g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True), saves="ans")
+
+
+def _norm2(x, axis=None, keepdims=False):
+    return np.sqrt(np.sum(x * x, axis=axis, keepdims=keepdims))
+
+
+NORM2 = _def("linalg.norm", ("x",), _norm2,
+             lambda g, ans, x, axis=None, keepdims=False:
+             _keepdims(g, np.shape(x), axis) * x / _keepdims(ans, np.shape(x), axis),
+             saves="both")
 
 
 # -- shape and indexing ------------------------------------------------------------
 
 BROADCAST_TO = _def("broadcast_to", ("array",), np.broadcast_to,
                     lambda g, ans, x, shape: _sum_to(g, np.shape(x)))
-ROLL = _def("roll", ("a",), np.roll,
+def _roll(a, shift, axis=None):
+    if axis is None or isinstance(shift, tuple) or isinstance(axis, tuple) or a.ndim == 0:
+        return np.roll(a, shift, axis)
+    n = a.shape[axis]
+    if n == 0:
+        return a.copy()
+    k = shift % n
+    before = (slice(None),) * (axis % a.ndim)
+    return np.concatenate((a[before + (slice(n - k, None),)], a[before + (slice(0, n - k),)]),
+                          axis=axis)
+
+
+ROLL = _def("roll", ("a",), _roll,
             lambda g, ans, x, shift, axis=None:
-            np.roll(g, tuple(-s for s in shift) if isinstance(shift, tuple) else -shift, axis))
+            np.roll(g, tuple(-s for s in shift) if isinstance(shift, tuple) else -shift, axis)
+            if type(g) is Tensor else _roll(g, tuple(-s for s in shift) if isinstance(
+                shift, tuple) else -shift, axis),
+            saves="none")
+_TRI_MASKS = {}
 
-TRIL = _def("tril", ("m",), np.tril, lambda g, ans, x, k=0: np.tril(g, k))
-TRIU = _def("triu", ("m",), np.triu, lambda g, ans, x, k=0: np.triu(g, k))
+
+def _tri_mask(shape, k, upper):
+    key = (shape[-2:], k, upper)
+    mask = _TRI_MASKS.get(key)
+    if mask is None:
+        lower = np.tri(shape[-2], shape[-1], k - upper, dtype=bool)
+        mask = ~lower if upper else lower
+        if len(_TRI_MASKS) < 256:
+            _TRI_MASKS[key] = mask
+    return mask
 
 
-def _pad_rule(g, ans, x, pad_width, mode="constant", constant_values=0):
+def _tril(m, k=0):
+    if np.ndim(m) < 2:
+        return np.tril(m, k)
+    return np.where(_tri_mask(np.shape(m), k, False), m, np.zeros((), np.asarray(m).dtype))
+
+
+def _triu(m, k=0):
+    if np.ndim(m) < 2:
+        return np.triu(m, k)
+    return np.where(_tri_mask(np.shape(m), k, True), m, np.zeros((), np.asarray(m).dtype))
+
+
+TRIL = _def("tril", ("m",), _tril,
+            lambda g, ans, x, k=0: np.tril(g, k) if type(g) is Tensor else _tril(g, k),
+            saves="none")
+TRIU = _def("triu", ("m",), _triu,
+            lambda g, ans, x, k=0: np.triu(g, k) if type(g) is Tensor else _triu(g, k),
+            saves="none")
+
+
+def _pad_rule(g, ans, x, pad_width, constant_values=0):
     """The slice of ``g`` where ``x`` sits."""
     widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (np.ndim(x), 2))
     return g[tuple(slice(int(b), int(b) + n) for (b, _), n in zip(widths, np.shape(x)))]
 
 
-PAD = _def("pad", ("array",), np.pad, _pad_rule)
+def _pad(array, pad_width, constant_values=0):
+    widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (np.ndim(array), 2))
+    if (widths < 0).any():
+        raise ValueError(f"pad: pad_width must be non-negative, got {pad_width!r}")
+    shape = tuple(int(n + b + a) for n, (b, a) in zip(np.shape(array), widths))
+    out = np.full(shape, constant_values, dtype=np.asarray(array).dtype)
+    out[tuple(slice(int(b), int(b) + n) for (b, _), n in zip(widths, np.shape(array)))] = array
+    return out
+
+
+PAD = _def("pad", ("array",), _pad, _pad_rule)
 
 
 def _diagonal_rule(g, ans, x, offset=0, axis1=0, axis2=1):
@@ -325,7 +412,10 @@ def _diagonal_embed(g, shape, offset, axis1, axis2):
     n = np.shape(g)[-1]
     rows = np.arange(n) + max(-offset, 0)
     cols = np.arange(n) + max(offset, 0)
-    np.moveaxis(out, (axis1, axis2), (-2, -1))[..., rows, cols] = g
+    if len(shape) == 2 and axis1 % 2 == 0 and axis2 % 2 == 1:
+        out[rows, cols] = g
+    else:
+        np.moveaxis(out, (axis1, axis2), (-2, -1))[..., rows, cols] = g
     return out
 
 
@@ -434,11 +524,11 @@ def _solve_b(g, ans, a, b):
     return np.linalg.solve(_mT(a), g)
 
 
-SOLVE = _def("linalg.solve", ("a", "b"), np.linalg.solve, _solve_a, _solve_b, saves_ans=True)
+SOLVE = _def("linalg.solve", ("a", "b"), np.linalg.solve, _solve_a, _solve_b, saves="both")
 INV = _def("linalg.inv", ("a",), np.linalg.inv,
-           lambda g, ans, a: -_mT(ans) @ g @ _mT(ans), saves_ans=True)
+           lambda g, ans, a: -_mT(ans) @ g @ _mT(ans), saves="ans")
 DET = _def("linalg.det", ("a",), np.linalg.det,
-           lambda g, ans, a: (g * ans)[..., None, None] * _mT(np.linalg.inv(a)), saves_ans=True)
+           lambda g, ans, a: (g * ans)[..., None, None] * _mT(np.linalg.inv(a)), saves="both")
 LOGABSDET = _def("linalg.slogdet", ("a",), lambda a: np.linalg.slogdet(a)[1],
                  lambda g, ans, a: g[..., None, None] * _mT(np.linalg.inv(a)))
 
@@ -453,7 +543,7 @@ def _cholesky_rule(g, ans, a):
     return 0.5 * (s + _mT(s))
 
 
-CHOLESKY = _def("linalg.cholesky", ("a",), np.linalg.cholesky, _cholesky_rule, saves_ans=True)
+CHOLESKY = _def("linalg.cholesky", ("a",), np.linalg.cholesky, _cholesky_rule, saves="ans")
 
 
 def _eigh_packed(a):
@@ -475,7 +565,7 @@ def _eigh_rule(g, ans, a):
     return 0.5 * (s + _mT(s))
 
 
-EIGH = _def("linalg.eigh", ("a",), _eigh_packed, _eigh_rule, saves_ans=True)
+EIGH = _def("linalg.eigh", ("a",), _eigh_packed, _eigh_rule, saves="ans")
 
 
 def _svd_packed(a):
@@ -511,4 +601,4 @@ def _svd_rule(g, ans, a):
     return out
 
 
-SVD = _def("linalg.svd", ("a",), _svd_packed, _svd_rule, saves_ans=True)
+SVD = _def("linalg.svd", ("a",), _svd_packed, _svd_rule, saves="both")

@@ -220,6 +220,8 @@ CASES = [
     Case("roll", lambda x: anp.roll(x, 2, axis=-1), lambda x: T.roll(x, 2, -1),
          ((2, 5), "r")),
     Case("roll_flat", lambda x: anp.roll(x, -4), lambda x: T.roll(x, -4), ((2, 3), "r")),
+    Case("roll_negative", lambda x: anp.roll(x, -1, axis=0), lambda x: T.roll(x, -1, 0),
+         ((3, 2), "r")),
     Case("roll_axes", lambda x: anp.roll(x, (1, 2), axis=(0, 1)),
          lambda x: T.roll(x, (1, 2), (0, 1)), ((3, 4), "r")),
     Case("pad", lambda x: anp.pad(x, ((1, 0), (2, 3))), lambda x: F.pad(x, (2, 3, 1, 0)),
@@ -249,6 +251,7 @@ CASES = [
     Case("getitem_basic", lambda x: x[::-1, 1, None], lambda x: x.flip(0)[:, 1, None],
          ((3, 4), "r")),
     Case("tril", anp.tril, T.tril, ((3, 4), "r")),
+    Case("tril_k", lambda x: anp.tril(x, 1), lambda x: T.tril(x, 1), ((2, 4, 3), "r")),
     Case("triu", lambda x: anp.triu(x, -1), lambda x: T.triu(x, -1), ((2, 3, 3), "r")),
     Case("diagonal", anp.diagonal, lambda x: T.diagonal(x, 0, 0, 1), ((3, 4), "r")),
     Case("diagonal_offset", lambda x: anp.diagonal(x, 1, -2, -1),
@@ -437,3 +440,32 @@ def _torch_prod(x, dims, keepdim):
     for d in dims:
         x = T.prod(x, d, keepdim=keepdim)
     return x
+
+
+def test_ties_split_the_gradient_evenly_as_autograd_and_torch():
+    x = np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]])
+    w = np.array([1.0, 2.0])
+    g = ad.grad(lambda a: anp.sum(anp.max(a, axis=1) * w))(x)
+    np.testing.assert_array_equal(g, [[0, 0.5, 0.5], [2 / 3, 2 / 3, 2 / 3]])
+    xt = torch.tensor(x, requires_grad=True)
+    (T.amax(xt, 1) * torch.tensor(w)).sum().backward()
+    np.testing.assert_allclose(g, xt.grad.numpy(), rtol=1e-15)
+    a, b = ad.grad(lambda p, q: anp.sum(anp.minimum(p, q) * 3.0), argnums=(0, 1))(x, x)
+    np.testing.assert_array_equal(a, np.full_like(x, 1.5))
+    np.testing.assert_array_equal(b, np.full_like(x, 1.5))
+    y = np.array([1.0, 2.0, 3.0])
+    a, b = ad.grad(lambda p, q: anp.sum(anp.maximum(p, q)), argnums=(0, 1))(y, np.float64(2.0))
+    np.testing.assert_array_equal(a, [0.0, 0.5, 1.0])
+    assert float(b) == 1.5
+    # Second order through a tie: the split is a constant factor.
+    h = ad.hessian(lambda p: anp.max(p) ** 2)(np.array([2.0, 2.0]))
+    np.testing.assert_array_equal(h, [[0.5, 0.5], [0.5, 0.5]])
+
+
+def test_pad_and_roll_refuse_bad_arguments():
+    with pytest.raises(ValueError, match="pad_width must be non-negative"):
+        anp.pad(np.ones(3), -1)
+    with pytest.raises(ValueError, match="squeeze: cannot select an axis"):
+        anp.squeeze(np.ones((2, 3)), 0)
+    with pytest.raises(ValueError, match="repeated axis"):
+        anp.expand_dims(np.ones(2), (0, 0))
