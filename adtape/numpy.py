@@ -141,6 +141,49 @@ minimum = _binary(_t.MINIMUM, "Elementwise minimum; on a tie each operand gets h
                               "gradient (as autograd).")
 
 
+fmax = _binary(_t.FMAX, "Elementwise maximum ignoring NaN; ties split the gradient.")
+fmin = _binary(_t.FMIN, "Elementwise minimum ignoring NaN; ties split the gradient.")
+remainder = _binary(_t.MOD)
+mod = remainder
+fmod = _binary(_t.FMOD)
+sinc = _elementwise(_t.SINC)
+
+
+def degrees(x):
+    return _ops.mul(x, 180.0 / np.pi)
+
+
+def radians(x):
+    return _ops.mul(x, np.pi / 180.0)
+
+
+rad2deg = degrees
+deg2rad = radians
+
+
+def nan_to_num(x, copy=True, nan=0.0, posinf=None, neginf=None):
+    """NaN and infinities replaced; their elements get no gradient."""
+    return _t.NAN_TO_NUM(x, nan=nan, posinf=posinf, neginf=neginf)
+
+
+def ldexp(x1, x2):
+    """``x1 * 2**x2`` for integer ``x2`` (not differentiated)."""
+    x2 = np.asarray(_data(x2))
+    if x2.dtype.kind not in "iu":
+        raise TypeError(f"ldexp: the exponent must be integers, got {x2.dtype}")
+    scale = np.ldexp(np.ones((), np.asarray(_data(x1)).dtype), x2)
+    return _ops.mul(x1, scale)
+
+
+def select(condlist, choicelist, default=0):
+    if len(condlist) != len(choicelist):
+        raise ValueError("select: list of cases must be same length as list of conditions")
+    out = default
+    for cond, choice in zip(reversed(condlist), reversed(choicelist)):
+        out = where(cond, choice, out)
+    return out
+
+
 def clip(a, a_min=None, a_max=None):
     """``numpy.clip``; the bounds may be arrays or Tensors too (they get the gradient
     where they are the result)."""
@@ -285,6 +328,47 @@ def _normalize_axes(axes, ndim, what):
     return out
 
 
+def flipud(m):
+    return flip(m, 0)
+
+
+def fliplr(m):
+    if np.ndim(_data(m)) < 2:
+        raise ValueError("fliplr: input must be >= 2-d")
+    return flip(m, 1)
+
+
+def rot90(m, k=1, axes=(0, 1)):
+    nd = np.ndim(_data(m))
+    a0, a1 = _normalize_axes(axes, nd, "rot90")
+    if a0 == a1:
+        raise ValueError("rot90: axes must be different")
+    k %= 4
+    if k == 0:
+        return m if type(m) is Tensor else _constant(np.asarray(m))
+    if k == 2:
+        return flip(flip(m, a0), a1)
+    perm = list(range(nd))
+    perm[a0], perm[a1] = perm[a1], perm[a0]
+    if k == 1:
+        return _ops.transpose(flip(m, a1), tuple(perm))
+    return flip(_ops.transpose(m, tuple(perm)), a1)
+
+
+def rollaxis(a, axis, start=0):
+    nd = np.ndim(_data(a))
+    axis = _normalize_axes(axis, nd, "rollaxis")[0]
+    if start < 0:
+        start += nd
+    if not 0 <= start < nd + 1:
+        raise np.exceptions.AxisError(f"rollaxis: start {start} is out of bounds")
+    if axis < start:
+        start -= 1
+    order = [n for n in range(nd) if n != axis]
+    order.insert(start, axis)
+    return _ops.transpose(a, tuple(order))
+
+
 def swapaxes(a, axis1, axis2):
     nd = np.ndim(_data(a))
     i, j = _normalize_axes((axis1, axis2), nd, "swapaxes")
@@ -359,6 +443,23 @@ def hstack(tup):
 
 def vstack(tup):
     return concatenate([atleast_2d(a) for a in tup], axis=0)
+
+
+def atleast_3d(a):
+    shape = np.shape(_data(a))
+    if len(shape) >= 3:
+        return a
+    new = {0: (1, 1, 1), 1: (1,) + shape + (1,), 2: shape + (1,)}[len(shape)]
+    return reshape(a, new)
+
+
+def dstack(tup):
+    return concatenate([atleast_3d(a) for a in tup], axis=2)
+
+
+def column_stack(tup):
+    arrays = [reshape(a, (-1, 1)) if np.ndim(_data(a)) < 2 else a for a in tup]
+    return concatenate(arrays, axis=1)
 
 
 def atleast_1d(a):
@@ -439,6 +540,53 @@ def take_along_axis(arr, indices, axis):
         else:
             index.append(np.arange(n).reshape((-1,) + (1,) * (len(shape) - 1 - d)))
     return _ops.getitem(arr, tuple(index))
+
+
+def diff(a, n=1, axis=-1):
+    nd = np.ndim(_data(a))
+    if nd == 0:
+        raise ValueError("diff requires input that is at least one dimensional")
+    if n < 0:
+        raise ValueError(f"diff: order must be non-negative, got {n}")
+    ax = _normalize_axes(axis, nd, "diff")[0]
+    before = (slice(None),) * ax
+    out = a
+    for _ in range(n):
+        out = _ops.sub(_ops.getitem(out, before + (slice(1, None),)),
+                       _ops.getitem(out, before + (slice(None, -1),)))
+    return out
+
+
+def sort(a, axis=-1):
+    """Sorted along ``axis``: the gradient goes back through the sorting permutation."""
+    if axis is None:
+        a = ravel(a)
+        axis = -1
+    order = np.argsort(_data(a), axis=axis, kind="stable")
+    return take_along_axis(a, order, axis)
+
+
+def cross(a, b, axis=-1):
+    """The cross product of 3-vectors along ``axis``."""
+    sa, sb = np.shape(_data(a)), np.shape(_data(b))
+    if sa[axis] != 3 or sb[axis] != 3:
+        raise NotImplementedError("cross: adtape has a rule for 3-vectors only")
+    a = moveaxis(a, axis, -1)
+    b = moveaxis(b, axis, -1)
+    a0, a1, a2 = (_ops.getitem(a, (Ellipsis, i)) for i in range(3))
+    b0, b1, b2 = (_ops.getitem(b, (Ellipsis, i)) for i in range(3))
+    out = stack([a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0], axis=-1)
+    return moveaxis(out, -1, axis)
+
+
+def diag(v, k=0):
+    nd = np.ndim(_data(v))
+    if nd == 2:
+        return diagonal(v, k)
+    if nd != 1:
+        raise ValueError("diag: input must be 1- or 2-d")
+    n = np.shape(_data(v))[0] + builtins.abs(k)
+    return _t.diagonal_embed(v, (n, n), k, 0, 1)
 
 
 def tril(m, k=0):
@@ -579,6 +727,21 @@ def _svd(a, full_matrices=True, compute_uv=True, hermitian=False):
     return u, s, swapaxes(v, -1, -2)
 
 
+def _pinv(a, rcond=None, hermitian=False):
+    """Through ``svd``: singular values below ``rcond * max`` are dropped (their mask is
+    constant); the gradient needs the kept ones distinct."""
+    if hermitian:
+        raise NotImplementedError("pinv: adtape has no rule for hermitian=True")
+    shape = np.shape(_data(a))
+    if rcond is None:
+        rcond = builtins.max(shape[-2:]) * np.finfo(np.asarray(_data(a)).dtype).eps
+    u, s, vh = _svd(a, full_matrices=False)
+    sd = _data(s)
+    kept = sd > rcond * np.max(sd, axis=-1, keepdims=True)
+    s_inv = where(kept, reciprocal(where(kept, s, 1.0)), 0.0)
+    return _ops.matmul(swapaxes(vh, -1, -2) * expand_dims(s_inv, -2), swapaxes(u, -1, -2))
+
+
 def _norm(x, ord=None, axis=None, keepdims=False):
     """``numpy.linalg.norm``: vector norms (any ``ord``), matrix norms
     (``'fro'``, ``'nuc'``, 1, -1, 2, -2, inf, -inf)."""
@@ -637,10 +800,12 @@ def _matrix_norm(x, ord, axes):
 
 linalg = types.ModuleType("adtape.numpy.linalg", "numpy.linalg's functions, recorded.")
 for _name, _fun in (("solve", _solve), ("inv", _inv), ("det", _det), ("slogdet", _slogdet),
-                    ("cholesky", _cholesky), ("eigh", _eigh), ("svd", _svd), ("norm", _norm)):
+                    ("cholesky", _cholesky), ("eigh", _eigh), ("svd", _svd), ("norm", _norm),
+                    ("pinv", _pinv)):
     _fun.__name__ = _fun.__qualname__ = _name
     setattr(linalg, _name, _fun)
-linalg.__all__ = ["solve", "inv", "det", "slogdet", "cholesky", "eigh", "svd", "norm"]
+linalg.__all__ = ["solve", "inv", "det", "slogdet", "cholesky", "eigh", "svd", "norm",
+                  "pinv"]
 
 
 def _linalg_getattr(name):
@@ -716,7 +881,9 @@ _FUNCTIONS = {
     "log1p": log1p, "sign": sign, "floor": floor, "ceil": ceil, "rint": rint, "trunc": trunc,
     "arctan2": arctan2, "hypot": hypot, "logaddexp": logaddexp, "logaddexp2": logaddexp2,
     "maximum": maximum, "minimum": minimum, "clip": clip, "where": where, "round": round,
-    "around": around,
+    "around": around, "fmax": fmax, "fmin": fmin, "remainder": remainder, "mod": mod,
+    "fmod": fmod, "sinc": sinc, "degrees": degrees, "radians": radians, "rad2deg": rad2deg,
+    "deg2rad": deg2rad, "nan_to_num": nan_to_num, "ldexp": ldexp, "select": select,
     "sum": sum, "mean": mean, "prod": prod, "max": max, "min": min, "amax": amax,
     "amin": amin, "var": var, "std": std, "cumsum": cumsum, "cumprod": cumprod,
     "reshape": reshape, "ravel": ravel, "transpose": transpose, "expand_dims": expand_dims,
@@ -726,7 +893,9 @@ _FUNCTIONS = {
     "atleast_1d": atleast_1d, "atleast_2d": atleast_2d, "split": split,
     "array_split": array_split, "tile": tile, "repeat": repeat, "take": take,
     "take_along_axis": take_along_axis, "tril": tril, "triu": triu, "diagonal": diagonal,
-    "trace": trace,
+    "trace": trace, "flipud": flipud, "fliplr": fliplr, "rot90": rot90, "rollaxis": rollaxis,
+    "atleast_3d": atleast_3d, "dstack": dstack, "column_stack": column_stack, "diff": diff,
+    "sort": sort, "cross": cross, "diag": diag,
     "dot": dot, "vdot": vdot, "inner": inner, "outer": outer, "tensordot": tensordot,
     "kron": kron, "einsum": einsum,
     "shape": shape, "ndim": ndim, "size": size, "zeros_like": zeros_like,

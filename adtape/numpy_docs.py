@@ -45,22 +45,29 @@ _CALLS = {
     "eigh": lambda x, y, v, s: anp.linalg.eigh(x)[0],
     "svd": lambda x, y, v, s: anp.linalg.svd(x)[1],
     "cholesky": lambda x, y, v, s: anp.linalg.cholesky(x @ anp.transpose(x)),
+    "rollaxis": lambda x, y, v, s: anp.rollaxis(x, 1),
+    "ldexp": lambda x, y, v, s: anp.ldexp(x, np.arange(3)),
+    "select": lambda x, y, v, s: anp.select([np.eye(3, dtype=bool)], [x], 0.0),
+    "dstack": lambda x, y, v, s: anp.dstack([x, y]),
+    "column_stack": lambda x, y, v, s: anp.column_stack([v, x]),
+    "diag": lambda x, y, v, s: anp.diag(v),
 }
 _BINARY = {"add", "subtract", "multiply", "divide", "true_divide", "power", "matmul",
            "arctan2", "hypot", "logaddexp", "logaddexp2", "maximum", "minimum", "dot", "vdot",
-           "inner", "outer", "tensordot", "kron", "solve"}
+           "inner", "outer", "tensordot", "kron", "solve", "fmax", "fmin", "remainder", "mod",
+           "fmod", "cross"}
 _CONSTANT_VALUED = {"shape", "ndim", "size", "zeros_like", "ones_like", "full_like", "argmax",
                     "argmin", "argsort"}
 
 # What HIPS/autograd differentiates that adtape.numpy does not, and why.
 NOT_COVERED = """\
 * Complex numbers (`real`, `imag`, `conj`, `angle`, complex dtypes): Tensors are float32/float64.
-* `linalg.eig` (complex eigenvectors), `linalg.pinv`, `linalg.sqrtm`, `linalg.svd` with
-  `full_matrices=True` on a non-square matrix (as autograd), `eigh` with `UPLO="U"`.
-* `sort`, `msort`, `partition`, `diff`, `cross`, `rot90`, `diag`, `select`, `nan_to_num`,
-  `fmax`/`fmin`, `mod`/`remainder`/`fmod`, `ldexp`, `sinc`, `rollaxis`, `dstack`,
-  `column_stack`, `atleast_3d`, `flipud`/`fliplr`, `degrees`/`radians` on arrays: not yet
-  in the table (each raises AttributeError naming it).
+* `linalg.eig` (complex eigenvectors), `scipy.linalg.sqrtm`, `linalg.svd` with
+  `full_matrices=True` on a non-square matrix (as autograd), `eigh` with `UPLO="U"`,
+  `pinv(hermitian=True)`.
+* `partition`, `gradient`, `cumulative_sum`, `nan*` reductions (`nansum`, `nanmean`, ...),
+  `copysign`, `cross` of 2-vectors, `diff` with `prepend`/`append`: not in the table yet
+  (each raises AttributeError or NotImplementedError naming it).
 * `einsum` with `...` or an index repeated within one operand (a diagonal), `pad` modes
   other than `"constant"`, `np.ufunc` methods (`np.add.at`, `.reduce`, `.accumulate`,
   `.outer`) and `out=`: these raise instead of being treated as constants.
@@ -103,7 +110,7 @@ def _rule_text(rule):
         return "none"
     if rule.__name__ == "<lambda>":
         return "`" + _lambda_body(rule).replace("|", "\\|") + "`"
-    doc = (inspect.getdoc(rule) or "").split("\n")[0]
+    doc = (inspect.getdoc(rule) or "").split("\n")[0].replace("``", "`")
     return f"`{rule.__name__}`" + (f": {doc}" if doc else "")
 
 

@@ -150,6 +150,34 @@ MINIMUM = _def("minimum", ("x1", "x2"), np.minimum,
                lambda g, ans, x, y: _balanced(g, y, ans, x), saves="both")
 
 
+FMAX = _def("fmax", ("x1", "x2"), np.fmax,
+            lambda g, ans, x, y: _balanced(g, x, ans, y),
+            lambda g, ans, x, y: _balanced(g, y, ans, x), saves="both")
+FMIN = _def("fmin", ("x1", "x2"), np.fmin,
+            lambda g, ans, x, y: _balanced(g, x, ans, y),
+            lambda g, ans, x, y: _balanced(g, y, ans, x), saves="both")
+# x1 - q x2 with q piecewise constant (floor for mod, trunc for fmod), as autograd.
+MOD = _def("remainder", ("x1", "x2"), np.remainder,
+           lambda g, ans, x, y: g,
+           lambda g, ans, x, y: -g * np.floor(_value(x) / _value(y)))
+FMOD = _def("fmod", ("x1", "x2"), np.fmod,
+            lambda g, ans, x, y: g,
+            lambda g, ans, x, y: -g * np.trunc(_value(x) / _value(y)))
+
+
+def _sinc_rule(g, ans, x):
+    """``g (cos(pi x) - sinc(x)) / x``, 0 at 0."""
+    zero = _value(x) == 0
+    safe = np.where(zero, 1.0, x) if type(x) is not Tensor else x + zero
+    return g * np.where(zero, 0.0, (np.cos(np.pi * x) - ans) / safe)
+
+
+SINC = _def("sinc", ("x",), np.sinc, _sinc_rule, saves="both")
+NAN_TO_NUM = _def("nan_to_num", ("x",), lambda x, nan=0.0, posinf=None, neginf=None:
+                  np.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf),
+                  lambda g, ans, x, **replacements: g * np.isfinite(_value(x)))
+
+
 def _inside(x, lo, hi):
     x = _value(x)
     if lo is None:

@@ -115,24 +115,24 @@ def lost_gradient(what):
 
 def test_the_issue_example_records_and_a_function_without_a_rule_raises():
     assert_bitwise_equal(ad.grad(lambda a: ad.sum(np.sin(a)))(np.zeros(2)), np.ones(2))
-    with lost_gradient(r"numpy\.sinc"):
-        ad.grad(lambda a: ad.sum(np.sinc(a)))(np.zeros(2))
+    with lost_gradient(r"numpy\.i0"):
+        ad.grad(lambda a: ad.sum(np.i0(a)))(np.zeros(2))
 
 
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_a_numpy_function_without_a_rule_raises_naming_it(requires_grad):
     # A constant Tensor too: which functions work does not depend on grad being needed.
     t = Tensor(randn(3), requires_grad=requires_grad)
-    with lost_gradient(r"numpy\.sinc"):
-        np.sinc(t)
-    with ad.no_grad(), lost_gradient(r"numpy\.sort"):
-        np.sort(t)
+    with lost_gradient(r"numpy\.i0"):
+        np.i0(t)
+    with ad.no_grad(), lost_gradient(r"numpy\.partition"):
+        np.partition(t, 1)
     with lost_gradient(r"numpy\.nanmean"):
         np.nanmean(t)
     with lost_gradient(r"numpy\.linalg\.qr"):
         np.linalg.qr(t.reshape(1, 3))
-    with lost_gradient(r"numpy\.fmax"):
-        np.fmax(np.zeros(3), t)
+    with lost_gradient(r"numpy\.copysign"):
+        np.copysign(np.zeros(3), t)
     with lost_gradient(r"numpy\.floor_divide"):
         np.ones(3) // t
     with lost_gradient(r"numpy\.less"):
@@ -207,9 +207,9 @@ def test_adtape_numpy_exposes_the_table_under_numpy_names():
     for name in anp.__all__:
         assert hasattr(anp, name), name
     assert anp.exp is ad.exp and anp.multiply is ad.mul and anp.divide is anp.true_divide
-    assert not hasattr(anp, "sort") and hasattr(anp, "sin")
-    with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.sort"):
-        anp.sort
+    assert not hasattr(anp, "partition") and hasattr(anp, "sin")
+    with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.partition"):
+        anp.partition
     with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.linalg\.qr"):
         anp.linalg.qr
     with pytest.raises(AttributeError, match=r"no attribute 'not_a_numpy_name'"):
