@@ -412,7 +412,27 @@ def pad(array, pad_width, mode="constant", constant_values=0):
     if type(constant_values) is Tensor and constant_values.requires_grad:
         raise NotImplementedError("pad: adtape has no rule for the argument constant_values "
                                   "(a Tensor that requires grad)")
-    return _t.PAD(array, pad_width=pad_width, constant_values=_data(constant_values))
+    return _t.PAD(array, pad_width=_pad_widths(pad_width, np.ndim(_data(array))),
+                  constant_values=_data(constant_values))
+
+
+def _pad_widths(pad_width, nd):
+    """``pad_width`` as one (before, after) pair of ints per axis."""
+    if isinstance(pad_width, (int, np.integer)):
+        widths = ((int(pad_width), int(pad_width)),) * nd
+    elif (isinstance(pad_width, (tuple, list)) and len(pad_width) == nd
+          and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pad_width)):
+        widths = tuple((int(b), int(a)) for b, a in pad_width)
+    else:
+        try:
+            pairs = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (nd, 2))
+        except ValueError:
+            raise ValueError(f"pad: pad_width {pad_width!r} does not fit an array of "
+                             f"{nd} dimensions") from None
+        widths = tuple((int(b), int(a)) for b, a in pairs)
+    if any(b < 0 or a < 0 for b, a in widths):
+        raise ValueError(f"pad: pad_width must be non-negative, got {pad_width!r}")
+    return widths
 
 
 def concatenate(arrays, axis=0):
@@ -433,7 +453,10 @@ def stack(arrays, axis=0):
     if len(shapes) != 1:
         raise ValueError(f"stack: all input arrays must have the same shape, got "
                          f"{sorted(shapes)}")
-    return concatenate([expand_dims(a, axis) for a in arrays], axis=axis)
+    shape, = shapes
+    ax = _normalize_axes(axis, len(shape) + 1, "stack")[0]
+    target = shape[:ax] + (1,) + shape[ax:]
+    return _t.CONCATENATE(*[_ops.reshape(a, target) for a in arrays], axis=ax)
 
 
 def hstack(tup):

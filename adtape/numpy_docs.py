@@ -147,7 +147,9 @@ def render():
     lines += ["", "Constant-valued (they read values or shapes, nothing to record): "
               + ", ".join(f"`{n}`" for n in sorted(_CONSTANT_VALUED)) + ".", "",
               "## Derivative table", "",
-              "`g` is the cotangent of the output, `ans` the output, then the operands.", "",
+              "`g` is the cotangent of the output, `ans` the output, then the operands. A "
+              "rule may return a gradient of the broadcast shape: the sweep sums it down "
+              "to the operand's.", "",
               "| primitive | arguments | VJP rule per argument |", "|---|---|---|"]
     for name, prim in _primitives().items():
         if prim.vjps is not None:

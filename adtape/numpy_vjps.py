@@ -12,6 +12,8 @@ plain NumPy.  Masks read values through ``_value``: they are piecewise constant.
 Functions that are compositions of primitives (``std``, ``stack``, ``tensordot``,
 ``take``, ...) are in ``adtape.numpy``; their derivatives come from the parts.
 """
+import math
+
 import numpy as np
 
 from adtape.tensor import Primitive, Tensor, defvjp
@@ -51,28 +53,33 @@ def _def(name, argnames, fun, *pullbacks, saves="operands"):
 
 def _reduced_shape(shape, axis):
     """The keepdims shape of a reduction of an array of ``shape`` over ``axis``."""
+    nd = len(shape)
     if axis is None:
-        return (1,) * len(shape)
-    axes = axis if isinstance(axis, tuple) else (axis,)
-    axes = {a % len(shape) for a in axes} if shape else set()
+        return (1,) * nd
+    if type(axis) is int and nd:
+        a = axis % nd
+        return shape[:a] + (1,) + shape[a + 1:]
+    axes = {a % nd for a in (axis if isinstance(axis, tuple) else (axis,))} if nd else set()
     return tuple(1 if i in axes else n for i, n in enumerate(shape))
 
 
 def _keepdims(a, shape, axis):
     """``a``, a reduction's result or cotangent, reshaped to broadcast against ``shape``."""
     kshape = _reduced_shape(shape, axis)
-    return a if np.shape(a) == kshape else np.reshape(a, kshape)
+    return a if a.shape == kshape else a.reshape(kshape)
 
 
-def _sum_to(g, shape):
-    """Sum a broadcast cotangent down to ``shape``."""
-    extra = np.ndim(g) - len(shape)
-    if extra > 0:
-        g = np.sum(g, axis=tuple(range(extra)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and np.shape(g)[i] != 1)
-    if axes:
-        g = np.sum(g, axis=axes, keepdims=True)
-    return g
+def _sum(a, axis=None, keepdims=False):
+    """``np.sum``: on an array without NumPy's Python layers; a Tensor records it."""
+    if type(a) is _ndarray:
+        return np.add.reduce(a, axis=axis, keepdims=keepdims)
+    return np.sum(a, axis=axis, keepdims=keepdims)
+
+
+def _count(shape, axis):
+    """How many elements a reduction over ``axis`` of an array of ``shape`` combines."""
+    kept = math.prod(_reduced_shape(shape, axis))
+    return math.prod(shape) // kept if kept else 0
 
 
 # -- elementwise -------------------------------------------------------------------
@@ -202,14 +209,16 @@ WHERE = _def("where", ("x", "y"), lambda x, y, condition: np.where(condition, x,
 
 def _max_rule(g, ans, x, axis=None, keepdims=False):
     """``g`` to the maxima (minima); tied ones share it evenly, as autograd."""
-    shape = np.shape(x)
+    shape = x.shape
     winners = _eq(x, _keepdims(ans, shape, axis))
-    count = np.sum(winners, axis=axis, keepdims=True)
-    return (_keepdims(g, shape, axis) / count.astype(g.dtype)) * winners
+    count = np.add.reduce(winners, axis=axis, keepdims=True, dtype=g.dtype)
+    return (_keepdims(g, shape, axis) / count) * winners
 
 
-MAX = _def("max", ("a",), np.max, _max_rule, saves="both")
-MIN = _def("min", ("a",), np.min, _max_rule, saves="both")
+MAX = _def("max", ("a",), lambda a, axis=None, keepdims=False:
+           np.maximum.reduce(a, axis=axis, keepdims=keepdims), _max_rule, saves="both")
+MIN = _def("min", ("a",), lambda a, axis=None, keepdims=False:
+           np.minimum.reduce(a, axis=axis, keepdims=keepdims), _max_rule, saves="both")
 
 
 def _no_zeros(x):
@@ -251,32 +260,36 @@ PROD = _def("prod", ("a",), np.prod, _prod_rule, saves="both")
 
 def _var_rule(g, ans, x, axis=None, ddof=0, keepdims=False):
     """``g * 2 (x - mean) / (N - ddof)``."""
-    shape = np.shape(x)
-    count = np.prod(shape) / np.prod(_reduced_shape(shape, axis))
-    centred = x - np.mean(x, axis=axis, keepdims=True)
+    shape = x.shape
+    count = _count(shape, axis)
+    centred = x - _sum(x, axis=axis, keepdims=True) / count
     return _keepdims(g, shape, axis) * centred * (2.0 / (count - ddof))
 
 
 def _var(x, axis=None, ddof=0, keepdims=False):
-    centred = x - np.mean(x, axis=axis, keepdims=True)
-    count = np.prod(np.shape(x)) / np.prod(_reduced_shape(np.shape(x), axis))
-    out = np.sum(centred * centred, axis=axis, keepdims=keepdims)
-    return out / np.asarray(count - ddof, dtype=out.dtype)
+    x = np.asarray(x)
+    count = _count(x.shape, axis)
+    centred = x - np.add.reduce(x, axis=axis, keepdims=True) / count
+    return np.add.reduce(centred * centred, axis=axis, keepdims=keepdims) / (count - ddof)
 
 
 VAR = _def("var", ("a",), _var, _var_rule)
 
 
 def _logsumexp(x, axis=None, keepdims=False):
-    top = np.max(x, axis=axis, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0)
-    out = np.log(np.sum(np.exp(x - top), axis=axis, keepdims=True)) + top
-    return out if keepdims else np.squeeze(out, axis=axis)
+    x = np.asarray(x)
+    top = np.maximum.reduce(x, axis=axis, keepdims=True)
+    top[~np.isfinite(top)] = 0
+    out = np.log(np.add.reduce(np.exp(x - top), axis=axis, keepdims=True))
+    out += top
+    if keepdims:
+        return out
+    return out.reshape(()) if axis is None else out.squeeze(axis)
 
 
 LOGSUMEXP = _def("logsumexp", ("a",), _logsumexp,
                  lambda g, ans, x, axis=None, keepdims=False:
-                 _keepdims(g, np.shape(x), axis) * np.exp(x - _keepdims(ans, np.shape(x), axis)),
+                 _keepdims(g, x.shape, axis) * np.exp(x - _keepdims(ans, x.shape, axis)),
                  saves="both")
 
 
@@ -315,20 +328,21 @@ CUMPROD = _def("cumprod", ("a",), np.cumprod, _cumprod_rule, saves="both")
 
 
 def _softmax(x, axis=-1):
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    e /= np.sum(e, axis=axis, keepdims=True)
+    e = np.exp(x - np.maximum.reduce(x, axis=axis, keepdims=True))
+    e /= np.add.reduce(e, axis=axis, keepdims=True)
     return e
 
 
 def _log_softmax(x, axis=-1):
-    shifted = x - np.max(x, axis=axis, keepdims=True)
-    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+    shifted = x - np.maximum.reduce(x, axis=axis, keepdims=True)
+    shifted -= np.log(np.add.reduce(np.exp(shifted), axis=axis, keepdims=True))
+    return shifted
 
 
 def _softmax_rule(g, ans, x, axis=-1):
     """``ans * (g - sum(g * ans, axis))``."""
     if type(g) is Tensor or type(ans) is Tensor:
-        return ans * (g - np.sum(g * ans, axis=axis, keepdims=True))
+        return ans * (g - _sum(g * ans, axis=axis, keepdims=True))
     out = g * ans
     out -= ans * np.add.reduce(out, axis=axis, keepdims=True)
     return out
@@ -338,23 +352,24 @@ SOFTMAX = _def("softmax", ("x",), _softmax, _softmax_rule,
                saves="ans")
 LOG_SOFTMAX = _def("log_softmax", ("x",), _log_softmax,
                    lambda g, ans, x, axis=-1:
-                   g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True), saves="ans")
+                   g - np.exp(ans) * _sum(g, axis=axis, keepdims=True), saves="ans")
 
 
 def _norm2(x, axis=None, keepdims=False):
-    return np.sqrt(np.sum(x * x, axis=axis, keepdims=keepdims))
+    x = np.asarray(x)
+    return np.sqrt(np.add.reduce(x * x, axis=axis, keepdims=keepdims))
 
 
 NORM2 = _def("linalg.norm", ("x",), _norm2,
              lambda g, ans, x, axis=None, keepdims=False:
-             _keepdims(g, np.shape(x), axis) * x / _keepdims(ans, np.shape(x), axis),
+             _keepdims(g, x.shape, axis) * x / _keepdims(ans, x.shape, axis),
              saves="both")
 
 
 # -- shape and indexing ------------------------------------------------------------
 
 BROADCAST_TO = _def("broadcast_to", ("array",), np.broadcast_to,
-                    lambda g, ans, x, shape: _sum_to(g, np.shape(x)))
+                    lambda g, ans, x, shape: g, saves="none")   # the sweep sums g down
 def _roll(a, shift, axis=None):
     if axis is None or isinstance(shift, tuple) or isinstance(axis, tuple) or a.ndim == 0:
         return np.roll(a, shift, axis)
@@ -409,21 +424,19 @@ TRIU = _def("triu", ("m",), _triu,
 
 def _pad_rule(g, ans, x, pad_width, constant_values=0):
     """The slice of ``g`` where ``x`` sits."""
-    widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (np.ndim(x), 2))
-    return g[tuple(slice(int(b), int(b) + n) for (b, _), n in zip(widths, np.shape(x)))]
+    return g[tuple(slice(b, n - a) for (b, a), n in zip(pad_width, g.shape))]
 
 
 def _pad(array, pad_width, constant_values=0):
-    widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (np.ndim(array), 2))
-    if (widths < 0).any():
-        raise ValueError(f"pad: pad_width must be non-negative, got {pad_width!r}")
-    shape = tuple(int(n + b + a) for n, (b, a) in zip(np.shape(array), widths))
-    out = np.full(shape, constant_values, dtype=np.asarray(array).dtype)
-    out[tuple(slice(int(b), int(b) + n) for (b, _), n in zip(widths, np.shape(array)))] = array
+    """``np.pad`` in mode "constant", ``pad_width`` one (before, after) pair per axis."""
+    array = np.asarray(array)
+    out = np.full(tuple(n + b + a for n, (b, a) in zip(array.shape, pad_width)),
+                  constant_values, dtype=array.dtype)
+    out[tuple(slice(b, b + n) for (b, _), n in zip(pad_width, array.shape))] = array
     return out
 
 
-PAD = _def("pad", ("array",), _pad, _pad_rule)
+PAD = _def("pad", ("array",), _pad, _pad_rule, saves="none")
 
 
 def _diagonal_rule(g, ans, x, offset=0, axis1=0, axis2=1):
@@ -469,7 +482,13 @@ def _concatenate_fwd(*arrays, axis=0):
 def _concatenate_bwd(res, g):
     """``g`` split at the operands' boundaries."""
     sizes, axis = res
-    return np.split(g, np.cumsum(sizes)[:-1].tolist(), axis=axis)
+    before = (slice(None),) * (axis % g.ndim)
+    out = []
+    start = 0
+    for n in sizes:
+        out.append(g[before + (slice(start, start + n),)])
+        start += n
+    return out
 
 
 CONCATENATE = Primitive("concatenate", ("*arrays",), _concatenate_fwd)
