@@ -45,6 +45,33 @@ def positive(x):
     return x if type(x) is Tensor else _constant(np.asarray(np.positive(x)))
 
 
+def _fast_unary(prim):
+    """``prim(x, **static)`` with a fast path for a Tensor ``x``: the NumPy function, and a
+    node saving what the rule reads."""
+    fun, saves = _t.SPEC[prim.name]
+    save_ans = saves in ("ans", "both")
+    save_x = saves in ("operands", "both")
+
+    def call(x, **static):
+        if type(x) is not Tensor:
+            return prim(x, **static)
+        out = fun(x.data, **static)
+        if type(out) is not _ndarray:
+            out = np.asarray(out)
+        if x.requires_grad and _state.enabled:
+            return _record(prim, out, (x,), (out if save_ans else None,
+                                             x if save_x else None), static)
+        return _constant(out)
+    call.__name__ = call.__qualname__ = prim.name
+    return call
+
+
+_fast = types.SimpleNamespace(**{name: _fast_unary(getattr(_t, name)) for name in (
+    "SIGMOID", "NAN_TO_NUM", "ROUND", "PROD", "MAX", "MIN", "VAR", "LOGSUMEXP", "CUMSUM",
+    "CUMPROD", "SOFTMAX", "LOG_SOFTMAX", "BROADCAST_TO", "ROLL", "PAD", "TRIL", "TRIU",
+    "DIAGONAL", "INV", "DET", "LOGABSDET", "CHOLESKY", "EIGH", "SVD", "NORM2")})
+
+
 def _elementwise(prim, scalar_name=None):
     """The adtape.numpy function of a unary primitive: a Tensor takes a fast path that
     records what the rule reads; a Scalar goes to scalar mode."""
@@ -128,7 +155,7 @@ trunc = _elementwise(_t.TRUNC)
 
 def sigmoid(x):
     """``1 / (1 + exp(-x))`` (not a NumPy name; as ``scipy.special.expit``)."""
-    return _t.SIGMOID(x)
+    return _fast.SIGMOID(x)
 
 
 arctan2 = _binary(_t.ARCTAN2)
@@ -163,7 +190,7 @@ deg2rad = radians
 
 def nan_to_num(x, copy=True, nan=0.0, posinf=None, neginf=None):
     """NaN and infinities replaced; their elements get no gradient."""
-    return _t.NAN_TO_NUM(x, nan=nan, posinf=posinf, neginf=neginf)
+    return _fast.NAN_TO_NUM(x, nan=nan, posinf=posinf, neginf=neginf)
 
 
 def ldexp(x1, x2):
@@ -201,7 +228,7 @@ def where(condition, x=None, y=None):
 
 
 def round(a, decimals=0):
-    return _t.ROUND(a, decimals=decimals)
+    return _fast.ROUND(a, decimals=decimals)
 
 
 around = round
@@ -223,17 +250,17 @@ def mean(a, axis=None, *, keepdims=False):
 
 
 def prod(a, axis=None, *, keepdims=False):
-    return _t.PROD(a, axis=_axis(axis), keepdims=keepdims)
+    return _fast.PROD(a, axis=_axis(axis), keepdims=keepdims)
 
 
 def max(a, axis=None, *, keepdims=False):
     """``numpy.max``; tied maxima share the gradient evenly (as autograd)."""
-    return _t.MAX(a, axis=_axis(axis), keepdims=keepdims)
+    return _fast.MAX(a, axis=_axis(axis), keepdims=keepdims)
 
 
 def min(a, axis=None, *, keepdims=False):
     """``numpy.min``; tied minima share the gradient evenly (as autograd)."""
-    return _t.MIN(a, axis=_axis(axis), keepdims=keepdims)
+    return _fast.MIN(a, axis=_axis(axis), keepdims=keepdims)
 
 
 amax = max
@@ -241,7 +268,7 @@ amin = min
 
 
 def var(a, axis=None, *, ddof=0, keepdims=False):
-    return _t.VAR(a, axis=_axis(axis), ddof=ddof, keepdims=keepdims)
+    return _fast.VAR(a, axis=_axis(axis), ddof=ddof, keepdims=keepdims)
 
 
 def std(a, axis=None, *, ddof=0, keepdims=False):
@@ -250,25 +277,25 @@ def std(a, axis=None, *, ddof=0, keepdims=False):
 
 def logsumexp(a, axis=None, keepdims=False):
     """``log(sum(exp(a), axis))`` computed stably (as ``scipy.special.logsumexp``)."""
-    return _t.LOGSUMEXP(a, axis=_axis(axis), keepdims=keepdims)
+    return _fast.LOGSUMEXP(a, axis=_axis(axis), keepdims=keepdims)
 
 
 def cumsum(a, axis=None):
-    return _t.CUMSUM(a, axis=axis)
+    return _fast.CUMSUM(a, axis=axis)
 
 
 def cumprod(a, axis=None):
-    return _t.CUMPROD(a, axis=axis)
+    return _fast.CUMPROD(a, axis=axis)
 
 
 def softmax(x, axis=-1):
     """``exp(x) / sum(exp(x), axis)``, computed stably."""
-    return _t.SOFTMAX(x, axis=axis)
+    return _fast.SOFTMAX(x, axis=axis)
 
 
 def log_softmax(x, axis=-1):
     """``x - logsumexp(x, axis)``."""
-    return _t.LOG_SOFTMAX(x, axis=axis)
+    return _fast.LOG_SOFTMAX(x, axis=axis)
 
 
 # -- shape and indexing ------------------------------------------------------------
@@ -313,7 +340,7 @@ def broadcast_to(array, shape):
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     if np.shape(_data(array)) == shape:
         return array if type(array) is Tensor else _constant(np.asarray(array))
-    return _t.BROADCAST_TO(array, shape=shape)
+    return _fast.BROADCAST_TO(array, shape=shape)
 
 
 def _normalize_axes(axes, ndim, what):
@@ -402,7 +429,7 @@ def flip(m, axis=None):
 def roll(a, shift, axis=None):
     shift = tuple(int(s) for s in shift) if isinstance(shift, (tuple, list)) else int(shift)
     axis = tuple(axis) if isinstance(axis, list) else axis
-    return _t.ROLL(a, shift=shift, axis=axis)
+    return _fast.ROLL(a, shift=shift, axis=axis)
 
 
 def pad(array, pad_width, mode="constant", constant_values=0):
@@ -412,7 +439,7 @@ def pad(array, pad_width, mode="constant", constant_values=0):
     if type(constant_values) is Tensor and constant_values.requires_grad:
         raise NotImplementedError("pad: adtape has no rule for the argument constant_values "
                                   "(a Tensor that requires grad)")
-    return _t.PAD(array, pad_width=_pad_widths(pad_width, np.ndim(_data(array))),
+    return _fast.PAD(array, pad_width=_pad_widths(pad_width, np.ndim(_data(array))),
                   constant_values=_data(constant_values))
 
 
@@ -613,15 +640,15 @@ def diag(v, k=0):
 
 
 def tril(m, k=0):
-    return _t.TRIL(m, k=k)
+    return _fast.TRIL(m, k=k)
 
 
 def triu(m, k=0):
-    return _t.TRIU(m, k=k)
+    return _fast.TRIU(m, k=k)
 
 
 def diagonal(a, offset=0, axis1=0, axis2=1):
-    return _t.DIAGONAL(a, offset=offset, axis1=axis1, axis2=axis2)
+    return _fast.DIAGONAL(a, offset=offset, axis1=axis1, axis2=axis2)
 
 
 def trace(a, offset=0, axis1=0, axis2=1):
@@ -702,21 +729,21 @@ def _solve(a, b):
 
 
 def _inv(a):
-    return _t.INV(a)
+    return _fast.INV(a)
 
 
 def _det(a):
-    return _t.DET(a)
+    return _fast.DET(a)
 
 
 def _slogdet(a):
     """``(sign, logabsdet)``; the sign is a constant."""
     sign_ = np.linalg.slogdet(_data(a))[0]
-    return _constant(np.asarray(sign_)), _t.LOGABSDET(a)
+    return _constant(np.asarray(sign_)), _fast.LOGABSDET(a)
 
 
 def _cholesky(a):
-    return _t.CHOLESKY(a)
+    return _fast.CHOLESKY(a)
 
 
 def _eigh(a, UPLO="L"):
@@ -724,7 +751,7 @@ def _eigh(a, UPLO="L"):
     assumes distinct eigenvalues and is symmetric."""
     if UPLO != "L":
         raise NotImplementedError(f"eigh: adtape has a rule for UPLO='L' only, not {UPLO!r}")
-    packed = _t.EIGH(a)
+    packed = _fast.EIGH(a)
     return _ops.getitem(packed, (Ellipsis, 0, slice(None))), \
         _ops.getitem(packed, (Ellipsis, slice(1, None), slice(None)))
 
@@ -741,7 +768,7 @@ def _svd(a, full_matrices=True, compute_uv=True, hermitian=False):
                                   "non-square matrix; pass full_matrices=False")
     if hermitian:
         raise NotImplementedError("svd: adtape has no rule for hermitian=True")
-    packed = _t.SVD(a)
+    packed = _fast.SVD(a)
     s = _ops.getitem(packed, (Ellipsis, m, slice(None)))
     if not compute_uv:
         return s
@@ -771,7 +798,7 @@ def _norm(x, ord=None, axis=None, keepdims=False):
     nd = np.ndim(_data(x))
     if axis is None:
         if ord is None:
-            return _t.NORM2(x, axis=None, keepdims=keepdims)
+            return _fast.NORM2(x, axis=None, keepdims=keepdims)
         if nd not in (1, 2):
             raise ValueError("norm: improper number of dimensions to norm")
         axis = tuple(range(nd))
@@ -790,7 +817,7 @@ def _norm(x, ord=None, axis=None, keepdims=False):
 
 def _vector_norm(x, ord, axis):
     if ord is None or ord == 2:
-        return _t.NORM2(x, axis=axis)
+        return _fast.NORM2(x, axis=axis)
     if ord == np.inf:
         return max(absolute(x), axis)
     if ord == -np.inf:
@@ -808,7 +835,7 @@ def _vector_norm(x, ord, axis):
 def _matrix_norm(x, ord, axes):
     row, col = axes
     if ord is None or ord == "fro":
-        return _t.NORM2(x, axis=axes)
+        return _fast.NORM2(x, axis=axes)
     if ord in (1, -1):
         colsums = sum(absolute(x), row)
         return (max if ord == 1 else min)(colsums, col - (col > row))

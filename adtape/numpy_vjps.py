@@ -16,9 +16,12 @@ import math
 
 import numpy as np
 
+from kernels import softmax as _softmax_kernels
+
 from adtape.tensor import Primitive, Tensor, defvjp
 
 _ndarray = np.ndarray
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _value(a):
@@ -327,13 +330,29 @@ CUMSUM = _def("cumsum", ("a",), np.cumsum, _cumsum_rule)
 CUMPROD = _def("cumprod", ("a",), np.cumprod, _cumprod_rule, saves="both")
 
 
+def _last_axis_kernel(x, axis):
+    """True when the softmax kernels take ``x`` (C-contiguous float, the last axis)."""
+    return (type(x) is _ndarray and x.ndim and (axis == -1 or axis == x.ndim - 1)
+            and x.dtype in _FLOATS and x.flags.c_contiguous)
+
+
 def _softmax(x, axis=-1):
+    x = np.asarray(x)
+    if _last_axis_kernel(x, axis):
+        out = np.empty_like(x)
+        _softmax_kernels.softmax_forward(out, x)
+        return out
     e = np.exp(x - np.maximum.reduce(x, axis=axis, keepdims=True))
     e /= np.add.reduce(e, axis=axis, keepdims=True)
     return e
 
 
 def _log_softmax(x, axis=-1):
+    x = np.asarray(x)
+    if _last_axis_kernel(x, axis):
+        out = np.empty_like(x)
+        _softmax_kernels.softmax_forward(out, x, log=True)
+        return out
     shifted = x - np.maximum.reduce(x, axis=axis, keepdims=True)
     shifted -= np.log(np.add.reduce(np.exp(shifted), axis=axis, keepdims=True))
     return shifted
@@ -343,16 +362,28 @@ def _softmax_rule(g, ans, x, axis=-1):
     """``ans * (g - sum(g * ans, axis))``."""
     if type(g) is Tensor or type(ans) is Tensor:
         return ans * (g - _sum(g * ans, axis=axis, keepdims=True))
+    if _last_axis_kernel(ans, axis) and _last_axis_kernel(g, axis) and g.dtype == ans.dtype:
+        out = np.empty_like(g)
+        _softmax_kernels.softmax_backward(out, g, ans)
+        return out
     out = g * ans
     out -= ans * np.add.reduce(out, axis=axis, keepdims=True)
     return out
 
 
+def _log_softmax_rule(g, ans, x, axis=-1):
+    """``g - exp(ans) * sum(g, axis)``."""
+    if (type(g) is not Tensor and type(ans) is not Tensor and _last_axis_kernel(ans, axis)
+            and _last_axis_kernel(g, axis) and g.dtype == ans.dtype):
+        out = np.empty_like(g)
+        _softmax_kernels.softmax_backward(out, g, ans, log=True)
+        return out
+    return g - np.exp(ans) * _sum(g, axis=axis, keepdims=True)
+
+
 SOFTMAX = _def("softmax", ("x",), _softmax, _softmax_rule,
                saves="ans")
-LOG_SOFTMAX = _def("log_softmax", ("x",), _log_softmax,
-                   lambda g, ans, x, axis=-1:
-                   g - np.exp(ans) * _sum(g, axis=axis, keepdims=True), saves="ans")
+LOG_SOFTMAX = _def("log_softmax", ("x",), _log_softmax, _log_softmax_rule, saves="ans")
 
 
 def _norm2(x, axis=None, keepdims=False):
