@@ -97,6 +97,12 @@ def _elementwise(prim, scalar_name=None):
     return f
 
 
+def _by_reference(a):
+    """A residual operand: an ndarray constant is kept by reference (as a constant
+    Tensor), not copied onto the tape."""
+    return _constant(a) if type(a) is _ndarray else a
+
+
 def _binary(prim, doc=""):
     """The adtape.numpy function of a binary (broadcasting) primitive, with a fast path
     for Tensor operands."""
@@ -116,8 +122,8 @@ def _binary(prim, doc=""):
             out = np.asarray(out)
         if _state.enabled and ((t1 and x1.requires_grad) or (t2 and x2.requires_grad)):
             return _record(prim, out, (x1, x2), (out if save_ans else None,
-                                                 x1 if save_x else None,
-                                                 x2 if save_x else None), None)
+                                                 _by_reference(x1) if save_x else None,
+                                                 _by_reference(x2) if save_x else None), None)
         return _constant(out)
     f.__name__ = f.__qualname__ = prim.name
     f.__doc__ = doc or f"numpy.{prim.name}, recorded (rule in adtape.numpy_vjps)."
@@ -216,6 +222,19 @@ def clip(a, a_min=None, a_max=None):
     where they are the result)."""
     if a_min is None and a_max is None:
         raise ValueError("clip: give a_min or a_max (or both)")
+    if (type(a) is Tensor and isinstance(a_min, (float, int, type(None)))
+            and isinstance(a_max, (float, int, type(None)))):
+        # Scalar bounds: two ufuncs (np.clip's Python layers cost more at small sizes).
+        out = a.data
+        if a_min is not None:
+            out = np.maximum(out, a_min)
+        if a_max is not None:
+            out = np.minimum(out, a_max)
+        if type(out) is not _ndarray:
+            out = np.asarray(out)
+        if a.requires_grad and _state.enabled:
+            return _record(_t.CLIP, out, (a, a_min, a_max), (None, a, a_min, a_max), None)
+        return _constant(out)
     return _t.CLIP(a, a_min, a_max)
 
 
@@ -224,7 +243,15 @@ def where(condition, x=None, y=None):
     if x is None or y is None:
         raise TypeError("where: adtape differentiates where(condition, x, y); the one-argument "
                         "form returns indices (np.nonzero)")
-    return _t.WHERE(x, y, condition=np.asarray(_data(condition), dtype=bool))
+    condition = np.asarray(_data(condition), dtype=bool)
+    tx, ty = type(x) is Tensor, type(y) is Tensor
+    if tx or ty:
+        out = np.where(condition, x.data if tx else x, y.data if ty else y)
+        if _state.enabled and ((tx and x.requires_grad) or (ty and y.requires_grad)):
+            return _record(_t.WHERE, out, (x, y), (None, None, None),
+                           {"condition": condition})
+        return _constant(out)
+    return _t.WHERE(x, y, condition=condition)
 
 
 def round(a, decimals=0):
@@ -661,8 +688,13 @@ def matmul(x1, x2):
     return _ops.matmul(x1, x2)
 
 
+def _ndim(a):
+    a = _data(a)
+    return a.ndim if type(a) is _ndarray else np.ndim(a)
+
+
 def dot(a, b):
-    a_ndim, b_ndim = np.ndim(_data(a)), np.ndim(_data(b))
+    a_ndim, b_ndim = _ndim(a), _ndim(b)
     if a_ndim == 0 or b_ndim == 0:
         return _ops.mul(a, b)
     if a_ndim <= 2 and b_ndim <= 2:

@@ -136,7 +136,7 @@ def _balanced(g, x, ans, y):
     """``g`` where ``x`` is the result (half of it on a tie with ``y``): ties split it."""
     out = g * _eq(x, ans)
     tie = _eq(x, y)
-    if tie.any():
+    if np.count_nonzero(tie):
         out = out * np.where(tie, 0.5, 1.0).astype(g.dtype)
     return out
 
@@ -205,7 +205,7 @@ CLIP = _def("clip", ("a", "a_min", "a_max"), np.clip,
             lambda g, ans, x, lo, hi: g * (_value(x) > _value(hi)))
 WHERE = _def("where", ("x", "y"), lambda x, y, condition: np.where(condition, x, y),
              lambda g, ans, x, y, condition: g * condition,
-             lambda g, ans, x, y, condition: g * ~condition)
+             lambda g, ans, x, y, condition: g * ~condition, saves="none")
 
 
 # -- reductions --------------------------------------------------------------------
@@ -298,15 +298,31 @@ LOGSUMEXP = _def("logsumexp", ("a",), _logsumexp,
 
 def _cumulative(fun, g, axis):
     """``fun`` along ``axis`` of ``g`` from the far end (a reverse cumulative op)."""
-    reverse = (slice(None),) * (axis % np.ndim(g)) + (slice(None, None, -1),)
+    reverse = (slice(None),) * (axis % g.ndim) + (slice(None, None, -1),)
     return fun(g[reverse], axis=axis)[reverse]
+
+
+def _accumulating(ufunc, numpy_fun):
+    """``np.cumsum``/``np.cumprod``: a float array through ``ufunc.accumulate`` directly
+    (NumPy's wrappers cost more than the op at small sizes); Tensors record."""
+    def fun(a, axis=None):
+        if type(a) is _ndarray and a.dtype in _FLOATS:
+            return ufunc.accumulate(a.reshape(-1) if axis is None else a,
+                                    axis=0 if axis is None else axis)
+        return numpy_fun(a, axis=axis)
+    fun.__name__ = numpy_fun.__name__
+    return fun
+
+
+_cumsum = _accumulating(np.add, np.cumsum)
+_cumprod = _accumulating(np.multiply, np.cumprod)
 
 
 def _cumsum_rule(g, ans, x, axis=None):
     """The reversed cumulative sum of ``g``."""
     if axis is None:
-        return np.reshape(_cumulative(np.cumsum, g, 0), np.shape(x))
-    return _cumulative(np.cumsum, g, axis)
+        return np.reshape(_cumulative(_cumsum, g, 0), x.shape)
+    return _cumulative(_cumsum, g, axis)
 
 
 def _cumprod_rule(g, ans, x, axis=None):
@@ -314,20 +330,20 @@ def _cumprod_rule(g, ans, x, axis=None):
     if axis is None:
         return np.reshape(_cumprod_rule(g, ans, np.reshape(x, (-1,)), 0), np.shape(x))
     if _no_zeros(x):
-        return _cumulative(np.cumsum, g * ans, axis) / x
+        return _cumulative(_cumsum, g * ans, axis) / x
     # d ans_j / d x_k = prod_{i <= j, i != k} x_i for j >= k: one cumprod per k.
     n = np.shape(x)[axis]
     positions = np.arange(n).reshape((n,) + (1,) * (np.ndim(x) - 1 - axis % np.ndim(x)))
     columns = []
     for k in range(n):
         one_hot = positions == k
-        partial = np.cumprod(x * ~one_hot + one_hot, axis=axis)
+        partial = _cumprod(x * ~one_hot + one_hot, axis=axis)
         columns.append(np.sum(g * partial * (positions >= k), axis=axis))
     return np.stack(columns, axis=axis)
 
 
-CUMSUM = _def("cumsum", ("a",), np.cumsum, _cumsum_rule)
-CUMPROD = _def("cumprod", ("a",), np.cumprod, _cumprod_rule, saves="both")
+CUMSUM = _def("cumsum", ("a",), _cumsum, _cumsum_rule)
+CUMPROD = _def("cumprod", ("a",), _cumprod, _cumprod_rule, saves="both")
 
 
 def _last_axis_kernel(x, axis):
@@ -472,7 +488,9 @@ PAD = _def("pad", ("array",), _pad, _pad_rule, saves="none")
 
 def _diagonal_rule(g, ans, x, offset=0, axis1=0, axis2=1):
     """``g`` put on the diagonal of zeros (``diagonal_embed``)."""
-    return diagonal_embed(g, np.shape(x), offset, axis1, axis2)
+    if type(g) is Tensor:
+        return diagonal_embed(g, x.shape, offset, axis1, axis2)
+    return _diagonal_embed(g, x.shape, offset, axis1, axis2)
 
 
 DIAGONAL = _def("diagonal", ("a",), lambda a, offset=0, axis1=0, axis2=1:

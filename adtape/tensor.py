@@ -82,9 +82,15 @@ class Primitive:
         out, res = self.fwd(*arrays, **kwargs)
         out = _as_array(out, self.name)
         if _state.enabled and _needs_grad(args):
-            # Residuals that are the very arrays of leaf/constant inputs are kept by reference.
-            by_input = {id(a.data): a for a in args if type(a) is Tensor}
-            res = tuple(by_input.get(id(r), r) if type(r) is _ndarray else r for r in res)
+            # Residuals that are the very arrays of the inputs are those inputs: a leaf's
+            # or constant's array (an ndarray argument is a constant) is kept by reference.
+            by_input = {}
+            for a in args:
+                if type(a) is Tensor:
+                    by_input[id(a.data)] = a
+                elif type(a) is _ndarray:
+                    by_input[id(a)] = _constant(a)
+            res = [by_input.get(id(r), r) if type(r) is _ndarray else r for r in res]
             return _record(self, out, args, res, kwargs)
         return _constant(out)
 
