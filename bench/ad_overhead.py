@@ -1,4 +1,5 @@
-"""Recording-and-replay overhead per op for small tensors: adtape against PyTorch autograd.
+"""Recording-and-replay overhead per op for small tensors: adtape against PyTorch autograd
+(and, for the adtape.numpy functions, HIPS/autograd and eager JAX where installed).
 
 For each op a chain of ``K`` applications (``y = op(y)``, with leaf operands where
 the op has two) is recorded and swept once; the time of forward plus backward
@@ -6,7 +7,13 @@ divided by ``K`` is the cost per op.  Tensors are 4x4 float32, so the arithmetic
 is negligible and the figure is the AD machinery's overhead.  Both sides run in
 this process, interleaved (ours, torch, ours, torch, ...) after a warm-up; the
 median of the repetitions is reported.  Scalar-mode rows time ``adtape.Scalar``
-against 0-d torch tensors.  Writes bench/results/ad_overhead.json.
+against 0-d torch tensors.
+
+The adtape.numpy rows differentiate ``f(x) = sum(step^K(x))`` with ``adtape.grad``, the
+same function body over ``autograd.numpy`` with ``autograd.grad`` and over ``jax.numpy``
+with ``jax.grad`` (eager: no jit), and the same chain with PyTorch autograd; the other
+operand of a binary step is a constant.  Every library is timed in the same loop,
+interleaved.  Writes bench/results/ad_overhead.json, naming the CPU and the commit.
 
     python bench/ad_overhead.py [--k 200] [--reps 7]
 """
@@ -25,8 +32,22 @@ import torch.nn.functional as F
 import _paths  # noqa: E402,F401  (import order: installed packages, source, bench/)
 
 import adtape as ad  # noqa: E402
+import adtape.numpy as anp  # noqa: E402
 from adtape import nn  # noqa: E402
 from kernels import threads  # noqa: E402
+from _runinfo import cpu_name, git_commit  # noqa: E402
+
+try:
+    import autograd
+    import autograd.numpy as agnp
+except ImportError:     # pip install autograd (a benchmark baseline, not a dependency)
+    autograd = agnp = None
+try:
+    import jax
+    import jax.numpy as jnp
+    jax.config.update("jax_platform_name", "cpu")
+except ImportError:
+    jax = jnp = None
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ad_overhead.json")
 
@@ -43,6 +64,7 @@ def make_inputs(rng):
         "lin_w": (np.eye(4) + 0.01 * rng.standard_normal((4, 4))).astype(f32),
         "lin_b": np.zeros(4, f32),
         "qkv_w": (0.3 * rng.standard_normal((12, 4))).astype(f32),
+        "c": (rng.uniform(0.9, 1.1, (4, 4)) + 2 * np.eye(4)).astype(f32),
         "tgt": np.array([[1, 2]], np.int32),
     }
 
@@ -146,6 +168,139 @@ def run_scalar_torch(op, K):
     return time.perf_counter() - t0
 
 
+# adtape.numpy functions: name -> (step(ns, y, c) over a NumPy-like namespace ns, the
+# same step in PyTorch, NumPy ops per step).  y is 4x4 float32 (values in 0.5..1.5 at the
+# start), c a constant 4x4 near 1; each step keeps y bounded along the chain.
+_I4 = np.eye(4, dtype=np.float32)
+_IDX = np.array([3, 2, 1, 0])
+_IDX2 = np.array([[1, 0, 3, 2]] * 4)
+_MASK = np.arange(16).reshape(4, 4) % 3 == 0
+
+
+def _t(a):
+    return torch.tensor(a)
+
+
+NUMPY_OPS = {
+    "sin": (lambda ns, y, c: ns.sin(y), lambda y, c: torch.sin(y), 1),
+    "cos": (lambda ns, y, c: ns.cos(y), lambda y, c: torch.cos(y), 1),
+    "arctan": (lambda ns, y, c: ns.arctan(y), lambda y, c: torch.atan(y), 1),
+    "arcsinh": (lambda ns, y, c: ns.arcsinh(y), lambda y, c: torch.asinh(y), 1),
+    "sqrt": (lambda ns, y, c: ns.sqrt(y), lambda y, c: torch.sqrt(y), 1),
+    "cbrt": (lambda ns, y, c: ns.cbrt(y), lambda y, c: y ** (1 / 3), 1),
+    "abs": (lambda ns, y, c: ns.abs(y), lambda y, c: torch.abs(y), 1),
+    "reciprocal": (lambda ns, y, c: ns.reciprocal(y), lambda y, c: torch.reciprocal(y), 1),
+    "log1p": (lambda ns, y, c: ns.log1p(y), lambda y, c: torch.log1p(y), 1),
+    "maximum": (lambda ns, y, c: ns.maximum(y, c), lambda y, c: torch.maximum(y, c), 1),
+    "minimum": (lambda ns, y, c: ns.minimum(y, c), lambda y, c: torch.minimum(y, c), 1),
+    "hypot": (lambda ns, y, c: ns.hypot(y, c), lambda y, c: torch.hypot(y, c), 1),
+    "arctan2": (lambda ns, y, c: ns.arctan2(y, c), lambda y, c: torch.atan2(y, c), 1),
+    "logaddexp": (lambda ns, y, c: ns.logaddexp(y, c), lambda y, c: torch.logaddexp(y, c), 1),
+    "power_array": (lambda ns, y, c: ns.power(y, c), lambda y, c: torch.pow(y, c), 1),
+    "clip": (lambda ns, y, c: ns.clip(y, 0.2, 0.8), lambda y, c: torch.clamp(y, 0.2, 0.8), 1),
+    "where": (lambda ns, y, c: ns.where(_MASK, y, c), lambda y, c: torch.where(_t(_MASK), y, c),
+              1),
+    "max_axis": (lambda ns, y, c: y - ns.max(y, axis=-1, keepdims=True),
+                 lambda y, c: y - torch.amax(y, -1, keepdim=True), 2),
+    "var_axis": (lambda ns, y, c: y - ns.var(y, axis=0, keepdims=True),
+                 lambda y, c: y - torch.var(y, 0, correction=0, keepdim=True), 2),
+    "logsumexp": (lambda ns, y, c: y - _logsumexp(ns)(y, axis=-1, keepdims=True),
+                  lambda y, c: y - torch.logsumexp(y, -1, keepdim=True), 2),
+    "norm": (lambda ns, y, c: y / ns.linalg.norm(y, axis=-1, keepdims=True),
+             lambda y, c: y / torch.linalg.vector_norm(y, dim=-1, keepdim=True), 2),
+    "cumsum": (lambda ns, y, c: ns.sin(ns.cumsum(y, axis=-1)),
+               lambda y, c: torch.sin(torch.cumsum(y, -1)), 2),
+    "cumprod": (lambda ns, y, c: ns.sin(ns.cumprod(y, axis=-1)),
+                lambda y, c: torch.sin(torch.cumprod(y, -1)), 2),
+    "softmax": (lambda ns, y, c: _softmax(ns)(y), lambda y, c: torch.softmax(y, -1), 1),
+    "flip": (lambda ns, y, c: ns.flip(y, 0), lambda y, c: torch.flip(y, (0,)), 1),
+    "roll": (lambda ns, y, c: ns.roll(y, 1, axis=0), lambda y, c: torch.roll(y, 1, 0), 1),
+    "tril": (lambda ns, y, c: ns.tril(y) + c, lambda y, c: torch.tril(y) + c, 2),
+    "concatenate": (lambda ns, y, c: ns.concatenate([y[:, 2:], y[:, :2]], axis=1),
+                    lambda y, c: torch.cat([y[:, 2:], y[:, :2]], 1), 3),
+    "stack": (lambda ns, y, c: ns.stack([y[1], y[2], y[3], y[0]]),
+              lambda y, c: torch.stack([y[1], y[2], y[3], y[0]]), 5),
+    "pad": (lambda ns, y, c: ns.pad(y[1:, 1:], ((1, 0), (0, 1))) + c,
+            lambda y, c: F.pad(y[1:, 1:], (0, 1, 1, 0)) + c, 3),
+    "tile": (lambda ns, y, c: ns.tile(y[:2], (2, 1)), lambda y, c: torch.tile(y[:2], (2, 1)), 2),
+    "take": (lambda ns, y, c: ns.take(y, _IDX, axis=0), lambda y, c: y[_t(_IDX)], 1),
+    "take_along_axis": (lambda ns, y, c: ns.take_along_axis(y, _IDX2, 1),
+                        lambda y, c: torch.take_along_dim(y, _t(_IDX2), 1), 1),
+    "int_index": (lambda ns, y, c: y[_IDX], lambda y, c: y[_t(_IDX)], 1),
+    "diagonal": (lambda ns, y, c: y - ns.diagonal(y), lambda y, c: y - torch.diagonal(y), 2),
+    "dot": (lambda ns, y, c: ns.dot(y, c), lambda y, c: y @ c, 1),
+    "tensordot": (lambda ns, y, c: ns.tensordot(y, c, 1), lambda y, c: torch.tensordot(y, c, 1),
+                  1),
+    "einsum": (lambda ns, y, c: ns.einsum("ij,jk->ik", y, c),
+               lambda y, c: torch.einsum("ij,jk->ik", y, c), 1),
+    "solve": (lambda ns, y, c: ns.linalg.solve(c, y), lambda y, c: torch.linalg.solve(c, y), 1),
+    "inv": (lambda ns, y, c: ns.linalg.inv(y + 4 * _I4),
+            lambda y, c: torch.linalg.inv(y + 4 * _t(_I4)), 2),
+    "cholesky": (lambda ns, y, c: ns.linalg.cholesky(y @ y.T + _I4),
+                 lambda y, c: torch.linalg.cholesky(y @ y.T + _t(_I4)), 4),
+}
+
+
+def _logsumexp(ns):
+    if ns is anp:
+        return anp.logsumexp
+    if agnp is not None and ns is agnp:
+        from autograd.scipy.special import logsumexp
+        return logsumexp
+    return jax.scipy.special.logsumexp
+
+
+def _softmax(ns):
+    if ns is anp:
+        return anp.softmax
+    lse = _logsumexp(ns)
+    return lambda y: ns.exp(y - lse(y, axis=-1, keepdims=True))
+
+
+def _chain(ns, step, c, K):
+    def f(x):
+        y = x
+        for _ in range(K):
+            y = step(ns, y, c)
+        return ns.sum(y)
+    return f
+
+
+def time_call(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def numpy_op_runners(step, torch_step, inp, K):
+    """name -> timed callable for each library that runs this step (None if it cannot)."""
+    x = inp["x"]
+    c = inp["c"]
+    runners = {"ours": lambda: ad.grad(_chain(anp, step, c, K))(x)}
+
+    def run_torch():
+        xt = torch.tensor(x, requires_grad=True)
+        ct = torch.tensor(c)
+        y = xt
+        for _ in range(K):
+            y = torch_step(y, ct)
+        y.sum().backward()
+    runners["torch"] = run_torch
+    if autograd is not None:
+        runners["autograd"] = lambda: autograd.grad(_chain(agnp, step, c, K))(x)
+    if jax is not None:
+        runners["jax"] = lambda: jax.grad(_chain(jnp, step, c, K))(jnp.asarray(x))
+    ok = {}
+    for name, run in runners.items():
+        try:
+            run()
+        except Exception as exc:        # that library lacks the function or its derivative
+            print(f"  {name}: {type(exc).__name__}: {str(exc)[:80]}", file=sys.stderr)
+            continue
+        ok[name] = run
+    return ok
+
+
 SCALAR_OPS = {
     "scalar_add": lambda y, w: y + w,
     "scalar_mul": lambda y, w: y * w,
@@ -192,18 +347,62 @@ def main():
                              args.reps)
             records.append({"op": name, "ours_us": 1e6 * ta / ks, "torch_us": 1e6 * tb / ks,
                             "ratio": ta / tb, "ops_per_step": 1})
+        numpy_records = []
+        for name, (step, torch_step, n_ops) in NUMPY_OPS.items():
+            runners = numpy_op_runners(step, torch_step, inp, K)
+            times = {lib: [] for lib in runners}
+            for r in range(2 + args.reps):
+                for lib, run in runners.items():
+                    t = time_call(run)
+                    if r >= 2:
+                        times[lib].append(t)
+            med = {lib: statistics.median(v) for lib, v in times.items()}
+            rec = {"op": name, "ops_per_step": n_ops,
+                   **{f"{lib}_us": 1e6 * med[lib] / K if lib in med else None
+                      for lib in ("ours", "torch", "autograd", "jax")}}
+            rec["ratio"] = med["ours"] / med["torch"]
+            for lib in ("autograd", "jax"):
+                rec[f"ratio_{lib}"] = med["ours"] / med[lib] if lib in med else None
+            numpy_records.append(rec)
     for r in records:
         print(f"{r['op']:24s} {r['ours_us']:11.2f} {r['torch_us']:12.2f} {r['ratio']:7.2f}")
     ratios = [r["ratio"] for r in records]
     geo = float(np.exp(np.mean(np.log(ratios))))
     print(f"geometric mean ratio (ours/torch): {geo:.2f}; ops faster than torch: "
           f"{sum(x < 1 for x in ratios)}/{len(ratios)}")
+    print(f"\nadtape.numpy through grad: us per step; ratio = ours / theirs")
+    print(f"{'function':18s} {'ours':>7s} {'torch':>7s} {'autograd':>9s} {'jax':>7s} "
+          f"{'/torch':>7s} {'/autograd':>9s}")
+
+    def fmt(v, width, spec=".2f"):
+        return f"{'-':>{width}s}" if v is None else f"{v:{width}{spec}}"
+    for r in numpy_records:
+        print(f"{r['op']:18s} {fmt(r['ours_us'], 7)} {fmt(r['torch_us'], 7)} "
+              f"{fmt(r['autograd_us'], 9)} {fmt(r['jax_us'], 7)} {fmt(r['ratio'], 7)} "
+              f"{fmt(r['ratio_autograd'], 9)}")
+    np_ratios = [r["ratio"] for r in numpy_records]
+    geo_np = float(np.exp(np.mean(np.log(np_ratios))))
+    ag = [r["ratio_autograd"] for r in numpy_records if r["ratio_autograd"] is not None]
+    geo_ag = float(np.exp(np.mean(np.log(ag)))) if ag else None
+    all_ratios = ratios + np_ratios
+    geo_all = float(np.exp(np.mean(np.log(all_ratios))))
+    print(f"adtape.numpy geometric mean: {geo_np:.2f} of PyTorch's time "
+          f"({sum(x < 1 for x in np_ratios)}/{len(np_ratios)} faster)"
+          + (f", {geo_ag:.2f} of autograd's" if geo_ag is not None else "")
+          + f"; every row: {geo_all:.2f} of PyTorch's "
+          f"({sum(x < 1 for x in all_ratios)}/{len(all_ratios)} faster)")
     out = {"config": {"chain_length": K, "reps": args.reps, "shape": [4, 4], "dtype": "float32",
                       "threads": n_threads, "torch": torch.__version__, "numpy": np.__version__,
-                      "python": platform.python_version(), "machine": platform.processor()
-                      or platform.machine()},
+                      "autograd": getattr(autograd, "__version__", None) if autograd else None,
+                      "jax": jax.__version__ if jax else None,
+                      "python": platform.python_version(), "cpu": cpu_name(),
+                      "commit": git_commit()},
            "geomean_ratio": geo,
-           "records": records}
+           "geomean_ratio_numpy": geo_np,
+           "geomean_ratio_numpy_vs_autograd": geo_ag,
+           "geomean_ratio_all": geo_all,
+           "records": records,
+           "numpy_records": numpy_records}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
