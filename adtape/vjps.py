@@ -265,7 +265,8 @@ def embedding(weight, ids):
         raise TypeError(f"embedding: ids must be an integer array, got {ids.dtype}")
     if wd.ndim != 2:
         raise ValueError(f"embedding: weight must be 2-D (rows, features), got shape {wd.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() >= wd.shape[0]):
+    if ids.size and (np.minimum.reduce(ids, axis=None) < 0
+                     or np.maximum.reduce(ids, axis=None) >= wd.shape[0]):
         raise IndexError(f"embedding: ids must lie in [0, {wd.shape[0]}), "
                          f"got values in [{ids.min()}, {ids.max()}]")
     out = wd[ids]

@@ -18,6 +18,7 @@ interleaved.  Writes bench/results/ad_overhead.json, naming the CPU and the comm
     python bench/ad_overhead.py [--k 200] [--reps 7]
 """
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -257,6 +258,13 @@ def _softmax(ns):
     return lambda y: ns.exp(y - lse(y, axis=-1, keepdims=True))
 
 
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _chain(ns, step, c, K):
     def f(x):
         y = x
@@ -393,7 +401,7 @@ def main():
           f"({sum(x < 1 for x in all_ratios)}/{len(all_ratios)} faster)")
     out = {"config": {"chain_length": K, "reps": args.reps, "shape": [4, 4], "dtype": "float32",
                       "threads": n_threads, "torch": torch.__version__, "numpy": np.__version__,
-                      "autograd": getattr(autograd, "__version__", None) if autograd else None,
+                      "autograd": _version("autograd") if autograd else None,
                       "jax": jax.__version__ if jax else None,
                       "python": platform.python_version(), "cpu": cpu_name(),
                       "commit": git_commit()},
