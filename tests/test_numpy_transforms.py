@@ -182,3 +182,38 @@ def test_gradient_is_bit_identical_when_saved_values_spill_to_disk(tmp_path):
     assert stats["reloads"] > 0 and stats["bytes_read"] >= stats["peak_spilled_bytes"]
     assert stats["peak_resident_bytes"] <= budget + (512 << 10)
     np.testing.assert_array_equal(spilled, in_memory, strict=True)
+
+
+def test_higher_order_under_reference_residuals_and_a_spilling_outer_recording(tmp_path):
+    f = lambda x: anp.sum(anp.sin(x) * anp.exp(x))  # noqa: E731
+    x = np.linspace(0.1, 1.0, 5)
+    h = ad.hessian(f)(x)
+    with ad.OpTape(residuals="reference"):
+        np.testing.assert_array_equal(ad.hessian(f)(x), h)
+    big = np.linspace(0.0, 1.0, 1 << 15)
+
+    def outer(w):       # first-order records that spill, around a grad in keep mode
+        return anp.sum(anp.tanh(big * w[0]) * anp.cos(big)) + anp.sum(ad.grad(f)(w) ** 2)
+    in_memory = ad.grad(outer)(x)
+    with ad.OpTape(memory_budget=128 << 10, spill_dir=str(tmp_path),
+                   spill_unit=64 << 10) as tape:
+        spilled = ad.grad(outer)(x)
+        assert tape.stats["peak_spilled_bytes"] > 0
+    np.testing.assert_array_equal(spilled, in_memory)
+    ref = torch.tensor(x, requires_grad=True)
+    tb = torch.tensor(big)
+    inner = torch.autograd.grad((torch.sin(ref) * torch.exp(ref)).sum(), ref, create_graph=True)[0]
+    total = (torch.tanh(tb * ref[0]) * torch.cos(tb)).sum() + (inner ** 2).sum()
+    close(in_memory, torch.autograd.grad(total, ref)[0])
+
+
+def test_has_aux_and_python_floats_under_transforms():
+    x = np.linspace(0.1, 1.0, 4)
+    (value, aux), g = ad.value_and_grad(lambda a: (anp.sum(anp.sin(a)), "aux"), has_aux=True)(x)
+    assert aux == "aux"
+    close(g, np.cos(x))
+    nested = ad.grad(lambda a: ad.grad(lambda b: (anp.sum(anp.sin(b) ** 2), 1),
+                                       has_aux=True)(a)[0].sum())(x)
+    close(nested, 2 * np.cos(2 * x))           # d/dx sum(sin(2x)) = 2 cos(2x)
+    out, tangent = ad.jvp(lambda s: s * s, (1.5,), (1.0,))
+    assert float(out) == 2.25 and float(tangent) == 3.0
