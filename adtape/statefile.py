@@ -268,6 +268,8 @@ class StateFile:
                              f"with read_into")
         with self._cv:
             self._raise_pending()
+            if u in self._wanted:      # consumed now: no read ahead of it any more
+                self._wanted.remove(u)
             if self._state[u] == "resident":
                 self.stats["prefetch_hits"] += 1
                 self._held.add(u)

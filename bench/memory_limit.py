@@ -13,7 +13,8 @@ Policies (ours, the tape engine):
 - ``binomial2``, ``binomial4``: Revolve over the blocks with 2 and 4 snapshots;
 - ``planner``: what ``gpt2.perfmodel.plan.plan_memory`` chooses for ``--max-memory``;
 - ``offload-moments``: activations in RAM, the AdamW moments in a file in ``--spill-dir``
-  streamed during the update (``gpt2-train --offload moments``).
+  streamed during the update (``gpt2-train --offload moments``); ``offload-all``: the
+  blocks' parameters and gradients too (``--offload all``).
 PyTorch eager at the same (B, T), per shared/BENCHMARKS.md: ``torch`` without
 checkpointing where it fits, ``torch-ckpt`` with ``torch.utils.checkpoint`` per block.
 
@@ -56,7 +57,7 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 CONFIGS = (("gpt2", 4, 1024), ("gpt2", 8, 1024), ("gpt2-medium", 4, 1024))
 QUICK_CONFIGS = (("gpt2", 2, 128),)
 OUR_POLICIES = ("memory", "budget2", "budget4", "budget8", "layer", "binomial2", "binomial4",
-                "planner", "offload-moments")
+                "planner", "offload-moments", "offload-all")
 TORCH_POLICIES = ("torch", "torch-ckpt")
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.1
 # Fraction of available memory an in-memory run may be estimated to take.
@@ -150,8 +151,8 @@ def policy_kwargs(policy, args):
         return {"tape_kwargs": {"memory_budget": args.budget, **spill}}, None
     if policy == "layer":
         return {"checkpointing": "layer"}, None
-    if policy == "offload-moments":
-        return {"offload": "moments", "offload_dir": args.spill_dir}, None
+    if policy.startswith("offload-"):
+        return {"offload": policy[len("offload-"):], "offload_dir": args.spill_dir}, None
     if policy.startswith("binomial"):
         return {"checkpointing": "binomial", "snapshots": int(policy[len("binomial"):])}, None
     if policy == "planner":

@@ -54,6 +54,7 @@ import numpy as np
 
 from adtape import buffers
 from gpt2 import checkpoint as ckpt
+from gpt2.offload import MomentOffload
 from gpt2.params import ParamArena, layer_major_offsets, num_parameters
 from kernels import optim
 
@@ -269,12 +270,33 @@ class DataParallelTrainer:
         model.params = self._arena(self.params_padded[:n]).copy_(model.params)
         model.grads = self._arena(self.grads_padded[:n])
         comm.Bcast(self.params_padded, root=0)
+        # Offloaded moments (--offload moments): the trainer's layout replaces the model's.
+        self.moments = None
+        offload_dir = model.moments.spill_dir if model.moments is not None else None
+        if model.offload not in (None, "moments"):
+            raise ValueError(f"data parallel training offloads the AdamW moments only, not "
+                             f"offload={model.offload!r}")
+        if model.moments is not None:
+            model.moments.close()
+            model.moments = None
         if zero:
             # The trainer owns the moments: this rank's shard only.
             model.adam_m = model.adam_v = None
-            self.adam_m = buffers.zeros(self.layout.shard_size)
-            self.adam_v = buffers.zeros(self.layout.shard_size)
             self.shard_grad = buffers.zeros(self.layout.shard_size)
+            if model.offload == "moments":
+                r = self.rank
+                self.moments = MomentOffload.for_shard(
+                    [(start + r * part, off, part) for (start, _), part, off
+                     in zip(self.layout.bounds, self.layout.parts, self.layout.shard_offsets)],
+                    spill_dir=offload_dir)
+                self.adam_m = self.adam_v = None
+            else:
+                self.adam_m = buffers.zeros(self.layout.shard_size)
+                self.adam_v = buffers.zeros(self.layout.shard_size)
+        elif model.offload == "moments":
+            model.moments = MomentOffload.for_model(config, spill_dir=offload_dir,
+                                                    layer_major=True)
+            self.adam_m = self.adam_v = None
         else:
             model.adam_m = self._arena(buffers.empty(n)).copy_(model.adam_m)
             model.adam_v = self._arena(buffers.empty(n)).copy_(model.adam_v)
@@ -434,6 +456,8 @@ class DataParallelTrainer:
         if inputs.ndim != 2:
             raise ValueError(f"inputs must have shape (B, T), got {inputs.shape}")
         rows = self.local_rows(inputs.shape[0])
+        if self.moments is not None:
+            self.moments.read_ahead()     # the shard's first units, while the step computes
         t0 = time.perf_counter()
         model.zero_grad(deferred=True)
         self._requests = []
@@ -483,12 +507,19 @@ class DataParallelTrainer:
         model.adam_step += 1
         layout, r = self.layout, self.rank
         requests = []
-        for (start, stop), part, off in zip(layout.bounds, layout.parts, layout.shard_offsets):
-            mine = slice(start + r * part, start + (r + 1) * part)
-            shard = slice(off, off + part)
-            optim.adamw_step(self.params_padded[mine], self.shard_grad[shard],
-                             self.adam_m[shard], self.adam_v[shard], model.adam_step, lr,
-                             weight_decay=weight_decay, grad_scale=grad_scale)
+        if self.moments is not None:
+            self.moments.begin(self.params_padded, self.shard_grad, model.adam_step, lr, 0.9,
+                               0.999, 1e-8, weight_decay, grad_scale)
+        for b, ((start, stop), part, off) in enumerate(zip(layout.bounds, layout.parts,
+                                                          layout.shard_offsets)):
+            if self.moments is not None:
+                self.moments.ready(b)          # this bucket's share, streamed from disk
+            else:
+                mine = slice(start + r * part, start + (r + 1) * part)
+                shard = slice(off, off + part)
+                optim.adamw_step(self.params_padded[mine], self.shard_grad[shard],
+                                 self.adam_m[shard], self.adam_v[shard], model.adam_step, lr,
+                                 weight_decay=weight_decay, grad_scale=grad_scale)
             requests.append(self.comm.Iallgather(self.MPI.IN_PLACE,
                                                  self.params_padded[start:stop]))
         self.MPI.Request.Waitall(requests)
@@ -527,9 +558,13 @@ class DataParallelTrainer:
         """(adam_m, adam_v) as whole layer-major ParamArenas on rank 0 (gathered from the
         shards under ZeRO-1); (None, None) on the other ranks."""
         if not self.zero:
-            return (self.model.adam_m, self.model.adam_v) if self.rank == 0 else (None, None)
+            return self.model.optimizer_moments() if self.rank == 0 else (None, None)
         out = []
-        for moment in (self.adam_m, self.adam_v):
+        if self.moments is not None:       # each rank's shard read back from its disk
+            shards_of = (self.moments.read_flat(0), self.moments.read_flat(1))
+        else:
+            shards_of = (self.adam_m, self.adam_v)
+        for moment in shards_of:
             shards = (np.empty((self.size, self.layout.shard_size), np.float32)
                       if self.rank == 0 else None)
             self.comm.Gather(moment, shards, root=0)
@@ -589,22 +624,38 @@ class DataParallelTrainer:
         header = self._agree(read)
         self.comm.Bcast(self.params_padded, root=0)
         model.adam_step = header["adam_step"]
+        offload = self.moments if self.zero else model.moments
         if header["has_moments"]:
             loaded = state.get("loaded")
-            for name, moment in (("adam_m", self.adam_m), ("adam_v", self.adam_v)):
+            n = num_parameters(model.config)
+            for which, name in enumerate(("adam_m", "adam_v")):
+                if offload is not None and not self.zero:
+                    # Offloaded: each rank writes the moment (llm.c order) to its own disk.
+                    moment = getattr(loaded, name).flat if self.rank == 0 else buffers.empty(n)
+                    self.comm.Bcast(moment, root=0)
+                    offload.write_flat(which, moment)
+                    continue
                 # The checkpoint's moments are in llm.c order, the trainer's layer-major.
                 full = (self._arena(buffers.empty(loaded.params.flat.size))
                         .copy_(getattr(loaded, name)).flat if self.rank == 0 else None)
                 if self.zero:
+                    moment = (getattr(self, name) if offload is None
+                              else buffers.empty(self.layout.shard_size))
                     shards = self.layout.full_to_shards(full) if self.rank == 0 else None
                     self.comm.Scatter(shards, moment, root=0)
+                    if offload is not None:
+                        offload.write_flat(which, moment)
                 else:
+                    moment = getattr(self, name)
                     if self.rank == 0:
                         moment[...] = full
                     self.comm.Bcast(moment, root=0)
-        else:
+        elif offload is None:
             self.adam_m.fill(0.0)
             self.adam_v.fill(0.0)
+        else:
+            for which in (0, 1):
+                offload.write_flat(which, np.zeros(offload.n, np.float32))
         return ckpt.Checkpoint(config=model.config, params=model.params, step=header["step"],
                                adam_m=None, adam_v=None, adam_step=header["adam_step"],
                                data_state=header["data_state"], extra=header["extra"])

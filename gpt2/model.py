@@ -111,7 +111,7 @@ class GPT2:
         self.moments = None
         if offload == "moments":
             from gpt2.offload import MomentOffload
-            self.moments = MomentOffload(config, spill_dir=offload_dir)
+            self.moments = MomentOffload.for_model(config, spill_dir=offload_dir)
             self.adam_m = self.adam_v = None
         elif offload == "all":
             from gpt2.offload import FullOffload

@@ -27,36 +27,27 @@ from kernels import optim
 SEGMENT_FLOATS = 4 << 20     # 16 MiB per moment record at most
 UNIT_BYTES = 64 << 20        # m and v of the segments of one I/O unit
 WINDOW = 8                   # unit buffers: read ahead and written behind
+# FullOffload's unit buffers: a block's gradients and moments take four units (GPT-2
+# large), so eight let the next block's be read while this block's are written.
+FULL_WINDOW = 8
 
 
 class MomentOffload:
-    """The AdamW moments of a model's parameter arena (its flat, llm.c order), on disk."""
+    """AdamW moments on disk.  ``segments``: (offset in the parameters, offset in the
+    gradients, floats, stage, offset in the saved moment) of every piece, in update order
+    (``for_model``: a model's arena, in forward order; ``for_shard``: a ZeRO-1 rank's
+    share).  The saved offsets tile the moment a checkpoint holds (llm.c order)."""
 
-    def __init__(self, config, spill_dir=None, window=WINDOW, unit_bytes=UNIT_BYTES,
-                 segment_floats=SEGMENT_FLOATS):
-        self.config = config
-        self.n = num_parameters(config)
-        flat = param_offsets(config)
-        per_layer = set(config.per_layer)
-        # Segments in forward order: (flat start, floats, stage), stage "embed", l or "head".
-        segments = []
-        seen_block = False
-        for (name, layer), (lo, hi) in layer_major_offsets(config).items():
-            if name in per_layer:
-                seen_block = True
-                start = flat[name][0] + layer * (hi - lo)
-                stage = layer
-            else:
-                start = flat[name][0]
-                stage = "head" if seen_block else "embed"
-            for a in range(start, start + (hi - lo), segment_floats):
-                segments.append((a, min(segment_floats, start + (hi - lo) - a), stage))
-        self.segments = segments
+    def __init__(self, segments, spill_dir=None, window=WINDOW, unit_bytes=UNIT_BYTES,
+                 name="AdamW moments"):
+        self.segments = segments = list(segments)
+        self.n = sum(s[2] for s in segments)
+        self.spill_dir = spill_dir
         # Units: consecutive segments of one stage up to unit_bytes of m and v.
         units, stage_units = [], {}
-        for i, (_, n, stage) in enumerate(segments):
-            if (units and segments[units[-1][0]][2] == stage
-                    and 8 * (n + sum(segments[j][1] for j in range(*units[-1]))) <= unit_bytes):
+        for i, (_, _, n, stage, _) in enumerate(segments):
+            if (units and segments[units[-1][0]][3] == stage
+                    and 8 * (n + sum(segments[j][2] for j in range(*units[-1]))) <= unit_bytes):
                 units[-1][1] = i + 1
             else:
                 units.append([i, i + 1])
@@ -70,12 +61,37 @@ class MomentOffload:
             for moment in (0, 1):
                 for i in range(a, b):
                     self.record[i, moment] = len(record_nbytes)
-                    record_nbytes.append(4 * segments[i][1])
+                    record_nbytes.append(4 * segments[i][2])
             record_units.append((first, len(record_nbytes)))
         self.file = StateFile(record_nbytes, record_units, spill_dir=spill_dir,
-                              window=window, name="AdamW moments")
+                              window=window, name=name)
         self.pending = None          # the deferred update's arguments
         self.next_unit = 0           # the first unit the pending update has not reached
+
+    @classmethod
+    def for_model(cls, config, spill_dir=None, layer_major=False, segment_floats=SEGMENT_FLOATS,
+                  **kwargs):
+        """The moments of ``config``'s arena (llm.c order, or ``layer_major``: the
+        data-parallel trainer's), in forward order: embedding, block 0, ..., head."""
+        lm = layer_major_offsets(config)
+        segments = []
+        for start, n, stage, name, layer, off in _segments(config, segment_floats):
+            at = lm[name, layer][0] + off if layer_major else start
+            segments.append((at, at, n, stage, start))
+        return cls(segments, spill_dir=spill_dir, **kwargs)
+
+    @classmethod
+    def for_shard(cls, pieces, spill_dir=None, segment_floats=SEGMENT_FLOATS, **kwargs):
+        """A ZeRO-1 rank's moments: ``pieces`` (offset in the parameters, offset in the
+        shard, floats), one per gradient bucket, updated bucket by bucket (stage = the
+        bucket's index); saved in shard order."""
+        segment_floats = max(16, segment_floats // 16 * 16)
+        segments = []
+        for b, (p0, s0, n) in enumerate(pieces):
+            for off in range(0, n, segment_floats):
+                k = min(segment_floats, n - off)
+                segments.append((p0 + off, s0 + off, k, b, s0 + off))
+        return cls(segments, spill_dir=spill_dir, **kwargs)
 
     @property
     def path(self):
@@ -119,8 +135,8 @@ class MomentOffload:
             buf = f.acquire(u)
             try:
                 for i in self.unit_segments[u]:
-                    a, n, _ = self.segments[i]
-                    optim.adamw_step(params[a:a + n], grads[a:a + n],
+                    a, ga, n, _, _ = self.segments[i]
+                    optim.adamw_step(params[a:a + n], grads[ga:ga + n],
                                      f.record_view(buf, self.record[i, 0]),
                                      f.record_view(buf, self.record[i, 1]),
                                      step, lr, b1, b2, eps, wd, grad_scale=scale)
@@ -136,8 +152,9 @@ class MomentOffload:
     # -- whole moments, in the arena's flat order (checkpoints) ------------------------------
 
     def flat_segments(self):
-        """(segment index, flat start, floats) sorted by flat start: they tile the arena."""
-        return sorted(((i, a, n) for i, (a, n, _) in enumerate(self.segments)),
+        """(segment index, saved start, floats) sorted by saved start: they tile the
+        saved moment."""
+        return sorted(((i, at, n) for i, (_, _, n, _, at) in enumerate(self.segments)),
                       key=lambda s: s[1])
 
     def moment(self, which):
@@ -145,11 +162,21 @@ class MomentOffload:
         return StreamedMoment(self, which)
 
     def read_flat(self, which):
-        """One moment as a whole flat array (tests and small models)."""
+        """One moment as a whole flat array in saved order (tests; a ZeRO-1 shard's
+        gather)."""
         out = np.empty(self.n, np.float32)
         for piece_start, piece in self.moment(which).pieces():
             out[piece_start:piece_start + piece.size] = piece
         return out
+
+    def write_flat(self, which, flat):
+        """Set one moment from a whole flat array in saved order."""
+        position = [0]
+
+        def read_into(piece):
+            piece[...] = flat[position[0]:position[0] + piece.size]
+            position[0] += piece.size
+        self.moment(which).load(read_into)
 
     def stats(self):
         return dict(self.file.stats, file_bytes=self.file.file_bytes,
@@ -183,7 +210,7 @@ class StreamedMoment:
         off = self.offload
         off.finish()
         off.file.flush()
-        buf = np.empty(max(n for _, n, _ in off.segments), np.float32)
+        buf = np.empty(max(s[2] for s in off.segments), np.float32)
         for i, a, n in off.flat_segments():
             piece = buf[:n]
             read_into(piece)
@@ -281,7 +308,7 @@ class FullOffload:
     next block's parameters into the other slot while a block computes.
     """
 
-    def __init__(self, config, spill_dir=None, slots=2, window=4, unit_bytes=UNIT_BYTES,
+    def __init__(self, config, spill_dir=None, slots=2, window=FULL_WINDOW, unit_bytes=UNIT_BYTES,
                  segment_floats=SEGMENT_FLOATS):
         if slots < 2:
             raise ValueError(f"slots must be >= 2, got {slots}")

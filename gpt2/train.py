@@ -782,9 +782,9 @@ def _prepare(args, explicit, comm=None):
                          + ("not a directory" if os.path.exists(args.spill_dir)
                             else "no such directory"))
 
-    if comm is not None and comm.Get_size() > 1 and args.offload != "none":
-        raise UsageError(f"--offload {args.offload} trains in one process for now: leave it "
-                         f"out under mpiexec")
+    if comm is not None and comm.Get_size() > 1 and args.offload == "all":
+        raise UsageError("--offload all trains in one process: under mpiexec use --offload "
+                         "moments")
     if args.offload == "all" and (args.engine != "tape" or args.checkpointing != "none"):
         raise UsageError("--offload all runs on the tape engine without --checkpointing: "
                          "leave out " + ("--engine manual" if args.engine != "tape"

@@ -358,3 +358,32 @@ def test_gpt2_train_refuses_a_batch_the_ranks_do_not_divide(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: the global batch size B=3 is not divisible by "
                                    "the 2 ranks: use a multiple of 2")
+
+
+@pytest.mark.parametrize("zero", ["0", "1"])
+def test_offloaded_moments_under_mpiexec_train_bit_identically(tmp_path, zero):
+    """--offload moments over 2 ranks (each rank its shard under --zero 1) gives the
+    in-memory run's losses to the bit over 50 steps; its checkpoint is the in-memory
+    run's, and resumes in one process."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    memory, offloaded = tmp_path / "memory", tmp_path / "offloaded"
+    common = ["--steps", "50", "--zero", zero, "--grad-clip", "1.0"]
+    proc = run_train(common, memory, ranks=RANKS)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_train(common + ["--offload", "moments", "--spill-dir", str(spill)], offloaded,
+                     ranks=RANKS)
+    assert proc.returncode == 0, proc.stderr
+    assert logged_losses(offloaded) == logged_losses(memory)
+    from gpt2.checkpoint import load_checkpoint
+    a, b = (load_checkpoint(d / "checkpoint.bin") for d in (memory, offloaded))
+    for name in ("params", "adam_m", "adam_v"):
+        assert np.array_equal(getattr(a, name).flat, getattr(b, name).flat), name
+    assert os.listdir(spill) == []
+    proc = run_train(["--steps", "52", "--resume", str(offloaded / "checkpoint.bin"),
+                      "--offload", "moments", "--spill-dir", str(spill)], tmp_path / "resumed")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_train(["--steps", "52", "--resume", str(memory / "checkpoint.bin")],
+                     tmp_path / "resumed-memory")
+    assert proc.returncode == 0, proc.stderr
+    assert logged_losses(tmp_path / "resumed") == logged_losses(tmp_path / "resumed-memory")

@@ -18,7 +18,7 @@ from adtape.statefile import StateFile
 from gpt2 import checkpoint as ckpt
 from gpt2.config import preset
 from gpt2.model import GPT2
-from gpt2.offload import MomentOffload
+from gpt2.offload import FullOffload, MomentOffload
 
 PACKAGE_ROOTS = os.pathsep.join({os.path.dirname(os.path.dirname(m.__file__))
                                  for m in (adtape, gpt2)})
@@ -125,52 +125,81 @@ def train(model, steps, clip=1.0, seed=0):
             for x, y in batches(model.config, steps, seed=seed)]
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
-def test_offloaded_moments_train_bit_identically_to_in_memory(name, tmp_path):
+def offloaded_model(config, kind, tmp_path, small):
+    """A model offloading ``kind``; ``small``: in small units and segments, many of each,
+    parameters split across them."""
+    if not small:
+        return GPT2(config, seed=1, offload=kind, offload_dir=tmp_path)
+    units = dict(unit_bytes=1 << 14, segment_floats=1000, window=3)
+    if kind == "moments":
+        model = GPT2(config, seed=1, offload="moments", offload_dir=tmp_path)
+        model.moments.close()
+        model.moments = MomentOffload.for_model(config, spill_dir=tmp_path, **units)
+        assert len(model.moments.unit_segments) > 3 * config.n_layer
+        return model
+    # FullOffload: built directly, then given the model's initial parameters.
+    model = GPT2(config, seed=1, offload="all", offload_dir=tmp_path)
+    arena = model.param_arena()
+    model.moments.close()
+    model.moments = FullOffload(config, spill_dir=tmp_path, **units)
+    model.set_params(arena)
+    assert sum(len(u) for u in model.moments.mv_units.values()) > 3 * config.n_layer
+    return model
+
+
+@pytest.mark.parametrize("kind", ["moments", "all"])
+@pytest.mark.parametrize("name, small", [("tiny", True), ("small", False), ("llama-tiny", True)])
+def test_offloaded_state_trains_bit_identically_to_in_memory(name, small, kind, tmp_path):
     config = preset(name)
     memory = GPT2(config, seed=1)
-    small_units = dict(unit_bytes=1 << 14, segment_floats=1000, window=3)
-    offloaded = GPT2(config, seed=1, offload="moments", offload_dir=tmp_path)
-    # Small units and segments: many of each, split inside parameters.
-    offloaded.moments.close()
-    offloaded.moments = MomentOffload(config, spill_dir=tmp_path, **small_units)
-    assert len(offloaded.moments.unit_segments) > 3 * config.n_layer
+    offloaded = offloaded_model(config, kind, tmp_path, small)
     try:
-        assert train(memory, 50) == train(offloaded, 50)
+        # 50 steps with clipping, an evaluation between steps; the parameters and moments
+        # the same at the end, to the bit.
+        assert train(memory, 25) == train(offloaded, 25)
+        x, y = next(batches(config, 1, seed=7))
+        assert memory.forward(x, y)[1] == offloaded.forward(x, y)[1]
+        assert train(memory, 25, seed=3) == train(offloaded, 25, seed=3)
         offloaded.finish_update()
-        assert np.array_equal(memory.params.flat, offloaded.params.flat)
-        assert np.array_equal(memory.adam_m.flat, offloaded.moments.read_flat(0))
-        assert np.array_equal(memory.adam_v.flat, offloaded.moments.read_flat(1))
+        assert np.array_equal(memory.params.flat, offloaded.param_arena().flat)
+        m, v = offloaded.optimizer_moments()
+        for arena, streamed in ((memory.adam_m, m), (memory.adam_v, v)):
+            whole = np.empty_like(arena.flat)
+            for start, piece in streamed.pieces():
+                whole[start:start + piece.size] = piece
+            assert np.array_equal(arena.flat, whole)
         assert os.listdir(tmp_path) == []
         stats = offloaded.moments.stats()
-        assert stats["bytes_read"] > 0 and stats["window_bytes"] < stats["file_bytes"]
+        assert stats["bytes_read"] > 0
+        assert stats["window_bytes"] < stats["file_bytes"] or not small
     finally:
         offloaded.close()
         memory.close()
 
 
-def test_checkpoints_move_between_offloaded_and_in_memory_models(tmp_path):
-    config = preset("tiny")
+@pytest.mark.parametrize("kind", ["moments", "all"])
+def test_checkpoints_move_between_offloaded_and_in_memory_models(kind, tmp_path):
+    config = preset("small")
     a = GPT2(config, seed=2)
-    b = GPT2(config, seed=2, offload="moments", offload_dir=tmp_path)
+    b = GPT2(config, seed=2, offload=kind, offload_dir=tmp_path)
     try:
         train(a, 5)
         train(b, 5)
         b.finish_update()
         for model, path in ((a, tmp_path / "a.bin"), (b, tmp_path / "b.bin")):
             m, v = model.optimizer_moments()
-            ckpt.save_checkpoint(path, model.params, step=5, adam_m=m, adam_v=v,
+            ckpt.save_checkpoint(path, model.checkpoint_params(), step=5, adam_m=m, adam_v=v,
                                  adam_step=model.adam_step)
         loaded = ckpt.load_checkpoint(tmp_path / "b.bin")
         assert np.array_equal(loaded.adam_m.flat, a.adam_m.flat)
         assert np.array_equal(loaded.adam_v.flat, a.adam_v.flat)
         assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
-        # An in-memory checkpoint resumed with offloaded moments, and on: the same steps.
-        c = GPT2(config, seed=9, offload="moments", offload_dir=tmp_path)
+        # An in-memory checkpoint resumed offloaded, and on: the same steps.
+        c = GPT2(config, seed=9, offload=kind, offload_dir=tmp_path)
         try:
             m, v = c.optimizer_moments()
-            state = ckpt.load_checkpoint(tmp_path / "a.bin", config, params=c.params,
-                                         adam_m=m, adam_v=v)
+            state = ckpt.load_checkpoint(tmp_path / "a.bin", config,
+                                         params=c.checkpoint_params(), adam_m=m, adam_v=v)
             c.adam_step = state.adam_step
             assert train(c, 4, seed=5) == train(a, 4, seed=5)
         finally:
@@ -179,11 +208,11 @@ def test_checkpoints_move_between_offloaded_and_in_memory_models(tmp_path):
         data = bytearray((tmp_path / "a.bin").read_bytes())
         data[-5] ^= 0xFF
         (tmp_path / "bad.bin").write_bytes(bytes(data))
-        d = GPT2(config, seed=9, offload="moments", offload_dir=tmp_path)
+        d = GPT2(config, seed=9, offload=kind, offload_dir=tmp_path)
         try:
             m, v = d.optimizer_moments()
             with pytest.raises(ValueError, match="adam_v fails its CRC32"):
-                ckpt.load_checkpoint(tmp_path / "bad.bin", config, params=d.params,
+                ckpt.load_checkpoint(tmp_path / "bad.bin", config, params=d.checkpoint_params(),
                                      adam_m=m, adam_v=v)
         finally:
             d.close()
@@ -192,16 +221,42 @@ def test_checkpoints_move_between_offloaded_and_in_memory_models(tmp_path):
         b.close()
 
 
-def test_a_moment_corrupted_on_disk_stops_the_next_step(tmp_path):
-    model = GPT2(preset("tiny"), seed=0, offload="moments", offload_dir=tmp_path)
+@pytest.mark.parametrize("kind", ["moments", "all"])
+def test_state_corrupted_on_disk_stops_the_next_step(kind, tmp_path):
+    model = GPT2(preset("small"), seed=0, offload=kind, offload_dir=tmp_path)
     try:
         train(model, 2)
         model.finish_update()
-        model.moments.file._corrupt_for_tests(3)
-        with pytest.raises(TapeCorruptionError, match="AdamW moments file .* offset"):
-            train(model, 2)
+        f = model.moments.file
+        f.flush()
+        # A record the next steps read from disk (not one read ahead into memory already).
+        record = next(r for r in range(len(f.record_nbytes))
+                      if f._state[f.unit_of[r]] == "disk" and f.checksums[r] is not None)
+        f._corrupt_for_tests(record)
+        with pytest.raises(TapeCorruptionError, match="(AdamW moments|model state) file .* offset"):
+            train(model, 3)
     finally:
         model.close()
+
+
+def test_full_offload_refuses_what_it_cannot_do(tmp_path):
+    config = preset("tiny")
+    with pytest.raises(ValueError, match="without checkpointing"):
+        GPT2(config, offload="all", checkpointing="layer", offload_dir=tmp_path)
+    with pytest.raises(ValueError, match="offload must be one of"):
+        GPT2(config, offload="params", offload_dir=tmp_path)
+    model = GPT2(config, offload="all", offload_dir=tmp_path)
+    try:
+        x, y = next(batches(config, 1))
+        model.zero_grad()
+        model.loss_and_grad(x, y)
+        with pytest.raises(NotImplementedError, match="no accumulation"):
+            model.loss_and_grad(x, y)
+        with pytest.raises(NotImplementedError, match="grad_clip"):
+            model.clip_grad_norm(1.0)
+    finally:
+        model.close()
+    assert os.listdir(tmp_path) == []
 
 
 def run_cli(*args, cwd):

@@ -68,13 +68,14 @@ def test_less_memory_is_never_faster(profile):
 
 
 def test_impossible_limit_names_the_minimum(profile):
-    # The least model states: parameters and gradients, the AdamW moments on disk but
-    # for the offload's unit buffers.
-    states = 8 * num_parameters(GPT2_124M) + WINDOW * UNIT_BYTES
+    # The least model states: everything on disk (--offload all) but for what stays in RAM.
+    states = min(predict_policy(GPT2_124M, 8, 1024, hardware=profile, offload=o).memory["model states"]
+                 for o in (None, "moments", "all"))
+    assert states < 8 * num_parameters(GPT2_124M)
     fixed = states + profile.baseline_rss
     with pytest.raises(ValueError, match=f"at least .* \\({int(fixed)} bytes\\)") as info:
         plan_memory(GPT2_124M, 8, 1024, int(fixed) - 1, hardware=profile)
-    assert "parameters and gradients (with the AdamW moments on disk)" in str(info.value)
+    assert "the model states that stay in RAM with the rest on disk" in str(info.value)
     # Above the model states but below what any policy's activations need.
     with pytest.raises(ValueError, match="required minimum") as info:
         plan_memory(GPT2_124M, 8, 1024, int(fixed) + (1 << 20), hardware=profile)
@@ -128,6 +129,12 @@ def test_predict_policy_is_what_the_planner_weighs(profile):
     assert (memory.predicted_peak_bytes - moments.predicted_peak_bytes
             == 8 * num_parameters(GPT2_124M) - WINDOW * UNIT_BYTES)
     assert moments.time["state I/O exposed"] > 0 and moments.policy.endswith("moments on disk")
+    with pytest.raises(ValueError, match="without checkpointing"):
+        predict_policy(GPT2_124M, 8, 1024, checkpointing="layer", offload="all", hardware=profile)
+    # Everything on disk: the blocks' parameters and gradients leave RAM too, for more I/O.
+    full = predict_policy(GPT2_124M, 8, 1024, hardware=profile, offload="all")
+    assert full.predicted_peak_bytes < moments.predicted_peak_bytes - 6 * num_parameters(GPT2_124M)
+    assert full.time["state I/O exposed"] >= moments.time["state I/O exposed"]
 
 
 def test_a_budget_below_the_logits_costs_their_disk_time(profile):

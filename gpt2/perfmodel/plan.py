@@ -54,7 +54,9 @@ ALIASES = ("attn.out",)         # FlashAttention's output is the projection's in
 # Offloaded AdamW moments (gpt2.offload): the unit buffers in RAM, the largest unit, and
 # the disk tier's checksum rate on one core (adtape.checksum_bytes: 11 GB/s on the
 # 2-core Xeon), which the I/O thread spends on every byte read and written.
-OFFLOAD_POLICIES = (None, "moments")
+OFFLOAD_POLICIES = (None, "moments", "all")
+FULL_OFFLOAD_SLOTS = 2          # gpt2.offload.FullOffload: blocks held in RAM
+FULL_OFFLOAD_WINDOW = 8         # its unit buffers
 CHECKSUM_BYTES_PER_S = 11e9
 
 
@@ -201,11 +203,18 @@ class _Accounting:
         self.model_states = MODEL_STATE_ARENAS * FLOAT_BYTES * spec.num_parameters()
 
     def states(self, offload):
-        """Model-state bytes in RAM: four arenas, or with the moments on disk two and the
-        offload's unit buffers."""
+        """Model-state bytes in RAM: four arenas; with the moments on disk two and the
+        offload's unit buffers; with everything offloaded, the parameters and gradients
+        outside the blocks, two blocks' and the unit buffers (a block's gradients or a
+        unit of moments)."""
         if offload == "moments":
             moments = self.model_states / 2
             return moments + WINDOW * min(UNIT_BYTES, moments)
+        if offload == "all":
+            block = FLOAT_BYTES * self.spec.layer_params()
+            outside = self.spec.num_parameters() - self.n_layer * self.spec.layer_params()
+            return (2 * FLOAT_BYTES * outside + FULL_OFFLOAD_SLOTS * 2 * block
+                    + FULL_OFFLOAD_WINDOW * max(block, min(UNIT_BYTES, self.model_states / 2)))
         return self.model_states
 
     def stored(self, checkpointing, snapshots, by_reference):
@@ -268,8 +277,8 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     least_states = min(acc.states(offload) for offload in OFFLOAD_POLICIES)
     if least_states + profile.baseline_rss > max_memory:
         raise ValueError(
-            f"max_memory {format_size(max_memory)} cannot be met: parameters and gradients (with the AdamW "
-            f"moments on disk) take {format_size(least_states)} and the process baseline "
+            f"max_memory {format_size(max_memory)} cannot be met: the model states that stay in RAM with the "
+            f"rest on disk (--offload all) take {format_size(least_states)} and the process baseline "
             f"{format_size(profile.baseline_rss)}, so at least {format_size(least_states + profile.baseline_rss)} "
             f"({int(least_states + profile.baseline_rss)} bytes) is needed before any activation")
 
@@ -277,7 +286,7 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     policies = _policies(spec)
     for checkpointing, snapshots in policies:
         compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile)
-        for offload in OFFLOAD_POLICIES:
+        for offload in _offloads(checkpointing):
             fixed = acc.states(offload) + profile.baseline_rss
             candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, None, max_memory,
                                          offload))
@@ -315,7 +324,9 @@ def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapsho
     "layer" or "binomial" with ``snapshots``, ``offload`` None or "moments"; the other
     arguments as ``plan_memory``'s."""
     if offload not in OFFLOAD_POLICIES:
-        raise ValueError(f"offload must be None or 'moments', got {offload!r}")
+        raise ValueError(f"offload must be None, 'moments' or 'all', got {offload!r}")
+    if offload not in _offloads(checkpointing):
+        raise ValueError(f"offload='all' runs without checkpointing, got {checkpointing!r}")
     if checkpointing not in ("none", "layer", "binomial"):
         raise ValueError(f"checkpointing must be 'none', 'layer' or 'binomial', got {checkpointing!r}")
     if tape_budget is not None and not (isinstance(tape_budget, int) and tape_budget > 0):
@@ -362,7 +373,7 @@ def _least_memory(acc, profile, B, T, flash, policies, max_memory):
     for checkpointing, snapshots in policies:
         compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile)
         for budget in (None, int(acc.rerun(checkpointing)) or MIN_TAPE_BUDGET):
-            for offload in OFFLOAD_POLICIES:
+            for offload in _offloads(checkpointing):
                 least.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory,
                                         offload))
     return min(least, key=lambda c: c.predicted_peak_bytes)
@@ -375,6 +386,11 @@ def minimum_memory(config, B, T, hardware="this-machine", flash=False):
     spec = ModelSpec.from_config(config)
     least = _least_memory(_Accounting(spec, B, T, flash), profile, B, T, flash, _policies(spec), HUGE_BYTES)
     return least.predicted_peak_bytes
+
+
+def _offloads(checkpointing):
+    """The offload policies that run with ``checkpointing`` (everything offloaded: without)."""
+    return OFFLOAD_POLICIES if checkpointing == "none" else OFFLOAD_POLICIES[:2]
 
 
 def _policies(spec):
@@ -390,24 +406,35 @@ def _policy_name(checkpointing, snapshots, budget, offload=None):
     if budget is not None:
         tape = f"{format_size(budget)} tape budget"
         name = f"{name} + {tape}" if name else tape
-    if offload == "moments":
-        name = ("activations in memory" if name == "in-memory" else name) + " + moments on disk"
+    if offload:
+        name = (("activations in memory" if name == "in-memory" else name)
+                + (" + moments on disk" if offload == "moments" else " + blocks and moments on disk"))
     return name
 
 
-def offload_time(n_params, forward, backward, profile):
-    """Seconds of a step that streaming the AdamW moments (``--offload moments``) adds.
+def offload_time(spec, offload, forward, backward, profile):
+    """Seconds of a step that streaming the model states (``--offload moments`` or
+    ``all``) adds.
 
-    The update runs as the next forward pass reaches each block: the I/O thread reads the
-    moments (8 bytes per parameter) ahead of it, so the forward pass hides the reads, and
-    writes them behind, so the rest of the step hides the writes; the first unit is read
-    while the step waits, and every byte moved is checksummed on the I/O thread, whose
-    core time the compute threads lose."""
-    moments = 2 * FLOAT_BYTES * n_params
-    write, read = profile.spill_times(moments)
+    The update runs as the next forward pass reaches each block: the I/O thread reads
+    ahead of it what it needs (the moments, 8 bytes per parameter; with everything
+    offloaded also the blocks' parameters and gradients, 8 more per block parameter)
+    and writes behind it what it changed (the moments; the blocks' parameters, 4), so
+    the forward pass hides the reads and the rest of the step the writes.  With
+    everything offloaded the backward pass reads each block's parameters again and
+    writes its gradients (4 and 4).  The first unit is read while the step waits, and
+    every byte moved is checksummed on the I/O thread, whose core time the compute
+    threads lose."""
+    moments = 2 * FLOAT_BYTES * spec.num_parameters()
+    blocks = FLOAT_BYTES * spec.n_layer * spec.layer_params() if offload == "all" else 0.0
+    read_f = sum(profile.spill_times(moments + 2 * blocks)[1:])
+    write_f = profile.spill_times(moments + blocks)[0]
+    write_b, read_b = profile.spill_times(blocks)
     first = profile.spill_times(min(UNIT_BYTES, moments))[1]
-    checksums = 2 * moments / CHECKSUM_BYTES_PER_S / max(1, profile.threads)
-    return max(0.0, read - forward) + max(0.0, read + write - forward - backward) + first + checksums
+    moved = 2 * moments + 6 * blocks
+    checksums = moved / CHECKSUM_BYTES_PER_S / max(1, profile.threads)
+    return (max(0.0, read_f - forward) + max(0.0, read_f + write_f + read_b + write_b - forward - backward)
+            + first + checksums)
 
 
 def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory, offload=None):
@@ -435,7 +462,7 @@ def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memo
         copied = stored + acc.n_layer * rerun
         copy_s, spill_s = tape_io_time(copied, spilled, forward, backward, profile,
                                        record_over_budget=max(0.0, acc.largest_record - budget))
-    state_s = offload_time(acc.spec.num_parameters(), forward, backward, profile) if offload else 0.0
+    state_s = offload_time(acc.spec, offload, forward, backward, profile) if offload else 0.0
     memory = {"model states": acc.states(offload), "activations": resident, "working set": working,
               "tape slack": slack, "baseline": profile.baseline_rss, "spilled": spilled}
     peak = int(math.ceil(sum(v for k, v in memory.items() if k != "spilled")))
