@@ -180,6 +180,7 @@ remainder = _binary(_t.MOD)
 mod = remainder
 fmod = _binary(_t.FMOD)
 sinc = _elementwise(_t.SINC)
+copysign = _binary(_t.COPYSIGN, "``|x1|`` with the sign of ``x2`` (no gradient to ``x2``).")
 
 
 def degrees(x):
@@ -305,6 +306,45 @@ def std(a, axis=None, *, ddof=0, keepdims=False):
 def logsumexp(a, axis=None, keepdims=False):
     """``log(sum(exp(a), axis))`` computed stably (as ``scipy.special.logsumexp``)."""
     return _fast.LOGSUMEXP(a, axis=_axis(axis), keepdims=keepdims)
+
+
+def _nan_mask(a):
+    return np.isnan(_data(a))
+
+
+def nansum(a, axis=None, *, keepdims=False):
+    """``sum`` with NaNs as zeros (they get no gradient)."""
+    return sum(where(_nan_mask(a), 0.0, a), axis, keepdims=keepdims)
+
+
+def nanprod(a, axis=None, *, keepdims=False):
+    return prod(where(_nan_mask(a), 1.0, a), axis, keepdims=keepdims)
+
+
+def nanmean(a, axis=None, *, keepdims=False):
+    count = np.sum(~_nan_mask(a), axis=_axis(axis), keepdims=keepdims)
+    return nansum(a, axis, keepdims=keepdims) / count.astype(np.asarray(_data(a)).dtype)
+
+
+def nanmax(a, axis=None, *, keepdims=False):
+    return max(where(_nan_mask(a), -np.inf, a), axis, keepdims=keepdims)
+
+
+def nanmin(a, axis=None, *, keepdims=False):
+    return min(where(_nan_mask(a), np.inf, a), axis, keepdims=keepdims)
+
+
+def nanvar(a, axis=None, *, ddof=0, keepdims=False):
+    mask = _nan_mask(a)
+    dtype = np.asarray(_data(a)).dtype
+    count = np.sum(~mask, axis=_axis(axis), keepdims=True).astype(dtype)
+    centred = where(mask, 0.0, a - nansum(a, axis, keepdims=True) / count)
+    out = sum(centred * centred, axis, keepdims=keepdims)
+    return out / (np.sum(~mask, axis=_axis(axis), keepdims=keepdims).astype(dtype) - ddof)
+
+
+def nanstd(a, axis=None, *, ddof=0, keepdims=False):
+    return sqrt(nanvar(a, axis, ddof=ddof, keepdims=keepdims))
 
 
 def cumsum(a, axis=None):
@@ -632,6 +672,14 @@ def diff(a, n=1, axis=-1):
         out = _ops.sub(_ops.getitem(out, before + (slice(1, None),)),
                        _ops.getitem(out, before + (slice(None, -1),)))
     return out
+
+
+def partition(a, kth, axis=-1):
+    """``numpy.partition``: the gradient goes back through ``argpartition``'s order."""
+    if axis is None:
+        a = ravel(a)
+        axis = -1
+    return take_along_axis(a, np.argpartition(_data(a), kth, axis=axis), axis)
 
 
 def sort(a, axis=-1):
@@ -964,7 +1012,9 @@ _FUNCTIONS = {
     "arctan2": arctan2, "hypot": hypot, "logaddexp": logaddexp, "logaddexp2": logaddexp2,
     "maximum": maximum, "minimum": minimum, "clip": clip, "where": where, "round": round,
     "around": around, "fmax": fmax, "fmin": fmin, "remainder": remainder, "mod": mod,
-    "fmod": fmod, "sinc": sinc, "degrees": degrees, "radians": radians, "rad2deg": rad2deg,
+    "fmod": fmod, "sinc": sinc, "copysign": copysign, "nansum": nansum, "nanprod": nanprod,
+    "nanmean": nanmean, "nanmax": nanmax, "nanmin": nanmin, "nanvar": nanvar,
+    "nanstd": nanstd, "partition": partition, "degrees": degrees, "radians": radians, "rad2deg": rad2deg,
     "deg2rad": deg2rad, "nan_to_num": nan_to_num, "ldexp": ldexp, "select": select,
     "sum": sum, "mean": mean, "prod": prod, "max": max, "min": min, "amax": amax,
     "amin": amin, "var": var, "std": std, "cumsum": cumsum, "cumprod": cumprod,

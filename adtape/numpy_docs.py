@@ -51,11 +51,12 @@ _CALLS = {
     "dstack": lambda x, y, v, s: anp.dstack([x, y]),
     "column_stack": lambda x, y, v, s: anp.column_stack([v, x]),
     "diag": lambda x, y, v, s: anp.diag(v),
+    "partition": lambda x, y, v, s: anp.partition(x, 1),
 }
 _BINARY = {"add", "subtract", "multiply", "divide", "true_divide", "power", "matmul",
            "arctan2", "hypot", "logaddexp", "logaddexp2", "maximum", "minimum", "dot", "vdot",
            "inner", "outer", "tensordot", "kron", "solve", "fmax", "fmin", "remainder", "mod",
-           "fmod", "cross"}
+           "fmod", "cross", "copysign"}
 _CONSTANT_VALUED = {"shape", "ndim", "size", "zeros_like", "ones_like", "full_like", "argmax",
                     "argmin", "argsort"}
 
@@ -65,9 +66,10 @@ NOT_COVERED = """\
 * `linalg.eig` (complex eigenvectors), `scipy.linalg.sqrtm`, `linalg.svd` with
   `full_matrices=True` on a non-square matrix (as autograd), `eigh` with `UPLO="U"`,
   `pinv(hermitian=True)`.
-* `partition`, `gradient`, `cumulative_sum`, `nan*` reductions (`nansum`, `nanmean`, ...),
-  `copysign`, `cross` of 2-vectors, `diff` with `prepend`/`append`: not in the table yet
-  (each raises AttributeError or NotImplementedError naming it).
+* `gradient`, `cumulative_sum`/`cumulative_prod` (NumPy 2.1's names), `nancumsum`,
+  `cross` of 2-vectors, `diff` with `prepend`/`append`, `linalg.matrix_power`,
+  `linalg.multi_dot`: not in the table yet (each raises AttributeError or
+  NotImplementedError naming it).
 * `einsum` with `...` or an index repeated within one operand (a diagonal), `pad` modes
   other than `"constant"`, `np.ufunc` methods (`np.add.at`, `.reduce`, `.accumulate`,
   `.outer`) and `out=`: these raise instead of being treated as constants.

@@ -175,6 +175,11 @@ FMOD = _def("fmod", ("x1", "x2"), np.fmod,
             lambda g, ans, x, y: -g * np.trunc(_value(x) / _value(y)))
 
 
+COPYSIGN = _def("copysign", ("x1", "x2"), np.copysign,
+                lambda g, ans, x, y: g * np.copysign(1.0, _value(x)) * np.copysign(1.0, _value(y)),
+                lambda g, ans, x, y: np.zeros_like(g), saves="operands")
+
+
 def _sinc_rule(g, ans, x):
     """``g (cos(pi x) - sinc(x)) / x``, 0 at 0."""
     zero = _value(x) == 0

@@ -125,14 +125,14 @@ def test_a_numpy_function_without_a_rule_raises_naming_it(requires_grad):
     t = Tensor(randn(3), requires_grad=requires_grad)
     with lost_gradient(r"numpy\.i0"):
         np.i0(t)
-    with ad.no_grad(), lost_gradient(r"numpy\.partition"):
-        np.partition(t, 1)
-    with lost_gradient(r"numpy\.nanmean"):
-        np.nanmean(t)
+    with ad.no_grad(), lost_gradient(r"numpy\.gradient"):
+        np.gradient(t)
+    with lost_gradient(r"numpy\.nancumsum"):
+        np.nancumsum(t)
     with lost_gradient(r"numpy\.linalg\.qr"):
         np.linalg.qr(t.reshape(1, 3))
-    with lost_gradient(r"numpy\.copysign"):
-        np.copysign(np.zeros(3), t)
+    with lost_gradient(r"numpy\.heaviside"):
+        np.heaviside(np.zeros(3), t)
     with lost_gradient(r"numpy\.floor_divide"):
         np.ones(3) // t
     with lost_gradient(r"numpy\.less"):
@@ -207,9 +207,9 @@ def test_adtape_numpy_exposes_the_table_under_numpy_names():
     for name in anp.__all__:
         assert hasattr(anp, name), name
     assert anp.exp is ad.exp and anp.multiply is ad.mul and anp.divide is anp.true_divide
-    assert not hasattr(anp, "partition") and hasattr(anp, "sin")
-    with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.partition"):
-        anp.partition
+    assert not hasattr(anp, "gradient") and hasattr(anp, "sin")
+    with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.gradient"):
+        anp.gradient
     with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.linalg\.qr"):
         anp.linalg.qr
     with pytest.raises(AttributeError, match=r"no attribute 'not_a_numpy_name'"):

@@ -28,6 +28,9 @@ def make(shape, domain, rng, dtype):
         a = rng.uniform(-0.9, 0.9, shape)
     elif domain == "g":
         a = rng.uniform(1.1, 3.0, shape)
+    elif domain == "nan":     # normal, every third element NaN
+        a = rng.standard_normal(shape)
+        a.reshape(-1)[::3] = np.nan
     elif domain == "spd":     # well-conditioned square matrices
         a = rng.standard_normal(shape) * 0.3 + 2 * np.eye(shape[-1])
     else:
@@ -53,6 +56,14 @@ def bw(name, ours, theirs, d1="r", d2="r", pairs=(((2, 3), (3,)), ((), (2, 1)),
                                                  ((2, 1), (1, 3)), ((0, 3), (3,))), **kw):
     return [Case(f"{name}{list(a)}{list(b)}", ours, theirs, (a, d1), (b, d2), **kw)
             for a, b in pairs]
+
+
+def _torch_nanvar(x, dim, ddof):
+    keep = ~T.isnan(x)
+    count = keep.sum(dim, keepdim=True)
+    mean = T.where(keep, x, 0.0).sum(dim, keepdim=True) / count
+    centred = T.where(keep, x - mean, 0.0)
+    return (centred * centred).sum(dim) / (count.squeeze(dim) - ddof)
 
 
 def _eigh_summary(ns, s):
@@ -126,6 +137,19 @@ CASES = [
                               T.where(T.tril(T.ones(3, 3, dtype=T.bool)), y,
                                       T.tensor(0.5, dtype=x.dtype))),
          ((3, 3), "r"), ((3, 3), "r")),
+    *bw("copysign", anp.copysign, T.copysign),
+    Case("nansum", lambda x: anp.nansum(x, axis=1), lambda x: T.nansum(x, 1), ((3, 4), "nan")),
+    Case("nanmean", lambda x: anp.nanmean(x, axis=-1, keepdims=True),
+         lambda x: T.nanmean(x, -1, keepdim=True), ((3, 4), "nan")),
+    Case("nanprod", anp.nanprod, lambda x: T.prod(T.where(T.isnan(x), 1.0, x)), ((2, 4), "nan")),
+    Case("nanmax", lambda x: anp.nanmax(x, axis=0),
+         lambda x: T.amax(T.where(T.isnan(x), -float("inf"), x), 0), ((3, 4), "nan")),
+    Case("nanmin", anp.nanmin, lambda x: T.amin(T.where(T.isnan(x), float("inf"), x)),
+         ((3, 4), "nan")),
+    Case("nanvar", lambda x: anp.nanvar(x, axis=1, ddof=1),
+         lambda x: _torch_nanvar(x, 1, 1), ((3, 5), "nan")),
+    Case("nanstd", lambda x: anp.nanstd(x, axis=0),
+         lambda x: _torch_nanvar(x, 0, 0).sqrt(), ((4, 5), "nan")),
     # reductions
     Case("sum", anp.sum, T.sum, ((3, 4), "r")),
     Case("sum_axis", lambda x: anp.sum(x, axis=-1, keepdims=True),
@@ -281,6 +305,9 @@ CASES = [
          lambda x, y: T.column_stack([x, y]), ((3,), "r"), ((3, 2), "r")),
     Case("diff", anp.diff, T.diff, ((3, 4), "r")),
     Case("diff_2", lambda x: anp.diff(x, 2, axis=0), lambda x: T.diff(x, 2, 0), ((4, 3), "r")),
+    Case("partition", lambda x: anp.partition(x, 2),
+         lambda x: T.take_along_dim(x, T.tensor(np.argpartition(x.detach().numpy(), 2)), -1),
+         ((3, 5), "r")),
     Case("sort", anp.sort, lambda x: T.sort(x, -1).values, ((3, 4), "r")),
     Case("sort_axis", lambda x: anp.sort(x, 0), lambda x: T.sort(x, 0).values, ((3, 4), "r")),
     Case("sort_flat", lambda x: anp.sort(x, None), lambda x: T.sort(x.reshape(-1)).values,

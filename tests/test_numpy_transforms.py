@@ -136,10 +136,10 @@ def test_functions_without_a_rule_raise_naming_them_and_the_argument():
         anp.pad(x, 1, constant_values=Tensor(np.float64(1.0), requires_grad=True))
     with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.linalg\.qr"):
         anp.linalg.qr
-    with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.partition"):
-        anp.partition
-    with pytest.raises(TypeError, match=r"numpy\.partition on an adtape Tensor"):
-        np.partition(x, 1)
+    with pytest.raises(AttributeError, match=r"no derivative rule for numpy\.gradient"):
+        anp.gradient
+    with pytest.raises(TypeError, match=r"numpy\.gradient on an adtape Tensor"):
+        np.gradient(x)
     with pytest.raises(NotImplementedError, match="cross: adtape has a rule for 3-vectors"):
         anp.cross(x[:, :2], x[:, :2])
 
