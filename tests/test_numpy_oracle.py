@@ -541,3 +541,71 @@ def test_pad_and_roll_refuse_bad_arguments():
         anp.squeeze(np.ones((2, 3)), 0)
     with pytest.raises(ValueError, match="repeated axis"):
         anp.expand_dims(np.ones(2), (0, 0))
+
+
+# Functions along an axis at random shapes and (negative) axes (Hypothesis), against torch.
+ALONG_AXIS = {
+    "cumsum": (lambda x, a: anp.cumsum(x, axis=a), lambda x, a: T.cumsum(x, a)),
+    "cumprod": (lambda x, a: anp.cumprod(x, axis=a), lambda x, a: T.cumprod(x, a)),
+    "softmax": (lambda x, a: anp.softmax(x, axis=a), lambda x, a: T.softmax(x, a)),
+    "log_softmax": (lambda x, a: anp.log_softmax(x, axis=a), lambda x, a: T.log_softmax(x, a)),
+    "logsumexp": (lambda x, a: anp.logsumexp(x, axis=a), lambda x, a: T.logsumexp(x, a)),
+    "flip": (lambda x, a: anp.flip(x, a), lambda x, a: T.flip(x, (a,))),
+    "roll": (lambda x, a: anp.roll(x, 2, axis=a), lambda x, a: T.roll(x, 2, a)),
+    "expand_dims": (lambda x, a: anp.expand_dims(x, a), lambda x, a: x.unsqueeze(a)),
+    "moveaxis": (lambda x, a: anp.moveaxis(x, a, 0), lambda x, a: T.movedim(x, a, 0)),
+    "swapaxes": (lambda x, a: anp.swapaxes(x, a, -1), lambda x, a: x.transpose(a, -1)),
+    "concatenate": (lambda x, a: anp.concatenate([x, 2 * x], axis=a),
+                    lambda x, a: T.cat([x, 2 * x], a)),
+    "stack": (lambda x, a: anp.stack([x, x * x], axis=a), lambda x, a: T.stack([x, x * x], a)),
+    "repeat": (lambda x, a: anp.repeat(x, 2, axis=a), lambda x, a: T.repeat_interleave(x, 2, a)),
+    "take": (lambda x, a: anp.take(x, np.array([0, 0]), axis=a),
+             lambda x, a: T.index_select(x, a, T.tensor([0, 0]))),
+    "diff": (lambda x, a: anp.diff(x, axis=a), lambda x, a: T.diff(x, dim=a)),
+    "sort": (lambda x, a: anp.sort(x, a), lambda x, a: T.sort(x, a).values),
+    "max": (lambda x, a: anp.max(x, axis=a), lambda x, a: T.amax(x, a)),
+    "var": (lambda x, a: anp.var(x, axis=a, ddof=0), lambda x, a: T.var(x, a, correction=0)),
+    "norm": (lambda x, a: anp.linalg.norm(x, axis=a), lambda x, a: T.linalg.vector_norm(x, dim=a)),
+}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), data=st.data(),
+       fun=st.sampled_from(sorted(ALONG_AXIS)), dtype=st.sampled_from([np.float32, np.float64]))
+def test_functions_along_an_axis_at_random_shapes_and_axes(shape, data, fun, dtype):
+    nd = len(shape)
+    axis = data.draw(st.integers(-nd, nd - 1))
+    if fun == "expand_dims":
+        axis = data.draw(st.integers(-nd - 1, nd))
+    ours, theirs = ALONG_AXIS[fun]
+    case = Case(fun, lambda x: ours(x, axis), lambda x: theirs(x, axis),
+                (tuple(shape), "p" if fun == "cumprod" else "r"))
+    args = _args(case, dtype, 7)
+    value, ct, grads = ours_vjp(case, args, 8)
+    ref_value, ref_grads = torch_vjp(case, args, ct)
+    tol = dict(rtol=1e-9, atol=1e-11) if dtype == np.float64 else dict(rtol=2e-4, atol=2e-5)
+    assert value.dtype == dtype and grads[0].dtype == dtype
+    np.testing.assert_allclose(value, ref_value, **tol)
+    np.testing.assert_allclose(grads[0], ref_grads[0], **tol)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(batch=st.lists(st.integers(1, 3), max_size=2), n=st.integers(1, 4),
+       fun=st.sampled_from(["inv", "det", "slogdet", "solve", "cholesky"]))
+def test_linear_algebra_at_random_batch_shapes(batch, n, fun):
+    shape = tuple(batch) + (n, n)
+    ours, theirs = {
+        "inv": (anp.linalg.inv, T.linalg.inv),
+        "det": (anp.linalg.det, T.linalg.det),
+        "slogdet": (lambda a: anp.linalg.slogdet(a)[1], lambda a: T.linalg.slogdet(a)[1]),
+        "solve": (lambda a: anp.linalg.solve(a, anp.ones(shape[:-1] + (2,))),
+                  lambda a: T.linalg.solve(a, T.ones(shape[:-1] + (2,), dtype=a.dtype))),
+        "cholesky": (lambda a: anp.linalg.cholesky(a @ anp.swapaxes(a, -1, -2)),
+                     lambda a: T.linalg.cholesky(a @ a.transpose(-1, -2))),
+    }[fun]
+    case = Case(fun, ours, theirs, (shape, "spd"))
+    args = _args(case, np.float64, 9)
+    value, ct, grads = ours_vjp(case, args, 10)
+    ref_value, ref_grads = torch_vjp(case, args, ct)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(grads[0], ref_grads[0], rtol=1e-9, atol=1e-11)
