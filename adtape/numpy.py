@@ -723,7 +723,8 @@ def triu(m, k=0):
 
 
 def diagonal(a, offset=0, axis1=0, axis2=1):
-    return _fast.DIAGONAL(a, offset=offset, axis1=axis1, axis2=axis2)
+    return _fast.DIAGONAL(a, offset=offset, axis1=axis1, axis2=axis2,
+                          shape=np.shape(_data(a)))
 
 
 def trace(a, offset=0, axis1=0, axis2=1):

@@ -152,12 +152,22 @@ LOGADDEXP = _def("logaddexp", ("x1", "x2"), np.logaddexp,
 LOGADDEXP2 = _def("logaddexp2", ("x1", "x2"), np.logaddexp2,
                   lambda g, ans, x, y: g * np.exp2(x - ans),
                   lambda g, ans, x, y: g * np.exp2(y - ans), saves="both")
+def _winner(g, x, y, beats):
+    """``g`` where ``x`` beats ``y`` (half of it on a tie): maximum's and minimum's rule,
+    from the operands alone."""
+    out = g * beats(_value(x), _value(y))
+    tie = _eq(x, y)
+    if np.count_nonzero(tie):
+        out = out + g * tie * np.asarray(0.5, g.dtype)
+    return out
+
+
 MAXIMUM = _def("maximum", ("x1", "x2"), np.maximum,
-               lambda g, ans, x, y: _balanced(g, x, ans, y),
-               lambda g, ans, x, y: _balanced(g, y, ans, x), saves="both")
+               lambda g, ans, x, y: _winner(g, x, y, np.greater),
+               lambda g, ans, x, y: _winner(g, y, x, np.greater))
 MINIMUM = _def("minimum", ("x1", "x2"), np.minimum,
-               lambda g, ans, x, y: _balanced(g, x, ans, y),
-               lambda g, ans, x, y: _balanced(g, y, ans, x), saves="both")
+               lambda g, ans, x, y: _winner(g, x, y, np.less),
+               lambda g, ans, x, y: _winner(g, y, x, np.less))
 
 
 FMAX = _def("fmax", ("x1", "x2"), np.fmax,
@@ -491,15 +501,15 @@ def _pad(array, pad_width, constant_values=0):
 PAD = _def("pad", ("array",), _pad, _pad_rule, saves="none")
 
 
-def _diagonal_rule(g, ans, x, offset=0, axis1=0, axis2=1):
-    """``g`` put on the diagonal of zeros (``diagonal_embed``)."""
+def _diagonal_rule(g, ans, x, offset=0, axis1=0, axis2=1, shape=None):
+    """``g`` put on the diagonal of zeros of the input's ``shape`` (``diagonal_embed``)."""
     if type(g) is Tensor:
-        return diagonal_embed(g, x.shape, offset, axis1, axis2)
-    return _diagonal_embed(g, x.shape, offset, axis1, axis2)
+        return diagonal_embed(g, shape, offset, axis1, axis2)
+    return _diagonal_embed(g, shape, offset, axis1, axis2)
 
 
-DIAGONAL = _def("diagonal", ("a",), lambda a, offset=0, axis1=0, axis2=1:
-                np.diagonal(a, offset, axis1, axis2).copy(), _diagonal_rule)
+DIAGONAL = _def("diagonal", ("a",), lambda a, offset=0, axis1=0, axis2=1, shape=None:
+                np.diagonal(a, offset, axis1, axis2).copy(), _diagonal_rule, saves="none")
 
 
 def _diagonal_embed(g, shape, offset, axis1, axis2):
