@@ -990,10 +990,34 @@ def argsort(a, axis=-1):
     return np.argsort(_data(a), axis)
 
 
+def _holds_tensor(obj):
+    if type(obj) is Tensor:
+        return True
+    return isinstance(obj, (list, tuple)) and any(_holds_tensor(o) for o in obj)
+
+
+def array(object, dtype=None):
+    """``numpy.array``; a (nested) list holding Tensors is stacked, so the gradient flows
+    (``anp.array([x[0] ** 2, x[1]])``, as autograd)."""
+    if type(object) is Tensor:
+        if dtype is not None and np.dtype(dtype) != object.dtype:
+            raise TypeError(f"array: adtape does not convert a Tensor of {object.dtype} to "
+                            f"{np.dtype(dtype)} (it would lose the gradient)")
+        return object
+    if _holds_tensor(object):
+        return stack([array(o, dtype) for o in object])
+    return np.array(object, dtype=dtype)
+
+
+def asarray(a, dtype=None):
+    """``numpy.asarray``; a Tensor (or a list holding Tensors) stays recorded, unlike
+    ``np.asarray(tensor)``, NumPy's explicit detach."""
+    return array(a, dtype) if type(a) is Tensor or _holds_tensor(a) else np.asarray(a, dtype)
+
+
 _CONSTANTS = {name: getattr(np, name) for name in (
     "pi", "e", "inf", "nan", "newaxis", "float32", "float64", "int32", "int64", "bool_",
-    "ndarray", "zeros", "ones", "empty", "full", "eye", "identity", "arange", "linspace",
-    "array", "asarray")}
+    "ndarray", "zeros", "ones", "empty", "full", "eye", "identity", "arange", "linspace")}
 globals().update(_CONSTANTS)
 
 
@@ -1036,9 +1060,10 @@ _FUNCTIONS = {
     "argsort": argsort,
 }
 _LINALG = {f"linalg.{name}": getattr(linalg, name) for name in linalg.__all__}
-# Not NumPy names (scipy.special's and adtape.nn's).
+# Not NumPy's dispatched functions: scipy.special's and adtape.nn's names, and array/asarray
+# (NumPy hands a Tensor to them as data: np.asarray(tensor) is the explicit detach).
 _EXTRA = {"logsumexp": logsumexp, "softmax": softmax, "log_softmax": log_softmax,
-          "sigmoid": sigmoid}
+          "sigmoid": sigmoid, "array": array, "asarray": asarray}
 globals().update(_FUNCTIONS)
 __all__ = sorted(set(_FUNCTIONS) | set(_EXTRA) | set(_CONSTANTS) | {"linalg"})
 

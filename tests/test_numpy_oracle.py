@@ -150,6 +150,11 @@ CASES = [
          lambda x: _torch_nanvar(x, 1, 1), ((3, 5), "nan")),
     Case("nanstd", lambda x: anp.nanstd(x, axis=0),
          lambda x: _torch_nanvar(x, 0, 0).sqrt(), ((4, 5), "nan")),
+    Case("array", lambda x, y: anp.array([[x[0], y], [x[1] * 2, y * y]]),
+         lambda x, y: T.stack([T.stack([x[0], y]), T.stack([x[1] * 2, y * y])]),
+         ((2,), "r"), ((), "r")),
+    Case("asarray", lambda x: anp.asarray([x, anp.sin(x)]),
+         lambda x: T.stack([x, T.sin(x)]), ((3,), "r")),
     # reductions
     Case("sum", anp.sum, T.sum, ((3, 4), "r")),
     Case("sum_axis", lambda x: anp.sum(x, axis=-1, keepdims=True),

@@ -217,3 +217,18 @@ def test_has_aux_and_python_floats_under_transforms():
     close(nested, 2 * np.cos(2 * x))           # d/dx sum(sin(2x)) = 2 cos(2x)
     out, tangent = ad.jvp(lambda s: s * s, (1.5,), (1.0,))
     assert float(out) == 2.25 and float(tangent) == 3.0
+
+
+def test_array_of_tensors_keeps_the_gradient():
+    x = np.array([1.5, 2.0])
+
+    def f(a):
+        m = anp.array([[a[0] ** 2, a[0] * a[1]], [3.0, anp.sin(a[1])]])
+        return anp.sum(m * np.array([[1.0, 2.0], [3.0, 4.0]])) + anp.sum(anp.asarray([a[1], 1.0]))
+    g = ad.grad(f)(x)
+    close(g, [2 * 1.5 + 2 * 2.0, 2 * 1.5 + 4 * np.cos(2.0) + 1])
+    assert type(anp.array([1.0, 2.0])) is np.ndarray         # no Tensor: plain NumPy
+    t = Tensor(x, requires_grad=True)
+    assert anp.asarray(t) is t and anp.array(t) is t
+    with pytest.raises(TypeError, match="would lose the gradient"):
+        anp.array(t, dtype=np.float32)
