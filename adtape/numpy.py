@@ -974,8 +974,18 @@ def ones_like(a, dtype=None):
     return np.ones_like(_data(a), dtype=dtype)
 
 
+def full(shape, fill_value, dtype=None):
+    """``numpy.full``; a Tensor ``fill_value`` is broadcast (and keeps its gradient)."""
+    if type(fill_value) is Tensor:
+        return broadcast_to(fill_value, shape)
+    return np.full(shape, fill_value, dtype=dtype)
+
+
 def full_like(a, fill_value, dtype=None):
-    return np.full_like(_data(a), _data(fill_value), dtype=dtype)
+    """``numpy.full_like``; a Tensor ``fill_value`` is broadcast (and keeps its gradient)."""
+    if type(fill_value) is Tensor:
+        return broadcast_to(fill_value, np.shape(_data(a)))
+    return np.full_like(_data(a), fill_value, dtype=dtype)
 
 
 def argmax(a, axis=None):
@@ -1017,7 +1027,7 @@ def asarray(a, dtype=None):
 
 _CONSTANTS = {name: getattr(np, name) for name in (
     "pi", "e", "inf", "nan", "newaxis", "float32", "float64", "int32", "int64", "bool_",
-    "ndarray", "zeros", "ones", "empty", "full", "eye", "identity", "arange", "linspace")}
+    "ndarray", "zeros", "ones", "empty", "eye", "identity", "arange", "linspace")}
 globals().update(_CONSTANTS)
 
 
@@ -1056,7 +1066,8 @@ _FUNCTIONS = {
     "dot": dot, "vdot": vdot, "inner": inner, "outer": outer, "tensordot": tensordot,
     "kron": kron, "einsum": einsum,
     "shape": shape, "ndim": ndim, "size": size, "zeros_like": zeros_like,
-    "ones_like": ones_like, "full_like": full_like, "argmax": argmax, "argmin": argmin,
+    "ones_like": ones_like, "full_like": full_like, "full": full, "argmax": argmax,
+    "argmin": argmin,
     "argsort": argsort,
 }
 _LINALG = {f"linalg.{name}": getattr(linalg, name) for name in linalg.__all__}
