@@ -1000,6 +1000,40 @@ def argsort(a, axis=-1):
     return np.argsort(_data(a), axis)
 
 
+def _comparison(ufunc):
+    """``numpy.<ufunc>`` of the values: a boolean array (piecewise constant, so there is no
+    gradient to lose; ``x > 0`` in ``anp.where(x > 0, x, 0)``)."""
+    def f(x1, x2):
+        return ufunc(_data(x1), _data(x2))
+    f.__name__ = f.__qualname__ = ufunc.__name__
+    f.__doc__ = _comparison.__doc__.replace("<ufunc>", ufunc.__name__)
+    return f
+
+
+less, less_equal = _comparison(np.less), _comparison(np.less_equal)
+greater, greater_equal = _comparison(np.greater), _comparison(np.greater_equal)
+
+
+def isnan(x):
+    return np.isnan(_data(x))
+
+
+def isfinite(x):
+    return np.isfinite(_data(x))
+
+
+def isinf(x):
+    return np.isinf(_data(x))
+
+
+# Tensor's ordering operators compare values (== and != stay identity: Tensors are keys of
+# the hook and deferred-zero tables).
+Tensor.__lt__ = lambda self, other: np.less(self.data, _data(other))
+Tensor.__le__ = lambda self, other: np.less_equal(self.data, _data(other))
+Tensor.__gt__ = lambda self, other: np.greater(self.data, _data(other))
+Tensor.__ge__ = lambda self, other: np.greater_equal(self.data, _data(other))
+
+
 def _holds_tensor(obj):
     if type(obj) is Tensor:
         return True
@@ -1067,7 +1101,8 @@ _FUNCTIONS = {
     "kron": kron, "einsum": einsum,
     "shape": shape, "ndim": ndim, "size": size, "zeros_like": zeros_like,
     "ones_like": ones_like, "full_like": full_like, "full": full, "argmax": argmax,
-    "argmin": argmin,
+    "argmin": argmin, "less": less, "less_equal": less_equal, "greater": greater,
+    "greater_equal": greater_equal, "isnan": isnan, "isfinite": isfinite, "isinf": isinf,
     "argsort": argsort,
 }
 _LINALG = {f"linalg.{name}": getattr(linalg, name) for name in linalg.__all__}

@@ -62,7 +62,8 @@ _BINARY = {"add", "subtract", "multiply", "divide", "true_divide", "power", "mat
            "inner", "outer", "tensordot", "kron", "solve", "fmax", "fmin", "remainder", "mod",
            "fmod", "cross", "copysign"}
 _CONSTANT_VALUED = {"shape", "ndim", "size", "zeros_like", "ones_like", "argmax", "argmin",
-                    "argsort"}
+                    "argsort", "less", "less_equal", "greater", "greater_equal", "isnan",
+                    "isfinite", "isinf"}
 
 # What HIPS/autograd differentiates that adtape.numpy does not, and why.
 NOT_COVERED = """\
