@@ -271,7 +271,7 @@ def embedding(weight, ids):
                          f"got values in [{ids.min()}, {ids.max()}]")
     out = wd[ids]
     if _state.enabled and type(weight) is Tensor and weight.requires_grad:
-        return _record(EMBEDDING, out, (weight, None), (wd.shape, ids), None)
+        return _record(EMBEDDING, out, (weight, ids), (wd.shape, ids), None)   # ids: by reference
     return _constant(out)
 
 
