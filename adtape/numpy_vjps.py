@@ -16,8 +16,6 @@ import math
 
 import numpy as np
 
-from kernels import softmax as _softmax_kernels
-
 from adtape.tensor import Primitive, Tensor, defvjp
 
 _ndarray = np.ndarray
@@ -361,6 +359,18 @@ CUMSUM = _def("cumsum", ("a",), _cumsum, _cumsum_rule)
 CUMPROD = _def("cumprod", ("a",), _cumprod, _cumprod_rule, saves="both")
 
 
+def _kernels():
+    """kernels.softmax, imported on first use (the tape core imports nothing from kernels)."""
+    global _softmax_kernels
+    if _softmax_kernels is None:
+        from kernels import softmax
+        _softmax_kernels = softmax
+    return _softmax_kernels
+
+
+_softmax_kernels = None
+
+
 def _last_axis_kernel(x, axis):
     """True when the softmax kernels take ``x`` (C-contiguous float, the last axis)."""
     return (type(x) is _ndarray and x.ndim and (axis == -1 or axis == x.ndim - 1)
@@ -371,7 +381,7 @@ def _softmax(x, axis=-1):
     x = np.asarray(x)
     if _last_axis_kernel(x, axis):
         out = np.empty_like(x)
-        _softmax_kernels.softmax_forward(out, x)
+        _kernels().softmax_forward(out, x)
         return out
     e = np.exp(x - np.maximum.reduce(x, axis=axis, keepdims=True))
     e /= np.add.reduce(e, axis=axis, keepdims=True)
@@ -382,7 +392,7 @@ def _log_softmax(x, axis=-1):
     x = np.asarray(x)
     if _last_axis_kernel(x, axis):
         out = np.empty_like(x)
-        _softmax_kernels.softmax_forward(out, x, log=True)
+        _kernels().softmax_forward(out, x, log=True)
         return out
     shifted = x - np.maximum.reduce(x, axis=axis, keepdims=True)
     shifted -= np.log(np.add.reduce(np.exp(shifted), axis=axis, keepdims=True))
@@ -395,7 +405,7 @@ def _softmax_rule(g, ans, x, axis=-1):
         return ans * (g - _sum(g * ans, axis=axis, keepdims=True))
     if _last_axis_kernel(ans, axis) and _last_axis_kernel(g, axis) and g.dtype == ans.dtype:
         out = np.empty_like(g)
-        _softmax_kernels.softmax_backward(out, g, ans)
+        _kernels().softmax_backward(out, g, ans)
         return out
     out = g * ans
     out -= ans * np.add.reduce(out, axis=axis, keepdims=True)
@@ -407,7 +417,7 @@ def _log_softmax_rule(g, ans, x, axis=-1):
     if (type(g) is not Tensor and type(ans) is not Tensor and _last_axis_kernel(ans, axis)
             and _last_axis_kernel(g, axis) and g.dtype == ans.dtype):
         out = np.empty_like(g)
-        _softmax_kernels.softmax_backward(out, g, ans, log=True)
+        _kernels().softmax_backward(out, g, ans, log=True)
         return out
     return g - np.exp(ans) * _sum(g, axis=axis, keepdims=True)
 

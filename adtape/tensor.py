@@ -576,8 +576,7 @@ def _record(prim, out, inputs, res, kwargs):
     ``inputs``: the op's arguments (Tensors; anything else is a constant).
     ``res``: residuals; a Tensor item means that input's array (kept by reference
     for leaves and constants, pushed to the byte tape otherwise), an ndarray is
-    pushed (unless it is itself an operand: a constant, kept by reference), any other
-    object is kept on the node as it is.
+    pushed, any other object is kept on the node as it is.
     """
     graph = _state.graph
     if graph.freed:
@@ -620,14 +619,9 @@ def _record(prim, out, inputs, res, kwargs):
                         graph.held_bytes += r.nbytes
                     kept.append(r)
                 else:
-                    for a in inputs:
-                        if a is r:      # an ndarray operand is a constant: by reference
-                            kept.append(r)
-                            break
-                    else:
-                        push(r)
-                        kept.append(_ON_TAPE)
-                        n_tape += 1
+                    push(r)
+                    kept.append(_ON_TAPE)
+                    n_tape += 1
             else:
                 kept.append(r)
         kept = tuple(kept)

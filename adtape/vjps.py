@@ -271,7 +271,8 @@ def embedding(weight, ids):
                          f"got values in [{ids.min()}, {ids.max()}]")
     out = wd[ids]
     if _state.enabled and type(weight) is Tensor and weight.requires_grad:
-        return _record(EMBEDDING, out, (weight, ids), (wd.shape, ids), None)   # ids: by reference
+        # The ids as a constant Tensor: kept by reference, not copied onto the tape.
+        return _record(EMBEDDING, out, (weight, None), (wd.shape, _constant(ids)), None)
     return _constant(out)
 
 
