@@ -7,10 +7,11 @@ Each is a primitive of the derivative table (``adtape.numpy_vjps``, the built-in
 ops of ``adtape.vjps``) or a composition of them; the rules can themselves be
 differentiated, so ``grad`` of ``grad``, ``hessian`` and ``jvp`` work through all
 of them.  A NumPy name adtape has no derivative rule for raises AttributeError
-naming it, so ``hasattr(anp, "sort")`` says whether adtape can differentiate
-``numpy.sort``; a supported function called with options it has no rule for
+naming it, so ``hasattr(anp, "gradient")`` says whether adtape can differentiate
+``numpy.gradient``; a supported function called with options it has no rule for
 (``pad`` with ``mode="reflect"``, ``einsum`` with ``...``) raises
-NotImplementedError naming them.
+NotImplementedError naming them.  Comparisons (``x > 0``, ``np.less``, ``isnan``)
+give boolean arrays of the values: they are piecewise constant, nothing to lose.
 
 The same table answers NumPy when it is handed a Tensor (``Tensor.__array_ufunc__``
 and ``__array_function__``): ``np.sin(t)``, ``np.sum(t, axis=0)`` and
