@@ -735,7 +735,7 @@ def trace(a, offset=0, axis1=0, axis2=1):
 # -- products ----------------------------------------------------------------------
 
 def matmul(x1, x2):
-    return _ops.matmul(x1, x2)
+    return _ops.matmul(_by_reference(x1), _by_reference(x2))
 
 
 def _ndim(a):
@@ -748,7 +748,7 @@ def dot(a, b):
     if a_ndim == 0 or b_ndim == 0:
         return _ops.mul(a, b)
     if a_ndim <= 2 and b_ndim <= 2:
-        return _ops.matmul(a, b)
+        return _ops.matmul(_by_reference(a), _by_reference(b))
     return tensordot(a, b, ([a_ndim - 1], [builtins.max(b_ndim - 2, 0)]))
 
 
