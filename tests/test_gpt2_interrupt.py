@@ -218,7 +218,8 @@ def test_header_and_summary_state_the_memory_policy(tmp_path):
     assert (f"memory: tape budget 1.0 MiB, spilling to {tmp_path} and binomial checkpointing "
             f"with 1 snapshot,") in header
     policy = json.loads((out / "summary.json").read_text())["memory_policy"]
-    assert policy == {"tape_budget": 1 << 20, "spill_dir": str(tmp_path),
+    assert policy == {"offload": "none", "offload_dir": None,
+                      "tape_budget": 1 << 20, "spill_dir": str(tmp_path),
                       "checkpointing": "binomial", "snapshots": 1, "chosen_by": "options"}
     plain = run_cli(tmp_path, *SHORT_RUN, "--steps", "1", "--out-dir", tmp_path / "plain")
     assert "memory: activations in RAM," in plain.stdout.splitlines()[0]

