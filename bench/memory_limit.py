@@ -175,12 +175,12 @@ def run_ours(args):
         result["plan"] = plan.describe()
         result["predicted_ms"] = plan.predicted_ms
         result["predicted_peak_bytes"] = plan.predicted_peak_bytes
-    elif "offload" not in kwargs:
+    else:
         # The performance model's prediction of this policy (the planner weighs the same).
         from gpt2.perfmodel.plan import predict_policy
         guess = predict_policy(config, args.B, args.T, kwargs.get("tape_kwargs", {}).get("memory_budget"),
                                kwargs.get("checkpointing", "none"), kwargs.get("snapshots", 0),
-                               threads=args.threads)
+                               threads=args.threads, offload=kwargs.get("offload"))
         result["predicted_ms"] = guess.predicted_ms
         result["predicted_peak_bytes"] = guess.predicted_peak_bytes
     model = GPT2(config, seed=0, engine="tape", **kwargs)

@@ -419,10 +419,11 @@ def offload_time(spec, offload, forward, backward, profile):
     The update runs as the next forward pass reaches each block: the I/O thread reads
     ahead of it what it needs (the moments, 8 bytes per parameter; with everything
     offloaded also the blocks' parameters and gradients, 8 more per block parameter)
-    and writes behind it what it changed (the moments; the blocks' parameters, 4), so
-    the forward pass hides the reads and the rest of the step the writes.  With
-    everything offloaded the backward pass reads each block's parameters again and
-    writes its gradients (4 and 4).  The first unit is read while the step waits, and
+    and writes behind it what it changed (the moments; the blocks' parameters, 4).  The
+    writes share the disk with the reads and lag them by a few units at most, so the
+    forward pass hides both or waits for the rest.  With everything offloaded the
+    backward pass reads each block's parameters again and writes its gradients (4 and
+    4), hidden by the backward pass.  The first unit is read while the step waits, and
     every byte moved is checksummed on the I/O thread, whose core time the compute
     threads lose."""
     moments = 2 * FLOAT_BYTES * spec.num_parameters()
@@ -433,7 +434,7 @@ def offload_time(spec, offload, forward, backward, profile):
     first = profile.spill_times(min(UNIT_BYTES, moments))[1]
     moved = 2 * moments + 6 * blocks
     checksums = moved / CHECKSUM_BYTES_PER_S / max(1, profile.threads)
-    return (max(0.0, read_f - forward) + max(0.0, read_f + write_f + read_b + write_b - forward - backward)
+    return (max(0.0, read_f + write_f - forward) + max(0.0, read_b + write_b - backward)
             + first + checksums)
 
 
