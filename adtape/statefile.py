@@ -195,8 +195,9 @@ class StateFile:
             self.stats["bytes_written"] += size
             self.stats["units_written"] += 1
 
-    def _pread(self, view, offset):
-        fd = self.dfd if self.dfd >= 0 else self.fd
+    def _pread(self, view, offset, fd=None):
+        if fd is None:
+            fd = self.dfd if self.dfd >= 0 else self.fd
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
@@ -205,8 +206,9 @@ class StateFile:
                                  f"{offset + done}")
             done += n
 
-    def _pwrite(self, view, offset):
-        fd = self.dfd if self.dfd >= 0 else self.fd
+    def _pwrite(self, view, offset, fd=None):
+        if fd is None:
+            fd = self.dfd if self.dfd >= 0 else self.fd
         done = 0
         while done < len(view):
             try:
@@ -328,25 +330,21 @@ class StateFile:
 
     def read_into(self, u, buf):
         """Queue a read of unit ``u`` into ``buf``; ``wait(u)`` waits for it."""
-        with self._cv:
-            self._raise_pending()
-            self._idle_unit(u)
-            self._buffer[u] = buf
-            self._external[u] = True
-            self._state[u] = "loading"
-            self._queue.append(("read", u))
-            self._cv.notify_all()
+        self._queue_external(u, buf, "read")
 
     def write_from(self, u, buf):
         """Queue a write of unit ``u`` from ``buf`` (which must not change until
         ``wait(u)``)."""
+        self._queue_external(u, buf, "write")
+
+    def _queue_external(self, u, buf, kind):
         with self._cv:
             self._raise_pending()
             self._idle_unit(u)
             self._buffer[u] = buf
             self._external[u] = True
-            self._state[u] = "writing"
-            self._queue.append(("write", u))
+            self._state[u] = "loading" if kind == "read" else "writing"
+            self._queue.append((kind, u))
             self._cv.notify_all()
 
     def wait(self, u):
@@ -396,14 +394,8 @@ class StateFile:
         if expected is None:
             view[:] = 0
             return out
-        off = self.unit_offset[self.unit_of[r]] + self.record_offset[r]
-        done = 0
-        while done < nbytes:
-            n = os.preadv(self.fd, [view[done:]], off + done)
-            if n == 0:
-                raise OSError(5, f"{self.name} file {self.path!r}: unexpected end at offset "
-                                 f"{off + done}")
-            done += n
+        # Records lie anywhere in a unit: through the page cache, not O_DIRECT.
+        self._pread(view, self.unit_offset[self.unit_of[r]] + self.record_offset[r], self.fd)
         if checksum_bytes(view) != expected:
             raise self._corrupt(r)
         with self._lock:
@@ -419,14 +411,7 @@ class StateFile:
         with self._cv:
             self._raise_pending()
             self._idle_unit(self.unit_of[r])
-        off = self.unit_offset[self.unit_of[r]] + self.record_offset[r]
-        done = 0
-        while done < view.nbytes:
-            try:
-                done += os.pwritev(self.fd, [view[done:]], off + done)
-            except OSError as e:
-                raise SpillError(e.errno, f"cannot write the {self.name} file {self.path!r} at offset "
-                                 f"{off + done}: {os.strerror(e.errno)}") from None
+        self._pwrite(view, self.unit_offset[self.unit_of[r]] + self.record_offset[r], self.fd)
         with self._lock:
             self.checksums[r] = checksum_bytes(view)
             self.stats["bytes_written"] += view.nbytes
