@@ -119,7 +119,7 @@ def _config_mismatch(expected, found):
 
 def _as_flat(arr, config, name):
     """Flat float32 buffer of a ParamArena or of a 1-D float32 array of the layout's size,
-    or a streamed section (``pieces()``: flat order; ``gpt2.offload.StreamedMoment``)."""
+    or a streamed section (``pieces()``: flat order; ``gpt2.offload.StreamedState``)."""
     if hasattr(arr, "pieces"):
         if arr.nbytes != 4 * num_parameters(config):
             raise ValueError(f"{name} holds {arr.nbytes} bytes, the layout needs "
@@ -303,7 +303,7 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None)
         arenas = {}
         for name in expected_names:
             dest = destinations[name]
-            if hasattr(dest, "load"):       # a streamed section (gpt2.offload.StreamedMoment)
+            if hasattr(dest, "load"):       # a streamed section (gpt2.offload.StreamedState)
                 entry = sections[name]
                 f.seek(data_start + entry["offset"])
                 crc = [0]

@@ -158,8 +158,27 @@ class MomentOffload:
                       key=lambda s: s[1])
 
     def moment(self, which):
-        """``which`` 0 (m) or 1 (v) as a ``StreamedMoment`` for save and load."""
-        return StreamedMoment(self, which)
+        """``which`` 0 (m) or 1 (v) as a ``StreamedState`` for save and load."""
+        return StreamedState(self, which)
+
+    def pieces(self, which):
+        """(saved start, float32 array) of moment ``which`` in saved order, each read from
+        disk and checked."""
+        self.finish()
+        self.file.flush()
+        for i, a, n in self.flat_segments():
+            yield a, self.file.read_record(self.record[i, which])
+
+    def load(self, which, read_into):
+        """Fill moment ``which`` from ``read_into(array)`` called with consecutive pieces
+        of the saved order (a checkpoint section read sequentially)."""
+        self.finish()
+        self.file.flush()
+        buf = np.empty(max(s[2] for s in self.segments), np.float32)
+        for i, a, n in self.flat_segments():
+            piece = buf[:n]
+            read_into(piece)
+            self.file.write_record(self.record[i, which], piece)
 
     def read_flat(self, which):
         """One moment as a whole flat array in saved order (tests; a ZeRO-1 shard's
@@ -185,36 +204,6 @@ class MomentOffload:
     def close(self):
         self.pending = None
         self.file.close()
-
-
-class StreamedMoment:
-    """One AdamW moment of a ``MomentOffload``, read or written segment by segment in the
-    arena's flat order (what ``gpt2.checkpoint`` streams instead of an arena)."""
-
-    def __init__(self, offload, which):
-        self.offload = offload
-        self.which = which
-        self.nbytes = 4 * offload.n
-
-    def pieces(self):
-        """(flat start, float32 array) in flat order, each read from disk and checked."""
-        off = self.offload
-        off.finish()
-        off.file.flush()
-        for i, a, n in off.flat_segments():
-            yield a, off.file.read_record(off.record[i, self.which])
-
-    def load(self, read_into):
-        """Fill this moment from ``read_into(array)`` called with consecutive pieces of the
-        flat order (a checkpoint section read sequentially)."""
-        off = self.offload
-        off.finish()
-        off.file.flush()
-        buf = np.empty(max(s[2] for s in off.segments), np.float32)
-        for i, a, n in off.flat_segments():
-            piece = buf[:n]
-            read_into(piece)
-            off.file.write_record(off.record[i, self.which], piece)
 
 
 # -- everything offloaded ------------------------------------------------------------------
@@ -562,13 +551,14 @@ class FullOffload:
 
 
 class StreamedState:
-    """"p" (parameters), "m" or "v" of a ``FullOffload`` as a checkpoint section, streamed
-    in llm.c order (what ``gpt2.checkpoint`` reads and writes instead of an arena)."""
+    """One piece of offloaded state as a checkpoint section, streamed in its saved order
+    (what ``gpt2.checkpoint`` reads and writes instead of an arena): a ``MomentOffload``'s
+    moment 0 or 1, or a ``FullOffload``'s "p" (parameters), "m" or "v"."""
 
     def __init__(self, offload, kind):
         self.offload = offload
         self.kind = kind
-        self.config = offload.config
+        self.config = getattr(offload, "config", None)
         self.nbytes = 4 * offload.n
 
     def pieces(self):
