@@ -118,6 +118,11 @@ cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint wri
 # `same_ok` names (output, other) pairs that may be the very same memory (an
 # in-place use the kernel documents); a partial overlap is an error all the same.
 cdef int check_disjoint(tuple outputs, tuple inputs, tuple same_ok=*) except -1
+# Whether every element of `arr` (a C-contiguous int32 array checked_data has passed)
+# lies in [0, hi), and the product of its dimensions but the last (its rows): both
+# without NumPy's Python layers, which cost microseconds per call at small sizes.
+cdef bint int32_within(object arr, Py_ssize_t hi) noexcept
+cdef Py_ssize_t leading_size(object arr) noexcept
 # The NumPy type number the naive twins run in: float64 for float64 arrays, else
 # float32 (checked_data then names any other dtype).
 cdef int float_type(object arr) noexcept

@@ -355,8 +355,26 @@ cdef tuple _check_encoder_backward(dwte, dwpe, dout, ids, int ft):
     return B, T, C
 
 
+cdef bint int32_within(object arr, Py_ssize_t hi) noexcept:
+    cdef cnp.ndarray a = <cnp.ndarray>arr
+    cdef const int32_t* p = <const int32_t*>cnp.PyArray_DATA(a)
+    cdef Py_ssize_t i, n = cnp.PyArray_SIZE(a)
+    for i in range(n):
+        if p[i] < 0 or p[i] >= hi:
+            return False
+    return True
+
+
+cdef Py_ssize_t leading_size(object arr) noexcept:
+    cdef cnp.ndarray a = <cnp.ndarray>arr
+    cdef Py_ssize_t k, n = 1
+    for k in range(cnp.PyArray_NDIM(a) - 1):
+        n *= cnp.PyArray_DIM(a, k)
+    return n
+
+
 cdef _check_ids(ids, Py_ssize_t Vp):
-    if ids.size and (ids.min() < 0 or ids.max() >= Vp):
+    if not int32_within(ids, Vp):
         raise ValueError(f"ids must lie in [0, {Vp}) (rows of wte), "
                          f"got values in [{ids.min()}, {ids.max()}]")
 
@@ -367,7 +385,7 @@ cdef tuple _check_rows(str name, arr, int ft, bint writable):
     if arr.ndim not in (2, 3) or arr.shape[arr.ndim - 1] < 1:
         raise ValueError(f"{name} must have shape (B, T, C) or (N, C) with C >= 1, got {arr.shape}")
     lead = arr.shape[:arr.ndim - 1]
-    return int(np.prod(lead)), arr.shape[arr.ndim - 1], lead
+    return leading_size(arr), arr.shape[arr.ndim - 1], lead
 
 
 cdef tuple _check_layernorm_forward(out, mean, rstd, inp, weight, bias, int ft):

@@ -33,7 +33,7 @@ cimport numpy as cnp
 from cython cimport floating
 
 from kernels.layers cimport (check_disjoint, checked_data, float_type, lanes_kind,
-                             resolve_threads, serial_if_small)
+                             leading_size, resolve_threads, serial_if_small)
 
 from kernels.layers import overwrite_flags
 
@@ -189,7 +189,7 @@ cdef tuple _check_rows(str name, arr, int ft, bint writable):
     if arr.ndim not in (2, 3) or arr.shape[arr.ndim - 1] < 1:
         raise ValueError(f"{name} must have shape (B, T, C) or (N, C) with C >= 1, got {arr.shape}")
     lead = arr.shape[:arr.ndim - 1]
-    return int(np.prod(lead)), arr.shape[arr.ndim - 1], lead
+    return leading_size(arr), arr.shape[arr.ndim - 1], lead
 
 
 cdef float _checked_eps(eps) except? -1:
@@ -535,7 +535,7 @@ cdef tuple _check_gate_up(gate_up, int ft):
                          f"row), got {gate_up.shape}")
     lead = gate_up.shape[:gate_up.ndim - 1]
     I = gate_up.shape[gate_up.ndim - 1] // 2
-    return int(np.prod(lead)), I, lead + (I,)
+    return leading_size(gate_up), I, lead + (I,)
 
 
 def swiglu_forward(out, gate_up, *, n_threads=None):

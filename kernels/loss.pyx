@@ -12,12 +12,11 @@ from cython.parallel cimport prange
 from libc.math cimport logf, exp, log, INFINITY
 from libc.stdint cimport int32_t
 
-import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels.layers cimport (check_disjoint, checked_data, float_type, lanes_kind,
-                             resolve_threads, serial_if_small)
+from kernels.layers cimport (check_disjoint, checked_data, float_type, int32_within, lanes_kind,
+                             leading_size, resolve_threads, serial_if_small)
 
 cnp.import_array()
 
@@ -123,10 +122,10 @@ cdef tuple _check_logits(logits, targets, V, int ft):
     if not isinstance(V, int) or isinstance(V, bool) or not 1 <= V <= Vp:
         raise ValueError(f"V must be an integer in [1, Vp={Vp}], got {V!r}")
     checked_data("targets", targets, cnp.NPY_INT32, lead, False)
-    if targets.size and (targets.min() < 0 or targets.max() >= V):
+    if not int32_within(targets, V):
         raise ValueError(f"targets must lie in [0, V={V}), got values in "
                          f"[{targets.min()}, {targets.max()}]")
-    return int(np.prod(lead)), Vp, lead
+    return leading_size(logits), Vp, lead
 
 
 cdef tuple _check_forward(losses, lse, logits, targets, V, int ft):
