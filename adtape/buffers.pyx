@@ -21,10 +21,15 @@ ndarray.
 """
 cimport numpy as cnp
 from cpython.pyport cimport PY_SSIZE_T_MAX
+from cpython.ref cimport Py_INCREF
 
 import operator
 
 import numpy as np
+
+cdef extern from "numpy/arrayobject.h":
+    object PyArray_NewFromDescr(type subtype, cnp.dtype descr, int nd, cnp.npy_intp* dims,
+                                cnp.npy_intp* strides, void* data, int flags, void* obj)
 
 cnp.import_array()
 
@@ -32,38 +37,66 @@ ALIGN = 64
 PAGE = 4096
 PAGE_ALIGN_MIN = 64 * 1024    # below this, 64 bytes (at most 4 KiB lost per array)
 
+cdef enum:
+    MAX_DIMS = 32     # NumPy's NPY_MAXDIMS
 
-cpdef cnp.ndarray empty(shape, dtype=np.float32):
+
+cdef cnp.dtype FLOAT32 = np.dtype(np.float32)
+
+
+cpdef cnp.ndarray empty(shape, dtype=FLOAT32):
     """An uninitialised C-contiguous array of ``shape`` whose data is 64-byte aligned
     (4096-byte from PAGE_ALIGN_MIN bytes)."""
-    cdef cnp.dtype dt = np.dtype(dtype)
-    cdef cnp.ndarray raw
-    cdef Py_ssize_t nbytes, start
-    cdef object total = dt.itemsize           # a Python int: no overflow
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    for d in shape:
+    # Built with NumPy's C API (one raw byte array, a view of it at the aligned offset):
+    # the kernel ops allocate their outputs per call, and slicing, view and reshape from
+    # Python cost about 0.7 us a call, more than a small kernel takes.
+    cdef cnp.dtype dt = dtype if isinstance(dtype, cnp.dtype) else np.dtype(dtype)
+    cdef cnp.npy_intp dims[MAX_DIMS]
+    cdef Py_ssize_t nbytes = dt.itemsize, d
+    cdef int k, ndim
+    if type(shape) is not tuple:
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    ndim = len(shape)
+    if ndim > MAX_DIMS:
+        raise ValueError(f"an array may have at most {MAX_DIMS} dimensions, got shape {shape}")
+    for k in range(ndim):
+        item = shape[k]
+        d = item if type(item) is int else operator.index(item)
         if d < 0:
             raise ValueError(f"negative dimensions are not allowed, got shape {shape}")
-        total *= operator.index(d)
-    if total > PY_SSIZE_T_MAX - PAGE:
-        raise MemoryError(f"an array of shape {shape} and dtype {dt} is too large")
-    nbytes = total
+        dims[k] = d
+    for k in range(ndim):
+        if dims[k] and nbytes > (PY_SSIZE_T_MAX - PAGE) // dims[k]:
+            raise MemoryError(f"an array of shape {shape} and dtype {dt} is too large")
+        nbytes *= dims[k]
+    return _aligned(dt, ndim, dims, nbytes)
+
+
+cdef cnp.ndarray _aligned(cnp.dtype dt, int ndim, cnp.npy_intp* dims, Py_ssize_t nbytes):
     cdef Py_ssize_t align = PAGE if nbytes >= PAGE_ALIGN_MIN else ALIGN
-    raw = np.empty(nbytes + align, np.uint8)
-    start = -<Py_ssize_t>cnp.PyArray_DATA(raw) & (align - 1)
-    return raw[start:start + nbytes].view(dt).reshape(shape)
-
-
-def zeros(shape, dtype=np.float32):
-    """Like ``empty``, filled with zeros."""
-    cdef cnp.ndarray out = empty(shape, dtype)
-    out.fill(0)
+    cdef cnp.npy_intp raw_bytes = nbytes + align
+    cdef cnp.ndarray raw = cnp.PyArray_EMPTY(1, &raw_bytes, cnp.NPY_UINT8, 0)
+    cdef Py_ssize_t start = -<Py_ssize_t>cnp.PyArray_DATA(raw) & (align - 1)
+    Py_INCREF(dt)        # PyArray_NewFromDescr steals a reference
+    cdef cnp.ndarray out = PyArray_NewFromDescr(np.ndarray, dt, ndim, dims, NULL,
+                                                <char*>cnp.PyArray_DATA(raw) + start,
+                                                cnp.NPY_ARRAY_CARRAY, NULL)
+    Py_INCREF(raw)       # PyArray_SetBaseObject steals a reference
+    cnp.PyArray_SetBaseObject(out, raw)
     return out
 
 
-def empty_like(cnp.ndarray a):
+def zeros(shape, dtype=FLOAT32):
+    """Like ``empty``, filled with zeros."""
+    cdef cnp.ndarray out = empty(shape, dtype)
+    cnp.PyArray_FILLWBYTE(out, 0)
+    return out
+
+
+cpdef cnp.ndarray empty_like(cnp.ndarray a):
     """``empty(a.shape, a.dtype)``."""
-    return empty((<object>a).shape, a.dtype)
+    return _aligned(<cnp.dtype>cnp.PyArray_DESCR(a), cnp.PyArray_NDIM(a), cnp.PyArray_DIMS(a),
+                    cnp.PyArray_NBYTES(a))
 
 
 def is_aligned(cnp.ndarray a):
