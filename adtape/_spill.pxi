@@ -332,7 +332,12 @@ cdef void* io_main(void* arg) noexcept nogil:
         if t.queue_head == NULL:
             t.queue_tail = NULL
         t.io_busy = 1
-        if req.is_write:
+        if req.state != NULL:
+            pthread_mutex_unlock(&t.io_mu)
+            run_state(req.state)
+            pthread_mutex_lock(&t.io_mu)
+            account_state(t, req.state)
+        elif req.is_write:
             # Once a write failed, later queued writes fail too, so the spilled
             # slabs stay a prefix of the chain until the error is reported.
             err = t.io_errno
@@ -453,13 +458,67 @@ cdef int enqueue(TapeStruct* t, int is_write, Slab* first, int count) noexcept n
     req.first = first
     req.count = count
     req.next = NULL
+    req.state = NULL
+    append_request(t, req)
+    return 0
+
+
+cdef void append_request(TapeStruct* t, IORequest* req) noexcept nogil:
     if t.queue_tail == NULL:
         t.queue_head = req
     else:
         t.queue_tail.next = req
     t.queue_tail = req
     pthread_cond_signal(&t.io_cv)
-    return 0
+
+
+# ---------------------------------------------------------------------------
+# State transfers (adtape.statefile): a unit of records read or written whole, in the
+# queue's order behind the slabs' requests, each record checksummed as a slab is.
+# ---------------------------------------------------------------------------
+
+cdef void run_state(StateIO* s) noexcept nogil:
+    """Do one state transfer (io_mu NOT held)."""
+    cdef int i, any_valid = 0
+    cdef int64_t started = now_ns()
+    s.err = 0
+    s.bad_record = -1
+    s.moved = 1
+    if s.is_write:
+        for i in range(s.nrec):
+            s.sums[i] = checksum(s.buf + s.rec_off[i], <size_t>s.rec_len[i])
+        s.err = write_all(s.fd, s.buf, s.nbytes, s.offset)
+    else:
+        for i in range(s.nrec):
+            if s.valid == NULL or s.valid[i]:
+                any_valid = 1
+                break
+        if not any_valid:
+            memset(s.buf, 0, s.nbytes)
+            s.moved = 0
+        else:
+            s.err = read_all(s.fd, s.buf, s.nbytes, s.offset)
+            if s.err == 0:
+                for i in range(s.nrec):
+                    if s.valid != NULL and not s.valid[i]:
+                        memset(s.buf + s.rec_off[i], 0, <size_t>s.rec_len[i])
+                    elif checksum(s.buf + s.rec_off[i], <size_t>s.rec_len[i]) != s.sums[i]:
+                        s.bad_record = i
+                        break
+    s.io_ns = now_ns() - started
+
+
+cdef void account_state(TapeStruct* t, StateIO* s) noexcept nogil:
+    """Count a finished state transfer and publish it (io_mu held)."""
+    t.state_requests += 1
+    if s.err == 0 and s.moved:
+        if s.is_write:
+            t.state_bytes_written += s.nbytes
+            t.state_write_ns += s.io_ns
+        else:
+            t.state_bytes_read += s.nbytes
+            t.state_read_ns += s.io_ns
+    s.status = 1
 
 
 cdef int report_io_error(TapeStruct* t) noexcept nogil:
@@ -770,7 +829,7 @@ cdef int cancel_queued_write(TapeStruct* t, Slab* s) noexcept nogil:
     cdef Slab* last
     cdef int i
     while req != NULL:
-        if req.is_write:
+        if req.is_write and req.state == NULL:
             last = req.first
             for i in range(req.count - 1):
                 last = last.next
@@ -844,7 +903,8 @@ cdef int ensure_resident(TapeStruct* t, Slab* s) noexcept nogil:
             t.prefetch_misses += 1
             waited = 1
         started = now_ns()
-        if t.queue_head != NULL and not t.queue_head.is_write:
+        if (t.queue_head != NULL and not t.queue_head.is_write
+                and t.queue_head.state == NULL):
             # A pop outruns one reader (checksums included): while the I/O thread
             # reads this slab, read the next queued unit here, in parallel.
             req = t.queue_head

@@ -96,11 +96,31 @@ cdef struct Slab:
     uint64_t checksum
     int io_result            # outcome of the last read by the I/O thread
 
+# One transfer of a StateFile unit (adtape.statefile) through the tape's I/O thread:
+# the same queue, thread, descriptors' rules and checksum as the slabs.
+cdef struct StateIO:
+    int is_write
+    int fd
+    char* buf
+    size_t nbytes
+    off_t offset
+    int nrec                 # records inside buf, each checksummed
+    const int64_t* rec_off
+    const int64_t* rec_len
+    uint64_t* sums           # write: computed here; read: expected
+    const unsigned char* valid   # read: 0 = never written, reads as zeros (NULL: all)
+    int status               # 0 queued or running, 1 done
+    int err                  # errno of a failed transfer, 0
+    int bad_record           # read: the first record failing its checksum, or -1
+    int moved                # 1: bytes went to or came from the file (0: zeros read)
+    int64_t io_ns
+
 cdef struct IORequest:
     int is_write
     Slab* first              # lowest slab of a run of consecutive slabs
     int count
     IORequest* next
+    StateIO* state           # not NULL: a state transfer (first and count unused)
 
 cdef struct TapeStruct:
     # Hot fields: the head slab's window.  fence is the lowest byte a scalar pop
@@ -188,6 +208,13 @@ cdef struct TapeStruct:
     int64_t bytes_written_early  # bytes queued for writing by the write-ahead rule
     int64_t read_bytes_timed # bytes and time of reads, for the device rate (readahead_bytes)
     int64_t read_ns
+    # State traffic (adtape.statefile) through this tape's I/O thread.
+    int64_t state_bytes_read
+    int64_t state_bytes_written
+    int64_t state_read_ns
+    int64_t state_write_ns
+    int64_t state_wait_ns    # time callers waited for state transfers
+    int64_t state_requests
 
 
 ctypedef TapeStruct* TapePtr

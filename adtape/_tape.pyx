@@ -1506,7 +1506,11 @@ cdef class Tape:
         the reads took (read_ns, for the device rate) and the prefetch's current
         read-ahead window in bytes; the most bytes ever on disk (peak_spilled_bytes) and
         the spill file's largest size (peak_spill_file_bytes: above peak_spilled_bytes by
-        at most one spill unit and each slab's padding to the O_DIRECT block)."""
+        at most one spill unit and each slab's padding to the O_DIRECT block).  Model
+        state streamed through this tape's I/O thread (``adtape.statefile``):
+        state_bytes_read and state_bytes_written, the nanoseconds the transfers took
+        (state_read_ns, state_write_ns) and callers waited for them (state_wait_ns),
+        state_requests."""
         cdef TapeStruct* t = &self.t
         cdef Slab* s
         cdef int64_t n_slabs = 0, resident_slabs = 0
@@ -1550,10 +1554,88 @@ cdef class Tape:
             "read_ns": t.read_ns,
             "write_ahead_until": t.early_until,
             "readahead_bytes": readahead_bytes(t) if t.memory_budget >= 0 else 0,
+            "state_bytes_read": t.state_bytes_read,
+            "state_bytes_written": t.state_bytes_written,
+            "state_read_ns": t.state_read_ns,
+            "state_write_ns": t.state_write_ns,
+            "state_wait_ns": t.state_wait_ns,
+            "state_requests": t.state_requests,
         }
         pthread_mutex_unlock(&t.io_mu)
         bulk_unlock(t)
         return out
+
+    def _state_io(self, bint is_write, int fd, buf, off_t offset, rec_off, rec_len, sums,
+                  valid=None):
+        """Queue a state transfer on this tape's I/O thread, behind its queued slab
+        requests (``adtape.statefile``): ``buf`` (uint8, the first ``buf.nbytes`` bytes)
+        written to or read from ``fd`` at ``offset``; records at ``rec_off`` of
+        ``rec_len`` bytes inside it, whose checksums a write stores into ``sums``
+        (uint64) and a read checks against them, records with ``valid`` 0 reading as
+        zeros.  Returns a ``StateRequest``."""
+        cdef TapeStruct* t = &self.t
+        cdef cnp.ndarray b = _state_array(buf, "buf", cnp.NPY_UINT8, not is_write)
+        cdef cnp.ndarray ro = _state_array(rec_off, "rec_off", cnp.NPY_INT64, False)
+        cdef cnp.ndarray rl = _state_array(rec_len, "rec_len", cnp.NPY_INT64, False)
+        cdef cnp.ndarray su = _state_array(sums, "sums", cnp.NPY_UINT64, is_write)
+        cdef cnp.ndarray va = None
+        cdef Py_ssize_t n = cnp.PyArray_SIZE(ro), nbytes = cnp.PyArray_SIZE(b)
+        cdef StateIO* io
+        cdef IORequest* req
+        cdef int rc
+        if valid is not None:
+            va = _state_array(valid, "valid", cnp.NPY_UINT8, False)
+            if cnp.PyArray_SIZE(va) != n:
+                raise ValueError("valid must have one entry per record")
+        if cnp.PyArray_SIZE(rl) != n or cnp.PyArray_SIZE(su) != n:
+            raise ValueError("rec_off, rec_len and sums must have one entry per record")
+        if n and (ro.min() < 0 or rl.min() < 0 or (ro + rl).max() > nbytes):
+            raise ValueError("a record lies outside buf")
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        self.require_open()
+        if getpid() != t.owner_pid:
+            self.check(check_open(t))
+        handle = StateRequest.__new__(StateRequest)
+        io = <StateIO*>malloc(sizeof(StateIO))
+        req = <IORequest*>malloc(sizeof(IORequest))
+        if io == NULL or req == NULL:
+            free(io)
+            free(req)
+            raise MemoryError("out of memory queueing a state transfer")
+        io.is_write = is_write
+        io.fd = fd
+        io.buf = <char*>cnp.PyArray_DATA(b)
+        io.nbytes = <size_t>nbytes
+        io.offset = offset
+        io.nrec = <int>n
+        io.rec_off = <const int64_t*>cnp.PyArray_DATA(ro)
+        io.rec_len = <const int64_t*>cnp.PyArray_DATA(rl)
+        io.sums = <uint64_t*>cnp.PyArray_DATA(su)
+        io.valid = <const unsigned char*>cnp.PyArray_DATA(va) if va is not None else NULL
+        io.status = 0
+        io.err = 0
+        io.bad_record = -1
+        io.moved = 0
+        io.io_ns = 0
+        req.is_write = is_write
+        req.first = NULL
+        req.count = 0
+        req.next = NULL
+        req.state = io
+        (<StateRequest>handle).io = io
+        (<StateRequest>handle).tape = self
+        (<StateRequest>handle).refs = (b, ro, rl, su, va)
+        pthread_mutex_lock(&t.io_mu)
+        rc = start_io_thread(t)
+        if rc == 0:
+            append_request(t, req)
+        pthread_mutex_unlock(&t.io_mu)
+        if rc < 0:
+            io.status = 1
+            free(req)
+            self.check(rc)
+        return handle
 
     def __repr__(self):
         if self.t.closed:
@@ -1603,6 +1685,84 @@ cdef class Tape:
             pthread_mutex_lock(&self.t.io_mu)
             wait_io_idle(&self.t)
             pthread_mutex_unlock(&self.t.io_mu)
+
+
+cdef class StateRequest:
+    """One state transfer queued on a tape's I/O thread (``Tape._state_io``): ``done``,
+    ``wait()``, then ``err`` (errno, 0) and ``bad_record`` (the first record whose
+    checksum failed on a read, or -1).  Keeps its buffers alive until done."""
+    cdef StateIO* io
+    cdef Tape tape
+    cdef object refs
+
+    def __dealloc__(self):
+        if self.io == NULL:
+            return
+        if self.tape is not None and not self.tape.t.closed and self.io.status == 0:
+            if getpid() != self.tape.t.owner_pid:
+                return              # the parent's thread owns it: leak, never free under it
+            with nogil:
+                self._wait_c()
+        free(self.io)
+        self.io = NULL
+
+    cdef void _wait_c(self) noexcept nogil:
+        cdef TapeStruct* t = &self.tape.t
+        cdef int64_t started
+        pthread_mutex_lock(&t.io_mu)
+        if self.io.status == 0:
+            started = now_ns()
+            while self.io.status == 0:
+                pthread_cond_wait(&t.done_cv, &t.io_mu)
+            t.state_wait_ns += now_ns() - started
+        pthread_mutex_unlock(&t.io_mu)
+
+    @property
+    def done(self):
+        cdef int status
+        if self.tape.t.closed:
+            return True
+        pthread_mutex_lock(&self.tape.t.io_mu)
+        status = self.io.status
+        pthread_mutex_unlock(&self.tape.t.io_mu)
+        return status != 0
+
+    def wait(self):
+        """Wait until the transfer is done (the time counts as the tape's
+        ``state_wait_ns``)."""
+        if self.tape.t.closed or self.io.status != 0:
+            return
+        if getpid() != self.tape.t.owner_pid:
+            raise TapeForkError("this state transfer was queued by another process")
+        with nogil:
+            self._wait_c()
+
+    @property
+    def err(self):
+        return self.io.err
+
+    @property
+    def bad_record(self):
+        return self.io.bad_record
+
+    @property
+    def io_ns(self):
+        return self.io.io_ns
+
+    @property
+    def moved(self):
+        """Whether bytes moved (a read of records never written only zeroes the buffer)."""
+        return bool(self.io.moved)
+
+
+cdef cnp.ndarray _state_array(object arr, str name, int typenum, bint writable):
+    if (not isinstance(arr, np.ndarray) or cnp.PyArray_TYPE(<cnp.ndarray>arr) != typenum
+            or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>arr)):
+        raise TypeError(f"{name} must be a C-contiguous {np.dtype(cnp.PyArray_DescrFromType(typenum))} "
+                        f"array")
+    if writable and not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>arr):
+        raise ValueError(f"{name} must be writable")
+    return <cnp.ndarray>arr
 
 
 def checksum_bytes(data):

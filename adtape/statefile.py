@@ -4,28 +4,33 @@ The tape spills what a forward pass pushes and reads it back in reverse; a model
 optimizer state is different: the same records are read, updated and written back
 every step, in the same order.  ``StateFile`` keeps such records in a file of the
 tape's kind (created in ``spill_dir`` and unlinked at once, so a killed process
-leaves nothing behind; ``O_DIRECT`` where the filesystem allows it; the disk tier's
-64-bit checksum on every record, checked on every read, ``TapeCorruptionError``
-naming the file and offset on a mismatch; ``SpillError`` for a full disk, found when
-the file is created, since its whole size is reserved then).
+leaves nothing behind; ``O_DIRECT`` where the filesystem allows it; ``SpillError``
+for a full disk, found when the file is created, since its whole size is reserved
+then) and moves them through a tape's own I/O thread (``Tape._state_io``): the same
+queue as the tape's spilled slabs, the same checksum on every record, checked on
+every read (``TapeCorruptionError`` naming the file and offset on a mismatch), the
+traffic counted in that tape's ``stats`` (``state_bytes_read``, ...).  A model's
+training engine ``attach``es its state to its ``OpTape``'s byte tape, so activations
+and state share one disk queue; until then the file has a tape of its own.
 
 Records are grouped into I/O *units* (consecutive records, one read and one write
-each).  A background I/O thread reads the units asked for with ``prefetch`` ahead of
-``acquire``, into a pool of page-aligned buffers (``window`` units at most, so the
-memory is bounded), and writes each unit ``release``d dirty behind the caller;
-``stats`` counts the bytes and the time the caller waited.  A record never written
-reads as zeros (no I/O).  ``read_record``/``write_record`` move one record
-synchronously, in any order (checkpoints).
+each).  Units asked for with ``prefetch`` are read ahead of ``acquire`` into a pool of
+page-aligned buffers (``window`` units at most, so the memory is bounded); a unit
+``release``d dirty is written behind, and its buffer takes the next read at once,
+queued behind the write (the queue runs in order).  ``stats`` counts the bytes and
+the time the caller waited.  A record never written reads as zeros (no I/O).
+``read_record``/``write_record`` move one record synchronously, in any order
+(checkpoints).
 """
 import collections
 import os
 import tempfile
-import threading
 import time
 
 import numpy as np
 
-from adtape._tape import SpillError, TapeClosedError, TapeCorruptionError, checksum_bytes
+from adtape._tape import (SpillError, Tape, TapeClosedError, TapeCorruptionError,
+                          checksum_bytes)
 
 ALIGN = 4096            # O_DIRECT: buffer, offset and length in whole blocks
 RECORD_ALIGN = 64       # records inside a unit start on cache lines
@@ -33,10 +38,6 @@ RECORD_ALIGN = 64       # records inside a unit start on cache lines
 
 def aligned_buffer(nbytes):
     """A page-aligned uint8 array of ``nbytes`` (O_DIRECT reads and writes into it)."""
-    return _aligned_buffer(nbytes)
-
-
-def _aligned_buffer(nbytes):
     raw = np.empty(nbytes + ALIGN, np.uint8)
     start = (-raw.ctypes.data) % ALIGN
     return raw[start:start + nbytes]
@@ -65,19 +66,27 @@ class StateFile:
         self.unit_of = np.empty(len(record_nbytes), np.int64)
         self.record_offset = []         # within its unit's buffer
         self.unit_offset, self.unit_nbytes = [], []
+        # Per unit: its records' offsets and sizes in the unit, their checksums (stored
+        # by the I/O thread as it writes them) and whether each was ever written.
+        self._rec_off, self._rec_len, self._sums, self._valid = [], [], [], []
         file_end = 0
         for u, (a, b) in enumerate(units):
             pos = 0
+            offs = []
             for r in range(a, b):
                 self.unit_of[r] = u
                 self.record_offset.append(pos)
+                offs.append(pos)
                 pos += (record_nbytes[r] + RECORD_ALIGN - 1) // RECORD_ALIGN * RECORD_ALIGN
             size = (pos + ALIGN - 1) // ALIGN * ALIGN
             self.unit_offset.append(file_end)
             self.unit_nbytes.append(size)
+            self._rec_off.append(np.array(offs, np.int64))
+            self._rec_len.append(np.array(record_nbytes[a:b], np.int64))
+            self._sums.append(np.zeros(b - a, np.uint64))
+            self._valid.append(np.zeros(b - a, np.uint8))
             file_end += size
         self.file_bytes = file_end
-        self.checksums = [None] * len(record_nbytes)    # None: never written (zeros)
 
         spill_dir = os.fspath(spill_dir) if spill_dir is not None else tempfile.gettempdir()
         if not os.path.isdir(spill_dir):
@@ -105,149 +114,129 @@ class StateFile:
             raise
         self.fd = fd
         self.spill_dir = spill_dir
+        # The tape whose I/O thread moves the units: our own until ``attach``.
+        self._own_tape = Tape(np.float64, spill_dir=spill_dir)
+        self.tape = self._own_tape
 
         # The pool serves ``acquire`` (``pooled``: the units it may be asked for; the
         # others move only through the caller's buffers, read_into / write_from).
         pooled = range(len(units)) if pooled is None else list(pooled)
         biggest = max([self.unit_nbytes[u] for u in pooled] or [ALIGN])
         self._pool_bytes = biggest
-        self._free = [_aligned_buffer(biggest) for _ in range(window)]
+        self._free = [aligned_buffer(biggest) for _ in range(window)]
         self.window = window
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
-        self._state = ["disk"] * len(units)      # disk | loading | resident | writing
-        self._buffer = [None] * len(units)
-        self._external = [False] * len(units)     # the buffer is the caller's (read_into)
+        self._state = ["disk"] * len(units)      # disk | loading | resident
+        self._buffer = [None] * len(units)       # the pool buffer of a loading/resident unit
+        self._external = [False] * len(units)     # loading into the caller's buffer
+        self._last = [None] * len(units)          # the unit's latest transfer
         self._held = set()                        # units acquired and not yet released
         self._wanted = collections.deque()        # units to read ahead, in order
-        self._queue = collections.deque()         # ("read"|"write", unit) for the I/O thread
+        self._inflight = collections.deque()      # (request, kind, unit), in queue order
         self._error = None
         self._closed = False
         self.stats = dict(bytes_read=0, bytes_written=0, units_read=0, units_written=0,
                           read_wait_ns=0, buffer_wait_ns=0, prefetch_hits=0,
                           prefetch_misses=0, io_ns=0)
-        self._thread = threading.Thread(target=self._io_main, name=f"adtape-{name}-io",
-                                        daemon=True)
-        self._thread.start()
 
-    # -- the I/O thread --------------------------------------------------------------
+    # -- the tape that moves the units ---------------------------------------------------
 
-    def _io_main(self):
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                kind, u = self._queue.popleft()
-                buf = self._buffer[u]
+    def attach(self, tape):
+        """Move the units through ``tape``'s I/O thread from now on (an OpTape's byte
+        tape: one queue for activations and state); ``detach`` before that tape closes."""
+        self._drain()
+        self.tape = tape
+
+    def detach(self):
+        """Back to this file's own tape (before the attached one closes)."""
+        self._drain()
+        self.tape = self._own_tape
+
+    def _drain(self):
+        # Wait for every queued transfer (each keeps its buffer alive) and reap it.
+        if self._inflight:
+            self._wait_for(self._inflight[-1][0], "buffer_wait_ns")
+        self._reap()
+
+    # -- queueing and reaping (the queue runs in order) ------------------------------------
+
+    def _fd(self):
+        return self.dfd if self.dfd >= 0 else self.fd
+
+    def _submit(self, kind, u, buf):
+        size = self.unit_nbytes[u]
+        if kind == "write":
+            self._valid[u][:] = 1
+            req = self.tape._state_io(True, self._fd(), buf[:size], self.unit_offset[u],
+                                      self._rec_off[u], self._rec_len[u], self._sums[u])
+        else:
+            req = self.tape._state_io(False, self._fd(), buf[:size], self.unit_offset[u],
+                                      self._rec_off[u], self._rec_len[u], self._sums[u],
+                                      self._valid[u].copy())
+        self._last[u] = req
+        self._inflight.append((req, kind, u))
+        return req
+
+    def _reap(self):
+        # Account for the transfers done, oldest first; the first failure is kept for
+        # the caller's next call.
+        while self._inflight and self._inflight[0][0].done:
+            req, kind, u = self._inflight.popleft()
+            self.stats["io_ns"] += req.io_ns
+            if req.err and self._error is None:
+                if kind == "write":
+                    self._error = SpillError(req.err, f"cannot write the {self.name} file "
+                                             f"{self.path!r} at offset {self.unit_offset[u]}: "
+                                             f"{os.strerror(req.err)}")
+                else:
+                    self._error = OSError(req.err, f"reading the {self.name} file "
+                                          f"{self.path!r} at offset {self.unit_offset[u]} "
+                                          f"failed: {os.strerror(req.err)}")
+            elif kind == "read" and req.bad_record >= 0 and self._error is None:
+                self._error = self._corrupt(self.units[u][0] + req.bad_record)
+            ok = not req.err and (kind == "write" or req.bad_record < 0)
+            if ok and req.moved:
+                key = "written" if kind == "write" else "read"
+                self.stats[f"bytes_{key}"] += self.unit_nbytes[u]
+                self.stats[f"units_{key}"] += 1
+            if kind == "read" and self._last[u] is req and self._state[u] == "loading":
+                if self._external[u] or not ok:
+                    self._drop(u)
+                else:
+                    self._state[u] = "resident"
+            if self._last[u] is req:
+                self._last[u] = None
+
+    def _wait_for(self, req, counter):
+        if not req.done:
             t0 = time.perf_counter_ns()
-            try:
-                if kind == "read":
-                    self._read_unit(u, buf)
-                else:
-                    self._write_unit(u, buf)
-                err = None
-            except BaseException as e:     # reported to the caller's next call
-                err = e
-            with self._cv:
-                self.stats["io_ns"] += time.perf_counter_ns() - t0
-                if err is not None and self._error is None:
-                    self._error = err
-                if kind == "read":
-                    self._state[u] = "resident" if err is None else "disk"
-                    if err is not None or self._external[u]:
-                        self._state[u] = "disk"
-                        self._give_back(u)
-                else:
-                    self._state[u] = "disk"
-                    self._give_back(u)
-                self._cv.notify_all()
+            req.wait()
+            self.stats[counter] += time.perf_counter_ns() - t0
 
-    def _records(self, u):
-        a, b = self.units[u]
-        return range(a, b)
-
-    def _read_unit(self, u, buf):
-        size = self.unit_nbytes[u]
-        if all(self.checksums[r] is None for r in self._records(u)):
-            buf[:size] = 0
-            return
-        self._pread(buf[:size], self.unit_offset[u])
-        for r in self._records(u):
-            view = buf[self.record_offset[r]:self.record_offset[r] + self.record_nbytes[r]]
-            if self.checksums[r] is None:
-                view[:] = 0
-            elif checksum_bytes(view) != self.checksums[r]:
-                raise self._corrupt(r)
-        with self._lock:
-            self.stats["bytes_read"] += size
-            self.stats["units_read"] += 1
-
-    def _write_unit(self, u, buf):
-        size = self.unit_nbytes[u]
-        sums = [checksum_bytes(buf[self.record_offset[r]:self.record_offset[r]
-                                   + self.record_nbytes[r]]) for r in self._records(u)]
-        self._pwrite(buf[:size], self.unit_offset[u])
-        for r, s in zip(self._records(u), sums):
-            self.checksums[r] = s
-        with self._lock:
-            self.stats["bytes_written"] += size
-            self.stats["units_written"] += 1
-
-    def _pread(self, view, offset, fd=None):
-        if fd is None:
-            fd = self.dfd if self.dfd >= 0 else self.fd
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                raise OSError(5, f"{self.name} file {self.path!r}: unexpected end at offset "
-                                 f"{offset + done}")
-            done += n
-
-    def _pwrite(self, view, offset, fd=None):
-        if fd is None:
-            fd = self.dfd if self.dfd >= 0 else self.fd
-        done = 0
-        while done < len(view):
-            try:
-                done += os.pwritev(fd, [view[done:]], offset + done)
-            except OSError as e:
-                raise SpillError(e.errno, f"cannot write the {self.name} file {self.path!r} at offset "
-                                 f"{offset + done}: {os.strerror(e.errno)}") from None
-
-    def _corrupt(self, r):
-        off = self.unit_offset[self.unit_of[r]] + self.record_offset[r]
-        return TapeCorruptionError(f"{self.name} file {self.path!r}: record {r} at offset "
-                                   f"{off} fails its checksum (the bytes read back are not "
-                                   f"those written)")
-
-    # -- scheduling (lock held) ------------------------------------------------------------
-
-    def _give_back(self, u):
-        if not self._external[u]:
+    def _drop(self, u):
+        # Unit u's pool buffer goes back to the pool (any transfer still queued into it
+        # runs before whatever is queued into it next).
+        if self._buffer[u] is not None and not self._external[u]:
             self._free.append(self._buffer[u])
         self._buffer[u] = None
         self._external[u] = False
-        self._schedule()
+        self._state[u] = "disk"
 
     def _schedule(self):
         while self._wanted and self._free:
-            u = self._wanted[0]
-            if self._state[u] == "writing":
-                break           # read it once written: the read-ahead keeps its order
-            self._wanted.popleft()
-            if self._state[u] != "disk" or self._buffer[u] is not None:
+            u = self._wanted.popleft()
+            if self._state[u] != "disk" or u in self._held:
                 continue
-            self._buffer[u] = self._free.pop()
-            self._state[u] = "loading"
-            self._queue.append(("read", u))
-            self._cv.notify_all()
+            self._load(u, self._free.pop())
 
-    def _raise_pending(self):
+    def _load(self, u, buf):
+        self._buffer[u] = buf
+        self._state[u] = "loading"
+        self._submit("read", u, buf)
+
+    def _enter(self):
         if self._closed:
             raise TapeClosedError(f"the {self.name} file is closed")
+        self._reap()
         if self._error is not None:
             err, self._error = self._error, None
             raise err
@@ -257,10 +246,9 @@ class StateFile:
     def prefetch(self, units):
         """Read these units ahead, in this order, as buffers free up (replaces any
         earlier read-ahead not yet started)."""
-        with self._cv:
-            self._raise_pending()
-            self._wanted = collections.deque(units)
-            self._schedule()
+        self._enter()
+        self._wanted = collections.deque(units)
+        self._schedule()
 
     def acquire(self, u):
         """Unit ``u``'s buffer (uint8, its records at ``record_offset``) once read; the
@@ -268,42 +256,44 @@ class StateFile:
         if self.unit_nbytes[u] > self._pool_bytes:
             raise ValueError(f"{self.name} unit {u} is larger than the pool's buffers: read it "
                              f"with read_into")
-        with self._cv:
-            self._raise_pending()
-            if u in self._wanted:      # consumed now: no read ahead of it any more
-                self._wanted.remove(u)
-            if self._state[u] == "resident":
-                self.stats["prefetch_hits"] += 1
-                self._held.add(u)
-                return self._buffer[u]
+        self._enter()
+        if u in self._held:
+            raise RuntimeError(f"{self.name} unit {u} is acquired already")
+        try:
+            self._wanted.remove(u)          # consumed now: no read ahead of it any more
+        except ValueError:
+            pass
+        if self._state[u] == "resident":
+            self.stats["prefetch_hits"] += 1
+        else:
             self.stats["prefetch_misses"] += 1
-            t0 = time.perf_counter_ns()
-            while self._state[u] != "resident":
-                if self._state[u] == "disk" and self._buffer[u] is None:
-                    if u in self._wanted:
-                        self._wanted.remove(u)
-                    self._wanted.appendleft(u)      # to the front: it is needed now
-                    if not self._free:
-                        self._evict_read_ahead()
-                    self._schedule()
-                if self._state[u] != "resident":
-                    self._cv.wait()
-                self._raise_pending()
-            self.stats["read_wait_ns"] += time.perf_counter_ns() - t0
-            self._held.add(u)
-            return self._buffer[u]
+            if self._state[u] == "disk" or self._external[u]:
+                if self._external[u]:
+                    self._wait_for(self._last[u], "read_wait_ns")
+                    self._enter()
+                if not self._free:
+                    self._evict_read_ahead()
+                self._load(u, self._free.pop())
+            self._wait_for(self._last[u], "read_wait_ns")
+            self._enter()
+        self._held.add(u)
+        return self._buffer[u]
 
     def _evict_read_ahead(self):
-        # Every buffer is taken: give back one read ahead and not yet acquired (clean),
-        # to be read again after the unit needed now (lock held).
+        # Every buffer is taken: take back the one read ahead the furthest and not
+        # acquired; it is read again later, after the unit needed now.
         for v in range(len(self._state) - 1, -1, -1):
-            if (self._state[v] == "resident" and v not in self._held
-                    and not self._external[v]):
-                self._state[v] = "disk"
-                self._free.append(self._buffer[v])
-                self._buffer[v] = None
-                self._wanted.insert(1, v)
+            if self._state[v] in ("resident", "loading") and v not in self._held \
+                    and not self._external[v]:
+                self._drop(v)
+                self._wanted.appendleft(v)
                 return
+        raise RuntimeError(f"{self.name}: every one of the {self.window} buffers is acquired")
+
+    def written(self, r):
+        """Whether record ``r`` was ever written (else it reads as zeros)."""
+        u = int(self.unit_of[r])
+        return bool(self._valid[u][r - self.units[u][0]])
 
     def record_view(self, buf, r, dtype=np.float32):
         """Record ``r`` inside its unit's buffer, as an array of ``dtype``."""
@@ -312,17 +302,14 @@ class StateFile:
 
     def release(self, u, dirty=True):
         """Hand unit ``u``'s buffer back: written behind when ``dirty``."""
-        with self._cv:
-            if self._state[u] != "resident" or u not in self._held:
-                raise RuntimeError(f"{self.name} unit {u} was not acquired")
-            self._held.discard(u)
-            if dirty:
-                self._state[u] = "writing"
-                self._queue.append(("write", u))
-                self._cv.notify_all()
-            else:
-                self._state[u] = "disk"
-                self._give_back(u)
+        if self._state[u] != "resident" or u not in self._held:
+            raise RuntimeError(f"{self.name} unit {u} was not acquired")
+        self._held.discard(u)
+        if dirty:
+            self._submit("write", u, self._buffer[u])
+        self._drop(u)
+        self._reap()
+        self._schedule()
 
     # -- units read into and written from the caller's own buffers (the first
     # ``unit_nbytes[u]`` bytes of a page-aligned uint8 array, e.g. ``aligned_buffer``),
@@ -338,45 +325,44 @@ class StateFile:
         self._queue_external(u, buf, "write")
 
     def _queue_external(self, u, buf, kind):
-        with self._cv:
-            self._raise_pending()
-            self._idle_unit(u)
+        self._enter()
+        self._idle_unit(u)
+        if kind == "read":
             self._buffer[u] = buf
             self._external[u] = True
-            self._state[u] = "loading" if kind == "read" else "writing"
-            self._queue.append((kind, u))
-            self._cv.notify_all()
+            self._state[u] = "loading"
+        self._submit(kind, u, buf)
 
     def wait(self, u):
         """Wait until no read or write of unit ``u`` is queued or running."""
-        with self._cv:
-            t0 = time.perf_counter_ns()
-            while self._state[u] in ("loading", "writing"):
-                self._cv.wait()
-                self._raise_pending()
-            self.stats["read_wait_ns"] += time.perf_counter_ns() - t0
-            self._raise_pending()
+        if self._last[u] is not None:
+            self._wait_for(self._last[u], "read_wait_ns")
+        self._enter()
 
     def flush(self):
         """Wait until every write queued has reached the file, and drop the read-ahead."""
-        with self._cv:
-            self._wanted.clear()
-            t0 = time.perf_counter_ns()
-            while any(s == "writing" for s in self._state) or any(
-                    k == "write" for k, _ in self._queue):
-                self._cv.wait()
-            self.stats["buffer_wait_ns"] += time.perf_counter_ns() - t0
-            self._raise_pending()
+        self._wanted.clear()
+        self._enter()
+        for i in range(len(self._inflight) - 1, -1, -1):
+            if self._inflight[i][1] == "write":
+                self._wait_for(self._inflight[i][0], "buffer_wait_ns")
+                break
+        self._enter()
 
     def _idle_unit(self, u):
-        # Wait until nobody reads or writes unit u (lock held).
-        while self._state[u] in ("loading", "writing"):
-            self._cv.wait()
-        if self._state[u] == "resident" and u in self._held:
+        # No transfer of unit u queued and its bytes on disk (a read-ahead of it is
+        # dropped: it would go stale).
+        if u in self._held:
             raise RuntimeError(f"{self.name} unit {u} is acquired: release it first")
-        if self._state[u] == "resident":        # read ahead, not used: its bytes go stale
-            self._state[u] = "disk"
-            self._give_back(u)
+        if self._last[u] is not None:
+            self._wait_for(self._last[u], "buffer_wait_ns")
+            self._enter()
+        if self._state[u] != "disk":
+            self._drop(u)
+        try:
+            self._wanted.remove(u)
+        except ValueError:
+            pass
 
     def read_record(self, r, out=None, dtype=np.float32):
         """Record ``r`` read now (checked), into ``out`` if given."""
@@ -387,19 +373,18 @@ class StateFile:
         if view.nbytes != nbytes:
             raise ValueError(f"{self.name} record {r} holds {nbytes} bytes, out has "
                              f"{view.nbytes}")
-        with self._cv:
-            self._raise_pending()
-            self._idle_unit(self.unit_of[r])
-            expected = self.checksums[r]
-        if expected is None:
+        self._enter()
+        u = int(self.unit_of[r])
+        self._idle_unit(u)
+        i = r - self.units[u][0]
+        if not self._valid[u][i]:
             view[:] = 0
             return out
         # Records lie anywhere in a unit: through the page cache, not O_DIRECT.
-        self._pread(view, self.unit_offset[self.unit_of[r]] + self.record_offset[r], self.fd)
-        if checksum_bytes(view) != expected:
+        self._pread(view, self.unit_offset[u] + self.record_offset[r])
+        if checksum_bytes(view) != self._sums[u][i]:
             raise self._corrupt(r)
-        with self._lock:
-            self.stats["bytes_read"] += nbytes
+        self.stats["bytes_read"] += nbytes
         return out
 
     def write_record(self, r, data):
@@ -408,33 +393,65 @@ class StateFile:
         if view.nbytes != self.record_nbytes[r]:
             raise ValueError(f"{self.name} record {r} holds {self.record_nbytes[r]} bytes, "
                              f"got {view.nbytes}")
-        with self._cv:
-            self._raise_pending()
-            self._idle_unit(self.unit_of[r])
-        self._pwrite(view, self.unit_offset[self.unit_of[r]] + self.record_offset[r], self.fd)
-        with self._lock:
-            self.checksums[r] = checksum_bytes(view)
-            self.stats["bytes_written"] += view.nbytes
+        self._enter()
+        u = int(self.unit_of[r])
+        self._idle_unit(u)
+        self._pwrite(view, self.unit_offset[u] + self.record_offset[r])
+        i = r - self.units[u][0]
+        self._sums[u][i] = checksum_bytes(view)
+        self._valid[u][i] = 1
+        self.stats["bytes_written"] += view.nbytes
+
+    def _pread(self, view, offset):
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(5, f"{self.name} file {self.path!r}: unexpected end at offset "
+                                 f"{offset + done}")
+            done += n
+
+    def _pwrite(self, view, offset):
+        done = 0
+        while done < len(view):
+            try:
+                done += os.pwritev(self.fd, [view[done:]], offset + done)
+            except OSError as e:
+                raise SpillError(e.errno, f"cannot write the {self.name} file {self.path!r} at "
+                                 f"offset {offset + done}: {os.strerror(e.errno)}") from None
+
+    def _corrupt(self, r):
+        off = self.unit_offset[self.unit_of[r]] + self.record_offset[r]
+        return TapeCorruptionError(f"{self.name} file {self.path!r}: record {r} at offset "
+                                   f"{off} fails its checksum (the bytes read back are not "
+                                   f"those written)")
 
     def _corrupt_for_tests(self, r, byte=0):
         """Flip one byte of record ``r`` on disk (tests)."""
+        self._drain()
         off = self.unit_offset[self.unit_of[r]] + self.record_offset[r] + byte
         b = os.pread(self.fd, 1, off)
         os.pwrite(self.fd, bytes([b[0] ^ 0xFF]), off)
         os.fdatasync(self.fd)
 
     def close(self):
-        with self._cv:
-            if self._closed:
-                return
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join()
-        os.close(self.fd)
-        if self.dfd >= 0:
-            os.close(self.dfd)
-        self._free = []
-        self._buffer = [None] * len(self.units)
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            # Every queued transfer finishes before its descriptor closes.
+            while self._inflight:
+                req = self._inflight.popleft()[0]
+                if not req.done:
+                    req.wait()
+        finally:
+            os.close(self.fd)
+            if self.dfd >= 0:
+                os.close(self.dfd)
+            self._own_tape.close()
+            self.tape = None
+            self._free = []
+            self._buffer = [None] * len(self.units)
 
     def __del__(self):
         try:

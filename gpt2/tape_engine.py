@@ -120,6 +120,10 @@ class TapeEngine:
                            for l in range(self.config.n_layer)]
         self.ops = family_ops(self.config)
         self.last_forward_bytes = 0    # residual bytes saved by the last forward pass
+        if model.moments is not None:
+            # One disk queue: the offloaded state moves through this tape's I/O thread,
+            # beside the activations it spills (its stats count both).
+            model.moments.file.attach(self.optape.tape)
 
     def _ready(self, stage):
         # An offloaded AdamW update still pending updates each stage's parameters as the
@@ -189,4 +193,6 @@ class TapeEngine:
         return out
 
     def close(self):
+        if self.model.moments is not None and not self.optape.closed:
+            self.model.moments.file.detach()
         self.optape.close()

@@ -461,7 +461,8 @@ class TapeWatch:
     the time the forward pass waited on writes and the backward on reads, prefetch
     hits and misses; and the most bytes ever on disk and the spill file's largest size."""
     PER_STEP = ("bytes_written", "bytes_read", "io_wait_ns", "push_wait_ns",
-                "prefetch_hits", "prefetch_misses")
+                "prefetch_hits", "prefetch_misses", "state_bytes_read", "state_bytes_written",
+                "state_wait_ns")
 
     def __init__(self, model):
         self.model = model
@@ -498,7 +499,11 @@ class TapeWatch:
                 "io_wait_ms_per_step": per["io_wait_ns"] / 1e6,
                 "push_wait_ms_per_step": per["push_wait_ns"] / 1e6,
                 "prefetch_hits_per_step": per["prefetch_hits"],
-                "prefetch_misses_per_step": per["prefetch_misses"]}
+                "prefetch_misses_per_step": per["prefetch_misses"],
+                # offloaded model state through the same tape's I/O thread
+                "state_read_bytes_per_step": per["state_bytes_read"],
+                "state_written_bytes_per_step": per["state_bytes_written"],
+                "state_wait_ms_per_step": per["state_wait_ns"] / 1e6}
 
     def offload_summary(self):
         """The offloaded moments' traffic per step (after the first), or None."""

@@ -78,6 +78,39 @@ def test_a_corrupt_byte_is_named_by_file_and_offset(tmp_path):
         f.close()
 
 
+def test_units_move_through_the_attached_tapes_io_thread(tmp_path):
+    f = make_file(tmp_path)
+    tape = adtape.Tape(spill_dir=tmp_path, memory_budget=1 << 16)
+    try:
+        data = {r: np.full(n // 4, r, np.float32) for r, n in enumerate(f.record_nbytes)}
+        f.prefetch(range(len(f.units)))
+        for u, (a, b) in enumerate(f.units):
+            buf = f.acquire(u)
+            for r in range(a, b):
+                f.record_view(buf, r)[:] = data[r]
+            f.release(u)
+            if u == 0:
+                f.attach(tape)          # mid-stream: unit 0 on the file's own tape
+        # The tape spills its own slabs on the same queue meanwhile.
+        tape.push_array(np.arange(1 << 16, dtype=np.float64))
+        f.prefetch(range(len(f.units)))
+        for u, (a, b) in enumerate(f.units):
+            buf = f.acquire(u)
+            for r in range(a, b):
+                assert np.array_equal(f.record_view(buf, r), data[r])
+            f.release(u, dirty=False)
+        assert np.array_equal(tape.pop_array(), np.arange(1 << 16, dtype=np.float64))
+        s = tape.stats
+        assert s["state_bytes_written"] == sum(f.unit_nbytes[1:])
+        assert s["state_bytes_read"] == sum(f.unit_nbytes)
+        assert s["state_requests"] == 2 * len(f.units) - 1 and s["spills"] > 0
+        f.detach()
+    finally:
+        f.close()
+        tape.close()
+    assert os.listdir(tmp_path) == []
+
+
 def test_bad_layouts_and_a_closed_file_raise(tmp_path):
     with pytest.raises(ValueError, match="units"):
         StateFile([4, 4], [(0, 1)], spill_dir=tmp_path)
@@ -145,6 +178,28 @@ def offloaded_model(config, kind, tmp_path, small):
     model.set_params(arena)
     assert sum(len(u) for u in model.moments.mv_units.values()) > 3 * config.n_layer
     return model
+
+
+@pytest.mark.parametrize("kind", ["moments", "all"])
+def test_activations_and_state_share_the_engines_disk_queue(kind, tmp_path):
+    config = preset("tiny")
+    memory = GPT2(config, seed=1)
+    offloaded = offloaded_model(config, kind, tmp_path, small=True)
+    offloaded.tape_kwargs = dict(memory_budget=1 << 16, spill_dir=tmp_path)
+    try:
+        assert train(memory, 1) == train(offloaded, 1)
+        # (the initial parameters went to the file before the engine's tape existed)
+        stats0, state0 = offloaded.tape_stats, offloaded.moments.stats()
+        assert train(memory, 5, seed=1) == train(offloaded, 5, seed=1)
+        stats, state = offloaded.tape_stats, offloaded.moments.stats()
+        assert stats["spills"] > stats0["spills"] > 0                # activations
+        for tape_key, key in (("state_bytes_read", "bytes_read"),
+                              ("state_bytes_written", "bytes_written")):
+            assert stats[tape_key] - stats0[tape_key] == state[key] - state0[key] > 0
+    finally:
+        offloaded.close()
+        memory.close()
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("kind", ["moments", "all"])
@@ -231,7 +286,7 @@ def test_state_corrupted_on_disk_stops_the_next_step(kind, tmp_path):
         f.flush()
         # A record the next steps read from disk (not one read ahead into memory already).
         record = next(r for r in range(len(f.record_nbytes))
-                      if f._state[f.unit_of[r]] == "disk" and f.checksums[r] is not None)
+                      if f._state[f.unit_of[r]] == "disk" and f.written(r))
         f._corrupt_for_tests(record)
         with pytest.raises(TapeCorruptionError, match="(AdamW moments|model state) file .* offset"):
             train(model, 3)
