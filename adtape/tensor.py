@@ -4,15 +4,18 @@ A ``Tensor`` wraps a float32/float64 NumPy array.  An op computes its value
 eagerly and, when an input requires a gradient, appends a node to the graph of
 the active ``OpTape``: the primitive, where each input comes from (a node index,
 or a leaf), the input shapes, and the residuals its VJP rule needs.  Residual
-arrays computed by the program are copied into the byte tape
-(``adtape.Tape.push_array``), so under a ``memory_budget`` they spill to disk;
-the data of leaves and constants is kept by reference, since nothing rewrites
-it between the forward and the backward pass (the optimizer steps after).
+arrays computed by the program are copied into the byte tape (one raw record
+each, its shape and dtype kept on the node), so under a ``memory_budget`` they
+spill to disk; the data of leaves and constants is kept by reference, since
+nothing rewrites it between the forward and the backward pass (the optimizer
+steps after).
 
 ``backward()`` walks the node list from the end in a plain loop (no recursion,
 so a chain of 10^5 ops is fine), pops each node's residuals in mirror order of
 their pushes and calls the primitive's rule.  Rules come from a registry
-(``defvjp``, ``custom_vjp``); the built-in table is in ``adtape.vjps``.
+(``defvjp``, ``custom_vjp``); the built-in table is in ``adtape.vjps``.  The
+recording of a node and the reverse loop are C (``adtape._graph``): at small
+sizes they are most of an op's cost.
 """
 import contextlib
 import functools
@@ -20,7 +23,15 @@ import weakref
 
 import numpy as np
 
-from adtape import buffers as _buffers
+from adtape import _graph
+from adtape._graph import Graph as _Graph
+from adtape._graph import TensorBase
+from adtape._graph import constant as _constant
+from adtape._graph import deferred_zero as _deferred_zero
+from adtape._graph import record as _record
+from adtape._graph import state as _state
+from adtape._graph import take_deferred as _take_deferred
+from adtape._graph import unbroadcast as _unbroadcast
 from adtape._tape import Tape, TapeClosedError
 
 __all__ = ["Tensor", "OpTape", "Primitive", "primitive", "defvjp", "defvjp_accumulate",
@@ -28,18 +39,7 @@ __all__ = ["Tensor", "OpTape", "Primitive", "primitive", "defvjp", "defvjp_accum
            "tensor"]
 
 _ndarray = np.ndarray
-_ON_TAPE = object()          # marks a residual slot whose array lives on the byte tape
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-class _State:
-    """Process-wide recording state: the graph ops record into, and grad mode."""
-    __slots__ = ("graph", "enabled")
-
-
-_state = _State()
-_state.enabled = True
-_state.graph = None
 
 
 class Primitive:
@@ -196,54 +196,6 @@ class custom_vjp:
         return self.prim(*args, **kwargs)
 
 
-class _Graph:
-    """One recording: the node list over a byte tape, and the leaves it reads."""
-    __slots__ = ("nodes", "leaves", "tape", "owner", "freed", "child", "mark", "held",
-                 "held_ids", "held_bytes", "keep")
-
-    def __init__(self, tape, owner, mark=None):
-        self.nodes = []
-        self.leaves = []
-        self.tape = tape
-        self.owner = owner
-        self.freed = False
-        self.child = None
-        self.mark = mark
-        self.held = []          # residuals kept by reference and made read-only here
-        self.held_ids = set()   # id() of every array kept by reference (alive while kept)
-        self.held_bytes = 0     # bytes of the distinct arrays kept by reference
-        # > 0 while a transform records for a derivative of a derivative: nodes then keep
-        # their residual Tensors themselves (see _record), nothing goes on the byte tape.
-        self.keep = 0
-
-    def release(self):
-        """Make the residuals this graph held by reference writable again."""
-        for a in self.held:
-            try:
-                a.flags.writeable = True
-            except ValueError:      # its base was made read-only meanwhile
-                pass
-        self.held = []
-        self.held_ids = set()
-        self.held_bytes = 0
-
-    def adopt(self, t):
-        """Return the input reference of ``t``, a tensor not yet seen by this graph."""
-        if t._is_leaf:
-            t._graph = self
-            t._ref = ~len(self.leaves)
-            self.leaves.append(t)
-            return t._ref
-        if t._graph is not None and t._graph.freed:
-            raise RuntimeError(
-                "this tensor was computed in a graph that backward() already consumed; "
-                "use .detach() to take it as a constant, or pass retain_graph=True to backward()")
-        raise RuntimeError(
-            "this tensor was recorded in another graph (another OpTape, or outside the "
-            "function being differentiated or checkpointed); pass it in as an argument "
-            "or .detach() it")
-
-
 class OpTape:
     """An AD recording context: a byte ``Tape`` for residuals plus the node list.
 
@@ -395,14 +347,15 @@ def is_grad_enabled():
     return _state.enabled
 
 
-class Tensor:
+class Tensor(TensorBase):
     """A float32/float64 NumPy array that records the ops applied to it.
 
     ``requires_grad=True`` makes a leaf: gradients accumulate into ``.grad``
     (a NumPy array of the same shape and dtype; set it to a preallocated buffer
-    to have backward add into it in place).
+    to have backward add into it in place).  Its fields (``data``, ``grad``,
+    ``requires_grad``, ...) are those of ``adtape._graph.TensorBase``.
     """
-    __slots__ = ("data", "grad", "requires_grad", "_graph", "_ref", "_is_leaf", "__weakref__")
+    __slots__ = ()
 
     def __init__(self, data, requires_grad=False, dtype=None):
         if type(data) is Tensor:
@@ -551,18 +504,7 @@ class Tensor:
     # Operators and methods are bound to the primitives of adtape.vjps at import.
 
 
-def _constant(arr):
-    t = _new_tensor(Tensor)
-    t.data = arr
-    t.grad = None
-    t.requires_grad = False
-    t._graph = None
-    t._ref = None
-    t._is_leaf = True
-    return t
-
-
-_new_tensor = object.__new__
+_graph.bind(Tensor)
 
 
 def tensor(data, requires_grad=False, dtype=None):
@@ -570,208 +512,18 @@ def tensor(data, requires_grad=False, dtype=None):
     return Tensor(data, requires_grad=requires_grad, dtype=dtype)
 
 
-def _record(prim, out, inputs, res, kwargs):
-    """Append a node for ``prim`` and return its output tensor.
-
-    ``inputs``: the op's arguments (Tensors; anything else is a constant).
-    ``res``: residuals; a Tensor item means that input's array (kept by reference
-    for leaves and constants, pushed to the byte tape otherwise), an ndarray is
-    pushed, any other object is kept on the node as it is.
-    """
-    graph = _state.graph
-    if graph.freed:
-        if graph.owner.closed:
-            raise TapeClosedError(f"cannot record {prim.name!r}: the OpTape is closed")
-        graph = _reopen(graph)
-    refs = []
-    shapes = []
-    for t in inputs:
-        if type(t) is Tensor and t.requires_grad:
-            refs.append(t._ref if t._graph is graph else graph.adopt(t))
-            shapes.append(t.data.shape)
-        else:
-            refs.append(None)
-            shapes.append(None)
-    n_tape = 0
-    if graph.keep:
-        return _record_keeping(graph, prim, out, refs, shapes, res, kwargs)
-    if res:
-        push = graph.tape.push_array
-        by_reference = graph.owner.by_reference
-        kept = []
-        for r in res:
-            tr = type(r)
-            if tr is Tensor:
-                if r._is_leaf:
-                    kept.append(r.data)
-                    continue
-                r = r.data
-                tr = _ndarray
-            if tr is _ndarray:
-                if by_reference:
-                    if r.flags.writeable:
-                        r.flags.writeable = False
-                        graph.held.append(r)
-                    # An array two ops save (attention's output is also the projection's
-                    # input) is counted once, read-only or not.
-                    if id(r) not in graph.held_ids:
-                        graph.held_ids.add(id(r))
-                        graph.held_bytes += r.nbytes
-                    kept.append(r)
-                else:
-                    push(r)
-                    kept.append(_ON_TAPE)
-                    n_tape += 1
-            else:
-                kept.append(r)
-        kept = tuple(kept)
-    else:
-        kept = ()
-    nodes = graph.nodes
-    t = _new_tensor(Tensor)
-    t.data = out
-    t.grad = None
-    t.requires_grad = True
-    t._graph = graph
-    t._ref = len(nodes)
-    t._is_leaf = False
-    nodes.append((prim, refs, shapes, kept, n_tape, kwargs))
-    return t
-
-
-def _record_keeping(graph, prim, out, refs, shapes, res, kwargs):
-    """``_record`` for a graph that a derivative of a derivative will sweep: the node
-    keeps its residual Tensors (so the rules see them connected to the graph) and the
-    output's array as the output Tensor; ``n_tape`` -1 marks such a node."""
-    nodes = graph.nodes
-    t = _new_tensor(Tensor)
-    t.data = out
-    t.grad = None
-    t.requires_grad = True
-    t._graph = graph
-    t._ref = len(nodes)
-    t._is_leaf = False
-    kept = tuple(t if r is out else r for r in res) if res else ()
-    nodes.append((prim, refs, shapes, kept, -1, kwargs))
-    return t
-
-
-def _reopen(graph):
-    """The current graph was swept: recording goes on in a fresh root graph."""
-    owner = graph.owner
-    if graph is owner.graph:
-        owner._fresh_root()
-        return owner.graph
-    raise RuntimeError("cannot record into a nested graph that was already swept")
-
-
-def _unbroadcast(r, shape):
-    """Sum a gradient of a broadcast result down to the input's shape."""
-    extra = r.ndim - len(shape)
-    if extra > 0:
-        r = r.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and r.shape[i] != 1)
-    if axes:
-        r = r.sum(axis=axes, keepdims=True)
-    if r.shape != shape:
-        raise ValueError(f"gradient of shape {r.shape} does not match its input's shape {shape}")
-    return r
-
-
 def sweep(graph, seed_ref, seed, retain_graph=False):
     """The reverse pass over ``graph``: seed node ``seed_ref`` with ``seed``, pop
-    every node's residuals (mirror order of the pushes) and apply its rule."""
-    nodes = graph.nodes
-    leaves = graph.leaves
+    every node's residuals (mirror order of the pushes) and apply its rule
+    (``adtape._graph.sweep_nodes``)."""
     tape = graph.tape
-    pop = tape.pop_array
     parked = graph.owner.new_scratch_tape() if retain_graph else None
-    n = len(nodes)
-    grads = [None] * n
-    owned = bytearray(n)
-    grads[seed_ref] = seed
-    hooks_at = _grad_hooks_by_node(nodes, leaves) if _grad_hooks else None
+    hooks_at = _grad_hooks_by_node(graph.nodes, graph.leaves) if _grad_hooks else None
     enabled = _state.enabled
     _state.enabled = False
     try:
-        for i in range(n - 1, -1, -1):
-            prim, refs, shapes, kept, n_tape, kwargs = nodes[i]
-            if n_tape == 1:
-                popped = [pop()]
-            elif n_tape > 1:
-                popped = [pop() for _ in range(n_tape)]
-            if n_tape > 0 and parked is not None:
-                for a in popped:
-                    parked.push_array(a)
-            g = grads[i]
-            if g is None:
-                if hooks_at is not None and i in hooks_at:
-                    _fire_grad_hooks(hooks_at[i])
-                continue
-            grads[i] = None
-            if not n_tape:
-                res = kept
-            elif n_tape < 0:
-                res = [r.data if type(r) is Tensor else r for r in kept]
-            elif n_tape == len(kept):
-                popped.reverse()
-                res = popped
-            else:
-                it = reversed(popped)
-                res = [next(it) if r is _ON_TAPE else r for r in kept]
-            vjps = prim.vjps
-            if vjps is not None:
-                for j, ref in enumerate(refs):
-                    if ref is None:
-                        continue
-                    pullback = vjps[j]
-                    if pullback is None:
-                        raise prim.missing_rule(j)
-                    r = pullback(g, *res, **kwargs) if kwargs else pullback(g, *res)
-                    if (ref >= 0 and grads[ref] is None and type(r) is _ndarray
-                            and r.shape == shapes[j]):
-                        grads[ref] = r
-                    else:
-                        _accumulate(grads, owned, leaves, ref, r, shapes[j])
-            elif prim.bwd_overwrite:
-                dests = []
-                fresh = []
-                for j, ref in enumerate(refs):
-                    if ref is None:
-                        dests.append(None)
-                        fresh.append(False)
-                    else:
-                        d, f = _dest_fresh(grads, owned, leaves, ref, shapes[j], g.dtype)
-                        dests.append(d)
-                        fresh.append(f)
-                if kwargs:
-                    prim.bwd_acc(g, dests, fresh, *res, **kwargs)
-                else:
-                    prim.bwd_acc(g, dests, fresh, *res)
-            elif prim.bwd_acc is not None:
-                dests = [None if ref is None else _dest(grads, owned, leaves, ref, shapes[j], g.dtype)
-                         for j, ref in enumerate(refs)]
-                if kwargs:
-                    prim.bwd_acc(g, dests, *res, **kwargs)
-                else:
-                    prim.bwd_acc(g, dests, *res)
-            elif prim.bwd is not None:
-                out = prim.bwd(tuple(res), g)
-                if not isinstance(out, (tuple, list)) or len(out) != len(refs):
-                    raise TypeError(f"the VJP of {prim.name!r} must return a tuple of "
-                                    f"{len(refs)} gradients, got {out!r:.80}")
-                for j, ref in enumerate(refs):
-                    if ref is None:
-                        continue
-                    if out[j] is None:
-                        raise prim.missing_rule(j)
-                    _accumulate(grads, owned, leaves, ref, np.asarray(out[j]), shapes[j])
-            else:
-                for j, ref in enumerate(refs):
-                    if ref is not None:
-                        raise prim.missing_rule(j)
-            if hooks_at is not None and i in hooks_at:
-                _fire_grad_hooks(hooks_at[i])
+        parked_saved = _graph.sweep_nodes(graph, seed_ref, seed, parked, hooks_at,
+                                          _fire_grad_hooks)
     except BaseException:
         # A failed sweep leaves the tape part-popped: drop what this graph owns (a nested
         # graph's records are dropped by nested_graph, which rewinds to its mark).
@@ -788,8 +540,9 @@ def sweep(graph, seed_ref, seed, retain_graph=False):
     finally:
         _state.enabled = enabled
     if parked is not None:
-        while len(parked):
-            tape.push_array(parked.pop_array())
+        # Back onto the tape in the order they were first pushed.
+        for saved in reversed(parked_saved):
+            _graph.push_array(tape, _graph.pop_array(parked, saved))
         parked.close()
         return
     graph.freed = True
@@ -914,93 +667,6 @@ def _fire_grad_hooks(due):
             leaf.grad[...] = 0
         for hook in tuple(_grad_hooks.get(leaf, ())):
             hook(leaf, remaining)
-
-
-def _accumulate(grads, owned, leaves, ref, r, shape):
-    if type(r) is not _ndarray:
-        r = np.asarray(r)
-    if r.shape != shape:
-        r = _unbroadcast(r, shape)
-    if ref >= 0:
-        cur = grads[ref]
-        if cur is None:
-            grads[ref] = r
-        elif owned[ref]:
-            cur += r
-        else:
-            s = cur + r
-            if type(s) is _ndarray:
-                owned[ref] = 1
-            else:
-                s = np.asarray(s)
-            grads[ref] = s
-    else:
-        leaf = leaves[~ref]
-        lg = leaf.grad
-        if lg is None:
-            leaf.grad = np.array(r, dtype=leaf.data.dtype, copy=True)
-        elif _deferred_zero and _take_deferred(leaf):
-            lg[...] = r
-        else:
-            lg += r
-
-
-def _dest(grads, owned, leaves, ref, shape, dtype):
-    """A buffer this sweep owns that the accumulating rule may add into."""
-    if ref >= 0:
-        cur = grads[ref]
-        if cur is None:
-            cur = _buffers.zeros(shape, dtype)
-        elif not owned[ref]:
-            cur = np.array(cur, dtype=dtype, copy=True)
-        else:
-            return cur
-        grads[ref] = cur
-        owned[ref] = 1
-        return cur
-    leaf = leaves[~ref]
-    if leaf.grad is None:
-        leaf.grad = _buffers.zeros(leaf.data.shape, leaf.data.dtype)
-    elif _deferred_zero and _take_deferred(leaf):
-        leaf.grad[...] = 0
-    return leaf.grad
-
-
-def _dest_fresh(grads, owned, leaves, ref, shape, dtype):
-    """``(buffer, fresh)`` for an overwriting rule: like ``_dest``, but a buffer that
-    holds no gradient yet comes back uninitialised with ``fresh`` true."""
-    if ref >= 0:
-        cur = grads[ref]
-        if cur is None:
-            cur = _buffers.empty(shape, dtype)
-            grads[ref] = cur
-            owned[ref] = 1
-            return cur, True
-        if not owned[ref]:
-            cur = np.array(cur, dtype=dtype, copy=True)
-            grads[ref] = cur
-            owned[ref] = 1
-        return cur, False
-    leaf = leaves[~ref]
-    if leaf.grad is None:
-        leaf.grad = _buffers.empty(leaf.data.shape, leaf.data.dtype)
-        return leaf.grad, True
-    if _deferred_zero and _take_deferred(leaf):
-        return leaf.grad, True
-    return leaf.grad, False
-
-
-# Leaves whose gradient counts as zero until the next backward writes it
-# (Tensor.zero_grad(deferred=True)).
-_deferred_zero = weakref.WeakSet()
-
-
-def _take_deferred(leaf):
-    """True (once) if ``leaf``'s gradient awaited a deferred zero."""
-    if leaf in _deferred_zero:
-        _deferred_zero.discard(leaf)
-        return True
-    return False
 
 
 def apply_deferred_zero(tensors):
