@@ -129,6 +129,7 @@ class StateFile:
         self._buffer = [None] * len(units)       # the pool buffer of a loading/resident unit
         self._external = [False] * len(units)     # loading into the caller's buffer
         self._last = [None] * len(units)          # the unit's latest transfer
+        self._last_read = [None] * len(units)     # and its latest read
         self._held = set()                        # units acquired and not yet released
         self._wanted = collections.deque()        # units to read ahead, in order
         self._inflight = collections.deque()      # (request, kind, unit), in queue order
@@ -173,6 +174,8 @@ class StateFile:
                                       self._rec_off[u], self._rec_len[u], self._sums[u],
                                       self._valid[u].copy())
         self._last[u] = req
+        if kind == "read":
+            self._last_read[u] = req
         self._inflight.append((req, kind, u))
         return req
 
@@ -205,6 +208,8 @@ class StateFile:
                     self._state[u] = "resident"
             if self._last[u] is req:
                 self._last[u] = None
+            if self._last_read[u] is req:
+                self._last_read[u] = None
 
     def _wait_for(self, req, counter):
         if not req.done:
@@ -333,10 +338,13 @@ class StateFile:
             self._state[u] = "loading"
         self._submit(kind, u, buf)
 
-    def wait(self, u):
-        """Wait until no read or write of unit ``u`` is queued or running."""
-        if self._last[u] is not None:
-            self._wait_for(self._last[u], "read_wait_ns")
+    def wait(self, u, writes=True):
+        """Wait until no read or write of unit ``u`` is queued or running (``writes``
+        False: no read; a write behind may still run, from a buffer that must not
+        change until it has)."""
+        req = self._last[u] if writes else self._last_read[u]
+        if req is not None:
+            self._wait_for(req, "read_wait_ns")
         self._enter()
 
     def flush(self):

@@ -396,7 +396,10 @@ class FullOffload:
             self.file.read_into(self.p_unit[l], self.slot_p[s])
             self.slot_layer[s] = l
         if wait:
-            self.file.wait(self.p_unit[l])
+            # Read in; the write behind of an update that just ran in the slot may still
+            # be going (the forward pass only reads the parameters, and the slot's next
+            # read is queued behind that write).
+            self.file.wait(self.p_unit[l], writes=False)
 
     def _prefetch_params(self, l):
         if 0 <= l < self.n_layer:
