@@ -405,7 +405,10 @@ def main(argv=None):
         base_ms = [r["ms"] for r in baseline if "ms" in r]
         base_losses = next((r["losses"] for r in baseline if "losses" in r), None)
         if baseline:
-            first = dict(baseline[0])
+            # (the first run that finished: a failed one keeps its error in the log)
+            first = dict(next((r for r in baseline if "ms" in r), baseline[0]))
+            for failed in (r for r in baseline if "ms" not in r):
+                print(f"  memory run failed: {failed.get('error')}", file=sys.stderr)
             if base_ms:
                 first["ms"] = statistics.median(base_ms)
                 first["baseline_ms_runs"] = base_ms
