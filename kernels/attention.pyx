@@ -59,11 +59,9 @@ from libc.stdlib cimport free, malloc
 
 from kernels._openmp cimport omp_get_thread_num_safe
 from kernels.layers cimport (check_disjoint, checked_data, float_type, lanes_wide,
-                             resolve_threads)
+                             overwrite_flags, resolve_threads)
 
 import numpy as np
-
-from kernels.layers import overwrite_flags
 
 cnp.import_array()
 

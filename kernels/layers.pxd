@@ -127,6 +127,8 @@ cdef Py_ssize_t leading_size(object arr) noexcept
 # float32 (checked_data then names any other dtype).
 cdef int float_type(object arr) noexcept
 cdef int resolve_threads(object n_threads) except -1
+# ``overwrite`` (a bool, or one bool per name) as a tuple of bools, one per output name.
+cpdef tuple overwrite_flags(overwrite, tuple names)
 cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept
 
 # Whether the element-wise and row kernels (layers, loss, attention) run their

@@ -312,6 +312,12 @@ cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept:
     return nt
 
 
+# SERIAL: on one thread a core runs its tasks in a plain loop, the same tasks in the
+# same order as its prange (so the same bits), without entering a parallel region:
+# libgomp's team set-up and barrier for a team of one cost about 0.4 us a call (2-core
+# Xeon), more than the arithmetic of a 4x4 layernorm or GELU.
+
+
 cdef int float_type(object arr) noexcept:
     if isinstance(arr, np.ndarray) and arr.dtype == np.float64:
         return cnp.NPY_FLOAT64
@@ -436,19 +442,26 @@ cdef Py_ssize_t _check_pointwise(tuple outputs, tuple inputs, int ft,
     return first.size
 
 
-def overwrite_flags(overwrite, names):
+cpdef tuple overwrite_flags(overwrite, tuple names):
     """``overwrite`` for outputs ``names`` as a tuple of bools.
 
     A backward kernel adds its result into each gradient output, unless that output
     is flagged: then it writes the result over it (the buffer may hold anything, e.g.
     ``np.empty``), which saves zeroing it first and reading it back."""
+    if type(overwrite) is tuple and len(<tuple>overwrite) == len(names):
+        # The AD runtime's form, one bool per output: taken as it is.
+        for f in <tuple>overwrite:
+            if f is not True and f is not False:
+                break
+        else:
+            return <tuple>overwrite
     if isinstance(overwrite, (bool, np.bool_)):
         return (bool(overwrite),) * len(names)
     flags = tuple(overwrite)
-    if len(flags) != len(names) or not all(isinstance(f, (bool, np.bool_)) for f in flags):
+    if len(flags) != len(names) or not all([isinstance(f, (bool, np.bool_)) for f in flags]):
         raise ValueError(f"overwrite must be a bool or {len(names)} bools (for "
                          f"{', '.join(names)}), got {overwrite!r}")
-    return tuple(bool(f) for f in flags)
+    return tuple([bool(f) for f in flags])
 
 
 cdef extern from *:
@@ -679,6 +692,11 @@ cdef void layernorm_forward_core(float* out, float* mean, float* rstd, const flo
     cdef Py_ssize_t k, n_tasks = (N + LAYERNORM_ROWS_PER_TASK - 1) // LAYERNORM_ROWS_PER_TASK
     cdef int kind = lanes_kind()
     cdef bint stream = use_stream(out, 2 * N * C * sizeof(float), C)
+    if n_threads == 1:      # the same tasks, no parallel region (see SERIAL)
+        for k in range(n_tasks):
+            ln_forward_rows(kind, out, mean, rstd, inp, weight, bias, k * LAYERNORM_ROWS_PER_TASK,
+                            min(N, (k + 1) * LAYERNORM_ROWS_PER_TASK), C, stream)
+        return
     for k in prange(n_tasks, schedule='static', nogil=True, num_threads=n_threads):
         ln_forward_rows(kind, out, mean, rstd, inp, weight, bias, k * LAYERNORM_ROWS_PER_TASK,
                         min(N, (k + 1) * LAYERNORM_ROWS_PER_TASK), C, stream)
@@ -720,6 +738,15 @@ cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, cons
     cdef float* parts_b = parts + n_blocks * C
     cdef Py_ssize_t blk, s, c0, c1
     cdef int kind = lanes_kind()
+    if n_threads == 1:      # the same blocks and sums, no parallel region (see SERIAL)
+        for blk in range(n_blocks):
+            ln_backward_rows(kind, dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
+                             mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C,
+                             ow_dinp)
+        _reduce_blocks(dweight, parts, n_blocks, C, 0, C, ow_dweight)
+        _reduce_blocks(dbias, parts_b, n_blocks, C, 0, C, ow_dbias)
+        free(parts)
+        return 0
     for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
         ln_backward_rows(kind, dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
                          mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C, ow_dinp)
@@ -848,6 +875,11 @@ cdef void gelu_forward_core(float* out, const float* inp, Py_ssize_t n, int n_th
     cdef Py_ssize_t k
     cdef int kind = lanes_kind()
     cdef bint stream = use_stream(out, 2 * n * sizeof(float), CHUNK)
+    if n_threads == 1:      # no parallel region (see SERIAL)
+        for k in range((n + CHUNK - 1) // CHUNK):
+            _gelu_forward_span(kind, out + k * CHUNK, inp + k * CHUNK,
+                               min(<Py_ssize_t>CHUNK, n - k * CHUNK), stream)
+        return
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
         _gelu_forward_span(kind, out + k * CHUNK, inp + k * CHUNK,
                            min(<Py_ssize_t>CHUNK, n - k * CHUNK), stream)
@@ -857,6 +889,11 @@ cdef void gelu_backward_core(float* dinp, const float* inp, const float* dout, P
                              int n_threads, bint overwrite) noexcept nogil:
     cdef Py_ssize_t k
     cdef int kind = lanes_kind()
+    if n_threads == 1:      # no parallel region (see SERIAL)
+        for k in range((n + CHUNK - 1) // CHUNK):
+            _gelu_backward_span(kind, dinp + k * CHUNK, inp + k * CHUNK, dout + k * CHUNK,
+                                min(<Py_ssize_t>CHUNK, n - k * CHUNK), overwrite)
+        return
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
         _gelu_backward_span(kind, dinp + k * CHUNK, inp + k * CHUNK, dout + k * CHUNK,
                             min(<Py_ssize_t>CHUNK, n - k * CHUNK), overwrite)
@@ -931,6 +968,11 @@ cdef void residual_forward_core(float* out, const float* inp1, const float* inp2
     cdef Py_ssize_t k
     cdef int kind = lanes_kind()
     cdef bint stream = use_stream(out, 3 * n * sizeof(float), CHUNK)
+    if n_threads == 1:      # no parallel region (see SERIAL)
+        for k in range((n + CHUNK - 1) // CHUNK):
+            add_span(kind, out + k * CHUNK, inp1 + k * CHUNK, inp2 + k * CHUNK,
+                     min(<Py_ssize_t>CHUNK, n - k * CHUNK), stream)
+        return
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
         add_span(kind, out + k * CHUNK, inp1 + k * CHUNK, inp2 + k * CHUNK,
                  min(<Py_ssize_t>CHUNK, n - k * CHUNK), stream)
@@ -941,6 +983,11 @@ cdef void residual_backward_core(float* dinp1, float* dinp2, const float* dout, 
     # One pass: each vector of dout is read once for both outputs.
     cdef Py_ssize_t k
     cdef int kind = lanes_kind()
+    if n_threads == 1:      # no parallel region (see SERIAL)
+        for k in range((n + CHUNK - 1) // CHUNK):
+            add_to_both_span(kind, dinp1 + k * CHUNK, dinp2 + k * CHUNK, dout + k * CHUNK,
+                             min(<Py_ssize_t>CHUNK, n - k * CHUNK), ow1, ow2, True)
+        return
     for k in prange((n + CHUNK - 1) // CHUNK, schedule='static', nogil=True, num_threads=n_threads):
         add_to_both_span(kind, dinp1 + k * CHUNK, dinp2 + k * CHUNK, dout + k * CHUNK,
                          min(<Py_ssize_t>CHUNK, n - k * CHUNK), ow1, ow2, True)

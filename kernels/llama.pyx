@@ -33,9 +33,7 @@ cimport numpy as cnp
 from cython cimport floating
 
 from kernels.layers cimport (check_disjoint, checked_data, float_type, lanes_kind,
-                             leading_size, resolve_threads, serial_if_small)
-
-from kernels.layers import overwrite_flags
+                             leading_size, overwrite_flags, resolve_threads, serial_if_small)
 
 cnp.import_array()
 

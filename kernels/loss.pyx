@@ -82,6 +82,12 @@ cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const flo
     # by pairs of rows (and a last one alone when N is odd)
     cdef Py_ssize_t p, r
     cdef int kind = lanes_kind()
+    if n_threads == 1:      # the same pairs, no parallel region (kernels.layers' SERIAL)
+        for p in range((N + 1) // 2):
+            r = 2 * p
+            _rows_forward(kind, losses + r, lse + r, logits + r * Vp, targets + r, V, Vp,
+                          2 if r + 1 < N else 1)
+        return
     for p in prange((N + 1) // 2, schedule='static', nogil=True, num_threads=n_threads):
         r = 2 * p
         _rows_forward(kind, losses + r, lse + r, logits + r * Vp, targets + r, V, Vp,
@@ -94,6 +100,12 @@ cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosse
                                              Py_ssize_t Vp, int n_threads) noexcept nogil:
     cdef Py_ssize_t r
     cdef int kind = lanes_kind()
+    if n_threads == 1:      # no parallel region (kernels.layers' SERIAL)
+        for r in range(N):
+            ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp,
+                            0)
+            dlogits[r * Vp + targets[r]] -= dlosses[r]
+        return
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
         ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 0)
         dlogits[r * Vp + targets[r]] -= dlosses[r]
@@ -107,6 +119,12 @@ cdef void softmax_crossentropy_backward_overwrite_core(float* dlogits, const flo
     # dlogits written, not added into (it may be logits itself), padding set to 0
     cdef Py_ssize_t r
     cdef int kind = lanes_kind()
+    if n_threads == 1:      # no parallel region (kernels.layers' SERIAL)
+        for r in range(N):
+            ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp,
+                            1)
+            dlogits[r * Vp + targets[r]] -= dlosses[r]
+        return
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
         ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 1)
         dlogits[r * Vp + targets[r]] -= dlosses[r]

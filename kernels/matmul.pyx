@@ -17,11 +17,10 @@ from cython.parallel cimport prange
 from libc.stdlib cimport calloc, free
 
 from kernels.gemm cimport gemm
-from kernels.layers cimport check_disjoint, checked_data, float_type, resolve_threads
+from kernels.layers cimport (check_disjoint, checked_data, float_type, overwrite_flags,
+                             resolve_threads)
 
 import numpy as np
-
-from kernels.layers import overwrite_flags
 
 cnp.import_array()
 
