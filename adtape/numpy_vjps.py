@@ -339,20 +339,23 @@ def _cumsum_rule(g, ans, x, axis=None):
 
 
 def _cumprod_rule(g, ans, x, axis=None):
-    """``revcumsum(g * ans) / x``; exact at zeros (one cumprod per position)."""
+    """``revcumsum(g * ans) / x``; exact at zeros."""
     if axis is None:
         return np.reshape(_cumprod_rule(g, ans, np.reshape(x, (-1,)), 0), np.shape(x))
     if _no_zeros(x):
         return _cumulative(_cumsum, g * ans, axis) / x
-    # d ans_j / d x_k = prod_{i <= j, i != k} x_i for j >= k: one cumprod per k.
-    n = np.shape(x)[axis]
-    positions = np.arange(n).reshape((n,) + (1,) * (np.ndim(x) - 1 - axis % np.ndim(x)))
-    columns = []
-    for k in range(n):
-        one_hot = positions == k
-        partial = _cumprod(x * ~one_hot + one_hot, axis=axis)
-        columns.append(np.sum(g * partial * (positions >= k), axis=axis))
-    return np.stack(columns, axis=axis)
+    # d ans_j / d x_k = prod_{i <= j, i != k} x_i for j >= k.  Along each lane, ans is zero
+    # from the first zero x_z on, so the formula above is exact before z; at z the
+    # gradient is sum_{j >= z} g_j prod_{i <= j, i != z} x_i, the cumulative product with
+    # x_z taken as 1; after z every product holds x_z: zero.
+    zero = _value(x) == 0
+    count = np.add.accumulate(zero, axis=axis)
+    before = count == 0
+    first = zero & (count == 1)
+    with_one = _cumprod(np.where(first, 1, x), axis=axis)
+    at_first = np.sum(np.where(before, 0, g * with_one), axis=axis, keepdims=True)
+    prefix = _cumulative(_cumsum, g * ans, axis) / np.where(before, x, 1)
+    return np.where(before, prefix, np.where(first, at_first, 0))
 
 
 CUMSUM = _def("cumsum", ("a",), _cumsum, _cumsum_rule)

@@ -90,27 +90,45 @@ cdef void backward_core(floating* dx, const floating* g, const floating* y, Py_s
 cdef Py_ssize_t check(tuple outputs, tuple inputs) except -1:
     """Every array a C-contiguous float32/float64 ndarray of one shape and dtype (at least
     1-d); outputs writable and not overlapping the inputs.  Returns the row length."""
+    # Through NumPy's C API: at a few rows the Python attribute reads (dtype, flags,
+    # may_share_memory) cost more than the kernel.
+    cdef cnp.ndarray arr, out, other, first_arr
+    cdef int typenum
+    cdef char* lo
+    cdef char* other_lo
     first_name, first = outputs[0]
     for name, a in outputs + inputs:
         if type(a) is not np.ndarray:
             raise TypeError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
-        if a.dtype != np.float32 and a.dtype != np.float64:
+        arr = <cnp.ndarray>a
+        typenum = cnp.PyArray_TYPE(arr)
+        if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
             raise TypeError(f"{name} must be float32 or float64, got {a.dtype}")
-        if not a.flags.c_contiguous:
+        if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
             raise ValueError(f"{name} must be C-contiguous")
-        if a.dtype != first.dtype:
+    first_arr = <cnp.ndarray>first
+    for name, a in outputs + inputs:
+        arr = <cnp.ndarray>a
+        if cnp.PyArray_TYPE(arr) != cnp.PyArray_TYPE(first_arr):
             raise TypeError(f"{name} is {a.dtype} but {first_name} is {first.dtype}")
-        if a.shape != first.shape:
+        if not cnp.PyArray_SAMESHAPE(arr, first_arr):
             raise ValueError(f"{name} has shape {a.shape} but {first_name} has {first.shape}")
-    if first.ndim == 0:
+    if cnp.PyArray_NDIM(first_arr) == 0:
         raise ValueError(f"{first_name} must have at least one axis, got a 0-d array")
     for name, a in outputs:
-        if not a.flags.writeable:
+        out = <cnp.ndarray>a
+        if not cnp.PyArray_ISWRITEABLE(out):
             raise ValueError(f"{name} must be writable")
+        lo = <char*>cnp.PyArray_DATA(out)
         for other_name, b in inputs:
-            if np.may_share_memory(a, b):   # exact for C-contiguous arrays
+            other = <cnp.ndarray>b
+            other_lo = <char*>cnp.PyArray_DATA(other)
+            # C-contiguous: each spans [data, data + nbytes), so bounds are exact.
+            if (cnp.PyArray_NBYTES(out) and cnp.PyArray_NBYTES(other)
+                    and lo < other_lo + cnp.PyArray_NBYTES(other)
+                    and other_lo < lo + cnp.PyArray_NBYTES(out)):
                 raise ValueError(f"{name} must not overlap {other_name}")
-    return first.shape[first.ndim - 1]
+    return cnp.PyArray_DIM(first_arr, cnp.PyArray_NDIM(first_arr) - 1)
 
 
 cdef int threads_for(object n_threads, Py_ssize_t size) except -1:
@@ -124,7 +142,7 @@ cdef int threads_for(object n_threads, Py_ssize_t size) except -1:
 def softmax_forward(out, x, *, log=False, n_threads=None):
     """out = softmax(x) over the last axis (``log``: log-softmax)."""
     cdef Py_ssize_t n = check((("out", out),), (("x", x),))
-    cdef Py_ssize_t size = x.size
+    cdef Py_ssize_t size = cnp.PyArray_SIZE(<cnp.ndarray>x)
     cdef int nt = threads_for(n_threads, size)
     cdef Py_ssize_t rows = size // n if n else 0
     cdef bint lg = bool(log)
@@ -132,7 +150,7 @@ def softmax_forward(out, x, *, log=False, n_threads=None):
     cdef const void* px = cnp.PyArray_DATA(<cnp.ndarray>x)
     if rows == 0:
         return
-    if x.dtype == np.float32:
+    if cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT32:
         with nogil:
             forward_core(<float*>po, <const float*>px, rows, n, lg, nt)
     else:
@@ -144,7 +162,7 @@ def softmax_backward(dx, g, y, *, log=False, n_threads=None):
     """dx = the gradient of softmax (``log``: log-softmax) over the last axis, from the
     output's gradient ``g`` and the forward output ``y``.  Writes dx."""
     cdef Py_ssize_t n = check((("dx", dx),), (("g", g), ("y", y)))
-    cdef Py_ssize_t size = g.size
+    cdef Py_ssize_t size = cnp.PyArray_SIZE(<cnp.ndarray>g)
     cdef int nt = threads_for(n_threads, size)
     cdef Py_ssize_t rows = size // n if n else 0
     cdef bint lg = bool(log)
@@ -153,7 +171,7 @@ def softmax_backward(dx, g, y, *, log=False, n_threads=None):
     cdef const void* py = cnp.PyArray_DATA(<cnp.ndarray>y)
     if rows == 0:
         return
-    if g.dtype == np.float32:
+    if cnp.PyArray_TYPE(<cnp.ndarray>g) == cnp.NPY_FLOAT32:
         with nogil:
             backward_core(<float*>pd, <const float*>pg, <const float*>py, rows, n, lg, nt)
     else:

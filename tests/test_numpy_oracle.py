@@ -87,6 +87,7 @@ def _svd_summary_torch(a):
 
 
 T = torch
+_CUMPROD_MASK = np.array([[0, 1, 1], [1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 1, 1]], bool)
 CASES = [
     *ew("sin", anp.sin, T.sin), *ew("cos", anp.cos, T.cos), *ew("tan", anp.tan, T.tan, "u"),
     *ew("arcsin", anp.arcsin, T.asin, "u"), *ew("arccos", anp.arccos, T.acos, "u"),
@@ -199,6 +200,9 @@ CASES = [
     Case("cumprod_zeros", lambda x: anp.cumprod(x * (np.arange(4) != 1), axis=-1),
          lambda x: T.cumprod(x * T.tensor([1.0, 0.0, 1.0, 1.0], dtype=T.float64), -1),
          ((2, 4), "r")),
+    # Lanes with two zeros (one first in the lane), one zero, one zero last.
+    Case("cumprod_zeros_lanes", lambda x: anp.cumprod(x * _CUMPROD_MASK, axis=0),
+         lambda x: T.cumprod(x * T.tensor(_CUMPROD_MASK, dtype=T.float64), 0), ((5, 3), "r")),
     Case("softmax", anp.softmax, lambda x: T.softmax(x, -1), ((3, 4), "r")),
     Case("softmax_axis0", lambda x: anp.softmax(x, axis=0), lambda x: T.softmax(x, 0),
          ((3, 4), "r")),
