@@ -24,6 +24,7 @@ gradient flows through what is computed from it.
 """
 import builtins
 import inspect
+import math
 import sys
 import types
 
@@ -550,8 +551,7 @@ def stack(arrays, axis=0):
                          f"{sorted(shapes)}")
     shape, = shapes
     ax = _normalize_axes(axis, len(shape) + 1, "stack")[0]
-    target = shape[:ax] + (1,) + shape[ax:]
-    return _t.CONCATENATE(*[_ops.reshape(a, target) for a in arrays], axis=ax)
+    return _t.STACK(*arrays, axis=ax)
 
 
 def hstack(tup):
@@ -725,7 +725,7 @@ def triu(m, k=0):
 
 def diagonal(a, offset=0, axis1=0, axis2=1):
     return _fast.DIAGONAL(a, offset=offset, axis1=axis1, axis2=axis2,
-                          shape=np.shape(_data(a)))
+                          shape=a.data.shape if type(a) is Tensor else np.shape(a))
 
 
 def trace(a, offset=0, axis1=0, axis2=1):
@@ -782,11 +782,24 @@ def tensordot(a, b, axes=2):
                          f"{sb} axes {axes_b}")
     free_a = [i for i in range(len(sa)) if i not in axes_a]
     free_b = [i for i in range(len(sb)) if i not in axes_b]
-    k = int(np.prod([sa[i] for i in axes_a]))
-    left = _ops.reshape(_ops.transpose(a, tuple(free_a + axes_a)), (-1, k))
-    right = _ops.reshape(_ops.transpose(b, tuple(axes_b + free_b)), (k, -1))
-    return _ops.reshape(_ops.matmul(left, right),
-                        tuple(sa[i] for i in free_a) + tuple(sb[i] for i in free_b))
+    k = math.prod([sa[i] for i in axes_a])
+    left = _as_matrix(a, free_a + axes_a, (math.prod([sa[i] for i in free_a]), k))
+    right = _as_matrix(b, axes_b + free_b, (k, math.prod([sb[i] for i in free_b])))
+    return _as_shape(_ops.matmul(left, right),
+                     tuple(sa[i] for i in free_a) + tuple(sb[i] for i in free_b))
+
+
+def _as_shape(a, shape):
+    """``reshape(a, shape)``, recording nothing when ``a`` has that shape already."""
+    return a if np.shape(_data(a)) == shape else _ops.reshape(a, shape)
+
+
+def _as_matrix(a, order, shape):
+    """``a`` with its axes in ``order``, reshaped to the 2-d ``shape``; the identity
+    transpose and reshape are not recorded (a view each, and a node each to sweep)."""
+    if order != list(range(len(order))):
+        a = _ops.transpose(a, tuple(order))
+    return _as_shape(a, shape)
 
 
 def kron(a, b):

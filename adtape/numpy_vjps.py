@@ -522,18 +522,21 @@ def _diagonal_rule(g, ans, x, offset=0, axis1=0, axis2=1, shape=None):
 
 
 DIAGONAL = _def("diagonal", ("a",), lambda a, offset=0, axis1=0, axis2=1, shape=None:
-                np.diagonal(a, offset, axis1, axis2).copy(), _diagonal_rule, saves="none")
+                np.asarray(a).diagonal(offset, axis1, axis2).copy(), _diagonal_rule,
+                saves="none")
 
 
 def _diagonal_embed(g, shape, offset, axis1, axis2):
     out = np.zeros(shape, np.asarray(g).dtype)
     n = np.shape(g)[-1]
+    if len(shape) == 2 and axis1 % 2 == 0 and axis2 % 2 == 1:
+        # The diagonal of a C-contiguous matrix is a strided slice of its elements.
+        start = offset if offset >= 0 else -offset * shape[1]
+        out.reshape(-1)[start:start + n * (shape[1] + 1):shape[1] + 1] = g
+        return out
     rows = np.arange(n) + max(-offset, 0)
     cols = np.arange(n) + max(offset, 0)
-    if len(shape) == 2 and axis1 % 2 == 0 and axis2 % 2 == 1:
-        out[rows, cols] = g
-    else:
-        np.moveaxis(out, (axis1, axis2), (-2, -1))[..., rows, cols] = g
+    np.moveaxis(out, (axis1, axis2), (-2, -1))[..., rows, cols] = g
     return out
 
 
@@ -572,6 +575,24 @@ CONCATENATE = Primitive("concatenate", ("*arrays",), _concatenate_fwd)
 CONCATENATE.bwd = _concatenate_bwd
 CONCATENATE.differentiable = True
 TABLE["concatenate"] = CONCATENATE
+
+
+def _stack_fwd(*arrays, axis=0):
+    return np.stack(arrays, axis=axis), (len(arrays), axis)
+
+
+def _stack_bwd(res, g):
+    """``g`` taken apart along the new axis."""
+    n, axis = res
+    before = (slice(None),) * axis
+    return [g[before + (k,)] for k in range(n)]
+
+
+# One node for the stack (as a concatenate of reshaped operands it was 1 + n nodes).
+STACK = Primitive("stack", ("*arrays",), _stack_fwd)
+STACK.bwd = _stack_bwd
+STACK.differentiable = True
+TABLE["stack"] = STACK
 
 
 # -- products and linear algebra ---------------------------------------------------
