@@ -651,7 +651,8 @@ TABLE["einsum"] = EINSUM
 
 
 def _mT(a):
-    return np.swapaxes(a, -1, -2)
+    """The last two axes swapped (an array's method: no dispatch layers)."""
+    return a.swapaxes(-1, -2) if type(a) is _ndarray else np.swapaxes(a, -1, -2)
 
 
 def _solve_a(g, ans, a, b):
