@@ -684,7 +684,13 @@ def _cholesky_rule(g, ans, a):
     # As autograd: with phi keeping the lower triangle and half the
     # diagonal, dA = L^-T phi(L^T dL) L^-1, symmetrised.
     n = np.shape(ans)[-1]
-    phi = np.tril(_mT(ans) @ g) * (1.0 - 0.5 * np.eye(n))
+    if type(g) is _ndarray and type(ans) is _ndarray:
+        # The same values without np.tril's and np.eye's Python layers.
+        phi = np.where(np.tri(n, dtype=bool), _mT(ans) @ g, 0)
+        diag = np.arange(n)
+        phi[..., diag, diag] *= 0.5
+    else:
+        phi = np.tril(_mT(ans) @ g) * (1.0 - 0.5 * np.eye(n))
     s = np.linalg.solve(_mT(ans), _mT(np.linalg.solve(_mT(ans), _mT(phi))))
     return 0.5 * (s + _mT(s))
 

@@ -43,6 +43,10 @@ try:
     import autograd.numpy as agnp
 except ImportError:     # pip install autograd (a benchmark baseline, not a dependency)
     autograd = agnp = None
+# JAX's CPU client on one thread, as --threads' default for every other library (its
+# 4x4 ops never split; this keeps an idle Eigen pool off the cores).  Set before import.
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
+                                   "intra_op_parallelism_threads=1")
 try:
     import jax
     import jax.numpy as jnp
@@ -380,23 +384,26 @@ def main():
           f"{sum(x < 1 for x in ratios)}/{len(ratios)}")
     print(f"\nadtape.numpy through grad: us per step; ratio = ours / theirs")
     print(f"{'function':18s} {'ours':>7s} {'torch':>7s} {'autograd':>9s} {'jax':>7s} "
-          f"{'/torch':>7s} {'/autograd':>9s}")
+          f"{'/torch':>7s} {'/autograd':>9s} {'/jax':>7s}")
 
     def fmt(v, width, spec=".2f"):
         return f"{'-':>{width}s}" if v is None else f"{v:{width}{spec}}"
     for r in numpy_records:
         print(f"{r['op']:18s} {fmt(r['ours_us'], 7)} {fmt(r['torch_us'], 7)} "
               f"{fmt(r['autograd_us'], 9)} {fmt(r['jax_us'], 7)} {fmt(r['ratio'], 7)} "
-              f"{fmt(r['ratio_autograd'], 9)}")
+              f"{fmt(r['ratio_autograd'], 9)} {fmt(r['ratio_jax'], 7)}")
     np_ratios = [r["ratio"] for r in numpy_records]
     geo_np = float(np.exp(np.mean(np.log(np_ratios))))
     ag = [r["ratio_autograd"] for r in numpy_records if r["ratio_autograd"] is not None]
     geo_ag = float(np.exp(np.mean(np.log(ag)))) if ag else None
+    jx = [r["ratio_jax"] for r in numpy_records if r["ratio_jax"] is not None]
+    geo_jax = float(np.exp(np.mean(np.log(jx)))) if jx else None
     all_ratios = ratios + np_ratios
     geo_all = float(np.exp(np.mean(np.log(all_ratios))))
     print(f"adtape.numpy geometric mean: {geo_np:.2f} of PyTorch's time "
           f"({sum(x < 1 for x in np_ratios)}/{len(np_ratios)} faster)"
           + (f", {geo_ag:.2f} of autograd's" if geo_ag is not None else "")
+          + (f", {geo_jax:.2f} of JAX's" if geo_jax is not None else "")
           + f"; every row: {geo_all:.2f} of PyTorch's "
           f"({sum(x < 1 for x in all_ratios)}/{len(all_ratios)} faster)")
     out = {"config": {"chain_length": K, "reps": args.reps, "shape": [4, 4], "dtype": "float32",
@@ -408,6 +415,7 @@ def main():
            "geomean_ratio": geo,
            "geomean_ratio_numpy": geo_np,
            "geomean_ratio_numpy_vs_autograd": geo_ag,
+           "geomean_ratio_numpy_vs_jax": geo_jax,
            "geomean_ratio_all": geo_all,
            "records": records,
            "numpy_records": numpy_records}
