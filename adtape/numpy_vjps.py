@@ -15,6 +15,8 @@ Functions that are compositions of primitives (``std``, ``stack``, ``tensordot``
 import math
 
 import numpy as np
+from scipy.linalg import blas as _blas
+from scipy.linalg import lapack as _lapack
 
 from adtape.tensor import Primitive, Tensor, defvjp
 
@@ -655,6 +657,32 @@ def _mT(a):
     return a.swapaxes(-1, -2) if type(a) is _ndarray else np.swapaxes(a, -1, -2)
 
 
+# One 2-D float32/float64 matrix goes to LAPACK and BLAS through SciPy's wrappers: the
+# routines np.linalg calls (gesv, potrf), without its Python layers, which cost several
+# times the work at small sizes.  Batches, other dtypes and Tensors take np.linalg.
+_GESV = {np.dtype(np.float32): _lapack.sgesv, np.dtype(np.float64): _lapack.dgesv}
+_POTRF = {np.dtype(np.float32): _lapack.spotrf, np.dtype(np.float64): _lapack.dpotrf}
+_TRSM = {np.dtype(np.float32): _blas.strsm, np.dtype(np.float64): _blas.dtrsm}
+
+
+def _lapack_matrix(a):
+    """True when ``a`` is one nonempty square float32/float64 matrix (an ndarray)."""
+    return (type(a) is _ndarray and a.ndim == 2 and a.dtype in _FLOATS
+            and a.shape[0] == a.shape[1] and a.size)
+
+
+def _linalg_solve(a, b):
+    """``np.linalg.solve(a, b)``; a matrix and a vector or matrix of its dtype through
+    LAPACK's gesv directly (C-ordered, as NumPy's).  A singular matrix takes np.linalg,
+    which raises."""
+    if (_lapack_matrix(a) and type(b) is _ndarray and b.dtype == a.dtype
+            and 0 < b.ndim <= 2 and b.shape[0] == a.shape[0] and b.size):
+        lu, piv, x, info = _GESV[a.dtype](a, b)
+        if info == 0:
+            return np.ascontiguousarray(x)
+    return np.linalg.solve(a, b)
+
+
 def _solve_a(g, ans, a, b):
     """``-solve(a.T, g) @ ans.T``."""
     if np.ndim(b) == 1:
@@ -666,11 +694,13 @@ def _solve_a(g, ans, a, b):
 def _solve_b(g, ans, a, b):
     """``solve(a.T, g)``."""
     if np.ndim(b) == 1:
+        if np.ndim(a) == 2:
+            return _linalg_solve(_mT(a), g)
         return np.linalg.solve(_mT(a), g[..., None])[..., 0]
-    return np.linalg.solve(_mT(a), g)
+    return _linalg_solve(_mT(a), g)
 
 
-SOLVE = _def("linalg.solve", ("a", "b"), np.linalg.solve, _solve_a, _solve_b, saves="both")
+SOLVE = _def("linalg.solve", ("a", "b"), _linalg_solve, _solve_a, _solve_b, saves="both")
 INV = _def("linalg.inv", ("a",), np.linalg.inv,
            lambda g, ans, a: -_mT(ans) @ g @ _mT(ans), saves="ans")
 DET = _def("linalg.det", ("a",), np.linalg.det,
@@ -679,23 +709,55 @@ LOGABSDET = _def("linalg.slogdet", ("a",), lambda a: np.linalg.slogdet(a)[1],
                  lambda g, ans, a: g[..., None, None] * _mT(np.linalg.inv(a)))
 
 
+def _cholesky(a):
+    """``np.linalg.cholesky(a)``; a matrix through LAPACK's potrf directly (the lower
+    factor, as NumPy).  One that is not positive definite takes np.linalg, which raises."""
+    if _lapack_matrix(a):
+        factor, info = _POTRF[a.dtype](a, lower=1, clean=1)
+        if info == 0:
+            return np.ascontiguousarray(factor)
+    return np.linalg.cholesky(a)
+
+
+_HALF_LOWER = {}
+
+
+def _half_lower(n, dtype):
+    """The n x n matrix of ones below the diagonal, halves on it, zeros above (cached,
+    read-only): Murray's phi as one product."""
+    key = (n, dtype)
+    mask = _HALF_LOWER.get(key)
+    if mask is None:
+        mask = np.tri(n, dtype=dtype)
+        mask[np.diag_indices(n)] = 0.5
+        mask.flags.writeable = False
+        if len(_HALF_LOWER) < 256:
+            _HALF_LOWER[key] = mask
+    return mask
+
+
 def _cholesky_rule(g, ans, a):
     """Murray (2016), symmetrised."""
     # As autograd: with phi keeping the lower triangle and half the
     # diagonal, dA = L^-T phi(L^T dL) L^-1, symmetrised.
-    n = np.shape(ans)[-1]
     if type(g) is _ndarray and type(ans) is _ndarray:
-        # The same values without np.tril's and np.eye's Python layers.
-        phi = np.where(np.tri(n, dtype=bool), _mT(ans) @ g, 0)
-        diag = np.arange(n)
-        phi[..., diag, diag] *= 0.5
+        n = ans.shape[-1]
+        phi = (_mT(ans) @ g) * _half_lower(n, ans.dtype)
+        if _lapack_matrix(ans) and g.dtype == ans.dtype:
+            # L^-T phi, then half of (L^-T phi) L^-1: two triangular solves (BLAS trsm;
+            # halving inside is exact, as outside).
+            trsm = _TRSM[ans.dtype]
+            s = trsm(0.5, ans, trsm(1.0, ans, phi, side=0, lower=1, trans_a=1),
+                     side=1, lower=1)
+            return s + s.T
     else:
+        n = np.shape(ans)[-1]
         phi = np.tril(_mT(ans) @ g) * (1.0 - 0.5 * np.eye(n))
     s = np.linalg.solve(_mT(ans), _mT(np.linalg.solve(_mT(ans), _mT(phi))))
     return 0.5 * (s + _mT(s))
 
 
-CHOLESKY = _def("linalg.cholesky", ("a",), np.linalg.cholesky, _cholesky_rule, saves="ans")
+CHOLESKY = _def("linalg.cholesky", ("a",), _cholesky, _cholesky_rule, saves="ans")
 
 
 def _eigh_packed(a):
