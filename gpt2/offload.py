@@ -32,6 +32,30 @@ WINDOW = 8                   # unit buffers: read ahead and written behind
 FULL_WINDOW = 8
 
 
+def _stage_runs(stages):
+    """[(stage, [indices])] of the runs of equal consecutive labels in ``stages``."""
+    runs = []
+    for i, stage in enumerate(stages):
+        if not runs or runs[-1][0] != stage:
+            runs.append((stage, []))
+        runs[-1][1].append(i)
+    return runs
+
+
+def _unit_groups(keys, floats, unit_bytes):
+    """``keys`` in order, in consecutive groups of at most ``unit_bytes`` of m and v (8
+    bytes a float; a key larger than that alone)."""
+    groups, size = [], 0
+    for key, n in zip(keys, floats):
+        if groups and size + 8 * n <= unit_bytes:
+            groups[-1].append(key)
+            size += 8 * n
+        else:
+            groups.append([key])
+            size = 8 * n
+    return groups
+
+
 class MomentOffload:
     """AdamW moments on disk.  ``segments``: (offset in the parameters, offset in the
     gradients, floats, stage, offset in the saved moment) of every piece, in update order
@@ -45,12 +69,9 @@ class MomentOffload:
         self.spill_dir = spill_dir
         # Units: consecutive segments of one stage up to unit_bytes of m and v.
         units, stage_units = [], {}
-        for i, (_, _, n, stage, _) in enumerate(segments):
-            if (units and segments[units[-1][0]][3] == stage
-                    and 8 * (n + sum(segments[j][2] for j in range(*units[-1]))) <= unit_bytes):
-                units[-1][1] = i + 1
-            else:
-                units.append([i, i + 1])
+        for stage, idx in _stage_runs([seg[3] for seg in segments]):
+            for group in _unit_groups(idx, [segments[i][2] for i in idx], unit_bytes):
+                units.append([group[0], group[-1] + 1])
                 stage_units.setdefault(stage, []).append(len(units) - 1)
         self.unit_segments = [range(a, b) for a, b in units]
         self.stage_last_unit = {stage: us[-1] for stage, us in stage_units.items()}
@@ -315,11 +336,7 @@ class FullOffload:
         # of m|v records; the globals: m|v units only.
         record_nbytes, units, self.record = [], [], {}
         self.p_unit, self.g_unit, self.mv_units, self._mv_segments = {}, {}, {}, {}
-        stages = []
-        for i, seg in enumerate(segs):
-            if not stages or stages[-1][0] != seg[2]:
-                stages.append((seg[2], []))
-            stages[-1][1].append(i)
+        stages = _stage_runs([seg[2] for seg in segs])
 
         def add_unit(kind_records):
             first = len(record_nbytes)
@@ -333,16 +350,8 @@ class FullOffload:
             if stage not in ("embed", "head"):
                 self.p_unit[stage] = add_unit([((i, "p"), 4 * segs[i][1]) for i in idx])
                 self.g_unit[stage] = add_unit([((i, "g"), 4 * segs[i][1]) for i in idx])
-            groups, size = [], 0
-            for i in idx:
-                if groups and size + 8 * segs[i][1] <= unit_bytes:
-                    groups[-1].append(i)
-                    size += 8 * segs[i][1]
-                else:
-                    groups.append([i])
-                    size = 8 * segs[i][1]
             self.mv_units[stage] = []
-            for g in groups:
+            for g in _unit_groups(idx, [segs[i][1] for i in idx], unit_bytes):
                 u = add_unit([((i, "m"), 4 * segs[i][1]) for i in g]
                              + [((i, "v"), 4 * segs[i][1]) for i in g])
                 self.mv_units[stage].append(u)
