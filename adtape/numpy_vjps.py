@@ -700,8 +700,27 @@ def _solve_b(g, ans, a, b):
     return _linalg_solve(_mT(a), g)
 
 
+_EYES = {}
+
+
+def _linalg_inv(a):
+    """``np.linalg.inv(a)``; a matrix as gesv against the identity, as NumPy does it."""
+    if _lapack_matrix(a):
+        key = (a.shape[0], a.dtype)
+        eye = _EYES.get(key)
+        if eye is None:
+            eye = np.eye(a.shape[0], dtype=a.dtype)
+            eye.flags.writeable = False
+            if len(_EYES) < 256:
+                _EYES[key] = eye
+        lu, piv, x, info = _GESV[a.dtype](a, eye)
+        if info == 0:
+            return np.ascontiguousarray(x)
+    return np.linalg.inv(a)
+
+
 SOLVE = _def("linalg.solve", ("a", "b"), _linalg_solve, _solve_a, _solve_b, saves="both")
-INV = _def("linalg.inv", ("a",), np.linalg.inv,
+INV = _def("linalg.inv", ("a",), _linalg_inv,
            lambda g, ans, a: -_mT(ans) @ g @ _mT(ans), saves="ans")
 DET = _def("linalg.det", ("a",), np.linalg.det,
            lambda g, ans, a: (g * ans)[..., None, None] * _mT(np.linalg.inv(a)), saves="both")
