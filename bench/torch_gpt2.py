@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2.params import ParamArena, param_shapes
+from gpt2.params import ParamArena
 
 LAYERNORM_EPS = 1e-5
 
@@ -48,7 +48,52 @@ LAYER_PARAMS = {
 }
 
 
-class TorchGPT2(nn.Module):
+class LayoutModule(nn.Module):
+    """A PyTorch model whose parameters map to our layout: ``_param(name, layer)`` gives
+    the tensor of one (per-layer) parameter, ``LAYER_PARAMS`` names the per-layer ones.
+    Shared by TorchGPT2 and torch_llama.TorchLlama."""
+
+    def _tensors_by_layout(self, pick):
+        """dict name -> numpy array in our layout, per-layer tensors stacked along axis 0."""
+        out = {}
+        for name in self.config.param_shapes():
+            if name in self.LAYER_PARAMS:
+                out[name] = np.stack([pick(self._param(name, l))
+                                      for l in range(self.config.n_layer)])
+            else:
+                out[name] = pick(self._param(name, None))
+        return out
+
+    @torch.no_grad()
+    def load_layout_(self, params):
+        """Copy parameters from a ParamArena or dict name -> array in our layout."""
+        views = params.views if isinstance(params, ParamArena) else params
+        shapes = self.config.param_shapes()
+        for name, shape in shapes.items():
+            if name not in views:
+                raise KeyError(f"parameter {name!r} missing from the layout dict")
+            arr = np.asarray(views[name])
+            if arr.shape != shape:
+                raise ValueError(f"parameter {name!r} has shape {arr.shape}, expected {shape}")
+            if name in self.LAYER_PARAMS:
+                for l in range(self.config.n_layer):
+                    self._param(name, l).copy_(torch.from_numpy(np.ascontiguousarray(arr[l])))
+            else:
+                self._param(name, None).copy_(torch.from_numpy(np.ascontiguousarray(arr)))
+        return self
+
+    def params_numpy(self):
+        return self._tensors_by_layout(lambda p: p.detach().numpy().copy())
+
+    def grads_numpy(self):
+        """Gradients in our layout; a parameter without a gradient yet counts as zero."""
+        return self._tensors_by_layout(
+            lambda p: (torch.zeros_like(p) if p.grad is None else p.grad).detach().numpy().copy())
+
+
+class TorchGPT2(LayoutModule):
+    LAYER_PARAMS = LAYER_PARAMS
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -79,44 +124,6 @@ class TorchGPT2(nn.Module):
             return getattr(getattr(self.blocks[layer], module), attr)
         return {"wte": self.wte, "wpe": self.wpe, "lnfw": self.lnf.weight,
                 "lnfb": self.lnf.bias}[name]
-
-    def _tensors_by_layout(self, pick):
-        """dict name -> numpy array in our layout, per-layer tensors stacked along axis 0."""
-        out = {}
-        for name in param_shapes(self.config):
-            if name in LAYER_PARAMS:
-                out[name] = np.stack([pick(self._param(name, l))
-                                      for l in range(self.config.n_layer)])
-            else:
-                out[name] = pick(self._param(name, None))
-        return out
-
-    @torch.no_grad()
-    def load_layout_(self, params):
-        """Copy parameters from a ParamArena or dict name -> array in our layout."""
-        views = params.views if isinstance(params, ParamArena) else params
-        shapes = param_shapes(self.config)
-        for name, shape in shapes.items():
-            if name not in views:
-                raise KeyError(f"parameter {name!r} missing from the layout dict")
-            arr = np.asarray(views[name])
-            if arr.shape != shape:
-                raise ValueError(f"parameter {name!r} has shape {arr.shape}, expected {shape}")
-            if name in LAYER_PARAMS:
-                for l in range(self.config.n_layer):
-                    self._param(name, l).copy_(torch.from_numpy(np.ascontiguousarray(arr[l])))
-            else:
-                self._param(name, None).copy_(torch.from_numpy(np.ascontiguousarray(arr)))
-        return self
-
-    def params_numpy(self):
-        return self._tensors_by_layout(lambda p: p.detach().numpy().copy())
-
-    def grads_numpy(self):
-        """Gradients in our layout; a parameter without a gradient yet counts as zero."""
-        return self._tensors_by_layout(
-            lambda p: (torch.zeros_like(p) if p.grad is None else p.grad).detach().numpy().copy())
-
 
 def build_model(config, params, dtype=torch.float32):
     """TorchGPT2 with weights copied from our layout (ParamArena or dict name -> array)."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2.params import ParamArena
+from torch_gpt2 import LayoutModule
 
 
 def rotary_tables(config, T):
@@ -75,7 +75,9 @@ LAYER_PARAMS = {
 }
 
 
-class TorchLlama(nn.Module):
+class TorchLlama(LayoutModule):
+    LAYER_PARAMS = LAYER_PARAMS
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -111,23 +113,6 @@ class TorchLlama(nn.Module):
             module, attr = LAYER_PARAMS[name]
             return getattr(getattr(self.blocks[layer], module), attr)
         return {"wte": self.wte, "rmsfw": self.rmsf.weight, "lm_head": self.lm_head}[name]
-
-    @torch.no_grad()
-    def load_layout_(self, params):
-        """Copy parameters from a ParamArena or dict name -> array in our layout."""
-        views = params.views if isinstance(params, ParamArena) else params
-        for name, shape in self.config.param_shapes().items():
-            if name not in views:
-                raise KeyError(f"parameter {name!r} missing from the layout dict")
-            arr = np.asarray(views[name])
-            if arr.shape != shape:
-                raise ValueError(f"parameter {name!r} has shape {arr.shape}, expected {shape}")
-            if name in LAYER_PARAMS:
-                for l in range(self.config.n_layer):
-                    self._param(name, l).copy_(torch.from_numpy(np.ascontiguousarray(arr[l])))
-            else:
-                self._param(name, None).copy_(torch.from_numpy(np.ascontiguousarray(arr)))
-        return self
 
 
 def build_model(config, params, dtype=torch.float32):
