@@ -70,7 +70,7 @@ def _fast_unary(prim):
 
 _fast = types.SimpleNamespace(**{name: _fast_unary(getattr(_t, name)) for name in (
     "SIGMOID", "NAN_TO_NUM", "ROUND", "PROD", "MAX", "MIN", "VAR", "LOGSUMEXP", "CUMSUM",
-    "CUMPROD", "SOFTMAX", "LOG_SOFTMAX", "BROADCAST_TO", "ROLL", "PAD", "TRIL", "TRIU",
+    "CUMPROD", "SOFTMAX", "LOG_SOFTMAX", "BROADCAST_TO", "ROLL", "PAD", "TILE", "TRIL", "TRIU",
     "DIAGONAL", "INV", "DET", "LOGABSDET", "CHOLESKY", "EIGH", "SVD", "NORM2")})
 
 
@@ -612,14 +612,9 @@ def array_split(ary, indices_or_sections, axis=0):
 
 
 def tile(A, reps):
-    shape = np.shape(_data(A))
     reps = (int(reps),) if isinstance(reps, (int, np.integer)) else tuple(int(r) for r in reps)
-    d = builtins.max(len(shape), len(reps))
-    shape = (1,) * (d - len(shape)) + shape
-    reps = (1,) * (d - len(reps)) + reps
-    spread = _ops.reshape(A, tuple(x for n in shape for x in (1, n)))
-    big = broadcast_to(spread, tuple(x for r, n in zip(reps, shape) for x in (r, n)))
-    return _ops.reshape(big, tuple(r * n for r, n in zip(reps, shape)))
+    shape = np.shape(_data(A))
+    return _fast.TILE(A, reps=(1,) * (len(shape) - len(reps)) + reps, shape=shape)
 
 
 def take(a, indices, axis=None):

@@ -516,6 +516,27 @@ def _pad(array, pad_width, constant_values=0):
 PAD = _def("pad", ("array",), _pad, _pad_rule, saves="none")
 
 
+def _tile(a, reps, shape):
+    """``np.tile`` with ``reps`` one count per axis of ``a``'s ``shape`` (with leading ones
+    as long as ``reps``): ``a`` as (1, n) pairs copied into the (r, n) pairs of the result."""
+    a = np.asarray(a)
+    shape = (1,) * (len(reps) - len(shape)) + shape
+    out = np.empty(tuple(r * n for r, n in zip(reps, shape)), a.dtype)
+    out.reshape(tuple(x for r, n in zip(reps, shape) for x in (r, n)))[...] = a.reshape(
+        tuple(x for n in shape for x in (1, n)))
+    return out
+
+
+def _tile_rule(g, ans, a, reps, shape):
+    """``g`` summed over its copies."""
+    padded = (1,) * (len(reps) - len(shape)) + shape
+    split = g.reshape(tuple(x for r, n in zip(reps, padded) for x in (r, n)))
+    return _sum(split, axis=tuple(range(0, 2 * len(padded), 2))).reshape(shape)
+
+
+TILE = _def("tile", ("A",), _tile, _tile_rule, saves="none")
+
+
 def _diagonal_rule(g, ans, x, offset=0, axis1=0, axis2=1, shape=None):
     """``g`` put on the diagonal of zeros of the input's ``shape`` (``diagonal_embed``)."""
     if type(g) is Tensor:
