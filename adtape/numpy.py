@@ -893,6 +893,10 @@ def _norm(x, ord=None, axis=None, keepdims=False):
             raise ValueError("norm: improper number of dimensions to norm")
         axis = tuple(range(nd))
     axes = tuple(_normalize_axes(axis, nd, "norm"))
+    if ((len(axes) == 1 and (ord is None or ord == 2))
+            or (len(axes) == 2 and ord in (None, "fro"))):
+        # The 2-norm keeps the dimensions itself (no reshape node).
+        return _fast.NORM2(x, axis=axes[0] if len(axes) == 1 else axes, keepdims=keepdims)
     if len(axes) == 1:
         out = _vector_norm(x, ord, axes[0])
     elif len(axes) == 2:

@@ -68,6 +68,8 @@ def _reduced_shape(shape, axis):
 
 def _keepdims(a, shape, axis):
     """``a``, a reduction's result or cotangent, reshaped to broadcast against ``shape``."""
+    if len(a.shape) == len(shape):     # kept already (keepdims, or no axis reduced)
+        return a
     kshape = _reduced_shape(shape, axis)
     return a if a.shape == kshape else a.reshape(kshape)
 
@@ -279,16 +281,19 @@ PROD = _def("prod", ("a",), np.prod, _prod_rule, saves="both")
 def _var_rule(g, ans, x, axis=None, ddof=0, keepdims=False):
     """``g * 2 (x - mean) / (N - ddof)``."""
     shape = x.shape
-    count = _count(shape, axis)
+    count = shape[axis] if type(axis) is int else _count(shape, axis)   # a valid axis
     centred = x - _sum(x, axis=axis, keepdims=True) / count
-    return _keepdims(g, shape, axis) * centred * (2.0 / (count - ddof))
+    # The scale on the reduced cotangent, before it is broadcast.
+    return (_keepdims(g, shape, axis) * (2.0 / (count - ddof))) * centred
 
 
 def _var(x, axis=None, ddof=0, keepdims=False):
     x = np.asarray(x)
-    count = _count(x.shape, axis)
-    centred = x - np.add.reduce(x, axis=axis, keepdims=True) / count
-    return np.add.reduce(centred * centred, axis=axis, keepdims=keepdims) / (count - ddof)
+    total = np.add.reduce(x, axis=axis, keepdims=True)
+    count = x.size // total.size if total.size else 0
+    centred = x - total / count
+    np.multiply(centred, centred, out=centred)
+    return np.add.reduce(centred, axis=axis, keepdims=keepdims) / (count - ddof)
 
 
 VAR = _def("var", ("a",), _var, _var_rule)
@@ -439,7 +444,7 @@ def _norm2(x, axis=None, keepdims=False):
 
 NORM2 = _def("linalg.norm", ("x",), _norm2,
              lambda g, ans, x, axis=None, keepdims=False:
-             _keepdims(g, x.shape, axis) * x / _keepdims(ans, x.shape, axis),
+             (_keepdims(g, x.shape, axis) / _keepdims(ans, x.shape, axis)) * x,
              saves="both")
 
 
