@@ -20,7 +20,8 @@ page-aligned buffers (``window`` units at most, so the memory is bounded); a uni
 queued behind the write (the queue runs in order).  ``stats`` counts the bytes and
 the time the caller waited.  A record never written reads as zeros (no I/O).
 ``read_record``/``write_record`` move one record synchronously, in any order
-(checkpoints).
+(checkpoints).  One thread drives a ``StateFile`` (the training loop's); the tape's I/O
+thread does the transfers.
 """
 import collections
 import os
