@@ -157,8 +157,9 @@ LOGADDEXP2 = _def("logaddexp2", ("x1", "x2"), np.logaddexp2,
 def _winner(g, x, y, beats):
     """``g`` where ``x`` beats ``y`` (half of it on a tie): maximum's and minimum's rule,
     from the operands alone."""
-    out = g * beats(_value(x), _value(y))
-    tie = _eq(x, y)
+    x, y = _value(x), _value(y)
+    out = g * beats(x, y)
+    tie = np.equal(x, y)
     if np.count_nonzero(tie):
         out = out + g * tie * np.asarray(0.5, g.dtype)
     return out
@@ -484,16 +485,32 @@ def _tri_mask(shape, k, upper):
     return mask
 
 
+_ZEROS = {}
+
+
+def _zero(dtype):
+    """A 0-d zero of ``dtype`` (cached, read-only)."""
+    zero = _ZEROS.get(dtype)
+    if zero is None:
+        zero = np.zeros((), dtype)
+        zero.flags.writeable = False
+        if len(_ZEROS) < 64:
+            _ZEROS[dtype] = zero
+    return zero
+
+
 def _tril(m, k=0):
-    if np.ndim(m) < 2:
+    m = np.asarray(m)
+    if m.ndim < 2:
         return np.tril(m, k)
-    return np.where(_tri_mask(np.shape(m), k, False), m, np.zeros((), np.asarray(m).dtype))
+    return np.where(_tri_mask(m.shape, k, False), m, _zero(m.dtype))
 
 
 def _triu(m, k=0):
-    if np.ndim(m) < 2:
+    m = np.asarray(m)
+    if m.ndim < 2:
         return np.triu(m, k)
-    return np.where(_tri_mask(np.shape(m), k, True), m, np.zeros((), np.asarray(m).dtype))
+    return np.where(_tri_mask(m.shape, k, True), m, _zero(m.dtype))
 
 
 TRIL = _def("tril", ("m",), _tril,
