@@ -2,16 +2,13 @@
 Llama config as data (its parameter count is the arena's for every preset), the op graph's
 products and saved tensors are what the tape engine runs and saves, and a plan for a Llama
 model runs within its predicted peak, also from gpt2-train --max-memory."""
+import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-import adtape
-import gpt2
 from gpt2.config import ALL_PRESETS, LlamaConfig, preset
 from gpt2.model import GPT2
 from gpt2.params import num_parameters
@@ -91,42 +88,11 @@ def test_saved_activations_are_the_engines(profile, config):
     assert overheads[0] == overheads[1] and 0 <= overheads[0] < 4096
 
 
-RUN = """
-import json, sys, threading, time
-import numpy as np, psutil
-from gpt2.config import preset
-from gpt2.model import GPT2
-name, kwargs = sys.argv[1], json.loads(sys.argv[2])
-B, T, steps = 32, 64, 3
-config = preset(name)
-proc = psutil.Process()
-peak = proc.memory_info().rss
-done = threading.Event()
-def sample():
-    global peak
-    while not done.is_set():
-        peak = max(peak, proc.memory_info().rss)
-        time.sleep(0.0005)
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
-model = GPT2(config, seed=0, engine="tape", **kwargs)
-rng = np.random.default_rng(0)
-x = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
-y = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
-losses = [float(model.train_step(x, y, lr=1e-3, weight_decay=0.1)[0]).hex() for _ in range(steps)]
-done.set()
-sampler.join()
-print(json.dumps({"losses": losses, "peak": max(peak, proc.memory_info().rss)}))
-"""
+_spec = importlib.util.spec_from_file_location("plan_worker", os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "plan_worker.py"))
+plan_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_worker)
 
-
-def _train(name, kwargs, cwd):
-    roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(roots))
-    out = subprocess.run([sys.executable, "-c", RUN, name, json.dumps(kwargs)], capture_output=True, text=True,
-                         env=env, cwd=cwd, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_plan_for_a_llama_model_runs_within_its_peak(profile, tmp_path):
@@ -136,8 +102,8 @@ def test_a_plan_for_a_llama_model_runs_within_its_peak(profile, tmp_path):
     limit = int(least + (free.predicted_peak_bytes - least) / 4)
     plan = plan_memory(TINY, B, T, limit, hardware=profile, spill_dir=str(tmp_path))
     assert plan.policy != "in-memory" and plan.predicted_peak_bytes <= limit
-    planned = _train("llama-tiny", plan.engine_kwargs(), tmp_path)
-    reference = _train("llama-tiny", free.engine_kwargs(), tmp_path)
+    planned = plan_worker.train("llama-tiny", plan.engine_kwargs(), tmp_path)
+    reference = plan_worker.train("llama-tiny", free.engine_kwargs(), tmp_path)
     assert planned["losses"] == reference["losses"]
     assert planned["peak"] <= plan.predicted_peak_bytes, (plan.table(), planned)
     assert os.listdir(tmp_path) == []

@@ -1,16 +1,12 @@
 """The memory planner: its choice respects the limit, an impossible limit fails at once with
 the minimum, its byte counts are the engine's, and training under its plan stays within
 the predicted peak with the in-memory run's losses."""
-import json
+import importlib.util
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-import adtape
-import gpt2
 from gpt2.config import GPT2Config
 from gpt2.model import GPT2
 from gpt2.params import num_parameters
@@ -161,47 +157,11 @@ def test_attention_keeps_no_quadratic_activations(profile):
     assert act(plan_memory(GPT2_124M, 8, 1024, HUGE, hardware=profile, flash=True)) == act(long)
 
 
-RUN = """
-import json, sys, threading, time
-import numpy as np, psutil
-from gpt2.config import GPT2Config
-from gpt2.model import GPT2
-kwargs = json.loads(sys.argv[1])
-B, T, steps = 32, 64, 3
-config = GPT2Config.preset("tiny")
-proc = psutil.Process()
-peak = proc.memory_info().rss
-done = threading.Event()
-def sample():
-    global peak
-    while not done.is_set():
-        peak = max(peak, proc.memory_info().rss)
-        time.sleep(0.0005)
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
-model = GPT2(config, seed=0, engine="tape", **kwargs)
-rng = np.random.default_rng(0)
-x = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
-y = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
-losses, times = [], []
-for _ in range(steps):
-    t0 = time.perf_counter()
-    losses.append(model.train_step(x, y, lr=1e-3, weight_decay=0.1)[0])
-    times.append(time.perf_counter() - t0)
-done.set()
-sampler.join()
-peak = max(peak, proc.memory_info().rss)
-print(json.dumps({"losses": [float(l).hex() for l in losses], "peak": peak, "ms": 1e3 * min(times)}))
-"""
+_spec = importlib.util.spec_from_file_location("plan_worker", os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "plan_worker.py"))
+plan_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_worker)
 
-
-def _train(kwargs, cwd):
-    roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(roots))
-    out = subprocess.run([sys.executable, "-c", RUN, json.dumps(kwargs)], capture_output=True, text=True,
-                         env=env, cwd=cwd, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_training_under_the_plan_stays_within_its_peak(profile, tmp_path):
@@ -215,8 +175,8 @@ def test_training_under_the_plan_stays_within_its_peak(profile, tmp_path):
     kwargs = plan.engine_kwargs()
     if plan.tape_budget is not None:
         assert kwargs["tape_kwargs"] == {"memory_budget": plan.tape_budget, "spill_dir": str(tmp_path)}
-    planned = _train(kwargs, tmp_path)
-    reference = _train(free.engine_kwargs(), tmp_path)
+    planned = plan_worker.train("tiny", kwargs, tmp_path)
+    reference = plan_worker.train("tiny", free.engine_kwargs(), tmp_path)
     assert planned["losses"] == reference["losses"]
     assert planned["peak"] <= plan.predicted_peak_bytes, (plan.table(), planned)
     assert "measured" in plan.compare(planned["ms"], planned["peak"])
