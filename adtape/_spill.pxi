@@ -333,10 +333,12 @@ cdef void* io_main(void* arg) noexcept nogil:
             t.queue_tail = NULL
         t.io_busy = 1
         if req.state != NULL:
+            t.io_busy_state = 1
             pthread_mutex_unlock(&t.io_mu)
             run_state(req.state)
             pthread_mutex_lock(&t.io_mu)
             account_state(t, req.state)
+            t.io_busy_state = 0
         elif req.is_write:
             # Once a write failed, later queued writes fail too, so the spilled
             # slabs stay a prefix of the chain until the error is reported.
@@ -402,9 +404,22 @@ cdef void* io_main(void* arg) noexcept nogil:
     return NULL
 
 
+cdef int slab_io_pending(TapeStruct* t) noexcept nogil:
+    """Whether a slab request is queued or in flight (io_mu held); state transfers
+    (adtape.statefile) do not count: the slabs never wait for them."""
+    cdef IORequest* req = t.queue_head
+    if t.io_busy and not t.io_busy_state:
+        return 1
+    while req != NULL:
+        if req.state == NULL:
+            return 1
+        req = req.next
+    return 0
+
+
 cdef void wait_io_idle(TapeStruct* t) noexcept nogil:
-    """Wait until no request is queued or in flight."""
-    while t.io_busy or t.queue_head != NULL:
+    """Wait until no slab request is queued or in flight (io_mu held)."""
+    while slab_io_pending(t):
         pthread_cond_wait(&t.done_cv, &t.io_mu)
 
 

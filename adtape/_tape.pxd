@@ -177,6 +177,7 @@ cdef struct TapeStruct:
     int io_started
     int io_stop
     int io_busy
+    int io_busy_state        # the request in flight is a state transfer
     int prefetch_slabs       # slabs queued for a prefetch read and not yet finished
     IORequest* queue_head
     IORequest* queue_tail

@@ -1679,11 +1679,13 @@ cdef class Tape:
         return self.t.dfd >= 0
 
     def _sync(self):
-        """Wait until the I/O thread is idle.  For tests and benchmarks."""
+        """Wait until the I/O thread is idle (state transfers included).  For tests and
+        benchmarks."""
         self.require_open()
         with nogil:
             pthread_mutex_lock(&self.t.io_mu)
-            wait_io_idle(&self.t)
+            while self.t.io_busy or self.t.queue_head != NULL:
+                pthread_cond_wait(&self.t.done_cv, &self.t.io_mu)
             pthread_mutex_unlock(&self.t.io_mu)
 
 

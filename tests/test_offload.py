@@ -7,6 +7,7 @@ and checked, and checkpoints must move between the two freely.
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -109,6 +110,27 @@ def test_units_move_through_the_attached_tapes_io_thread(tmp_path):
         f.close()
         tape.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_the_tapes_own_rewinds_do_not_wait_for_state_transfers(tmp_path):
+    f = make_file(tmp_path)
+    tape = adtape.Tape(spill_dir=tmp_path)
+    try:
+        f.attach(tape)
+        tape.push(1.0)
+        tape._hold_io(30.0)            # the I/O thread starts nothing for 30 s
+        f.prefetch([0])                 # a state read queued behind the hold
+        t0 = time.perf_counter()
+        tape.clear()                    # no slab request is queued: no wait
+        assert time.perf_counter() - t0 < 5.0 and len(tape) == 0
+        tape._hold_io(0)
+        buf = f.acquire(0)              # and the read still completes
+        assert not f.record_view(buf, 0).any() and not f.record_view(buf, 1).any()
+        f.release(0, dirty=False)
+        f.detach()
+    finally:
+        f.close()
+        tape.close()
 
 
 def test_bad_layouts_and_a_closed_file_raise(tmp_path):
