@@ -224,6 +224,26 @@ def test_activations_and_state_share_the_engines_disk_queue(kind, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("checkpointing", ["layer", "binomial"])
+def test_moments_on_disk_with_checkpointing_and_a_tape_budget(checkpointing, tmp_path):
+    # What the planner may combine: recomputed blocks rewind the tape that also carries
+    # the moments; bit-identical to in memory.
+    config = preset("llama-tiny")
+    memory = GPT2(config, seed=1)
+    offloaded = offloaded_model(config, "moments", tmp_path, small=True)
+    offloaded.checkpointing = checkpointing
+    offloaded.tape_kwargs = dict(memory_budget=1 << 16, spill_dir=tmp_path)
+    try:
+        assert train(memory, 10) == train(offloaded, 10)
+        offloaded.finish_update()
+        assert np.array_equal(memory.params.flat, offloaded.params.flat)
+        assert offloaded.tape_stats["state_bytes_read"] > 0
+    finally:
+        offloaded.close()
+        memory.close()
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("kind", ["moments", "all"])
 @pytest.mark.parametrize("name, small", [("tiny", True), ("small", False), ("llama-tiny", True)])
 def test_offloaded_state_trains_bit_identically_to_in_memory(name, small, kind, tmp_path):
