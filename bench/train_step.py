@@ -382,6 +382,35 @@ def interleave(steps, sides, n_steps):
     return times, losses
 
 
+def too_big(result, need, what):
+    """Record the estimate; True (with the reason in ``result``) when ``need`` bytes
+    with the margin do not fit in the memory available now."""
+    import psutil
+    available = psutil.virtual_memory().available
+    result["memory_estimate_bytes"] = int(need)
+    if need * MEMORY_MARGIN <= available:
+        return False
+    result["skipped"] = (f"needs about {need / GiB:.1f} GiB ({what}), "
+                         f"{need * MEMORY_MARGIN / GiB:.1f} GiB with the x{MEMORY_MARGIN} "
+                         f"margin; {available / GiB:.1f} GiB available")
+    return True
+
+
+def timed_steps(result, steps, sides, warm_loss, args, torch):
+    """The timed steps of every side, interleaved, then the FTZ check and the machine's
+    limits, into ``result``."""
+    times, losses = interleave(steps, sides, args.steps)
+    result["flush_check_after"] = check_flush(bool(args.ftz_on), torch)
+    # Limits again here, in this configuration's conditions (on a shared machine a
+    # measurement taken while others run reads low; the best of the run counts).
+    # After the timed steps: its large buffers and PyTorch's sgemm threads must not
+    # disturb them.
+    result["limits"] = measure_limits(args.threads, repeats=3)
+    result["warmup_loss"] = warm_loss
+    result["loss"] = losses
+    result["seconds"] = times
+
+
 def run_step_worker(args):
     if args.model != "gpt2":
         return run_llama_worker(args)
@@ -398,13 +427,8 @@ def run_step_worker(args):
     engines = [e for e in ENGINES
                if e != "tape" or importlib.util.find_spec("gpt2.tape_engine") is not None]
     result = {"B": B, "T": T, "ftz": ftz, "threads": n, "engines": engines}
-    need = memory_estimate(config, B, T, engines)
-    available = psutil.virtual_memory().available
-    result["memory_estimate_bytes"] = int(need)
-    if need * MEMORY_MARGIN > available:
-        result["skipped"] = (f"needs about {need / GiB:.1f} GiB ({len(engines)} engine(s) of ours "
-                             f"+ PyTorch), {need * MEMORY_MARGIN / GiB:.1f} GiB with the "
-                             f"x{MEMORY_MARGIN} margin; {available / GiB:.1f} GiB available")
+    if too_big(result, memory_estimate(config, B, T, engines),
+               f"{len(engines)} engine(s) of ours + PyTorch"):
         return result
     result["flush_check_before"] = check_flush(ftz, torch)
 
@@ -431,16 +455,7 @@ def run_step_worker(args):
             raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
                                f"PyTorch's ({warm_loss['torch']:.6f}): the two sides do not "
                                f"compute the same step")
-    times, losses = interleave(steps, sides, args.steps)
-    result["flush_check_after"] = check_flush(ftz, torch)
-    # Limits again here, in this configuration's conditions (on a shared machine a
-    # measurement taken while others run reads low; the best of the run counts).
-    # After the timed steps: its large buffers and PyTorch's sgemm threads must not
-    # disturb them.
-    result["limits"] = measure_limits(n, repeats=3)
-    result["warmup_loss"] = warm_loss
-    result["loss"] = losses
-    result["seconds"] = times
+    timed_steps(result, steps, sides, warm_loss, args, torch)
     result["peak_rss_bytes"] = int(psutil.Process().memory_info().rss)
     for m in models.values():
         m.close()
@@ -489,7 +504,6 @@ def run_llama_worker(args):
     torch = start_worker(n, ftz)
     import resource
 
-    import psutil
     import torch_gpt2
     import torch_llama
     from gpt2.model import GPT2
@@ -497,14 +511,8 @@ def run_llama_worker(args):
     config = model_config(args.model)
     sides = list(LLAMA_SIDES)
     result = {"model": args.model, "B": B, "T": T, "ftz": ftz, "threads": n, "sides": sides}
-    need = llama_memory_estimate(config, B, T)
-    available = psutil.virtual_memory().available
-    result["memory_estimate_bytes"] = int(need)
-    if need * MEMORY_MARGIN > available:
-        result["skipped"] = (f"needs about {need / GiB:.1f} GiB (three sides' model states, "
-                             f"one side's activations), {need * MEMORY_MARGIN / GiB:.1f} GiB "
-                             f"with the x{MEMORY_MARGIN} margin; {available / GiB:.1f} GiB "
-                             f"available")
+    if too_big(result, llama_memory_estimate(config, B, T),
+               "three sides' model states, one side's activations"):
         return result
     result["flush_check_before"] = check_flush(ftz, torch)
 
@@ -536,12 +544,7 @@ def run_llama_worker(args):
                                f"ours ({warm_loss['tape']:.6f}) by more than "
                                f"{LLAMA_LOSS_TOLERANCE}: the sides do not compute the same "
                                f"step")
-    times, losses = interleave(steps, sides, args.steps)
-    result["flush_check_after"] = check_flush(ftz, torch)
-    result["limits"] = measure_limits(n, repeats=3)
-    result["warmup_loss"] = warm_loss
-    result["loss"] = losses
-    result["seconds"] = times
+    timed_steps(result, steps, sides, warm_loss, args, torch)
     result["warmup_rss_bytes"] = rss
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model.close()
