@@ -165,15 +165,14 @@ class StateFile:
         return self.dfd if self.dfd >= 0 else self.fd
 
     def _submit(self, kind, u, buf):
-        size = self.unit_nbytes[u]
-        if kind == "write":
+        write = kind == "write"
+        # A read gets the flags as they are now; a write makes every record valid.
+        valid = None if write else self._valid[u].copy()
+        if write:
             self._valid[u][:] = 1
-            req = self.tape._state_io(True, self._fd(), buf[:size], self.unit_offset[u],
-                                      self._rec_off[u], self._rec_len[u], self._sums[u])
-        else:
-            req = self.tape._state_io(False, self._fd(), buf[:size], self.unit_offset[u],
-                                      self._rec_off[u], self._rec_len[u], self._sums[u],
-                                      self._valid[u].copy())
+        req = self.tape._state_io(write, self._fd(), buf[:self.unit_nbytes[u]],
+                                  self.unit_offset[u], self._rec_off[u], self._rec_len[u],
+                                  self._sums[u], valid)
         self._last[u] = req
         if kind == "read":
             self._last_read[u] = req
@@ -273,10 +272,10 @@ class StateFile:
             self.stats["prefetch_hits"] += 1
         else:
             self.stats["prefetch_misses"] += 1
-            if self._state[u] == "disk" or self._external[u]:
-                if self._external[u]:
-                    self._wait_for(self._last[u], "read_wait_ns")
-                    self._enter()
+            if self._external[u]:       # being read into a caller's buffer: let it end
+                self._wait_for(self._last[u], "read_wait_ns")
+                self._enter()
+            if self._state[u] == "disk":
                 if not self._free:
                     self._evict_read_ahead()
                 self._load(u, self._free.pop())
