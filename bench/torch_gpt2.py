@@ -51,7 +51,23 @@ LAYER_PARAMS = {
 class LayoutModule(nn.Module):
     """A PyTorch model whose parameters map to our layout: ``_param(name, layer)`` gives
     the tensor of one (per-layer) parameter, ``LAYER_PARAMS`` names the per-layer ones.
-    Shared by TorchGPT2 and torch_llama.TorchLlama."""
+    Shared by TorchGPT2 and torch_llama.TorchLlama, which name the others in
+    ``_global_param``."""
+
+    def _param(self, name, layer):
+        if name in self.LAYER_PARAMS:
+            module, attr = self.LAYER_PARAMS[name]
+            return getattr(getattr(self.blocks[layer], module), attr)
+        return self._global_param(name)
+
+    def _with_loss(self, logits, targets):
+        """(logits, None) or (logits, the mean cross-entropy over the real vocabulary)."""
+        if targets is None:
+            return logits, None
+        B, T = targets.shape
+        # a strided view of the real columns, not a copy of the (B*T, V) logits
+        real = logits.view(B * T, -1)[:, :self.config.vocab_size]
+        return logits, F.cross_entropy(real, targets.reshape(-1))
 
     def _tensors_by_layout(self, pick):
         """dict name -> numpy array in our layout, per-layer tensors stacked along axis 0."""
@@ -105,23 +121,16 @@ class TorchGPT2(LayoutModule):
 
     def forward(self, idx, targets=None):
         """logits (B, T, Vp) and, with targets, the mean cross-entropy over the real vocab."""
-        B, T = idx.shape
+        T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         x = F.embedding(idx, self.wte) + self.wpe[:T]
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.lnf(x), self.wte)  # tied LM head, (B, T, Vp)
-        if targets is None:
-            return logits, None
-        # a strided view of the real columns, not a copy of the (B*T, V) logits
-        real = logits.view(B * T, -1)[:, :self.config.vocab_size]
-        return logits, F.cross_entropy(real, targets.reshape(-1))
+        return self._with_loss(logits, targets)
 
-    def _param(self, name, layer):
-        if name in LAYER_PARAMS:
-            module, attr = LAYER_PARAMS[name]
-            return getattr(getattr(self.blocks[layer], module), attr)
+    def _global_param(self, name):
         return {"wte": self.wte, "wpe": self.wpe, "lnfw": self.lnf.weight,
                 "lnfb": self.lnf.bias}[name]
 

@@ -95,7 +95,7 @@ class TorchLlama(LayoutModule):
 
     def forward(self, idx, targets=None):
         """logits (B, T, Vp) and, with targets, the mean cross-entropy over the real vocab."""
-        B, T = idx.shape
+        T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         cos, sin = self.rotary(T)
@@ -103,15 +103,9 @@ class TorchLlama(LayoutModule):
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = F.linear(self.rmsf(x), self.wte if self.lm_head is None else self.lm_head)
-        if targets is None:
-            return logits, None
-        real = logits.view(B * T, -1)[:, :self.config.vocab_size]
-        return logits, F.cross_entropy(real, targets.reshape(-1))
+        return self._with_loss(logits, targets)
 
-    def _param(self, name, layer):
-        if name in LAYER_PARAMS:
-            module, attr = LAYER_PARAMS[name]
-            return getattr(getattr(self.blocks[layer], module), attr)
+    def _global_param(self, name):
         return {"wte": self.wte, "rmsfw": self.rmsf.weight, "lm_head": self.lm_head}[name]
 
 
