@@ -704,7 +704,9 @@ def plot_llama(records, path, threads, limits, title):
     import numpy as np
 
     settings = [f for f in (True, False) if any(r["ftz"] is f for r in records)]
-    fig, axes = plt.subplots(2, len(settings), figsize=(7 * len(settings), 8), squeeze=False)
+    per_setting = max(sum(r["ftz"] is f for r in records) for f in settings)
+    fig, axes = plt.subplots(2, len(settings), figsize=(max(7.0, 1.2 * per_setting) * len(settings), 8),
+                             squeeze=False)
     for col, ftz in enumerate(settings):
         recs = [r for r in records if r["ftz"] is ftz]
         labels = [f"({r['B']},{r['T']})" for r in recs]
@@ -728,13 +730,13 @@ def plot_llama(records, path, threads, limits, title):
             xs = x + (i - 0.5) * 0.35
             ax.bar(xs, values, 0.35, color=color, label=f"{name} time / ours")
             for xi, v in zip(xs, values):
-                ax.annotate(f"{v:.2f}x", (xi, v), ha="center", va="bottom")
+                ax.annotate(f"{v:.2f}x", (xi, v), ha="center", va="bottom", fontsize=8)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(x, labels)
         ax.set_xlabel("(B, T)")
         ax.set_ylabel("baseline time / ours (median of paired steps)")
         ax.legend()
-    fig.suptitle(f"{title} training step; sgemm peak {limits['sgemm_gflops']:.0f} GFLOP/s, "
+    fig.suptitle(f"{title} training step\nsgemm peak {limits['sgemm_gflops']:.0f} GFLOP/s, "
                  f"memory bandwidth {limits['bandwidth_gbs']:.1f} GB/s (measured in this run)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
