@@ -10,8 +10,9 @@ import adtape
 import gpt2
 
 RUN = """
-import json, sys, threading, time
-import numpy as np, psutil
+import json, sys
+import numpy as np
+from plan_worker import RssPeak
 from gpt2.config import GPT2Config
 from gpt2.model import GPT2
 budget = None if sys.argv[1] == "none" else int(sys.argv[1])
@@ -21,28 +22,20 @@ model = GPT2(config, seed=0, engine="tape", tape_kwargs=kwargs)
 rng = np.random.default_rng(0)
 x = rng.integers(0, 256, (8, 128)).astype(np.int32)
 y = rng.integers(0, 256, (8, 128)).astype(np.int32)
-proc = psutil.Process()
-base = peak = proc.memory_info().rss
-done = threading.Event()
-def sample():
-    global peak
-    while not done.is_set():
-        peak = max(peak, proc.memory_info().rss)
-        time.sleep(0.001)
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
+rss = RssPeak(0.001)
 losses = [model.train_step(x, y, lr=1e-3, weight_decay=0.1)[0] for _ in range(3)]
-done.set()
-sampler.join()
+rss.stop()
 engine = model._tape_engine
 print(json.dumps({{"losses": losses, "tape_bytes": engine.last_forward_bytes,
-                  "spills": engine.optape.tape.stats["spills"], "growth": peak - base}}))
+                  "spills": engine.optape.tape.stats["spills"], "growth": rss.peak - rss.base}}))
 """
 
 
 def run(budget, spill_dir):
+    # The package roots, and this directory for the worker's RssPeak (tests/plan_worker.py).
     roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(roots))
+    roots.add(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sorted(roots)))
     out = subprocess.run([sys.executable, "-c", RUN.format(spill_dir=str(spill_dir)), str(budget)],
                          capture_output=True, text=True, env=env, check=True, cwd=spill_dir,
                          timeout=600)
