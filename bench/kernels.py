@@ -30,7 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
 
 from adtape import buffers  # noqa: E402
-from kernels import attention, layers, loss, matmul, optim, threads  # noqa: E402
+from kernels import attention, blas_dispatch, layers, loss, matmul, optim, threads  # noqa: E402
 
 C, NH, V, VP, MAXT, L = 768, 12, 50257, 50304, 1024, 12
 N_PARAMS = VP * C + MAXT * C + L * (12 * C * C + 13 * C) + 2 * C  # GPT-2 124M, padded vocab
@@ -478,6 +478,8 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/kernels"
                         "[_quick].json; the PNG goes beside it)")
     args = parser.parse_args(argv)
+    if argv is None:
+        blas_dispatch.ensure()
     if args.reps < 5:
         parser.error("--reps must be at least 5 (median of >= 5)")
     n, limits, records = run(args)
@@ -486,7 +488,7 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"threads": n, "torch": torch.__version__, "numpy": np.__version__,
             "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            **limits}
+            **blas_dispatch.record(), **limits}
     for r in records:
         r["limits"] = meta
     out.write_text(json.dumps(records, indent=1))

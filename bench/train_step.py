@@ -68,6 +68,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
 from _runinfo import cpu_name, git_commit  # noqa: E402
+from kernels import blas_dispatch  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 GRID = ((1, 16), (1, 32), (2, 16), (1, 64), (4, 64), (4, 256), (8, 1024))
@@ -583,6 +584,8 @@ def write_records(path, model, records):
             kept = [r for r in json.load(f) if r.get("model", "gpt2") != model]
     except FileNotFoundError:
         kept = []
+    blas = blas_dispatch.record()
+    records = [dict(r, **blas) for r in records]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(kept + records, f, indent=1)
@@ -799,6 +802,8 @@ def plot(records, path, threads, limits):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.worker is None and argv is None:
+        blas_dispatch.ensure()      # the workers inherit OPENBLAS_CORETYPE
     if args.threads is None:
         args.threads = len(os.sched_getaffinity(0))
     if args.steps is None:
@@ -909,7 +914,7 @@ def main(argv=None):
     meta = {"model": args.model, "threads": args.threads, "weight_decay": args.weight_decay,
             "lr": LR, "betas": BETAS, "eps": EPS, "steps": args.steps, "long_steps": args.long_steps,
             "long_tokens": LONG_TOKENS, "seed": args.seed,
-            "cpu": cpu_name(), "commit": git_commit(),
+            "cpu": cpu_name(), "commit": git_commit(), **blas_dispatch.record(),
             "n_matmul_params": n_matmul, "n_layout_floats": n_layout,
             "flops_formula": flops_formula, "bytes_formula": bytes_formula,
             "limits": limits, "limits_runs": limits_runs, "skipped": skipped, "workers": raws}

@@ -240,12 +240,14 @@ def build_parser(prog=None):
                         "interrupted); auto: whenever the training since the last save took "
                         "200 times as long as that save (default: auto)")
     o.add_argument("--overwrite", action="store_true",
-                   help="replace the output of another run in --out-dir (by default such a "
-                        "directory is refused)")
+                   help="replace the output of another run in --out-dir, and another "
+                        "model's weights in --save-hf (by default such a directory is refused)")
     o.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint at all")
     o.add_argument("--save-hf", default=None, metavar="DIR",
                    help="at the end of the run, also write the model as a Hugging Face "
-                        "directory (config.json, model.safetensors) that transformers loads")
+                        "directory (config.json, model.safetensors) that transformers loads; "
+                        "a directory holding another model's weights is refused unless "
+                        "--overwrite")
     o.add_argument("--resume", default=None, metavar="FILE",
                    help="continue the run saved in this checkpoint (see below)")
     o.add_argument("--sample-tokens", type=non_negative_int, metavar="N", default=300,
@@ -390,24 +392,32 @@ def plot_losses(path, rows):
 def read_log(path, up_to_step):
     """Rows of an earlier run's log.csv with step <= up_to_step; [] where there is none.
 
-    A last row cut short (a crash while it was written) is dropped.
+    A last row cut short (a crash while it was written) is dropped; a file that is not
+    such a log is refused (ValueError naming it), never overwritten.
     """
+    foreign = f"{path} is not a log of this program"
+    advice = "move it away to resume without the history"
     try:
         with open(path, newline="") as f:
             lines = f.read().splitlines(keepends=True)
     except FileNotFoundError:
         return []
+    except UnicodeDecodeError:
+        raise ValueError(f"{foreign}: it is not text; {advice}") from None
     if lines and not lines[-1].endswith("\n"):
         lines.pop()  # cut short by a crash while it was written
     reader = csv.DictReader(lines)
-    records = list(reader)
+    try:
+        records = list(reader)
+    except csv.Error as e:
+        raise ValueError(f"{foreign}: not CSV ({e}); {advice}") from None
     rows = []
-    if not records:  # nothing to keep (older versions left just a header after a resume)
+    if reader.fieldnames is None:   # empty, or only a header cut short
         return rows
     if tuple(reader.fieldnames) != LOG_FIELDS:
-        raise ValueError(f"{path} is not a log of this program: its columns are "
-                         f"{reader.fieldnames}, expected {list(LOG_FIELDS)}; move it away to "
-                         f"resume without the history")
+        shown = _one_line(str(reader.fieldnames))[:200]
+        raise ValueError(f"{foreign}: its columns are {shown}, expected {list(LOG_FIELDS)}; "
+                         f"{advice}")
     for line, record in enumerate(records, 2):
         try:
             if None in record or None in record.values():
@@ -415,8 +425,9 @@ def read_log(path, up_to_step):
             row = {k: float(v) if v else None for k, v in record.items()}
             row["step"] = int(record["step"])
         except ValueError:
-            raise ValueError(f"{path} line {line}: not a row of numbers: "
-                             f"{list(record.values())}") from None
+            shown = _one_line(str(list(record.values())))[:200]
+            raise ValueError(f"{path} line {line}: not a row of numbers: {shown}; "
+                             f"{advice}") from None
         if row["step"] <= up_to_step:
             rows.append(row)
     return rows
@@ -662,6 +673,9 @@ def main(argv=None):
     """Console entry point: train; returns the exit status (2 on a bad option or input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None:    # the process's own entry point: it may re-execute itself
+        from kernels import blas_dispatch
+        blas_dispatch.ensure()
     try:
         _run(args, explicit_options(argv))
     except UsageError as e:
@@ -778,6 +792,8 @@ def _prepare(args, explicit, comm=None):
         args.decay_steps = args.steps
     if not args.overwrite:
         _refuse_another_runs_output(args)
+    if args.save_hf:
+        _check_save_hf(args)
     if args.val_fraction == 0 and args.eval_interval:
         raise UsageError(f"--val-fraction 0 leaves no validation data for --eval-interval "
                          f"{args.eval_interval}: pass --eval-interval 0 too, or a fraction in "
@@ -891,6 +907,20 @@ def _refuse_another_runs_output(args):
                      f"--overwrite to replace it, or choose another --out-dir")
 
 
+def _check_save_hf(args):
+    """A UsageError, before any training, if --save-hf cannot be a model directory or holds
+    another model's weights (which --overwrite replaces at the end of the run)."""
+    from gpt2 import hf
+    if os.path.exists(args.save_hf) and not os.path.isdir(args.save_hf):
+        raise UsageError(f"--save-hf {args.save_hf}: not a directory")
+    with blame(f"--save-hf {args.save_hf}", (OSError,)):
+        found = hf.weight_files(args.save_hf)
+    if found and not args.overwrite:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise UsageError(f"--save-hf {args.save_hf} holds another model's weights ({shown}); "
+                         f"pass --overwrite to replace them, or choose another --save-hf")
+
+
 def _check_snapshots(args, explicit, config):
     """--snapshots only with binomial checkpointing, and fewer than the model's layers."""
     if "snapshots" in explicit and args.checkpointing != "binomial":
@@ -972,6 +1002,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     from gpt2 import checkpoint as ckpt
     from gpt2 import distributed
     from gpt2.params import num_parameters as _num_parameters
+    from kernels import blas_dispatch
 
     config, train, val = inputs.config, inputs.train, inputs.val
     if inputs.params is not None:
@@ -1002,7 +1033,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     n_params = _num_parameters(config)
     print(f"{config.family_name} {inputs.model_name}: {n_params / 1e6:.2f}M parameters, "
           f"{config.describe()}; B={args.batch_size} "
-          f"T={args.seq_len}, {n_threads} threads, engine={args.engine}, memory: "
+          f"T={args.seq_len}, {n_threads} threads ({blas_dispatch.describe()}), "
+          f"engine={args.engine}, memory: "
           f"{describe_memory_policy(args, inputs.plan)}, corpus {inputs.tokens.size:,} tokens"
           + (f"; resuming at step {start_step}" if start_step else ""), flush=True)
     saved_args = dict(vars(args))
@@ -1093,7 +1125,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
             if args.save_hf and writer:
                 from gpt2 import hf
                 with blame("--save-hf", (OSError, ValueError)):
-                    hf.save_dir(args.save_hf, model.param_arena())
+                    hf.save_dir(args.save_hf, model.param_arena(), overwrite=args.overwrite)
     finally:
         bar.close()
         log.close()

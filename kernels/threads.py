@@ -13,7 +13,7 @@ import os
 
 from threadpoolctl import threadpool_limits
 
-from kernels import _openmp
+from kernels import _openmp, blas_dispatch
 
 # The most threads set_num_threads and every kernel's n_threads accept (see
 # kernels/_openmp.pyx for why this many).
@@ -61,6 +61,7 @@ def set_num_threads(n=None):
         _blas_limits.restore_original_limits()
     _blas_limits = threadpool_limits(limits=1, user_api="blas")
     _num_threads = n
+    blas_dispatch.warn_if_mismatched()
     return n
 
 

@@ -709,6 +709,9 @@ def _existing(path, threads):
 
 
 def main(argv=None):
+    if argv is None:
+        from kernels import blas_dispatch
+        blas_dispatch.ensure()      # a profile of the BLAS's right kernels
     p = argparse.ArgumentParser(prog="python -m gpt2.perfmodel.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None,

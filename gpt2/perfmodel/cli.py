@@ -289,6 +289,9 @@ def thread_note(profile, threads):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if argv is None:
+        from kernels import blas_dispatch
+        blas_dispatch.ensure()      # calibration measures the BLAS's right kernels
     if args.plan:
         try:
             run_plan(args)
