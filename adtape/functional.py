@@ -18,6 +18,7 @@ Forward mode is the transpose of reverse mode: ``jvp`` records the VJP
 import contextlib
 import functools
 import numbers
+import warnings
 
 import numpy as np
 
@@ -64,9 +65,12 @@ def value_and_grad(f, argnums=0, has_aux=False):
                                 f"twice; call the outer transform with a 0-d float64 array "
                                 f"(np.float64(x)) for tensor mode, which does")
         if all(_is_python_float(args[i]) for i in nums):
-            value, aux, grads = _scalar_mode(f, args, kwargs, nums, has_aux)
+            value, aux, grads, connected = _scalar_mode(f, args, kwargs, nums, has_aux)
         else:
-            value, aux, grads = _tensor_mode(f, args, kwargs, nums, has_aux)
+            value, aux, grads, connected = _tensor_mode(f, args, kwargs, nums, has_aux)
+        if not connected:
+            # As autograd: the zeros are right, but usually mean a detach in f.
+            warnings.warn("Output seems independent of input.", UserWarning, stacklevel=2)
         g = grads[0] if single else tuple(grads)
         return ((value, aux) if has_aux else value), g
     return value_and_grad_f
@@ -143,7 +147,9 @@ def _zeros_like(t):
 
 
 def _recording_mode(f, args, kwargs, nums, has_aux):
-    """``grad`` under an enclosing recording: the gradient is a Tensor of its graph."""
+    """``grad`` under an enclosing recording: the gradient is a Tensor of its graph.
+    Returns ``(out, aux, grads, connected)``: ``connected`` is false when no gradient
+    reaches any argument (the output does not depend on them)."""
     fname = _fname(f)
     args = list(args)
     graph = _state.graph
@@ -160,8 +166,9 @@ def _recording_mode(f, args, kwargs, nums, has_aux):
         if _in_graph(out, graph, fname):
             grads = sweep_keeping(graph, start, out._ref, _constant(np.ones_like(out.data)),
                                   [m._ref for m in marked], create=True)
+    connected = any(g is not None for g in grads)
     grads = [g if g is not None else _zeros_like(m) for g, m in zip(grads, marked)]
-    return out, aux, grads
+    return out, aux, grads, connected
 
 
 def _tensor_mode(f, args, kwargs, nums, has_aux):
@@ -189,8 +196,10 @@ def _tensor_mode(f, args, kwargs, nums, has_aux):
                              f".backward(seed) for a vector-Jacobian product")
         if out.requires_grad:
             out.backward()
+    # The sweep reaches a leaf exactly when the output depends on it.
+    connected = any(leaf.grad is not None for leaf in leaves)
     grads = [leaf.grad if leaf.grad is not None else np.zeros_like(leaf.data) for leaf in leaves]
-    return out.data, aux, grads
+    return out.data, aux, grads, connected
 
 
 def _scalar_mode(f, args, kwargs, nums, has_aux):
@@ -207,13 +216,15 @@ def _scalar_mode(f, args, kwargs, nums, has_aux):
         if isinstance(out, Scalar):
             grads = st.gradient(out, variables)
             value = out.value
+            connected = out.index != 0
         elif _is_python_float(out):
             grads = [0.0] * len(variables)
             value = float(out)
+            connected = False
         else:
             raise TypeError(f"{fname} called with float arguments must return a float or an "
                             f"adtape Scalar, got {type(out).__name__}")
-    return value, aux, grads
+    return value, aux, grads, connected
 
 
 # -- forward mode, Jacobians, Hessians ---------------------------------------------------

@@ -15,12 +15,14 @@ give boolean arrays of the values: they are piecewise constant, nothing to lose.
 
 The same table answers NumPy when it is handed a Tensor (``Tensor.__array_ufunc__``
 and ``__array_function__``): ``np.sin(t)``, ``np.sum(t, axis=0)`` and
-``ndarray * t`` record the adtape op.  Every other NumPy function, ufunc method
-(``np.add.reduce``) or ufunc keyword (``out=``, ``where=``, ``dtype=``) raises
-TypeError, for a Tensor that requires grad and a constant one alike, so a
-program never loses a gradient silently and behaves the same with or without
-grad.  ``np.asarray(t)`` is the explicit detach: it returns the data, and no
-gradient flows through what is computed from it.
+``ndarray * t`` record the adtape op, and scipy.special's ufuncs
+(``scipy.special.erf(t)``) adtape.scipy.special's.  Every other NumPy function,
+ufunc, ufunc method (``np.add.reduce``) or ufunc keyword (``out=``, ``where=``,
+``dtype=``) raises TypeError, for a Tensor that requires grad and a constant one
+alike, so a program never loses a gradient silently and behaves the same with or
+without grad.  ``np.asarray(t)`` is the explicit detach: it returns the data, and
+no gradient flows through what is computed from it (the other conversions of a
+recorded Tensor raise: see ``Tensor.__array__`` and ``Tensor.__float__``).
 """
 import builtins
 import inspect
@@ -1151,20 +1153,32 @@ def __getattr__(name):
 
 def _lost_gradient(what, reason="adtape has no rule recorded for it"):
     return TypeError(f"{what} on an adtape Tensor: {reason}, so the gradient would be lost; "
-                     f"use adtape.numpy's functions where they exist, or detach explicitly "
-                     f"with np.asarray(tensor)")
+                     f"use adtape.numpy's (or adtape.scipy.special's) functions where they "
+                     f"exist, or detach explicitly with np.asarray(tensor)")
 
 
 def _ufunc_name(ufunc):
     name = ufunc.__name__
-    return f"numpy.{name}" if getattr(np, name, None) is ufunc else f"the ufunc {name!r}"
+    if getattr(np, name, None) is ufunc:
+        return f"numpy.{name}"
+    special = sys.modules.get("scipy.special")
+    if special is not None and getattr(special, name, None) is ufunc:
+        return f"scipy.special.{name}"
+    return f"the ufunc {name!r}"
+
+
+def _scipy_special_ufunc(ufunc):
+    """adtape.scipy.special's function for one of scipy.special's ufuncs, or None
+    (imported on first use: adtape.numpy does not load SciPy's special functions)."""
+    from adtape.scipy import special
+    return special.UFUNCS.get(ufunc)
 
 
 def _array_ufunc(ufunc, method, inputs, kwargs):
     """``Tensor.__array_ufunc__``: record the ufunc's adtape op, or raise TypeError."""
     if method != "__call__":
         raise _lost_gradient(f"{_ufunc_name(ufunc)}.{method}")
-    fun = _UFUNCS.get(ufunc)
+    fun = _UFUNCS.get(ufunc) or _scipy_special_ufunc(ufunc)
     if fun is None:
         raise _lost_gradient(_ufunc_name(ufunc))
     if kwargs:

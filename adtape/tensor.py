@@ -19,6 +19,7 @@ sizes they are most of an op's cost.
 """
 import contextlib
 import functools
+import sys
 import weakref
 
 import numpy as np
@@ -99,6 +100,25 @@ class Primitive:
         return NotImplementedError(
             f"no VJP rule for argument {argnum} ({name!r}) of op {self.name!r}; "
             f"register one with adtape.defvjp({self.name}, ...)")
+
+
+# Libraries whose functions convert their arguments with np.asarray and compute on the
+# arrays: a recorded Tensor handed to one would come out as a value without derivative.
+_CONVERTING_LIBRARIES = ("scipy",)
+
+
+def _carries_derivative(t):
+    """True when a derivative flows through ``t``'s value: it requires grad, grad mode is
+    on, and it is a leaf or a node of a graph not swept yet (after ``backward()`` nothing
+    flows through it any more, so ``float(loss)`` is safe there)."""
+    return t.requires_grad and _state.enabled and (t._is_leaf or not t._graph.freed)
+
+
+def _lost_derivative(what):
+    return TypeError(
+        f"{what} would drop the derivative of a recorded Tensor (one that requires grad): "
+        f"use adtape.numpy's functions (anp.sin(t)) or adtape.scipy.special's, or take the "
+        f"value as a constant deliberately with t.item() or np.asarray(t)")
 
 
 def _needs_grad(args):
@@ -405,14 +425,64 @@ class Tensor(TensorBase):
         return self.data
 
     def item(self):
+        """The value of a one-element Tensor as a Python number: a constant taken
+        deliberately (no gradient flows back through it), recorded or not."""
         return self.data.item()
 
+    # Conversions.  A conversion that would hand on the value of a recorded Tensor (see
+    # _carries_derivative) without its derivative raises TypeError: the math module's
+    # functions, np.float64(t), np.float32(t), np.vectorize and SciPy's functions all
+    # convert.  t.item() and np.asarray(t) are the deliberate ways to take a constant.
+    # Any other Tensor (a constant, one under no_grad, a loss after its backward())
+    # converts as a NumPy array does.
+
     def __float__(self):
+        """``float(t)`` of a one-element Tensor, as NumPy; TypeError when ``t`` is recorded."""
+        if _carries_derivative(self):
+            raise _lost_derivative("float(t) (math.sin(t), np.float64(t) and '%f' % t call it)")
         return float(self.data)
 
+    def __complex__(self):
+        """``complex(t)`` of a one-element Tensor, as NumPy; TypeError when ``t`` is recorded."""
+        if _carries_derivative(self):
+            raise _lost_derivative("complex(t) (cmath's functions call it)")
+        return complex(self.data)
+
+    def __int__(self):
+        """``int(t)`` of a one-element Tensor, as NumPy, recorded or not: an integer part
+        is piecewise constant, its derivative is zero (as adtape's ``trunc``)."""
+        return int(self.data)
+
+    def __bool__(self):
+        """The truth of the value, as NumPy: a one-element Tensor is its value's truth,
+        a larger or an empty one raises ValueError.  A branch carries no derivative."""
+        return bool(self.data)
+
     def __array__(self, dtype=None, copy=None):
-        """``np.asarray(t)``: the explicit detach, the data without the gradient."""
-        return self.data if dtype is None else self.data.astype(dtype)
+        """``np.asarray(t)``: the explicit detach, the data without the gradient.
+
+        For a recorded Tensor it is the only one: a ``dtype`` (``np.float32(t)``,
+        ``np.asarray(t, dtype)``, ``np.vectorize``'s object arrays) raises TypeError, and
+        so does a call from SciPy's code (``scipy.special.logsumexp(t)`` converts its
+        argument with ``np.asarray``): adtape.scipy.special records those."""
+        if _carries_derivative(self):
+            if dtype is not None:
+                raise _lost_derivative(
+                    f"converting to {np.dtype(dtype)} (np.float32(t), np.asarray(t, dtype), "
+                    f"a[...] = t and np.vectorize(f)(t) do)")
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.partition(".")[0] in _CONVERTING_LIBRARIES:
+                raise _lost_derivative(
+                    f"np.asarray(t) called from {caller} (SciPy's functions convert their "
+                    f"arguments; adtape.scipy.special records logsumexp, softmax, erf, ...)")
+        data = self.data
+        arr = data if dtype is None else data.astype(dtype, copy=False)
+        if copy and arr is data:
+            return arr.copy()
+        if copy is False and arr is not data:
+            raise ValueError(f"np.asarray(t, dtype={np.dtype(dtype)}, copy=False): a Tensor "
+                             f"of {data.dtype} needs a copy to convert")
+        return arr
 
     # NumPy hands a Tensor to adtape.numpy's table (ndarray (op) Tensor comes here too):
     # the op is recorded, or TypeError says the gradient would be lost.
