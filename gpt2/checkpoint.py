@@ -551,6 +551,25 @@ def export_hf_gpt2(path, params, write_config=False):
             f.write(json.dumps(hf_config_dict(c), indent=2).encode("utf-8"))
 
 
+def check_fits_in_memory(config, source):
+    """A ValueError naming ``source`` where the float32 parameters of ``config`` need more
+    than the memory available (RAM and free swap): checked before they are allocated, so
+    that an impossible model is refused at once rather than by a MemoryError after the
+    allocation has filled the memory."""
+    import psutil
+    n = num_parameters(config)
+    available = psutil.virtual_memory().available + psutil.swap_memory().free
+    if 4 * n > available:
+        raise ValueError(f"{os.fspath(source)!r}: the model's {n:,} parameters take "
+                         f"{4 * n / 2**30:,.1f} GiB as float32, more than the "
+                         f"{available / 2**30:,.1f} GiB of memory available")
+
+
+# config.json's GPT-2 sizes and ours.
+_HF_GPT2_SIZES = (("n_layer", "n_layer"), ("n_embd", "n_embd"), ("vocab_size", "vocab_size"),
+                  ("n_positions", "block_size"))
+
+
 def hf_config_path(path):
     """Where the config.json of a Hugging Face weights file is read from: beside it."""
     return os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), "config.json")
@@ -570,8 +589,7 @@ def _hf_n_head(path, n_head, inferred):
         n_head = int(hf["n_head"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{config_path!r} is not a GPT-2 config.json with n_head: {e}") from None
-    for key, ours in (("n_layer", "n_layer"), ("n_embd", "n_embd"), ("vocab_size", "vocab_size"),
-                      ("n_positions", "block_size")):
+    for key, ours in _HF_GPT2_SIZES:
         if key in hf and hf[key] != inferred[ours]:
             raise ValueError(f"{config_path!r} says {key}={hf[key]}, but {path!r} holds "
                              f"weights for {ours}={inferred[ours]}")
@@ -616,8 +634,11 @@ def import_hf_gpt2(path, config=None, n_head=None):
         except ValueError as e:
             raise ValueError(f"{st.path!r}: cannot build a GPT-2 config from its weights: "
                              f"{e}") from None
-    elif any(getattr(config, k) != v for k, v in inferred.items()):
-        raise ValueError(f"{st.path!r} holds weights for {inferred}, not for {config}")
+    else:
+        for key, ours in _HF_GPT2_SIZES:
+            if getattr(config, ours) != inferred[ours]:
+                raise ValueError(f"{st.path!r} holds weights for {key}={inferred[ours]}, "
+                                 f"not the {key}={getattr(config, ours)} of its config")
     C = config.n_embd
     expected = {"wte.weight": (config.vocab_size, C), "wpe.weight": (config.block_size, C),
                 "ln_f.weight": (C,), "ln_f.bias": (C,)}
@@ -638,6 +659,7 @@ def import_hf_gpt2(path, config=None, n_head=None):
             raise ValueError(f"safetensors file {st.path!r}: tensor {names[name]!r} has shape "
                              f"{list(found)}, expected {list(shape)}")
 
+    check_fits_in_memory(config, st.path)
     arena = ParamArena(config)
     arena.wte[:config.vocab_size] = st.read(names["wte.weight"])
     for ours, hf in HF_GLOBAL_NAMES.items():
