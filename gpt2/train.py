@@ -5,6 +5,29 @@ standard library's own source files, so nothing is downloaded), shows loss, toke
 ms/step in a progress bar, evaluates on a held-out split, writes a CSV log, a JSON summary,
 a loss-curve PNG and a checkpoint to the output directory, and prints a text sample at the end.
 """
+import os
+import signal
+import sys
+import threading
+
+
+def _exit_while_starting(signum, frame):
+    """SIGINT while the program loads its modules: exit at once, in one line.  Python's own
+    KeyboardInterrupt would end in a traceback of the half-done import, or in a second one
+    from whatever imported that module again while handling it."""
+    os.write(2, _STARTING_MESSAGE)
+    os._exit(128 + signum)
+
+
+# Started as the program (python -m gpt2.train, or the gpt2-train script, whose first act is
+# to import this module): until main() has loaded what the run needs (``_load_the_run``),
+# Ctrl-C exits quietly.  So the handler goes in before the imports below.
+if ((__name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "gpt2-train")
+        and threading.current_thread() is threading.main_thread()):
+    _STARTING_MESSAGE = (f"{'python -m gpt2.train' if __name__ == '__main__' else 'gpt2-train'}: "
+                         f"interrupted by SIGINT while starting; nothing was written\n").encode()
+    signal.signal(signal.SIGINT, _exit_while_starting)
+
 import argparse
 import contextlib
 import csv
@@ -12,12 +35,8 @@ import dataclasses
 import io
 import json
 import math
-import os
 import resource
-import signal
-import sys
 import tempfile
-import threading
 import time
 
 SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -26,13 +45,18 @@ DEFAULT_OUT_DIR = "gpt2_run"
 DEFAULT_MODEL = "small"
 LOG_FIELDS = ("step", "loss", "lr", "ms", "tokens_per_s", "grad_norm", "val_loss")
 # What --resume takes from the checkpoint unless given again: everything that decides what
-# the run computes. Where and how fast it runs (threads, engine, memory, output) is this
-# invocation's own.
+# the run computes. Where and how fast it runs (threads, engine, output) is this
+# invocation's own, but for the memory policy below.
 RESUMED_OPTIONS = ("data", "tokenizer", "corpus_bytes", "val_fraction", "batch_size", "seq_len",
                    "steps", "decay_steps", "lr", "min_lr", "warmup", "schedule",
                    "weight_decay", "grad_clip",
                    "seed", "eval_interval", "eval_batches", "checkpoint_interval",
                    "no_checkpoint", "sample_tokens", "temperature", "top_k", "prompt")
+# Taken too, as the memory policy (the run was sized for its machine: a resume may not fit
+# in RAM without it); see _restore_memory_policy.
+MEMORY_OPTIONS = ("max_memory", "tape_budget", "checkpointing", "snapshots", "offload",
+                  "spill_dir")
+PLANNED_OPTIONS = ("tape_budget", "checkpointing", "snapshots", "offload")  # --max-memory's
 
 EPILOG = f"""\
 Output goes to --out-dir (default: {DEFAULT_OUT_DIR} in the current directory; with --resume,
@@ -43,17 +67,21 @@ An --out-dir that holds another run's output is refused: continue that run with 
 or pass --overwrite to replace it.
 
 --resume FILE continues the run saved in FILE up to --steps: the model comes from FILE, and
-every training and data option not given again is the saved run's; log.csv and loss.png
-cover the whole run. The learning rate continues the saved run's schedule: its cosine ends
-at the saved run's --steps and stays at --min-lr after it, unless --decay-steps is given.
+every training, data and memory option (--offload, --spill-dir, --tape-budget,
+--checkpointing, --snapshots, --max-memory) not given again is the saved run's; log.csv and
+loss.png cover the whole run. The learning rate continues the saved run's schedule: its
+cosine ends at the saved run's --steps and stays at --min-lr after it, unless
+--decay-steps is given.
 
 Ctrl-C (SIGINT) or SIGTERM finishes the current step, saves a checkpoint and exits with
 status 130 (143 for SIGTERM), saying how to resume; a second Ctrl-C stops at once and keeps
-the last checkpoint saved. By default a checkpoint is also saved whenever the training
+the last checkpoint saved. One during the final save lets it finish and exits 130 without
+the summary and the sample. By default a checkpoint is also saved whenever the training
 since the last save took 200 times as long as that save (half a percent of the run).
 
-Exit status: 0 on success, 2 on a bad option or input (one line on stderr; --debug shows
-the traceback), 130 or 143 when interrupted.
+Exit status: 0 on success, 2 on a bad option or input, a full disk, or a spill or offload
+file that reads back other bytes than were written (one line on stderr; --debug shows the
+traceback), 130 or 143 when interrupted.
 """
 
 
@@ -433,8 +461,13 @@ def read_log(path, up_to_step):
     return rows
 
 
-def memory_policy(args, plan=None):
-    """How the run keeps its activations and model states, for summary.json."""
+def _option_flags(names):
+    return [f"--{n.replace('_', '-')}" for n in names]
+
+
+def memory_policy(args, plan=None, from_checkpoint=()):
+    """How the run keeps its activations and model states, for summary.json
+    (``from_checkpoint``: the options --resume took from the checkpoint)."""
     return {"offload": args.offload,
             "offload_dir": ((args.spill_dir or tempfile.gettempdir())
                             if args.offload != "none" else None),
@@ -442,10 +475,11 @@ def memory_policy(args, plan=None):
             "spill_dir": (args.spill_dir or tempfile.gettempdir()) if args.tape_budget else None,
             "checkpointing": args.checkpointing,
             "snapshots": args.snapshots if args.checkpointing == "binomial" else None,
-            "chosen_by": "--max-memory" if plan is not None else "options"}
+            "chosen_by": "--max-memory" if plan is not None else "options",
+            "from_checkpoint": _option_flags(from_checkpoint)}
 
 
-def describe_memory_policy(args, plan=None):
+def describe_memory_policy(args, plan=None, from_checkpoint=()):
     """The header line's words for ``memory_policy``."""
     from gpt2.perfmodel.plan import format_size
     parts = []
@@ -462,8 +496,12 @@ def describe_memory_policy(args, plan=None):
         what = ("AdamW moments" if args.offload == "moments"
                 else "AdamW moments, the blocks' parameters and gradients")
         text += f"; {what} on disk in {args.spill_dir or tempfile.gettempdir()}"
-    return text + (f" (chosen by --max-memory {format_size(args.max_memory)})"
-                   if plan is not None else "")
+    notes = []
+    if plan is not None:
+        notes.append(f"chosen by --max-memory {format_size(args.max_memory)}")
+    if from_checkpoint:
+        notes.append(f"{', '.join(_option_flags(from_checkpoint))} from the checkpoint")
+    return text + (f" ({'; '.join(notes)})" if notes else "")
 
 
 class TapeWatch:
@@ -577,27 +615,66 @@ class Interrupted(BaseException):
 class StopSignals:
     """While active, the first SIGINT or SIGTERM only records itself (``signum``), so the
     training loop can finish its step and save; a second one raises ``Interrupted`` at once.
-    The handlers in force before are restored on exit.  Signals reach the main thread only:
-    elsewhere this does nothing."""
+    Signals are counted as they arrive, from a wakeup pipe (Python's C-level handler writes
+    a byte for each): two that come while the main thread is inside one long call (a large
+    checkpoint's write) reach the Python handler as one call, and still count as two.
+    The handlers and wakeup descriptor in force before are restored on exit.  Signals reach
+    the main thread only: elsewhere this does nothing."""
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.signum = None
         self._previous = {}
+        self._pipe = None
+        self._previous_wakeup = -1
+        self._stopped = False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
+            self._pipe = os.pipe()
+            for fd in self._pipe:
+                os.set_blocking(fd, False)
+            self._previous_wakeup = signal.set_wakeup_fd(self._pipe[1],
+                                                         warn_on_full_buffer=False)
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
+
+    def _arrived(self):
+        """Our signals delivered since the last call, in order."""
+        data = b""
+        while True:
+            try:
+                chunk = os.read(self._pipe[0], 4096)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        return [s for s in data if s in self.SIGNALS]
 
     def _handle(self, signum, frame):
-        if self.signum is None:
-            self.signum = signum
+        if self._stopped:       # part of the stop already under way
             return
+        others = self._arrived()
+        if signum in others:
+            others.remove(signum)
+        if self.signum is None:
+            # Python calls the handlers of signals that came together in the order of their
+            # numbers: this call's is the first.
+            self.signum = signum
+            if not others:
+                return
+            signum = others[0]
+        self._stopped = True
         name, first = signal.Signals(signum).name, signal.Signals(self.signum).name
         raise Interrupted(signum, f"{name} {'again' if name == first else 'after ' + first}: "
                                   f"stopped at once", at_once=True)
@@ -677,6 +754,7 @@ def main(argv=None):
         from kernels import blas_dispatch
         blas_dispatch.ensure()
     try:
+        _load_the_run()
         _run(args, explicit_options(argv))
     except UsageError as e:
         if args.debug:
@@ -693,6 +771,19 @@ def main(argv=None):
               flush=True)
         return 128 + signal.SIGINT
     return 0
+
+
+def _load_the_run():
+    """Import the modules a run uses; from then on SIGINT raises KeyboardInterrupt again,
+    which main() reports in one line (with the last checkpoint) and the training loop
+    replaces by its own handler (StopSignals)."""
+    import numpy  # noqa: F401
+    import tqdm  # noqa: F401
+
+    from gpt2 import checkpoint, data, distributed, model  # noqa: F401
+    from kernels import _openmp, threads  # noqa: F401
+    if signal.getsignal(signal.SIGINT) is _exit_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _last_checkpoint(args):
@@ -732,6 +823,7 @@ class RunInputs:
     train: object           # DataLoader, at the resumed position
     val: object             # DataLoader, or None without evaluation
     plan: object = None     # gpt2.perfmodel.plan.MemoryPlan of --max-memory, or None
+    memory_from_checkpoint: tuple = ()  # the memory options --resume took from the checkpoint
 
 
 def _run(args, explicit):
@@ -765,7 +857,7 @@ def _prepare(args, explicit, comm=None):
     """Check the options and read the inputs; None when a resumed run has nothing left to do."""
     from gpt2 import checkpoint as ckpt
     from gpt2.data import DataLoader, split_sizes
-    resumed = None
+    resumed, memory_from_checkpoint = None, ()
     if args.resume:
         if args.init_from:
             raise UsageError("--resume and --init-from exclude each other: the checkpoint "
@@ -776,6 +868,7 @@ def _prepare(args, explicit, comm=None):
         for name in RESUMED_OPTIONS:
             if name in saved and name not in explicit:
                 setattr(args, name, saved[name])
+        memory_from_checkpoint = _restore_memory_policy(args, explicit, saved)
         if args.decay_steps is None and "steps" in saved:
             # Saved before --decay-steps existed: that run decayed over its own --steps.
             args.decay_steps = saved["steps"]
@@ -799,9 +892,11 @@ def _prepare(args, explicit, comm=None):
                          f"{args.eval_interval}: pass --eval-interval 0 too, or a fraction in "
                          f"(0, 1)")
     if args.spill_dir is not None and not os.path.isdir(args.spill_dir):
-        raise UsageError(f"--spill-dir {args.spill_dir}: "
-                         + ("not a directory" if os.path.exists(args.spill_dir)
-                            else "no such directory"))
+        saved = "spill_dir" in memory_from_checkpoint
+        problem = "not a directory" if os.path.exists(args.spill_dir) else "no such directory"
+        raise UsageError(f"--spill-dir {args.spill_dir}"
+                         + (f" (from the checkpoint): {problem}; pass --spill-dir to choose "
+                            f"another" if saved else f": {problem}"))
 
     if comm is not None and comm.Get_size() > 1 and args.offload == "all":
         raise UsageError("--offload all trains in one process: under mpiexec use --offload "
@@ -875,7 +970,8 @@ def _prepare(args, explicit, comm=None):
                                resumed.step)
     return RunInputs(config=config, model_name=model_name, params=params, resumed=resumed,
                      history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
-                     train=train, val=val, plan=plan)
+                     train=train, val=val, plan=plan,
+                     memory_from_checkpoint=memory_from_checkpoint)
 
 
 RUN_OUTPUTS = ("checkpoint.bin", "log.csv", "summary.json", "loss.png")
@@ -919,6 +1015,34 @@ def _check_save_hf(args):
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise UsageError(f"--save-hf {args.save_hf} holds another model's weights ({shown}); "
                          f"pass --overwrite to replace them, or choose another --save-hf")
+
+
+def _restore_memory_policy(args, explicit, saved):
+    """Set the memory options not given again to the resumed run's (``saved``: its options,
+    from the checkpoint; older checkpoints may lack some), one by one as RESUMED_OPTIONS
+    are; returns the names of those that changed.  A saved --max-memory is planned again
+    (its choices are not taken) unless the command line sets the policy itself, and a
+    given --max-memory takes none of the saved policy.  --spill-dir is taken where the
+    saved run used the disk."""
+    planning = "max_memory" in explicit
+    restored = []
+    for name in MEMORY_OPTIONS:
+        if name not in saved or name in explicit:
+            continue
+        if name == "max_memory" and any(n in explicit for n in PLANNED_OPTIONS):
+            continue
+        if name in PLANNED_OPTIONS and (planning or (saved.get("max_memory") is not None
+                                                     and args.max_memory == saved["max_memory"])):
+            continue
+        if name == "snapshots" and args.checkpointing != "binomial":
+            continue
+        if name == "spill_dir" and saved.get("offload") in (None, "none") and all(
+                saved.get(n) is None for n in ("tape_budget", "max_memory")):
+            continue
+        if getattr(args, name) != saved[name]:
+            setattr(args, name, saved[name])
+            restored.append(name)
+    return tuple(restored)
 
 
 def _check_snapshots(args, explicit, config):
@@ -972,6 +1096,7 @@ def _model_config(args, explicit, resumed):
 
 def _train(args, inputs, n_threads, comm=None):
     """The training run proper, with threads and floating-point mode already set."""
+    from adtape import TapeCorruptionError
     from gpt2.model import GPT2
     if inputs.plan is not None:
         print(f"--max-memory {args.max_memory:,} bytes: {inputs.plan.describe()}", flush=True)
@@ -991,6 +1116,10 @@ def _train(args, inputs, n_threads, comm=None):
                      offload_dir=args.spill_dir)
     try:
         return _train_model(args, inputs, model, n_threads, comm)
+    except TapeCorruptionError as e:
+        # The disk gave back other bytes than it was given (spill or offload file): the run
+        # cannot go on, and the last checkpoint, written before, is what is left.
+        raise UsageError(f"{_one_line(e)}{_last_checkpoint(args)}") from e
     finally:
         model.close()
 
@@ -1035,13 +1164,16 @@ def _train_model(args, inputs, model, n_threads, comm=None):
           f"{config.describe()}; B={args.batch_size} "
           f"T={args.seq_len}, {n_threads} threads ({blas_dispatch.describe()}), "
           f"engine={args.engine}, memory: "
-          f"{describe_memory_policy(args, inputs.plan)}, corpus {inputs.tokens.size:,} tokens"
+          f"{describe_memory_policy(args, inputs.plan, inputs.memory_from_checkpoint)}, "
+          f"corpus {inputs.tokens.size:,} tokens"
           + (f"; resuming at step {start_step}" if start_step else ""), flush=True)
     saved_args = dict(vars(args))
     for name in ("data", "tokenizer"):
         # The resumed run may start elsewhere: keep where the files are, not how they were named.
         if saved_args[name] not in (None, "bytes"):
             saved_args[name] = os.path.abspath(saved_args[name])
+    if saved_args["spill_dir"] is not None:
+        saved_args["spill_dir"] = os.path.abspath(saved_args["spill_dir"])
 
     # Parameters and both AdamW moments, in float32.
     schedule = SaveSchedule(args.checkpoint_interval, 12 * n_params)
@@ -1063,6 +1195,14 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         name = signal.Signals(signum).name
         if not writer:
             return Interrupted(signum, "")   # rank 0 says it
+        if step == args.steps:      # the run is complete: nothing to continue
+            saved = (([] if args.no_checkpoint else [ckpt_path])
+                     + ([args.save_hf] if args.save_hf else []))
+            return Interrupted(signum, f"interrupted by {name} at the end of the run (step "
+                                       f"{step} of {args.steps}): "
+                                       + (f"saved {' and '.join(saved)}" if saved
+                                          else "no checkpoint (--no-checkpoint)")
+                                       + "; skipped the summary, the plot and the sample")
         if args.no_checkpoint:
             return Interrupted(signum, f"interrupted by {name} after step {step} of "
                                        f"{args.steps}; no checkpoint (--no-checkpoint)")
@@ -1113,7 +1253,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                 due = not last and not args.no_checkpoint and schedule.due(step + 1, dt)
                 if trainer:  # every rank stops or saves at the same step
                     signum, due = trainer.agree_max((signum, due and writer))
-                if signum:
+                if signum and not last:     # after the last step, the saves below
                     if not args.no_checkpoint:
                         save(step + 1)
                     raise interrupted(signum, step + 1)
@@ -1126,6 +1266,13 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                 from gpt2 import hf
                 with blame("--save-hf", (OSError, ValueError)):
                     hf.save_dir(args.save_hf, model.param_arena(), overwrite=args.overwrite)
+            # A first signal during the last step or the final saves: they are done, the
+            # summary and the sample are not.
+            signum = stop.signum or 0
+            if trainer:
+                signum, _ = trainer.agree_max((signum, 0))
+            if signum:
+                raise interrupted(signum, args.steps)
     finally:
         bar.close()
         log.close()
@@ -1163,7 +1310,7 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
     summary["peak_rss_bytes"] = peak_rss
     summary.update(ranks=trainer.size if trainer else 1, global_batch=args.batch_size,
                    zero=args.zero if trainer else 0, tape=tape)
-    summary["memory_policy"] = memory_policy(args, inputs.plan)
+    summary["memory_policy"] = memory_policy(args, inputs.plan, inputs.memory_from_checkpoint)
     summary["checkpoints"] = checkpoints
     summary["offload"] = offload
     if inputs.plan is not None:

@@ -16,7 +16,8 @@ import pytest
 import adtape
 import gpt2
 from gpt2 import checkpoint as ckpt
-from gpt2.train import SaveSchedule, read_log
+from gpt2.train import (SaveSchedule, _restore_memory_policy, build_parser, explicit_options,
+                        read_log)
 
 PACKAGE_ROOTS = os.pathsep.join({os.path.dirname(os.path.dirname(m.__file__))
                                  for m in (adtape, gpt2)})
@@ -220,9 +221,87 @@ def test_header_and_summary_state_the_memory_policy(tmp_path):
     policy = json.loads((out / "summary.json").read_text())["memory_policy"]
     assert policy == {"offload": "none", "offload_dir": None,
                       "tape_budget": 1 << 20, "spill_dir": str(tmp_path),
-                      "checkpointing": "binomial", "snapshots": 1, "chosen_by": "options"}
+                      "checkpointing": "binomial", "snapshots": 1, "chosen_by": "options",
+                      "from_checkpoint": []}
     plain = run_cli(tmp_path, *SHORT_RUN, "--steps", "1", "--out-dir", tmp_path / "plain")
     assert "memory: activations in RAM," in plain.stdout.splitlines()[0]
+
+
+def test_resume_keeps_the_memory_policy_unless_given_again(tmp_path):
+    out, spill = tmp_path / "run", tmp_path / "spill"
+    spill.mkdir()
+    first = run_cli(tmp_path, *SHORT_RUN, "--steps", "2", "--out-dir", out, "--offload",
+                    "moments", "--tape-budget", "1k", "--checkpointing", "binomial",
+                    "--snapshots", "1", "--spill-dir", os.path.relpath(spill, tmp_path))
+    assert first.returncode == 0, first.stderr
+    policy = ("tape budget 1.0 KiB, spilling to {spill} and binomial checkpointing with 1 "
+              "snapshot; AdamW moments on disk in {spill} ({given} from the checkpoint)")
+    # The command a Ctrl-C prints, from elsewhere: the saved --spill-dir is absolute.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    resumed = run_cli(elsewhere, "--resume", out / "checkpoint.bin", "--steps", "3")
+    assert resumed.returncode == 0, resumed.stderr
+    every = "--tape-budget, --checkpointing, --snapshots, --offload, --spill-dir"
+    assert policy.format(spill=spill, given=every) in resumed.stdout.splitlines()[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["memory_policy"] == {
+        "offload": "moments", "offload_dir": str(spill), "tape_budget": 1024,
+        "spill_dir": str(spill), "checkpointing": "binomial", "snapshots": 1,
+        "chosen_by": "options", "from_checkpoint": every.split(", ")}
+    # An option given again wins; the others still come from the checkpoint.
+    again = run_cli(tmp_path, "--resume", out / "checkpoint.bin", "--steps", "4", "--offload",
+                    "none", "--checkpointing", "layer")
+    assert again.returncode == 0, again.stderr
+    assert (f"memory: tape budget 1.0 KiB, spilling to {spill} and per-layer checkpointing "
+            f"(--tape-budget, --spill-dir from the checkpoint),") in again.stdout.splitlines()[0]
+    # A checkpoint saved before the memory policy was kept resumes as before: in RAM.
+    state = ckpt.load_checkpoint(out / "checkpoint.bin")
+    old_args = {k: v for k, v in state.extra["args"].items()
+                if k not in ("offload", "spill_dir", "tape_budget", "checkpointing",
+                             "snapshots", "max_memory")}
+    ckpt.save_checkpoint(out / "checkpoint.bin", state.params, step=state.step,
+                         adam_m=state.adam_m, adam_v=state.adam_v, adam_step=state.adam_step,
+                         data_state=state.data_state, extra={"args": old_args})
+    old = run_cli(tmp_path, "--resume", out / "checkpoint.bin", "--steps", "5")
+    assert old.returncode == 0, old.stderr
+    assert "memory: activations in RAM, corpus" in old.stdout.splitlines()[0]
+    # A saved --spill-dir that is gone is one line naming where it came from.
+    ckpt.save_checkpoint(out / "checkpoint.bin", state.params, step=state.step,
+                         adam_m=state.adam_m, adam_v=state.adam_v, adam_step=state.adam_step,
+                         data_state=state.data_state, extra=state.extra)
+    spill.rmdir()
+    gone = run_cli(tmp_path, "--resume", out / "checkpoint.bin", "--steps", "5")
+    assert gone.returncode == 2
+    assert gone.stderr == (f"python -m gpt2.train: error: --spill-dir {spill} (from the "
+                           f"checkpoint): no such directory; pass --spill-dir to choose "
+                           f"another\n")
+
+
+SAVED_POLICY = {"max_memory": None, "tape_budget": None, "checkpointing": "none",
+                "snapshots": 2, "offload": "none", "spill_dir": None}
+
+
+@pytest.mark.parametrize("saved, argv, restored", [
+    # A policy --max-memory chose is planned again, from the saved --max-memory.
+    ({"max_memory": 1 << 30, "tape_budget": 1 << 20, "offload": "moments", "spill_dir": "/s"},
+     [], {"max_memory": 1 << 30, "spill_dir": "/s"}),
+    # The command line's own policy: no --max-memory; its choices, one by one, where not given.
+    ({"max_memory": 1 << 30, "tape_budget": 1 << 20, "offload": "moments", "spill_dir": "/s"},
+     ["--offload", "none"], {"tape_budget": 1 << 20, "spill_dir": "/s"}),
+    # A given --max-memory plans afresh: nothing of the saved policy but --spill-dir.
+    ({"tape_budget": 1 << 20, "checkpointing": "layer", "spill_dir": "/s"},
+     ["--max-memory", "1G"], {"spill_dir": "/s"}),
+    # --snapshots with binomial checkpointing only; --spill-dir where the disk was used.
+    ({"checkpointing": "binomial", "snapshots": 1, "spill_dir": "/s"},
+     [], {"checkpointing": "binomial", "snapshots": 1}),
+    ({"checkpointing": "binomial", "snapshots": 1}, ["--checkpointing", "layer"], {}),
+])
+def test_which_memory_options_a_resume_takes(saved, argv, restored):
+    argv = ["--resume", "x.bin", *argv]
+    args = build_parser().parse_args(argv)
+    names = _restore_memory_policy(args, explicit_options(argv), dict(SAVED_POLICY, **saved))
+    assert set(names) == set(restored)
+    assert {n: getattr(args, n) for n in restored} == restored
 
 
 @pytest.mark.parametrize("args, expected", [

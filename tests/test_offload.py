@@ -375,7 +375,8 @@ def test_gpt2_train_offload_moments_resumes_and_reports(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "AdamW moments on disk" in first.stdout
     rest = run_cli("--resume", tmp_path / "off" / "checkpoint.bin", "--steps", "8",
-                   "--out-dir", tmp_path / "off", cwd=tmp_path)      # resumed in memory
+                   "--offload", "none", "--out-dir", tmp_path / "off",
+                   cwd=tmp_path)      # resumed in memory (by default it keeps --offload)
     assert rest.returncode == 0, rest.stderr
     log = lambda d: [line.split(",")[1] for line in (d / "log.csv").read_text().splitlines()]
     assert log(tmp_path / "off") == log(tmp_path / "full")
