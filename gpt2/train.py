@@ -442,6 +442,8 @@ def read_log(path, up_to_step):
     rows = []
     if reader.fieldnames is None:   # empty, or only a header cut short
         return rows
+    if not records and set(reader.fieldnames) <= set(LOG_FIELDS):
+        return rows                 # only a header of ours (older versions left "step")
     if tuple(reader.fieldnames) != LOG_FIELDS:
         shown = _one_line(str(reader.fieldnames))[:200]
         raise ValueError(f"{foreign}: its columns are {shown}, expected {list(LOG_FIELDS)}; "
@@ -844,7 +846,7 @@ def _run(args, explicit):
         with blame("--threads"):
             n_threads = threads.set_num_threads(args.threads)
         _openmp.set_flush_denormal(not args.no_flush_denormal, n_threads)
-        with distributed.abort_on_error(comm):
+        with distributed.abort_on_error(comm, debug=args.debug):
             return _train(args, inputs, n_threads, comm)
     finally:
         if n_threads is None:  # the thread count was refused: OpenMP keeps its own
