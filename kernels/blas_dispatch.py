@@ -14,8 +14,9 @@ re-executes the process once, before any thread or MPI connection exists.  Libra
 get one warning with the fix from ``warn_if_mismatched`` (called by
 ``kernels.threads.set_num_threads``).  A variable the user set is left alone.
 
-This module imports nothing at load time beyond the standard library: the entry points
-call it before NumPy loads.
+The entry points call ``ensure`` before any thread, file or MPI connection exists (the
+``kernels`` package has loaded NumPy and its BLAS by then; the re-executed process loads
+them with the variable set).
 """
 import dataclasses
 import os
