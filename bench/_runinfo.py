@@ -1,5 +1,6 @@
 """What the benchmarks that run GPT-2 workers share: the MODEL:BxT configuration lists
-they take, and the CPU and commit each result file names."""
+they take, the CPU and commit each result file names, and the machine's physical
+compute peak their shares are taken against."""
 import argparse
 import os
 import subprocess
@@ -57,3 +58,22 @@ def git_commit():
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def physical_peak(n_threads, seconds=0.1, repeats=3):
+    """The physical FMA peak of ``n_threads`` cores (kernels.peak.physical_peak: GFLOP/s of
+    register-only multiply-add loops per ISA, ``fp32_peak_gflops`` from the widest fp32
+    loop, ``bf16_peak_gflops`` from the widest bf16 one or None), the compute limit of
+    every benchmark's share; the BLAS sgemm rates are reported beside it.  Its keys are
+    there, with None, where the kernels have no loop for this CPU."""
+    from kernels import peak
+    return peak.physical_peak(n_threads, seconds, repeats)
+
+
+def compute_limit(limits):
+    """(GFLOP/s, what it is) of a run's compute limit: the physical fp32 peak, or the sgemm
+    rate where the CPU has no peak loop (``limits`` holds ``fp32_peak_gflops`` and
+    ``sgemm_gflops`` or ``sgemm_peak_gflops``)."""
+    if limits.get("fp32_peak_gflops"):
+        return limits["fp32_peak_gflops"], f"fp32 peak ({limits.get('fp32_peak_isa') or 'widest fp32 FMA'})"
+    return limits.get("sgemm_gflops", limits.get("sgemm_peak_gflops")), "sgemm"

@@ -5,11 +5,12 @@ alternating order (ours then torch, torch then ours, ...), after a warm-up, with
 same thread count.  The ratio is the median over the pairs of torch time / our time,
 with its quartiles; the median times are reported with the achieved GFLOP/s
 (matmuls, attention) or GB/s (everything else) and their share of this machine's
-limits, measured in the same run right before and after each case: the sgemm peak
-(the best repetition of a large square product, ours or PyTorch's) and the memory
-bandwidth (the fastest of a large triad, a large in-place update and a large sum in
-PyTorch with the same threads, and a NumPy copy).  Writes bench/results/kernels.json
-and kernels.png.
+limits, measured in the same run right before and after each case: the physical fp32
+peak (the cores' widest fp32 FMA from registers only, kernels.peak, the same threads)
+and the memory bandwidth (the fastest of a large triad, a large in-place update and a
+large sum in PyTorch with the same threads, and a NumPy copy).  The sgemm rate (the
+best repetition of a large square product, ours or PyTorch's) is its own column.
+Writes bench/results/kernels.json and kernels.png.
 
     python bench/kernels.py [--quick] [--threads N] [--reps R]
 """
@@ -28,9 +29,10 @@ import torch.nn.functional as F
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
+from _runinfo import compute_limit, physical_peak  # noqa: E402
 
 from adtape import buffers  # noqa: E402
-from kernels import attention, blas_dispatch, layers, loss, matmul, optim, threads  # noqa: E402
+from kernels import attention, blas_dispatch, layers, loss, matmul, optim, peak, threads  # noqa: E402
 
 C, NH, V, VP, MAXT, L = 768, 12, 50257, 50304, 1024, 12
 N_PARAMS = VP * C + MAXT * C + L * (12 * C * C + 13 * C) + 2 * C  # GPT-2 124M, padded vocab
@@ -158,12 +160,12 @@ def bandwidth(bufs, reps):
     return out
 
 
-def measure_limits(bufs, reps):
-    """The run's sgemm peak (GFLOP/s) and memory bandwidth (GB/s), probed once at
-    its start with ``reps`` repetitions."""
-    peak, ours_peak, torch_peak = sgemm_peak(bufs, reps)
-    return {"sgemm_peak_gflops": peak, "sgemm_n": bufs["n"], "ours_sgemm_gflops": ours_peak,
-            "torch_sgemm_gflops": torch_peak, **bandwidth(bufs, reps),
+def measure_limits(bufs, reps, n):
+    """The run's physical peaks and sgemm peak (GFLOP/s) and memory bandwidth (GB/s) on
+    ``n`` threads, probed once at its start with ``reps`` repetitions."""
+    sgemm, ours_sgemm, torch_sgemm = sgemm_peak(bufs, reps)
+    return {**physical_peak(n), "sgemm_peak_gflops": sgemm, "sgemm_n": bufs["n"],
+            "ours_sgemm_gflops": ours_sgemm, "torch_sgemm_gflops": torch_sgemm, **bandwidth(bufs, reps),
             "stream_floats": bufs["size"]}
 
 
@@ -178,12 +180,16 @@ def measure_limits(bufs, reps):
 LOCAL_REPS = 3
 
 
-def local_probe(kind, bufs):
-    """{probe: rate} of ``kind``'s limit, LOCAL_REPS repetitions: the sgemm peak, or
-    the four bandwidth probes and their best."""
-    if kind == "flops":
-        return {"sgemm_peak_gflops": sgemm_peak(bufs, LOCAL_REPS)[0]}
-    return bandwidth(bufs, LOCAL_REPS)
+def local_probe(kind, bufs, n, fp32_isa):
+    """{probe: rate} of ``kind``'s limit, LOCAL_REPS repetitions: the physical peak of
+    loop ``fp32_isa`` (None: none) on ``n`` threads and the sgemm peak, or the four
+    bandwidth probes and their best."""
+    if kind != "flops":
+        return bandwidth(bufs, LOCAL_REPS)
+    probes = {"sgemm_peak_gflops": sgemm_peak(bufs, LOCAL_REPS)[0]}
+    if fp32_isa:
+        probes["fp32_peak_gflops"] = peak.fma_peak(fp32_isa, n, seconds=0.02, repeats=LOCAL_REPS)
+    return probes
 
 
 def t(a):
@@ -390,40 +396,47 @@ def run(args):
     torch.set_num_threads(n)
     threads.set_num_threads(n)
     bufs = limit_buffers(args.quick)
-    limits = measure_limits(bufs, args.reps)
-    print(f"threads {n}; sgemm peak {limits['sgemm_peak_gflops']:.1f} GFLOP/s "
+    limits = measure_limits(bufs, args.reps, n)
+    print(f"threads {n}; physical peak "
+          + ", ".join(f"{isa} {rate:.1f}" for isa, rate in limits["peak_gflops_by_isa"].items())
+          + f" GFLOP/s (register-only FMA); sgemm peak {limits['sgemm_peak_gflops']:.1f} GFLOP/s "
           f"(n={limits['sgemm_n']}, best rep: ours {limits['ours_sgemm_gflops']:.1f}, "
           f"PyTorch {limits['torch_sgemm_gflops']:.1f}); memory bandwidth {limits['bandwidth_gbps']:.1f} GB/s "
           f"(triad {limits['triad_gbps']:.1f}, copy {limits['copy_gbps']:.1f}, "
           f"in-place update {limits['update_gbps']:.1f}, read {limits['read_gbps']:.1f}); "
-          f"each case's share is of its limit probed beside it (column 'limit')")
+          f"each case's share is of its limit probed beside it (column 'limit': the "
+          f"{compute_limit(limits)[1]} or the bandwidth; column 'sgemm': the sgemm peak beside it)")
     configs = [(4, 64)] if args.quick else [(4, 64), (8, 1024)]
     records = []
     header = (f"{'kernel':34s} {'shape':>15s} {'ours ms':>9s} {'torch ms':>9s} {'ratio':>6s} "
-              f"{'quartiles':>11s} {'reps':>4s} {'rate':>14s} {'limit':>6s} {'share':>6s}")
+              f"{'quartiles':>11s} {'reps':>4s} {'rate':>14s} {'limit':>6s} {'share':>6s} {'sgemm':>6s}")
     print(header)
     print("-" * len(header))
 
     def record(name, shape, kind, amount, setup, ours, theirs):
-        before = local_probe(kind, bufs)
+        before = local_probe(kind, bufs, n, limits["fp32_peak_isa"])
         ours_ms, torch_ms, ratios = race(ours, theirs, args.reps, setup)
-        after = local_probe(kind, bufs)
+        after = local_probe(kind, bufs, n, limits["fp32_peak_isa"])
         probes = {k: max(before[k], after[k]) for k in before}
         unit_key = "gflops" if kind == "flops" else "gbps"
-        key = "sgemm_peak_gflops" if kind == "flops" else "bandwidth_gbps"
-        limit, run_limit = probes[key], limits[key]
+        if kind == "flops":
+            limit, run_limit = compute_limit(probes)[0], compute_limit(limits)[0]
+        else:
+            limit, run_limit = probes["bandwidth_gbps"], limits["bandwidth_gbps"]
+        sgemm = probes.get("sgemm_peak_gflops")
         rate = amount / (ours_ms * 1e-3) / 1e9
         q1, ratio, q3 = quartiles(ratios)
         rec = {"kernel": name, "shape": shape, "threads": n, "ours_ms": ours_ms,
                "torch_ms": torch_ms, "ratio": ratio, "ratio_q1": q1, "ratio_q3": q3,
                "reps": len(ratios), "share": rate / limit, "limit_" + unit_key: limit,
                "share_of_run_limit": rate / run_limit, "local_probes": probes,
+               "share_of_sgemm": rate / sgemm if sgemm else None,
                unit_key: rate, "torch_" + unit_key: amount / (torch_ms * 1e-3) / 1e9}
         records.append(rec)
         unit = "GFLOP/s" if kind == "flops" else "GB/s"
         print(f"{name:34s} {shape:>15s} {ours_ms:9.3f} {torch_ms:9.3f} {ratio:6.2f} "
               f"{q1:5.2f}-{q3:<5.2f} {len(ratios):4d} {rate:8.1f} {unit:>5s} {limit:6.1f} "
-              f"{rec['share']:6.0%}",
+              f"{rec['share']:6.0%} {f'{sgemm:6.1f}' if sgemm else '-':>6s}",
               flush=True)
 
     for B, T in configs:

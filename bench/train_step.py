@@ -21,19 +21,23 @@ Figures per configuration:
 - ms/step and tokens/s (B*T per step);
 - achieved GFLOP/s with FLOPs = 6*N*B*T + 6*L*B*T^2*C, N = parameters that take part
   in matmuls (all but wpe, a lookup; wte with its V real rows, the tied LM head);
-- the share of the machine's limit: max(FLOPs / sgemm peak, bytes / memory bandwidth)
-  divided by the measured step time (above 100%: the measured limits are low, e.g. a
-  busy machine while they were taken), with bytes = 4 * (12 * Np + B*T*(32*L*C + 5*Vp)):
+- the share of the machine's limit: max(FLOPs / physical fp32 peak, bytes / memory
+  bandwidth) divided by the measured step time (above 100%: the measured limits are low,
+  e.g. a busy machine while they were taken), with bytes = 4 * (12 * Np + B*T*(32*L*C + 5*Vp)):
   12 passes over the Np floats of the parameter layout (forward and backward read the
   weights, backward reads and writes the gradients, zeroing writes them, AdamW reads
   parameters, gradients and both moments and writes three of them), the 16*C floats per
   token and layer that backward reads (ln1, qkv, atty, residual2, ln2, fch, fch_gelu,
   residual3) written once and read once, and the logits written, read by the loss,
-  written as their gradient and read by the two backward matmuls.  The sgemm peak
-  (a 2048^3 float32 product through scipy's BLAS, the library our matmuls call, and
-  through PyTorch's; the faster counts; n threads) and the bandwidth (n threads of
-  NumPy copy, add and in-place add) are measured at the start and the end of the run and inside every
-  worker before its steps; the best counts.
+  written as their gradient and read by the two backward matmuls.  The physical fp32
+  peak is that of the n cores' widest fp32 FMA (kernels.peak: multiply-adds from
+  registers only, n threads at once; the bf16 peak beside it where the CPU has bf16
+  dot products), not what a BLAS reaches; the step's GFLOP/s over the sgemm rate (a
+  2048^3 float32 product through scipy's BLAS, the library our matmuls call, and
+  through PyTorch's; the faster counts; n threads) is its own column.  The peaks,
+  the sgemm rate and the bandwidth (n threads of NumPy copy, add and in-place add) are
+  measured at the start and the end of the run and inside every worker after its
+  steps; the best counts.
 
 Prints a table, writes bench/results/train_step.json (one record per model, (B, T) and
 FTZ setting; a run replaces its own model's records), bench/results/train_step_raw.json (per-step times, machine limits, skipped
@@ -67,7 +71,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
-from _runinfo import cpu_name, git_commit  # noqa: E402
+from _runinfo import compute_limit, cpu_name, git_commit, physical_peak  # noqa: E402
 from kernels import blas_dispatch  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -205,8 +209,9 @@ def step_bytes(config, B, T):
 # -- worker: machine limits --------------------------------------------------------
 
 def measure_limits(n_threads, repeats=5):
-    """Best sgemm GFLOP/s (scipy's OpenBLAS and PyTorch's MKL, the faster counts) and best
-    copy/add/in-place update GB/s (n NumPy threads)."""
+    """The physical FMA peaks of n cores (_runinfo.physical_peak), best sgemm GFLOP/s
+    (scipy's OpenBLAS and PyTorch's MKL, the faster counts) and best copy/add/in-place
+    update GB/s (n NumPy threads)."""
     import threading
 
     import numpy as np
@@ -277,7 +282,30 @@ def measure_limits(n_threads, repeats=5):
     return {"sgemm_gflops": max(scipy_gflops, torch_gflops), "scipy_sgemm_gflops": scipy_gflops,
             "torch_sgemm_gflops": torch_gflops, "copy_gbs": copy_gbs, "add_gbs": add_gbs,
             "update_gbs": update_gbs, "bandwidth_gbs": max(copy_gbs, add_gbs, update_gbs),
-            "sgemm_size": size, "stream_bytes_per_array": 4 * count}
+            "sgemm_size": size, "stream_bytes_per_array": 4 * count, **physical_peak(n_threads)}
+
+
+def best_limits(runs):
+    """The run's limits from every measurement of them: the best of each (a measurement
+    taken while other processes ran reads low)."""
+    def best(key):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return max(values) if values else None
+    isa = {kind: next((r[f"{kind}_peak_isa"] for r in runs if r.get(f"{kind}_peak_isa")), None)
+           for kind in ("fp32", "bf16")}
+    return {"fp32_peak_gflops": best("fp32_peak_gflops"), "fp32_peak_isa": isa["fp32"],
+            "bf16_peak_gflops": best("bf16_peak_gflops"), "bf16_peak_isa": isa["bf16"],
+            "sgemm_gflops": best("sgemm_gflops"), "bandwidth_gbs": best("bandwidth_gbs")}
+
+
+def limits_line(limits):
+    """The limits in a few words, for tables and plots."""
+    peak, what = compute_limit(limits)
+    bf16 = (f", bf16 peak {limits['bf16_peak_gflops']:.0f} ({limits['bf16_peak_isa']})"
+            if limits.get("bf16_peak_gflops") else "")
+    sgemm = f", sgemm {limits['sgemm_gflops']:.0f}" if what != "sgemm" else ""
+    return (f"{what} {peak:.0f} GFLOP/s{bf16}{sgemm}, memory bandwidth "
+            f"{limits['bandwidth_gbs']:.1f} GB/s")
 
 
 # -- worker: one (B, T) configuration ------------------------------------------------
@@ -594,7 +622,7 @@ def write_records(path, model, records):
 
 def machine_floor(flops, bytes_moved, limits):
     """(seconds the step needs at the machine's limits, "compute" or "memory")."""
-    compute_s = flops / (limits["sgemm_gflops"] * 1e9)
+    compute_s = flops / (compute_limit(limits)[0] * 1e9)
     memory_s = bytes_moved / (limits["bandwidth_gbs"] * 1e9)
     return max(compute_s, memory_s), "compute" if compute_s >= memory_s else "memory"
 
@@ -625,6 +653,7 @@ def summarize(raw, config, limits):
         "torch_gflops": flops / (med["torch"] / 1e3) / 1e9,
         "share": floor_s / (med[ours_engine] / 1e3),
         "torch_share": floor_s / (med["torch"] / 1e3),
+        "sgemm_share": flops / (med[ours_engine] / 1e3) / (limits["sgemm_gflops"] * 1e9),
         "bound": bound, "flops": flops, "bytes": bytes_moved,
         "steps": len(raw["seconds"]["torch"]),
     }
@@ -657,6 +686,7 @@ def summarize_llama(raw, config, limits):
         rec[f"{prefix}tokens_per_s"] = B * T / (med[s] / 1e3)
         rec[f"{prefix}gflops"] = flops / (med[s] / 1e3) / 1e9
         rec[f"{prefix}share"] = floor_s / (med[s] / 1e3)
+        rec[f"{prefix}sgemm_share"] = flops / (med[s] / 1e3) / (limits["sgemm_gflops"] * 1e9)
     rec.update({
         "bound": bound, "flops": flops, "bytes": bytes_moved, "steps": len(sec["tape"]),
         "first_step_loss": warm,
@@ -678,7 +708,7 @@ def fmt(value, spec):
 def print_table(records, skipped):
     head = (f"{'B':>2} {'T':>5} {'FTZ':>3} {'ours ms':>9} {'manual ms':>9} {'torch ms':>9} "
             f"{'speedup':>7} {'tape/man':>8} {'tok/s':>7} {'GFLOP/s':>7} {'torchGF':>7} "
-            f"{'share':>6} {'t.share':>7} bound")
+            f"{'share':>6} {'t.share':>7} {'sgemm%':>6} bound")
     print(head)
     print("-" * len(head))
     for r in records:
@@ -686,7 +716,7 @@ def print_table(records, skipped):
               f"{fmt(r['manual_ms'], '9.1f'):>9} {r['torch_ms']:>9.1f} {r['speedup']:>6.2f}x "
               f"{fmt(r['tape_over_manual'], '8.3f'):>8} {r['tokens_per_s']:>7.0f} "
               f"{r['gflops']:>7.1f} {r['torch_gflops']:>7.1f} {100 * r['share']:>5.1f}% "
-              f"{100 * r['torch_share']:>6.1f}% {r['bound']}")
+              f"{100 * r['torch_share']:>6.1f}% {100 * r['sgemm_share']:>5.1f}% {r['bound']}")
     for s in skipped:
         print(f"{s['B']:>2} {s['T']:>5} {'on' if s['ftz'] else 'off':>3} skipped: {s['skipped']}")
 
@@ -694,7 +724,7 @@ def print_table(records, skipped):
 def print_table_llama(records, skipped):
     head = (f"{'B':>2} {'T':>5} {'FTZ':>3} {'ours ms':>9} {'torch ms':>9} {'HF ms':>9} "
             f"{'torch/us':>8} {'HF/us':>6} {'tok/s':>7} {'GFLOP/s':>7} {'share':>6} "
-            f"{'t.share':>7} {'HF.share':>8} {'peak RSS':>8} bound")
+            f"{'t.share':>7} {'HF.share':>8} {'sgemm%':>6} {'peak RSS':>8} bound")
     print(head)
     print("-" * len(head))
     for r in records:
@@ -703,7 +733,7 @@ def print_table_llama(records, skipped):
               f"{r['torch_over_ours_paired']:>7.2f}x {r['hf_over_ours_paired']:>5.2f}x "
               f"{r['tokens_per_s']:>7.0f} {r['gflops']:>7.1f} {100 * r['share']:>5.1f}% "
               f"{100 * r['torch_share']:>6.1f}% {100 * r['hf_share']:>7.1f}% "
-              f"{r['peak_rss_bytes'] / GiB:>6.1f}Gi {r['bound']}")
+              f"{100 * r['sgemm_share']:>5.1f}% {r['peak_rss_bytes'] / GiB:>6.1f}Gi {r['bound']}")
     for s in skipped:
         print(f"{s['B']:>2} {s['T']:>5} {'on' if s['ftz'] else 'off':>3} skipped: {s['skipped']}")
 
@@ -747,8 +777,7 @@ def plot_llama(records, path, threads, limits, title):
         ax.set_xlabel("(B, T)")
         ax.set_ylabel("baseline time / ours (median of paired steps)")
         ax.legend()
-    fig.suptitle(f"{title} training step\nsgemm peak {limits['sgemm_gflops']:.0f} GFLOP/s, "
-                 f"memory bandwidth {limits['bandwidth_gbs']:.1f} GB/s (measured in this run)")
+    fig.suptitle(f"{title} training step\n{limits_line(limits)} (measured in this run)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -793,8 +822,7 @@ def plot(records, path, threads, limits):
         ax.set_xlabel("(B, T)")
         ax.set_ylabel("speedup over PyTorch")
         ax.legend()
-    fig.suptitle(f"sgemm peak {limits['sgemm_gflops']:.0f} GFLOP/s, memory bandwidth "
-                 f"{limits['bandwidth_gbs']:.1f} GB/s (measured in this run)")
+    fig.suptitle(f"{limits_line(limits)} (measured in this run)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -852,8 +880,7 @@ def main(argv=None):
                   + f"  [{time.time() - t0:.0f} s]", flush=True)
     limits_runs.append(run_worker("limits", args, []))
     limits_runs += [raw["limits"] for raw in raws if "limits" in raw]
-    limits = {"sgemm_gflops": max(r["sgemm_gflops"] for r in limits_runs),
-              "bandwidth_gbs": max(r["bandwidth_gbs"] for r in limits_runs)}
+    limits = best_limits(limits_runs)
     for raw in raws:
         if "skipped" not in raw:
             rec = (summarize_llama if llama else summarize)(raw, config, limits)
@@ -871,8 +898,10 @@ def main(argv=None):
         bytes_formula = "4*(12*Np + B*T*(32*L*C + 5*Vp))"
     print(f"\nN = {n_matmul:,} matmul parameters ({n_layout:,} floats in the layout); "
           f"FLOPs = {flops_formula}; bytes = {bytes_formula}")
-    print(f"limits (best of {len(limits_runs)} measurements in this run): sgemm "
-          f"{limits['sgemm_gflops']:.1f} GFLOP/s (scipy best "
+    print(f"limits (best of {len(limits_runs)} measurements in this run): "
+          + ", ".join(f"{isa} peak {max(r['peak_gflops_by_isa'].get(isa, 0.0) for r in limits_runs):.1f}"
+                      for isa in limits_runs[0].get("peak_gflops_by_isa", {}))
+          + f" GFLOP/s (register-only FMA); sgemm {limits['sgemm_gflops']:.1f} GFLOP/s (scipy best "
           f"{max(r['scipy_sgemm_gflops'] for r in limits_runs):.1f}, PyTorch best "
           f"{max(r['torch_sgemm_gflops'] for r in limits_runs):.1f}), bandwidth "
           f"{limits['bandwidth_gbs']:.1f} GB/s (copy best "

@@ -259,3 +259,26 @@ def test_quick_calibration_writes_valid_profile(tmp_path):
     assert set(loaded.matmul_efficiency) == {"fwd", "bwd_input", "bwd_weight"}
     est = estimate(spec, Workload(1, 8), ParallelConfig(), loaded)
     assert est.step_time > 0
+    from kernels import peak
+    if any(isa in peak.FP32_ISAS for isa in peak.available_isas()):
+        assert loaded.physical_peak_flops["fp32"] > 0
+        assert est.peak_flops == loaded.physical_peak_flops["fp32"]
+    assert set(loaded.calibration["physical_peak"]["peak_gflops_by_isa"]) == set(peak.available_isas())
+
+
+def test_mfu_is_taken_against_the_physical_peak_where_the_profile_has_one(tmp_path):
+    old = CPU.to_dict()
+    del old["physical_peak_flops"]          # as profiles written before it was measured
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    profile = load_profile(str(path))
+    assert profile.physical_peak_flops == {} and profile.mfu_peak("fp32") == profile.peak("fp32")
+    physical = profile.with_changes(physical_peak_flops={"fp32": 2 * profile.peak("fp32")})
+    work = (GPT2, Workload(1, 64), ParallelConfig())
+    sgemm_based, physical_based = estimate(*work, profile), estimate(*work, physical)
+    assert physical_based.step_time == sgemm_based.step_time
+    assert physical_based.mfu == pytest.approx(sgemm_based.mfu / 2)
+    save_profile(physical, str(path))
+    assert load_profile(str(path)) == physical
+    with pytest.raises(ValueError, match="physical_peak_flops"):
+        profile_from_dict(dict(old, physical_peak_flops={"fp32": 0.0}), "x")

@@ -11,7 +11,8 @@ this-machine``, ``--plan`` and ``gpt2-train --max-memory`` read; --output writes
 
 Measures, at GPT-2 124M's shapes at a few (B, T): float32 sgemm throughput through the
 kernels' gemm for the forward product and both backward products, the peak on a large
-square sgemm, memory bandwidth by array size (copied by all the threads), the fixed cost
+square sgemm, the physical peak of the cores (kernels.peak: register-only multiply-add
+loops of every ISA the CPU has, all threads at once; what MFU is taken against), memory bandwidth by array size (copied by all the threads), the fixed cost
 of one kernel call and of one tape record, our kernels' throughput by op class
 (attention, layernorm, GELU, residual, embedding, loss, optimizer: whichever are built),
 the spill device's sequential write and read rates (O_DIRECT: the disk, not the page
@@ -59,8 +60,11 @@ FULL_CONFIGS = ((1, 64), (4, 64), (4, 256))
 # bytes), and the disk probe's bytes.  The quick one (first use: about 12 s on two cores,
 # where the full one takes 25 without the link probe) keeps the shapes and sizes: the
 # curves are tables by FLOPs, and a size left out is interpolated from its neighbours.
-FULL = {"configs": FULL_CONFIGS, "repeats": 7, "peak_size": 2048, "max_array": 28, "disk_bytes": 1024 << 20}
-QUICK = {"configs": FULL_CONFIGS, "repeats": 3, "peak_size": 2048, "max_array": 28, "disk_bytes": 256 << 20}
+# The physical peak's loops run ``peak_seconds`` per repeat (the best of ``repeats``).
+FULL = {"configs": FULL_CONFIGS, "repeats": 7, "peak_size": 2048, "peak_seconds": 0.1, "max_array": 28,
+        "disk_bytes": 1024 << 20}
+QUICK = {"configs": FULL_CONFIGS, "repeats": 3, "peak_size": 2048, "peak_seconds": 0.05, "max_array": 28,
+         "disk_bytes": 256 << 20}
 
 
 def _median_times(tasks, repeats, warmup=1):
@@ -93,6 +97,21 @@ def measure_peak(size, repeats):
     c = np.empty_like(a)
     t = _median_times({"peak": lambda: gemm_rowmajor(c, a, b, trans_b=True)}, repeats)["peak"]
     return 2.0 * size ** 3 / t
+
+
+def measure_physical_peak(threads, seconds, repeats):
+    """({precision: FLOP/s} of the cores' register-only multiply-add loops on ``threads``
+    threads, kernels.peak.physical_peak's figures in GFLOP/s); ({}, a note) where the
+    kernels have no loop for this CPU or kernels.peak is not built."""
+    try:
+        from kernels import peak
+    except ImportError:
+        return {}, {"note": "kernels.peak not built: MFU against the sgemm peak"}
+    figures = peak.physical_peak(threads, seconds, repeats)
+    flops = {p: figures[f"{p}_peak_gflops"] * 1e9 for p in ("fp32", "bf16") if figures[f"{p}_peak_gflops"]}
+    if not flops:
+        figures["note"] = "no register-only loop for this CPU: MFU against the sgemm peak"
+    return flops, figures
 
 
 def _random(rng, *shape):
@@ -583,6 +602,7 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress):
     repeats = repeats or settings["repeats"]
     progress("peak")
     peak = measure_peak(settings["peak_size"], repeats)
+    physical, physical_figures = measure_physical_peak(threads, settings["peak_seconds"], min(repeats, 5))
     progress("matmuls")
     matmul_curves, gemm_rates = measure_matmuls(spec, configs, peak, repeats)
     progress("memory")
@@ -608,10 +628,11 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress):
         memory_efficiency=memory_curve, op_overhead=overhead, tape_overhead=tape_cost,
         disk_write_bandwidth=disk_write, disk_read_bandwidth=disk_read,
         threads=threads, sram_bytes=0.0, baseline_rss=baseline, interconnect=Interconnect(),
-        kernel_efficiency=kernel_curves,
+        kernel_efficiency=kernel_curves, physical_peak_flops=physical,
         calibration={"time": now, "cpu": identity, "threads": threads, "quick": quick, "repeats": repeats,
                      "model": [spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size],
                      "configs": [list(c) for c in configs], "sgemm_flops_per_s": gemm_rates,
+                     "physical_peak": physical_figures,
                      "sources": sources, "notes": notes, "spill_dir": spill_dir, "disk_method": disk_method})
 
 
@@ -775,7 +796,9 @@ def main(argv=None):
                 profile = profile.with_changes(calibration=dict(profile.calibration, notes=notes))
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     save_profile(profile, output)
-    print(f"peak sgemm {profile.peak('fp32') / 1e9:.1f} GFLOP/s, copy bandwidth "
+    physical = ", ".join(f"{p} {v / 1e9:.1f}" for p, v in profile.physical_peak_flops.items())
+    print(f"physical peak {physical or 'not measured'} GFLOP/s, peak sgemm {profile.peak('fp32') / 1e9:.1f} "
+          f"GFLOP/s, copy bandwidth "
           f"{profile.memory_bandwidth / 1e9:.2f} GB/s, kernel call {profile.op_overhead * 1e6:.2f} us, "
           f"tape record {profile.tape_overhead * 1e6:.2f} us, spill write {profile.disk_write_bandwidth / 1e9:.2f} "
           f"GB/s, read {profile.disk_read_bandwidth / 1e9:.2f} GB/s ({profile.calibration['disk_method']}, "

@@ -30,7 +30,7 @@ class Estimate:
     hardware_flops: float         # FLOPs actually executed (incl. recompute), all devices
     tokens: int
     world_size: int
-    peak_flops: float
+    peak_flops: float             # of one device, what mfu and hfu are taken against
     tape_copy: float = 0.0        # copying saved activations onto the byte tape and back (budget set)
     details: dict = field(default_factory=dict)
 
@@ -291,7 +291,7 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
         bubble=bubble, bubble_fraction=bubble_fraction, optimizer=optimizer, spill_io=spill_io,
         memory=memory, model_flops=model_flops_per_token(spec, workload.seq_len) * tokens,
         hardware_flops=hardware_flops, tokens=tokens, world_size=devices,
-        peak_flops=hardware.peak(workload.precision), tape_copy=tape_copy,
+        peak_flops=hardware.mfu_peak(workload.precision), tape_copy=tape_copy,
         details={"stage": stage, "micro_batches": n_micro, "micro_batch_time": micro,
                  "data_parallel_unhidden": reduce + gather, "data_parallel_reduce": reduce,
                  "data_parallel_gather": gather, "ranks_per_node": ranks_per_node})

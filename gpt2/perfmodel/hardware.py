@@ -18,6 +18,12 @@ can say).  Matmuls have one curve per product: the forward product and the two
 backward ones (input gradient, weight gradient), because BLAS runs their transposes at
 different speeds.  ``kernel_efficiency`` holds measured curves of our other kernels
 (attention, layernorm, ...) by op class, as a share of the fp32 peak by FLOPs.
+
+A calibrated CPU profile's ``peak_flops`` is what a large sgemm reaches (the curves are
+shares of it); its ``physical_peak_flops`` is what the cores can do at all, measured by
+register-only multiply-add loops (kernels.peak), and MFU is taken against that.
+Profiles without it (published ones, older calibrations) take MFU against
+``peak_flops``.
 """
 import bisect
 import contextlib
@@ -149,6 +155,10 @@ class HardwareProfile:
     # {str(ranks): {"threads": per rank, "sgemm_flops": one rank's FLOP/s on "sgemm_shape"
     # (rows, fan_in, fan_out, forward product), "copy_bandwidth": one rank's bytes/s}}
     rank_rates: dict = field(default_factory=dict)
+    # CPU: precision -> FLOP/s of the cores' register-only multiply-add loops (kernels.peak:
+    # fp32 from the widest fp32 FMA, bf16 from the widest bf16 dot product), {} where not
+    # measured; what MFU is taken against (``mfu_peak``).
+    physical_peak_flops: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.kind not in ("cpu", "gpu"):
@@ -159,6 +169,10 @@ class HardwareProfile:
         for key, value in self.peak_flops.items():
             if not value > 0:
                 raise ValueError(f"profile {self.name!r}: peak_flops[{key!r}] must be > 0, got {value!r}")
+        for key, value in self.physical_peak_flops.items():
+            if key not in PRECISIONS or not value > 0:
+                raise ValueError(f"profile {self.name!r}: physical_peak_flops needs precisions among "
+                                 f"{PRECISIONS} and FLOP/s > 0, got {key!r}: {value!r}")
         missing = [v for v in MATMUL_VARIANTS if v not in self.matmul_efficiency]
         if missing:
             raise ValueError(f"profile {self.name!r}: matmul_efficiency lacks {missing}")
@@ -189,6 +203,11 @@ class HardwareProfile:
         except KeyError:
             raise ValueError(f"profile {self.name!r} has no peak for precision {precision!r}; "
                              f"it has {sorted(self.peak_flops)}") from None
+
+    def mfu_peak(self, precision):
+        """FLOP/s that MFU is taken against: the physical peak where the profile has one for
+        ``precision``, else ``peak(precision)``."""
+        return self.physical_peak_flops.get(precision) or self.peak(precision)
 
     def matmul_time(self, flops, variant, precision):
         """Seconds for a matmul of ``flops`` FLOPs, without the per-call overhead."""
@@ -239,6 +258,7 @@ class HardwareProfile:
         bw_scale = rates["copy_bandwidth"] / (self.memory_bandwidth * self.memory_efficiency(copied * stretch))
         return self.with_changes(
             peak_flops={k: v * flops_scale for k, v in self.peak_flops.items()},
+            physical_peak_flops={k: v / stretch for k, v in self.physical_peak_flops.items()},
             memory_bandwidth=self.memory_bandwidth * bw_scale,
             memory_capacity=self.memory_capacity / ranks,
             matmul_efficiency={k: c.stretched(stretch) for k, c in self.matmul_efficiency.items()},

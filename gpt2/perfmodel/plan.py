@@ -351,7 +351,9 @@ def _prepare(config, B, T, hardware, threads, baseline_bytes):
     notes = [f"profile {profile.describe()}"] if profile.approximate else []
     if threads is not None and profile.threads and threads != profile.threads:
         scale = threads / profile.threads
-        profile = profile.with_changes(peak_flops={k: v * scale for k, v in profile.peak_flops.items()})
+        profile = profile.with_changes(
+            peak_flops={k: v * scale for k, v in profile.peak_flops.items()},
+            physical_peak_flops={k: v * scale for k, v in profile.physical_peak_flops.items()})
         notes.append(f"compute rates scaled from the profile's {profile.threads} threads to {threads}")
     if baseline_bytes is not None and baseline_bytes > profile.baseline_rss:
         profile = profile.with_changes(baseline_rss=float(baseline_bytes))
