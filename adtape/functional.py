@@ -18,6 +18,7 @@ Forward mode is the transpose of reverse mode: ``jvp`` records the VJP
 import contextlib
 import functools
 import numbers
+import sys
 import warnings
 
 import numpy as np
@@ -69,11 +70,21 @@ def value_and_grad(f, argnums=0, has_aux=False):
         else:
             value, aux, grads, connected = _tensor_mode(f, args, kwargs, nums, has_aux)
         if not connected:
-            # As autograd: the zeros are right, but usually mean a detach in f.
-            warnings.warn("Output seems independent of input.", UserWarning, stacklevel=2)
+            _warn_independent()
         g = grads[0] if single else tuple(grads)
         return ((value, aux) if has_aux else value), g
     return value_and_grad_f
+
+
+def _warn_independent():
+    """Warn (as autograd) that the output does not depend on the differentiated arguments:
+    the zero gradient is right, but it usually means f detached them somewhere.  The
+    warning names the first frame outside this module (the user's call)."""
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+        level += 1
+    warnings.warn("Output seems independent of input.", UserWarning, stacklevel=level)
 
 
 def _is_active_scalar(a):

@@ -307,6 +307,7 @@ def test_grad_of_a_disconnected_output_warns_once_and_is_zero():
     g, caught = warnings_of(lambda: adtape.grad(lambda x: anp.sum(np.ones(3)))(np.ones(3)))
     assert len(caught) == 1 and caught[0].category is UserWarning
     assert str(caught[0].message) == "Output seems independent of input."
+    assert caught[0].filename == __file__       # points at the caller's line
     np.testing.assert_array_equal(g, np.zeros(3), strict=True)
     # Two arguments, neither reached: one warning for the call.
     _, caught = warnings_of(lambda: adtape.grad(lambda x, y: 2.0, argnums=(0, 1))(
