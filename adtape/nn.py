@@ -20,6 +20,7 @@ from kernels import loss as _loss
 from kernels import matmul as _matmul
 
 from adtape import buffers as _buffers
+from adtape import numpy as anp
 from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp, defvjp_accumulate
 
 __all__ = ["encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
@@ -376,11 +377,9 @@ defvjp_accumulate(SWIGLU_LINEAR, _swiglu_linear_bwd, overwrite=True)
 def softmax(x, axis=-1):
     """``exp(x) / sum(exp(x), axis)`` in any float dtype (``adtape.numpy.softmax``: its
     rule can be differentiated again)."""
-    from adtape import numpy as anp
     return anp.softmax(x, axis)
 
 
 def log_softmax(x, axis=-1):
     """``x - logsumexp(x, axis)`` (``adtape.numpy.log_softmax``)."""
-    from adtape import numpy as anp
     return anp.log_softmax(x, axis)
