@@ -33,7 +33,7 @@ from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport uint16_t, uint32_t
 
 from kernels.gemm cimport gemm
-from kernels.layers cimport check_disjoint, checked_data, overwrite_flags, resolve_threads
+from kernels._common cimport check_disjoint, checked_data, overwrite_flags, resolve_threads
 
 import numpy as np
 
