@@ -31,7 +31,8 @@ Clipping by global norm uses the norm of the averaged gradient on every rank, so
 update matches one process on the whole batch.  Checkpoints are written by rank 0 in
 the ordinary format (``gpt2.checkpoint``) and read back at any number of ranks.
 
-Failures: a rank that raises prints ``error: rank r of N: ...`` and calls
+Failures: a rank that raises prints one line, ``error: rank r of N: ...`` (its
+traceback too with ``debug``), waits until the launcher has read it, and calls
 ``MPI_Abort``, which takes every rank down at once (a rank that merely exited would
 leave the others blocked in a collective); a rank killed outright is reaped by the
 launcher (MPICH's hydra, Open MPI's mpirun), which then kills the rest.  Checks that
@@ -42,10 +43,14 @@ with status 2 and one message.
 mpi4py is imported only when data parallelism is asked for (``pip install
 'adtape[mpi]'``).
 """
+import array
 import contextlib
+import fcntl
 import functools
 import os
+import stat
 import sys
+import termios
 import time
 import traceback
 import zlib
@@ -65,6 +70,9 @@ _PART_ALIGN = 16
 # Intel MPI's hydra, Open MPI, PMIx launchers such as srun --mpi=pmix).
 _SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 _LOCAL_SIZE_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+# The longest a failing rank waits for the launcher to read its error line (see
+# _write_before_abort); the launcher reads it within milliseconds even on a loaded machine.
+_DRAIN_SECONDS = 2.0
 
 
 class CollectiveError(RuntimeError):
@@ -115,12 +123,14 @@ def check_same_settings(comm, settings):
                               + "; ".join(problems))
 
 
-def report_and_abort(comm, exc):
+def report_and_abort(comm, exc, debug=False):
     """Print ``exc`` naming this rank and stop the whole job.  A CollectiveError is
     raised by every rank alike: rank 0 prints it once and all exit with status 2
     without aborting; an exception whose ``every_rank`` is true (a stop on a signal that
     the ranks agreed on) is raised again as it is.  Anything else aborts the job: the
-    other ranks may be blocked in a collective that this rank will never join."""
+    other ranks may be blocked in a collective that this rank will never join.  The
+    failing rank prints one line, ``error: rank r of N: ...``; ``debug`` adds the
+    traceback after it and leaves MPI's own abort message in place."""
     rank, size = comm.Get_rank(), comm.Get_size()
     if isinstance(exc, CollectiveError):
         if rank == 0:
@@ -128,44 +138,82 @@ def report_and_abort(comm, exc):
         raise SystemExit(2)
     if getattr(exc, "every_rank", False):
         raise exc
+    detail = ""
     if isinstance(exc, KeyboardInterrupt) or hasattr(exc, "exit_status"):
         # A signal (gpt2.train.Interrupted): no traceback, its exit status.
-        text, detail, code = str(exc) or "interrupted", "", getattr(exc, "exit_status", 130)
+        text, code = str(exc) or "interrupted", getattr(exc, "exit_status", 130)
     elif isinstance(exc, SystemExit):
         if exc.code in (None, 0):
             raise exc
         text = exc.code if isinstance(exc.code, str) else f"exit status {exc.code}"
         text = text[len("error: "):] if text.startswith("error: ") else text
         code = exc.code if isinstance(exc.code, int) else 2
-        detail = ""
     else:
-        text = f"{type(exc).__name__}: {exc}"
-        detail = "".join(traceback.format_exception(exc))
-        code = 1
-    # One write, the error line first: the launcher tears the job down as soon as
-    # MPI_Abort is called and may drop output still on its way (a separate last line
-    # was lost in one CI run in four).
-    sys.stderr.write(f"error: rank {rank} of {size}: {text}; aborting all ranks\n"
-                     + (f"rank {rank} of {size}: {detail}" if detail else ""))
-    sys.stderr.flush()
+        text, code = f"{type(exc).__name__}: {exc}", 1
+        if debug:
+            detail = f"rank {rank} of {size}: " + "".join(traceback.format_exception(exc))
+    _write_before_abort(f"error: rank {rank} of {size}: {text}; aborting all ranks\n{detail}")
+    if not debug:
+        # MPICH's own "Abort(1) on node ...: application called MPI_Abort" line, which
+        # reaches the terminal or not as the teardown goes: the rank's one line is ours.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
     comm.Abort(code)
     # MPICH's MPI_Abort returns while the launcher tears the job down: print nothing more.
     os._exit(code)
 
 
+def _write_before_abort(text):
+    """Write ``text`` to stderr (fd 2) and return once the launcher has read it, or
+    after _DRAIN_SECONDS.  MPICH's mpiexec exits as soon as it handles the abort: what
+    the rank wrote to its stdout or stderr pipe and the launcher's proxy has not read
+    yet is lost.  The proxy reads the pipe and forwards the text upstream in one step,
+    ahead of the abort that MPI_Abort sends after it, so the text arrives once the pipe
+    is empty.  A stream that is not a pipe (a file, a terminal) is written through."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):    # closed or broken: the error line still goes
+            pass
+    data = text.encode(errors="backslashreplace")
+    try:
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:     # no stderr to write to: nothing to wait for either
+        return
+    deadline = time.monotonic() + _DRAIN_SECONDS
+    for fd in (1, 2):
+        while _unread_bytes(fd) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def _unread_bytes(fd):
+    """Bytes written to ``fd`` that its reader has not read yet: those in the pipe when
+    ``fd`` is one (Linux's FIONREAD answers on either end), else 0."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return 0
+        count = array.array("i", [0])
+        fcntl.ioctl(fd, termios.FIONREAD, count, True)
+    except OSError:
+        return 0
+    return count[0]
+
+
 @contextlib.contextmanager
-def abort_on_error(comm):
+def abort_on_error(comm, debug=False):
     """Run the block; on any exception in this rank, ``report_and_abort`` (with no
     communicator, nothing: one process)."""
     try:
         yield
     except BaseException as exc:
         if comm is not None:
-            report_and_abort(comm, exc)
+            report_and_abort(comm, exc, debug)
         raise
 
 
-def install_abort_hook(comm):
+def install_abort_hook(comm, debug=False):
     """Make an uncaught exception in this process abort the whole job (for scripts
     that run under mpiexec without ``abort_on_error``)."""
     def hook(kind, exc, tb):
@@ -173,7 +221,7 @@ def install_abort_hook(comm):
             if comm.Get_rank() == 0:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
             return
-        report_and_abort(comm, exc)
+        report_and_abort(comm, exc, debug)
 
     sys.excepthook = hook
 

@@ -115,16 +115,21 @@ def sweep_order():
             "last_leaves": [extent(leaf) for leaf in last], "wte": extent(wte)}
 
 
-def fail(how):
+def fail(how, out):
+    """Rank 1 raises (``raise``, ``raise-debug``: with the traceback) or is killed
+    (``kill``) at step 3 while rank 0 waits in the step's collectives.  Each rank
+    first writes its process id to OUT.rankR.pid, for the test to check that it ended."""
+    with open(f"{out}.rank{rank}.pid", "w") as f:
+        f.write(str(os.getpid()))
     batches = ref.batches(6)
     dp = trainer()
-    with distributed.abort_on_error(comm):
+    with distributed.abort_on_error(comm, debug=how == "raise-debug"):
         for step, (x, y) in enumerate(batches):
             if step == 3 and rank == 1:
                 print(f"failing at {time.time()!r}", file=sys.stderr, flush=True)
-                if how == "raise":
-                    raise ValueError("a deliberate failure in the test")
-                os.kill(os.getpid(), signal.SIGKILL)
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise ValueError("a deliberate failure in the test")
             dp.train_step(x, y, ref.LR)
     return {}
 
@@ -150,8 +155,8 @@ def main():
         result = sweep_order()
     elif scenario == "checkpoints":
         result = checkpoints(sys.argv[3])
-    elif scenario in ("raise", "kill"):
-        result = fail(scenario)
+    elif scenario in ("raise", "raise-debug", "kill"):
+        result = fail(scenario, out)
     else:
         result = mismatch(scenario)
     if rank == 0:

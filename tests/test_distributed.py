@@ -223,26 +223,65 @@ def test_checkpoints_move_between_rank_counts(tmp_path):
     assert relative_error(tail, losses[half:]) < 1e-6
 
 
+ERROR_LINE = ("error: rank 1 of 2: ValueError: a deliberate failure in the test; "
+              "aborting all ranks")
+
+
 def _failure_time(stderr):
     match = re.search(r"failing at ([0-9.]+)", stderr)
     assert match, stderr
     return float(match.group(1))
 
 
-def test_a_raising_rank_stops_every_rank(tmp_path):
-    proc, _, _ = run_ranks("raise", tmp_path=tmp_path)
+def _error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def _worker_alive(pid):
+    """Whether ``pid`` is still a worker (a zombie's cmdline is empty)."""
+    try:
+        return WORKER.name.encode() in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def assert_every_rank_ended(proc, tmp_path):
+    """mpiexec returned, and each rank (its id written by the worker beside result.json)
+    is gone, within EXIT_WITHIN seconds of the failure."""
     ended = time.time()
+    failed = _failure_time(proc.stderr)
+    assert ended - failed < EXIT_WITHIN
+    pids = [int((tmp_path / f"result.json.rank{r}.pid").read_text()) for r in range(RANKS)]
+    while any(map(_worker_alive, pids)) and time.time() < failed + EXIT_WITHIN:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if _worker_alive(pid)]
+
+
+def test_a_raising_rank_stops_every_rank(tmp_path):
+    """The failing rank's error is one line on stderr, neither its traceback nor MPICH's
+    own abort message, and reaches it before MPI_Abort tears the job down."""
+    proc, _, _ = run_ranks("raise", tmp_path=tmp_path)
     assert proc.returncode != 0
-    assert "error: rank 1 of 2: ValueError: a deliberate failure in the test" in proc.stderr
-    assert ended - _failure_time(proc.stderr) < EXIT_WITHIN
+    assert_every_rank_ended(proc, tmp_path)
+    assert _error_lines(proc.stderr) == [ERROR_LINE], proc.stderr
+    assert "Traceback" not in proc.stderr and "MPI_Abort" not in proc.stderr, proc.stderr
+
+
+def test_a_raising_rank_shows_its_traceback_with_debug(tmp_path):
+    proc, _, _ = run_ranks("raise-debug", tmp_path=tmp_path)
+    assert proc.returncode != 0
+    assert_every_rank_ended(proc, tmp_path)
+    assert _error_lines(proc.stderr) == [ERROR_LINE], proc.stderr
+    assert f"{ERROR_LINE}\nrank 1 of 2: Traceback (most recent call last):\n" in proc.stderr
+    assert 'raise ValueError("a deliberate failure in the test")' in proc.stderr
+    assert "\nValueError: a deliberate failure in the test\n" in proc.stderr
 
 
 def test_a_killed_rank_stops_every_rank(tmp_path):
     proc, _, _ = run_ranks("kill", tmp_path=tmp_path)
-    ended = time.time()
     assert proc.returncode != 0
     assert "Killed" in proc.stdout + proc.stderr
-    assert ended - _failure_time(proc.stderr) < EXIT_WITHIN
+    assert_every_rank_ended(proc, tmp_path)
 
 
 @pytest.mark.parametrize("what, message", [
