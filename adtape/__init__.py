@@ -35,8 +35,10 @@ from adtape.scalar import Scalar, ScalarTape
 from adtape.functional import (grad, value_and_grad, jvp, jacrev, jacobian, jacfwd, hessian,
                                hvp)
 from adtape.gradcheck import check_grads
-from adtape import math, numpy  # noqa: E402  (adtape.math, adtape.numpy)
+from adtape import math, numpy
 from adtape.checkpointing import checkpoint, checkpoint_loop, revolve_cost, revolve_schedule
+# Last: Tensor's operators, array methods and NumPy protocols (they need adtape.numpy).
+from adtape import _operators  # noqa: F401
 
 __all__ = [
     # the tape

@@ -23,6 +23,8 @@ import warnings
 
 import numpy as np
 
+from adtape import numpy as anp
+from adtape.scalar import Scalar, ScalarTape
 from adtape.tensor import (Primitive, Tensor, _FLOAT_DTYPES, _constant, _state, defvjp,
                            keeping, nested_graph, sweep_keeping)
 
@@ -88,7 +90,6 @@ def _warn_independent():
 
 
 def _is_active_scalar(a):
-    from adtape.scalar import Scalar
     return type(a) is Scalar and a.index != 0
 
 
@@ -214,7 +215,6 @@ def _tensor_mode(f, args, kwargs, nums, has_aux):
 
 
 def _scalar_mode(f, args, kwargs, nums, has_aux):
-    from adtape.scalar import Scalar, ScalarTape
     fname = getattr(f, "__name__", repr(f))
     args = list(args)
     with ScalarTape() as st:
@@ -268,7 +268,6 @@ def _stack(values, shape, watched):
     if not values:
         return np.zeros(shape)
     if watched:
-        from adtape import numpy as anp
         return anp.reshape(anp.stack(values), shape)
     return np.stack([v.data if type(v) is Tensor else v for v in values]).reshape(shape)
 

@@ -40,7 +40,7 @@ def _unary(name, numpy_name=None):
         if type(x) is Scalar:
             return getattr(x, name)()
         if _is_array(x):
-            from adtape import numpy as anp
+            from adtape import numpy as anp  # here: adtape.numpy imports this module
             if numpy_name is None:
                 raise NotImplementedError(f"adtape.math.{name} of an array or Tensor: "
                                           f"adtape.numpy has no rule for it")
@@ -92,7 +92,7 @@ def _binary(name, scalar_fun, numpy_name):
         if type(x) is Scalar or type(y) is Scalar:
             return scalar_fun(x, y)
         if _is_array(x) or _is_array(y):
-            from adtape import numpy as anp
+            from adtape import numpy as anp  # here: adtape.numpy imports this module
             return getattr(anp, numpy_name)(x, y)
         return math_fun(x, y)
     f.__name__ = f.__qualname__ = name

@@ -9,20 +9,25 @@ registered with ``overwrite=True``: a buffer that holds no gradient yet (a new
 intermediate's, or a leaf's after ``zero_grad(deferred=True)``) is handed over
 uninitialised and the kernel writes it (its ``overwrite`` flag) rather than
 adding into zeros, which saves zeroing it and reading it back.  Everything is
-float32; the kernels check shapes and dtypes and name the offending argument.
+float32 (the linear layers' products take bf16 operands under
+``set_precision("bf16")``); the kernels check shapes and dtypes and name the offending
+argument.
 """
 import numpy as np
 
 from kernels import attention as _attention
+from kernels import bf16 as _bf16
 from kernels import layers as _layers
 from kernels import llama as _llama
 from kernels import loss as _loss
 from kernels import matmul as _matmul
 
 from adtape import buffers as _buffers
+from adtape import numpy as anp
 from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp, defvjp_accumulate
 
-__all__ = ["encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
+__all__ = ["set_precision", "get_precision", "weights_changed",
+           "encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
            "attention_linear", "softmax_cross_entropy", "rmsnorm", "rope", "swiglu",
            "swiglu_linear", "softmax", "log_softmax"]
 
@@ -63,6 +68,76 @@ def _or_scratch(dest, fresh, like):
     # A kernel that always writes every gradient gets a throwaway buffer for unneeded
     # ones, which it overwrites: -> (buffer, overwrite flag).
     return (dest, fresh) if dest is not None else (_buffers.empty_like(like), True)
+
+
+# -- precision of the matrix products ---------------------------------------------
+# "fp32": float32 operands.  "bf16": the products take bf16 operands (inputs rounded to
+# nearest even) and sum in float32 (kernels.bf16: VDPBF16PS where the CPU has it,
+# exact widening and fp32 FMAs elsewhere); everything else stays float32.  A linear
+# layer saves its input for the backward in bf16 (half the bytes), the weights' bf16
+# copies are made once per forward pass (``weights_changed`` drops them).
+PRECISIONS = ("fp32", "bf16")
+_precision = "fp32"
+_bf16_weights = {}          # id(weight array) -> (weight array, its bf16 copy)
+
+
+def set_precision(name):
+    """Run the linear layers' products in ``name`` ("fp32" or "bf16"); returns the
+    previous one.  Drops the weights' bf16 copies."""
+    global _precision
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {name!r}")
+    previous, _precision = _precision, name
+    _bf16_weights.clear()
+    return previous
+
+
+def get_precision():
+    return _precision
+
+
+def weights_changed():
+    """The weights changed (an optimizer step, a load): the next bf16 product converts
+    them again.  The training loop calls it at the start of every forward pass."""
+    _bf16_weights.clear()
+
+
+def _bf16_weight(w):
+    entry = _bf16_weights.get(id(w))
+    if entry is None or entry[0] is not w:
+        wb = _buffers.empty(w.shape, np.uint16)
+        _bf16.to_bf16(wb, w)
+        entry = _bf16_weights[id(w)] = (w, wb)
+    return entry[1]
+
+
+def _product_forward(out, x, w, bias):
+    """out = x @ w.T + bias in the current precision; returns what the backward needs
+    of ``x`` (x itself, or its bf16 copy)."""
+    if _precision == "fp32":
+        _matmul.matmul_forward(out, x, w, bias)
+        return x
+    xb = _buffers.empty(x.shape, np.uint16)
+    _bf16.to_bf16(xb, x)
+    _bf16.matmul_forward_bf16(out, xb, _bf16_weight(w), bias)
+    return xb
+
+
+def _product_backward(dx, dw, db, g, x, w, overwrite):
+    """The gradients of ``_product_forward``; ``x`` as it returned (bf16: uint16)."""
+    if x.dtype == np.uint16:
+        _bf16.matmul_backward_bf16(dx, dw, db, g, x, _bf16_weight(w), overwrite=overwrite)
+    else:
+        _matmul.matmul_backward(dx, dw, db, g, x, w, overwrite=overwrite)
+
+
+def _product_input(x):
+    """A recomputed product input, as the forward gave it to the product."""
+    if _precision == "fp32":
+        return x
+    xb = _buffers.empty(x.shape, np.uint16)
+    _bf16.to_bf16(xb, x)
+    return xb
 
 
 def encoder(ids, wte, wpe):
@@ -147,17 +222,17 @@ def linear(x, weight, bias=None):
     xd = np.ascontiguousarray(_data(x))
     wd = _data(weight)
     out = _buffers.empty(xd.shape[:-1] + (wd.shape[0],))
-    _matmul.matmul_forward(out, xd, wd, None if bias is None else _data(bias))
+    saved = _product_forward(out, xd, wd, None if bias is None else _data(bias))
     if _needs_grad(x, weight, bias):
         return _record(LINEAR, out, (x, weight, bias),
-                       (x if xd is _data(x) else xd, weight), None)
+                       (x if saved is _data(x) else saved, weight), None)
     return _constant(out)
 
 
 def _linear_bwd(g, dests, fresh, x, weight):
     dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
-    _matmul.matmul_backward(dests[0], dw, dests[2], _contiguous(g), x, weight,
-                            overwrite=(fresh[0], ow_w, fresh[2]))
+    _product_backward(dests[0], dw, dests[2], _contiguous(g), x, weight,
+                      (fresh[0], ow_w, fresh[2]))
 
 
 def gelu_linear(x, weight, bias=None):
@@ -170,7 +245,7 @@ def gelu_linear(x, weight, bias=None):
     h = _buffers.empty_like(xd)
     _layers.gelu_forward(h, xd)
     out = _buffers.empty(xd.shape[:-1] + (wd.shape[0],))
-    _matmul.matmul_forward(out, h, wd, None if bias is None else _data(bias))
+    _product_forward(out, h, wd, None if bias is None else _data(bias))
     if _needs_grad(x, weight, bias):
         return _record(GELU_LINEAR, out, (x, weight, bias),
                        (x if xd is _data(x) else xd, weight), None)
@@ -182,8 +257,8 @@ def _gelu_linear_bwd(g, dests, fresh, x, weight):
     _layers.gelu_forward(h, x)
     dh = None if dests[0] is None else _buffers.empty_like(x)
     dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
-    _matmul.matmul_backward(dh, dw, dests[2], _contiguous(g), h, weight,
-                            overwrite=(True, ow_w, fresh[2]))
+    h = _product_input(h)
+    _product_backward(dh, dw, dests[2], _contiguous(g), h, weight, (True, ow_w, fresh[2]))
     del h          # freed before the GELU's gradient is allocated: 3 hidden-width arrays live, as unfused
     if dh is not None:
         _layers.gelu_backward(dests[0], x, dh, overwrite=fresh[0])
@@ -228,7 +303,7 @@ def attention_linear(qkv, n_head, weight, bias=None, n_kv_head=None):
     wd = _data(weight)
     a, lse = _attention_forward("attention_linear", qd, n_head, n_kv_head)
     out = _buffers.empty(a.shape[:2] + (wd.shape[0],))
-    _matmul.matmul_forward(out, a, wd, None if bias is None else _data(bias))
+    _product_forward(out, a, wd, None if bias is None else _data(bias))
     if _needs_grad(qkv, weight, bias):
         return _record(ATTENTION_LINEAR, out, (qkv, weight, bias),
                        (qkv if qd is _data(qkv) else qd, a, lse, weight, n_head, n_kv_head),
@@ -239,8 +314,8 @@ def attention_linear(qkv, n_head, weight, bias=None, n_kv_head=None):
 def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head, n_kv_head):
     da = None if dests[0] is None else _buffers.empty_like(a)
     dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
-    _matmul.matmul_backward(da, dw, dests[2], _contiguous(g), a, weight,
-                            overwrite=(True, ow_w, fresh[2]))
+    _product_backward(da, dw, dests[2], _contiguous(g), _product_input(a), weight,
+                      (True, ow_w, fresh[2]))
     if da is not None:
         _attention.attention_backward(dests[0], da, qkv, a, lse, n_head, n_kv_head=n_kv_head,
                                       overwrite=fresh[0])
@@ -339,7 +414,7 @@ def swiglu_linear(gate_up, weight, bias=None):
     h = _buffers.empty(gd.shape[:-1] + (gd.shape[-1] // 2 if gd.ndim else 0,))
     _llama.swiglu_forward(h, gd)
     out = _buffers.empty(h.shape[:-1] + (wd.shape[0],))
-    _matmul.matmul_forward(out, h, wd, None if bias is None else _data(bias))
+    _product_forward(out, h, wd, None if bias is None else _data(bias))
     if _needs_grad(gate_up, weight, bias):
         return _record(SWIGLU_LINEAR, out, (gate_up, weight, bias),
                        (gate_up if gd is _data(gate_up) else gd, weight), None)
@@ -351,8 +426,8 @@ def _swiglu_linear_bwd(g, dests, fresh, gate_up, weight):
     _llama.swiglu_forward(h, gate_up)
     dh = None if dests[0] is None else _buffers.empty_like(h)
     dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
-    _matmul.matmul_backward(dh, dw, dests[2], _contiguous(g), h, weight,
-                            overwrite=(True, ow_w, fresh[2]))
+    h = _product_input(h)
+    _product_backward(dh, dw, dests[2], _contiguous(g), h, weight, (True, ow_w, fresh[2]))
     del h
     if dh is not None:
         _llama.swiglu_backward(dests[0], dh, gate_up, overwrite=fresh[0])
@@ -376,11 +451,9 @@ defvjp_accumulate(SWIGLU_LINEAR, _swiglu_linear_bwd, overwrite=True)
 def softmax(x, axis=-1):
     """``exp(x) / sum(exp(x), axis)`` in any float dtype (``adtape.numpy.softmax``: its
     rule can be differentiated again)."""
-    from adtape import numpy as anp
     return anp.softmax(x, axis)
 
 
 def log_softmax(x, axis=-1):
     """``x - logsumexp(x, axis)`` (``adtape.numpy.log_softmax``)."""
-    from adtape import numpy as anp
     return anp.log_softmax(x, axis)

@@ -374,6 +374,11 @@ class Tensor(TensorBase):
     (a NumPy array of the same shape and dtype; set it to a preallocated buffer
     to have backward add into it in place).  Its fields (``data``, ``grad``,
     ``requires_grad``, ...) are those of ``adtape._graph.TensorBase``.
+
+    Its operators (``t + 1``, ``t @ w``, ``t[i]``, ``t < 0``), array methods (``sum``,
+    ``reshape``, ``T``, ...) and NumPy's protocols (``np.sin(t)``) are assigned in one
+    table, ``adtape._operators``: they are ops of ``adtape.vjps`` and ``adtape.numpy``,
+    which import this module.
     """
     __slots__ = ()
 
@@ -413,10 +418,6 @@ class Tensor(TensorBase):
     @property
     def is_leaf(self):
         return self._is_leaf
-
-    @property
-    def T(self):
-        return _ops.transpose(self)
 
     def __len__(self):
         return len(self.data)
@@ -483,14 +484,6 @@ class Tensor(TensorBase):
             raise ValueError(f"np.asarray(t, dtype={np.dtype(dtype)}, copy=False): a Tensor "
                              f"of {data.dtype} needs a copy to convert")
         return arr
-
-    # NumPy hands a Tensor to adtape.numpy's table (ndarray (op) Tensor comes here too):
-    # the op is recorded, or TypeError says the gradient would be lost.
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        return _anp._array_ufunc(ufunc, method, inputs, kwargs)
-
-    def __array_function__(self, func, types, args, kwargs):
-        return _anp._array_function(func, args, kwargs)
 
     def __repr__(self):
         flag = ", requires_grad=True" if self.requires_grad else ""
@@ -570,8 +563,6 @@ class Tensor(TensorBase):
         if graph.child is not None:
             raise RuntimeError("backward() on an outer graph while a nested recording is open")
         sweep(graph, self._ref, seed, retain_graph)
-
-    # Operators and methods are bound to the primitives of adtape.vjps at import.
 
 
 _graph.bind(Tensor)
@@ -752,6 +743,3 @@ def _install_default():
 
 
 _install_default()
-
-from adtape import vjps as _ops  # noqa: E402  (binds Tensor's operators; needs the names above)
-from adtape import numpy as _anp  # noqa: E402  (NumPy's protocols; needs adtape.vjps)

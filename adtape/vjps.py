@@ -386,34 +386,3 @@ defvjp(GETITEM, _getitem_vjp, differentiable=True)
 defvjp(EMBEDDING, _embedding_vjp, None, differentiable=True)
 defvjp(SCATTER_ADD, lambda g, index: g[index], differentiable=True)
 
-
-# -- Tensor operators and methods --------------------------------------------------
-
-def _reflected(op):
-    def rop(self, other):
-        return op(other, self)
-    rop.__name__ = f"r{op.__name__}"
-    return rop
-
-
-Tensor.__add__ = add
-Tensor.__radd__ = add
-Tensor.__sub__ = sub
-Tensor.__rsub__ = _reflected(sub)
-Tensor.__mul__ = mul
-Tensor.__rmul__ = mul
-Tensor.__truediv__ = div
-Tensor.__rtruediv__ = _reflected(div)
-Tensor.__pow__ = power
-Tensor.__rpow__ = _reflected(power)
-Tensor.__matmul__ = matmul
-Tensor.__rmatmul__ = _reflected(matmul)
-Tensor.__neg__ = neg
-Tensor.__getitem__ = getitem
-Tensor.exp = exp
-Tensor.log = log
-Tensor.tanh = tanh
-Tensor.sum = sum
-Tensor.mean = mean
-Tensor.reshape = reshape
-Tensor.transpose = transpose

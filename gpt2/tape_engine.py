@@ -115,6 +115,7 @@ class TapeEngine:
     def forward_logits(self, inputs):
         """The logits (B, T, padded vocabulary) as a recorded Tensor."""
         cfg = self.config
+        nn.weights_changed()        # bf16 products: the weights' copies are made anew
         self._ready("embed")
         x = self.ops.embed(inputs, self.globals)
         if self.checkpointing == "none":

@@ -187,6 +187,12 @@ def build_parser(prog=None):
     m.add_argument("--engine", choices=("tape", "manual"), default="tape",
                    help="tape: backward derived by the adtape tape; manual: hand-sequenced "
                         "(default: %(default)s)")
+    m.add_argument("--precision", choices=("auto", "fp32", "bf16"),
+                   default=os.environ.get("ADTAPE_PRECISION") or "auto",
+                   help="the matrix products' operands: bf16 (float32 sums, master weights, "
+                        "gradients and moments), fp32, or auto: bf16 where the CPU multiplies "
+                        "it faster (AVX512_BF16, measured at start) (default: "
+                        "$ADTAPE_PRECISION or auto)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, metavar="FILE",
                    help="a text file or an llm.c token file (.bin) (default: the built-in corpus)")
@@ -827,6 +833,7 @@ class RunInputs:
     val: object             # DataLoader, or None without evaluation
     plan: object = None     # gpt2.perfmodel.plan.MemoryPlan of --max-memory, or None
     memory_from_checkpoint: tuple = ()  # the memory options --resume took from the checkpoint
+    precision: tuple = ("fp32", "")   # (the products' precision, why), set by _run
 
 
 def _run(args, explicit):
@@ -836,6 +843,7 @@ def _run(args, explicit):
     inputs = _prepare(args, explicit, comm)
     if inputs is None:
         return None
+    from adtape import nn
     from kernels import _openmp, threads
     ftz_before = _openmp.flush_denormal_enabled()
     # FTZ/DAZ first: threads started later inherit this thread's MXCSR.
@@ -848,12 +856,27 @@ def _run(args, explicit):
             n_threads = threads.set_num_threads(args.threads)
         _openmp.set_flush_denormal(not args.no_flush_denormal, n_threads)
         with distributed.abort_on_error(comm, debug=args.debug):
-            return _train(args, inputs, n_threads, comm)
+            inputs.precision = _choose_precision(args, n_threads)
+            previous_precision = nn.set_precision(inputs.precision[0])
+            try:
+                return _train(args, inputs, n_threads, comm)
+            finally:
+                nn.set_precision(previous_precision)
     finally:
         if n_threads is None:  # the thread count was refused: OpenMP keeps its own
             _openmp.set_flush_denormal(ftz_before)
         else:
             _openmp.set_flush_denormal(ftz_before, n_threads)
+
+
+def _choose_precision(args, n_threads):
+    """(precision, reason) of --precision; "auto" and the manual engine (fp32 only) and
+    --offload all (fp32 only) take fp32 without a probe where bf16 is not theirs."""
+    from gpt2 import precision
+    if args.precision == "auto" and (args.engine != "tape" or args.offload == "all"):
+        return "fp32", "auto: bf16 runs on the tape engine without --offload all"
+    with blame("--precision"):
+        return precision.choose(args.precision, n_threads)
 
 
 def _prepare(args, explicit, comm=None):
@@ -908,6 +931,10 @@ def _prepare(args, explicit, comm=None):
         raise UsageError("--offload all runs on the tape engine without --checkpointing: "
                          "leave out " + ("--engine manual" if args.engine != "tape"
                                          else f"--checkpointing {args.checkpointing}"))
+    if args.precision == "bf16" and (args.engine != "tape" or args.offload == "all"):
+        raise UsageError("--precision bf16 runs on the tape engine without --offload all: "
+                         "leave out " + ("--engine manual" if args.engine != "tape"
+                                         else "--offload all"))
     config, params, model_name = _model_config(args, explicit, resumed)
     if args.seq_len is None:
         args.seq_len = min(128, config.block_size)
@@ -1166,7 +1193,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     print(f"{config.family_name} {inputs.model_name}: {n_params / 1e6:.2f}M parameters, "
           f"{config.describe()}; B={args.batch_size} "
           f"T={args.seq_len}, {n_threads} threads ({blas_dispatch.describe()}), "
-          f"engine={args.engine}, memory: "
+          f"engine={args.engine}, precision {inputs.precision[0]} ({inputs.precision[1]}), "
+          f"memory: "
           f"{describe_memory_policy(args, inputs.plan, inputs.memory_from_checkpoint)}, "
           f"corpus {inputs.tokens.size:,} tokens"
           + (f"; resuming at step {start_step}" if start_step else ""), flush=True)
@@ -1300,7 +1328,9 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
     timed = [r["ms"] for r in rows[1:]] or [r["ms"] for r in rows]
     median_ms = float(np.median(timed)) if timed else None
     summary = {"model": inputs.model_name, "init_from": args.init_from, "resumed_from": args.resume,
-               "config": config.to_dict(), "engine": args.engine, "B": args.batch_size,
+               "config": config.to_dict(), "engine": args.engine,
+               "precision": inputs.precision[0], "precision_reason": inputs.precision[1],
+               "B": args.batch_size,
                "T": args.seq_len, "threads": n_threads, "start_step": start_step,
                "steps": args.steps,
                "first_loss": all_rows[0]["loss"] if all_rows else None,

@@ -15,4 +15,4 @@ eight for all of them (tests check both widths on one machine) and
 ``vector_lanes()`` says which is in force.  The small matrix products of
 ``kernels.gemm`` have their own switch, ``gemm.set_skinny_lanes``.
 """
-from kernels.layers import set_vector_lanes, vector_lanes  # noqa: F401
+from kernels._common import set_vector_lanes, vector_lanes  # noqa: F401

@@ -58,8 +58,8 @@ from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
 
 from kernels._openmp cimport omp_get_thread_num_safe
-from kernels.layers cimport (check_disjoint, checked_data, float_type, lanes_wide,
-                             overwrite_flags, resolve_threads)
+from kernels._common cimport (check_disjoint, checked_data, float_type, lanes_wide,
+                              overwrite_flags, resolve_threads)
 
 import numpy as np
 
@@ -97,7 +97,7 @@ cdef extern from *:
 
     /* The per-head kernels in eight lanes, as target clones, and in sixteen for CPUs
        with AVX-512; each entry point takes the width from its caller
-       (kernels.layers' lanes_wide()). */
+       (kernels._common's lanes_wide()). */
     #define ADT_W 8
     #include "attention_lanes.h"
     #undef ADT_W

@@ -13,7 +13,7 @@ from cython.parallel cimport prange
 from scipy.linalg.cython_blas cimport sgemm
 from libc.string cimport memcpy
 
-from kernels.layers cimport check_disjoint, checked_data, resolve_threads
+from kernels._common cimport check_disjoint, checked_data, resolve_threads
 
 cdef extern from "<stdlib.h>" nogil:
     void* aligned_alloc(size_t alignment, size_t size)

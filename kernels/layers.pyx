@@ -9,7 +9,7 @@ twin with the same signature; the twins also accept float64 arrays, which is how
 the tests check the backward formulas against finite differences.
 """
 from cython.parallel cimport prange
-from libc.math cimport sqrtf, sqrt, tanh
+from libc.math cimport sqrt, tanh
 from libc.stdint cimport int32_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
@@ -18,8 +18,15 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels._openmp cimport checked_thread_count
-from kernels.threads import get_num_threads
+from kernels._common cimport (check_disjoint, check_rows, checked_data, column_sum_blocks,
+                              f32_data, float_type, int32_within, lanes_kind, overwrite_flags,
+                              reduce_blocks, resolve_threads, serial_if_small, slice_width,
+                              use_stream, zero_core)
+# The switches of kernels._common, here where they were first (tests and benchmarks
+# call kernels.layers.set_vector_lanes and the like).
+from kernels._common import (overwrite_flags, set_eight_lane_clones,  # noqa: F401
+                             set_stream_min_bytes, set_vector_lanes, stream_min_bytes,
+                             vector_lanes)
 
 cnp.import_array()
 
@@ -35,8 +42,7 @@ cdef extern from *:
     const double GELU_A "ADTAPE_GELU_A"
 
 cdef extern from "simd.h":
-    int adt_cpu_v4() nogil
-    int adt_cpu_v3() nogil
+    pass
 
 cdef extern from *:
     """
@@ -120,89 +126,6 @@ cdef extern from *:
                       bint stream) nogil
 
 
-# ---------------------------------------------------------------------------
-# Vector width of the element-wise and row kernels (here, kernels.loss and
-# kernels.attention): sixteen lanes where the CPU has AVX-512 (x86-64-v4), eight
-# otherwise; set_vector_lanes(8) forces eight, so tests check both on one machine.
-
-cdef bint _narrow = False
-
-
-cdef bint _clones8 = False
-
-
-cdef int lanes_kind() noexcept nogil:
-    # The build the layers and loss kernels run (ADT_LANES_CALL_X3 in kernels/simd.h):
-    # 1 sixteen lanes, 2 the explicit x86-64-v3 build of eight, 0 the eight-lane
-    # target clones.
-    if lanes_wide():
-        return 1
-    return 2 if adt_cpu_v3() and not _clones8 else 0
-
-
-def set_eight_lane_clones(flag):
-    """Run the eight-lane layers and loss kernels through their portable target
-    clones (True) instead of their explicit x86-64-v3 build (False, the default on a
-    CPU with AVX2), so that tests can check one against the other.  Returns the
-    previous setting.  Not thread-safe against running kernels."""
-    global _clones8
-    if not isinstance(flag, bool):
-        raise ValueError(f"flag must be a bool, got {flag!r}")
-    old = _clones8
-    _clones8 = flag
-    return old
-
-
-cdef bint lanes_wide() noexcept nogil:
-    return not _narrow and adt_cpu_v4()
-
-
-# ---------------------------------------------------------------------------
-# Non-temporal stores (kernels/simd.h) for fresh outputs of kernels whose streams
-# together pass stream_min_bytes: beyond the last-level cache nothing of them would
-# stay cached for the next pass, and the stores then skip the write-allocate read.
-# On the Zen 3 VM (32 MiB L3), out = a + b with two threads, plain vs streamed:
-# 0.20-0.33 vs 0.29-0.41 ms at 1.5M floats (18 MiB in all), 1.1-1.3 vs 0.72-0.85 at
-# 3.1M (36 MiB), 3.3 vs 1.9 at 6.3M (72 MiB); at B=8, T=1024 (C = 768) residual
-# forward 2.7-3.4 -> 2.0-2.4 ms, layernorm forward 2.4-3.0 -> 2.0-2.3, encoder
-# forward 2.5-3.3 -> 2.1-2.8; GELU forward 7.7-7.8 -> 6.4-6.8 (once exp2_fast had cut
-# its arithmetic: before, bound by that, it lost 10% with them), while below the
-# threshold they lose there too: 0.166 -> 0.197 ms at B=4, T=64, 0.69 -> 0.79 at
-# B=4, T=256 (24 MiB in all).
-
-cdef Py_ssize_t _stream_min_bytes = 32 << 20
-
-
-cdef bint use_stream(const void* out, Py_ssize_t total_bytes, Py_ssize_t row) noexcept nogil:
-    """Streamed stores for an output at out whose kernel moves total_bytes in all,
-    written in rows of ``row`` floats (the rows must start 64-byte aligned)."""
-    return (total_bytes >= _stream_min_bytes and (<size_t>out) % 64 == 0
-            and row % 16 == 0)
-
-
-def stream_min_bytes():
-    """Bytes a kernel must move (all its streams) before its fresh outputs are
-    written with non-temporal stores."""
-    return _stream_min_bytes
-
-
-def set_stream_min_bytes(n):
-    """Set stream_min_bytes (0: always where aligned; for tests and tuning);
-    returns the previous value."""
-    global _stream_min_bytes
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"stream_min_bytes must be an integer >= 0, got {n!r}")
-    old = _stream_min_bytes
-    _stream_min_bytes = n
-    return old
-
-
-def vector_lanes():
-    """Vector lanes of the layers, loss and attention kernels: 16 on a CPU with
-    AVX-512 (unless set_vector_lanes(8)), else 8."""
-    return 16 if lanes_wide() else 8
-
-
 def _vector_exp(const float[::1] inp, bint fast=False):
     """exp of a float32 array through the vector exp the kernels inline (softmax,
     cross-entropy backward), or (``fast``) 2 ** inp through the exp2_fast of the
@@ -214,115 +137,13 @@ def _vector_exp(const float[::1] inp, bint fast=False):
     return out
 
 
-def set_vector_lanes(lanes):
-    """Run the layers, loss and attention kernels in ``lanes`` (8, or 16 where the CPU
-    has AVX-512).  Returns the previous width.
-
-    For tests and benchmarks; not thread-safe against running kernels."""
-    global _narrow
-    if isinstance(lanes, bool) or lanes not in (8, 16):
-        raise ValueError(f"lanes must be 8 or 16, got {lanes!r}")
-    if lanes == 16 and not adt_cpu_v4():
-        raise ValueError("16 lanes need a CPU with AVX-512 (x86-64-v4)")
-    old = vector_lanes()
-    _narrow = lanes == 8
-    return old
-
-cdef extern from *:
-    # Pointers that alias no other argument: gcc's runtime alias checks give up on
-    # loops with many pointers (more than 10 pairs) and leave them scalar.
-    ctypedef float* float_r "float *__restrict__"
-    ctypedef const float* cfloat_r "const float *__restrict__"
-
 cdef enum:
     # Elements per parallel work item of the pointwise kernels (64 KiB of float32).
     CHUNK = 16384
-    # Row blocks of layernorm backward's dweight/dbias partial sums: a fixed count, so
-    # the summation order, hence the result, does not depend on the thread count.
-    LAYERNORM_ROW_BLOCKS = 32
-    # Channel slices are whole 64-byte cache lines so threads never share one.
-    LINE_FLOATS = 16
-
-_TYPE_NAMES = {cnp.NPY_FLOAT32: "float32", cnp.NPY_FLOAT64: "float64", cnp.NPY_INT32: "int32"}
 
 
 # ---------------------------------------------------------------------------
-# Boundary checks (shared with kernels.loss and kernels.optim through layers.pxd)
-
-cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint writable) except? NULL:
-    if not isinstance(arr, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray, got {type(arr).__name__}")
-    cdef cnp.ndarray a = <cnp.ndarray>arr
-    if (cnp.PyArray_TYPE(a) != typenum or not cnp.PyArray_ISNOTSWAPPED(a)
-            or not cnp.PyArray_ISALIGNED(a)):
-        raise TypeError(f"{name} must be an aligned native {_TYPE_NAMES[typenum]} array, "
-                        f"got dtype {arr.dtype}")
-    if not cnp.PyArray_IS_C_CONTIGUOUS(a):
-        raise ValueError(f"{name} must be C-contiguous")
-    if writable and not cnp.PyArray_ISWRITEABLE(a):
-        raise ValueError(f"{name} must be writable (it is an output)")
-    if shape is not None and arr.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
-    return cnp.PyArray_DATA(a)
-
-
-cdef inline bint _spans_overlap(cnp.ndarray a, cnp.ndarray b) noexcept:
-    cdef char* a0 = <char*>cnp.PyArray_DATA(a)
-    cdef char* b0 = <char*>cnp.PyArray_DATA(b)
-    return a0 < b0 + cnp.PyArray_NBYTES(b) and b0 < a0 + cnp.PyArray_NBYTES(a)
-
-
-cdef int check_disjoint(tuple outputs, tuple inputs, tuple same_ok=()) except -1:
-    cdef Py_ssize_t i, j, n_out = len(outputs), n = n_out + len(inputs)
-    for i in range(n_out):
-        name, arr = outputs[i]
-        if arr is None:
-            continue
-        for j in range(i + 1, n):
-            other_name, other = outputs[j] if j < n_out else inputs[j - n_out]
-            if other is None or not _spans_overlap(arr, other):
-                continue
-            if ((name, other_name) in same_ok
-                    and cnp.PyArray_DATA(<cnp.ndarray>arr) == cnp.PyArray_DATA(<cnp.ndarray>other)
-                    and arr.nbytes == other.nbytes):
-                continue
-            raise ValueError(f"{name} overlaps {other_name}: an output may share memory with "
-                             f"no input and no other output"
-                             + (f" (it may be {other_name} itself)"
-                                if (name, other_name) in same_ok else ""))
-    return 0
-
-
-cdef int resolve_threads(object n_threads) except -1:
-    # Resolving the policy also sets BLAS to one thread inside ours: an explicit
-    # count on the first call must not leave BLAS's own pool running (2 x 2
-    # threads on 2 cores made a 16-row product 20 times slower).
-    cdef int default = get_num_threads()
-    if n_threads is None:
-        return default
-    return checked_thread_count(n_threads, "n_threads")
-
-
-cdef int serial_if_small(int nt, object n_threads, Py_ssize_t work) noexcept:
-    """One thread for small work under the default policy: waking a second thread
-    costs microseconds when the machine is idle and milliseconds when it is busy,
-    more than such a kernel takes.  An explicit n_threads is always honoured."""
-    if n_threads is None and work < PARALLEL_MIN_WORK:
-        return 1
-    return nt
-
-
-# SERIAL: on one thread a core runs its tasks in a plain loop, the same tasks in the
-# same order as its prange (so the same bits), without entering a parallel region:
-# libgomp's team set-up and barrier for a team of one cost about 0.4 us a call (2-core
-# Xeon), more than the arithmetic of a 4x4 layernorm or GELU.
-
-
-cdef int float_type(object arr) noexcept:
-    if isinstance(arr, np.ndarray) and arr.dtype == np.float64:
-        return cnp.NPY_FLOAT64
-    return cnp.NPY_FLOAT32
-
+# Argument checks of the def wrappers (kernels._common's, and the layers' own)
 
 cdef tuple _check_encoder_forward(out, ids, wte, wpe, int ft):
     checked_data("ids", ids, cnp.NPY_INT32, None, False)
@@ -361,23 +182,6 @@ cdef tuple _check_encoder_backward(dwte, dwpe, dout, ids, int ft):
     return B, T, C
 
 
-cdef bint int32_within(object arr, Py_ssize_t hi) noexcept:
-    cdef cnp.ndarray a = <cnp.ndarray>arr
-    cdef const int32_t* p = <const int32_t*>cnp.PyArray_DATA(a)
-    cdef Py_ssize_t i, n = cnp.PyArray_SIZE(a)
-    for i in range(n):
-        if p[i] < 0 or p[i] >= hi:
-            return False
-    return True
-
-
-cdef Py_ssize_t leading_size(object arr) noexcept:
-    cdef cnp.ndarray a = <cnp.ndarray>arr
-    cdef Py_ssize_t k, n = 1
-    for k in range(cnp.PyArray_NDIM(a) - 1):
-        n *= cnp.PyArray_DIM(a, k)
-    return n
-
 
 cdef _check_ids(ids, Py_ssize_t Vp):
     if not int32_within(ids, Vp):
@@ -385,17 +189,9 @@ cdef _check_ids(ids, Py_ssize_t Vp):
                          f"got values in [{ids.min()}, {ids.max()}]")
 
 
-cdef tuple _check_rows(str name, arr, int ft, bint writable):
-    # (B, T, C) or (N, C) -> (N, C, leading shape)
-    checked_data(name, arr, ft, None, writable)
-    if arr.ndim not in (2, 3) or arr.shape[arr.ndim - 1] < 1:
-        raise ValueError(f"{name} must have shape (B, T, C) or (N, C) with C >= 1, got {arr.shape}")
-    lead = arr.shape[:arr.ndim - 1]
-    return leading_size(arr), arr.shape[arr.ndim - 1], lead
-
 
 cdef tuple _check_layernorm_forward(out, mean, rstd, inp, weight, bias, int ft):
-    N, C, lead = _check_rows("inp", inp, ft, False)
+    N, C, lead = check_rows("inp", inp, ft, False)
     checked_data("weight", weight, ft, (C,), False)
     checked_data("bias", bias, ft, (C,), False)
     checked_data("out", out, ft, inp.shape, True)
@@ -411,7 +207,7 @@ cdef tuple _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, me
     # -> (N, C).  dweight may be dbias itself (a weight that is also the bias, in the AD
     # runtime): the kernel finishes each slice of dweight before adding dbias's into
     # it, so overwrite may be set for dweight only.
-    N, C, lead = _check_rows("inp", inp, ft, False)
+    N, C, lead = check_rows("inp", inp, ft, False)
     checked_data("weight", weight, ft, (C,), False)
     checked_data("mean", mean, ft, lead, False)
     checked_data("rstd", rstd, ft, lead, False)
@@ -422,7 +218,7 @@ cdef tuple _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, me
     check_disjoint((("dinp", dinp), ("dweight", dweight), ("dbias", dbias)),
                    (("dout", dout), ("inp", inp), ("weight", weight), ("mean", mean),
                     ("rstd", rstd)), (("dweight", "dbias"),))
-    if flags[2] and _f32(dweight) == _f32(dbias):
+    if flags[2] and f32_data(dweight) == f32_data(dbias):
         raise ValueError("dbias is dweight: overwrite may be set for dweight only, which "
                          "takes its gradient first")
     return N, C
@@ -440,89 +236,6 @@ cdef Py_ssize_t _check_pointwise(tuple outputs, tuple inputs, int ft,
         checked_data(name, arr, ft, shape, True)
     check_disjoint(outputs, inputs, same_ok)
     return first.size
-
-
-cpdef tuple overwrite_flags(overwrite, tuple names):
-    """``overwrite`` for outputs ``names`` as a tuple of bools.
-
-    A backward kernel adds its result into each gradient output, unless that output
-    is flagged: then it writes the result over it (the buffer may hold anything, e.g.
-    ``np.empty``), which saves zeroing it first and reading it back."""
-    if type(overwrite) is tuple and len(<tuple>overwrite) == len(names):
-        # The AD runtime's form, one bool per output: taken as it is.
-        for f in <tuple>overwrite:
-            if f is not True and f is not False:
-                break
-        else:
-            return <tuple>overwrite
-    if isinstance(overwrite, (bool, np.bool_)):
-        return (bool(overwrite),) * len(names)
-    flags = tuple(overwrite)
-    if len(flags) != len(names) or not all([isinstance(f, (bool, np.bool_)) for f in flags]):
-        raise ValueError(f"overwrite must be a bool or {len(names)} bools (for "
-                         f"{', '.join(names)}), got {overwrite!r}")
-    return tuple([bool(f) for f in flags])
-
-
-cdef extern from *:
-    """
-    /* n floats of p set to zero.  A piece of 1 MiB or more is written with stores
-       that bypass the caches (on AVX-512 CPUs), so the old lines are not read
-       first: half the memory traffic.  glibc's memset does that only above a
-       threshold scaled to the last-level cache, which a VM may report as hundreds
-       of MiB (480 on the 2-core Xeon we measure on, where zeroing ran at 18 GB/s). */
-    #if ADT_HAVE_V4
-    #include <immintrin.h>
-    ADT_TARGET_V4 static void zero_streamed(float* p, size_t n) {
-        size_t i = 0;
-        for (; i < n && ((uintptr_t)(p + i) & 63) != 0; i++) p[i] = 0.0f;
-        __m512 z = _mm512_setzero_ps();
-        for (; i + 16 <= n; i += 16) _mm512_stream_ps(p + i, z);
-        for (; i < n; i++) p[i] = 0.0f;
-        _mm_sfence();
-    }
-    #endif
-    static void zero_span(float* p, size_t n) {
-    #if ADT_HAVE_V4
-        if (n >= ((size_t)1 << 18) && adt_cpu_v4()) {
-            zero_streamed(p, n);
-            return;
-        }
-    #endif
-        memset(p, 0, n * sizeof(float));
-    }
-    """
-    void zero_span(float* p, size_t n) nogil
-
-
-cdef void zero_core(float* buf, Py_ssize_t n, int n_threads) noexcept nogil:
-    # One contiguous piece per thread (whole cache lines), zeroed by zero_span.
-    cdef Py_ssize_t per = ((n + n_threads - 1) // n_threads + 15) // 16 * 16
-    cdef Py_ssize_t t, lo
-    for t in prange(n_threads, schedule='static', chunksize=1, nogil=True,
-                    num_threads=n_threads):
-        lo = t * per
-        if lo < n:
-            zero_span(buf + lo, min(per, n - lo))
-
-
-cdef inline float* _f32(arr):
-    return <float*>cnp.PyArray_DATA(<cnp.ndarray>arr)
-
-
-# ---------------------------------------------------------------------------
-# Vectorizable row helpers (see sum_f32 in layers.pxd for the accumulator layout)
-
-cdef inline void _accumulate(float* acc, const float* x, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(n):
-        acc[i] = acc[i] + x[i]
-
-
-cdef inline Py_ssize_t _slice_width(Py_ssize_t C, int n_slices) noexcept nogil:
-    # Never 0, which the slice count divides by (C = 0 gives no slices).
-    cdef Py_ssize_t w = max((C + n_slices - 1) // n_slices, <Py_ssize_t>1)
-    return (w + LINE_FLOATS - 1) // LINE_FLOATS * LINE_FLOATS
 
 
 # ---------------------------------------------------------------------------
@@ -591,7 +304,7 @@ cdef void encoder_backward_core(float* dwte, float* dwpe, const float* dout, con
         zero_core(dwte, wte_rows * C, n_threads)
     if ow_wpe:
         zero_core(dwpe, wpe_rows * C, n_threads)
-    cdef Py_ssize_t width = _slice_width(C, n_threads)
+    cdef Py_ssize_t width = slice_width(C, n_threads)
     cdef Py_ssize_t n_slices = (C + width - 1) // width
     for s in prange(n_slices, schedule='static', nogil=True, num_threads=n_threads):
         c0 = s * width
@@ -605,10 +318,10 @@ def encoder_forward(out, ids, wte, wpe, *, n_threads=None):
     cdef int nt = resolve_threads(n_threads)
     B, T, C = _check_encoder_forward(out, ids, wte, wpe, cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, B * T * C)
-    cdef float* o = _f32(out)
+    cdef float* o = f32_data(out)
     cdef const int32_t* idp = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
-    cdef const float* wtep = _f32(wte)
-    cdef const float* wpep = _f32(wpe)
+    cdef const float* wtep = f32_data(wte)
+    cdef const float* wpep = f32_data(wpe)
     cdef Py_ssize_t b = B, t = T, c = C
     with nogil:
         encoder_forward_core(o, idp, wtep, wpep, b, t, c, nt)
@@ -627,9 +340,9 @@ def encoder_backward(dwte, dwpe, dout, ids, *, overwrite=False, n_threads=None):
     cdef int zero_nt = serial_if_small(nt, n_threads, wte_rows * C)
     if n_threads is None and B * T * C < ENCODER_PARALLEL_MIN_WORK:
         nt = 1
-    cdef float* dwtep = _f32(dwte)
-    cdef float* dwpep = _f32(dwpe)
-    cdef const float* doutp = _f32(dout)
+    cdef float* dwtep = f32_data(dwte)
+    cdef float* dwpep = f32_data(dwpe)
+    cdef const float* doutp = f32_data(dout)
     cdef const int32_t* idp = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
     cdef Py_ssize_t b = B, t = T, c = C
     with nogil:
@@ -692,7 +405,7 @@ cdef void layernorm_forward_core(float* out, float* mean, float* rstd, const flo
     cdef Py_ssize_t k, n_tasks = (N + LAYERNORM_ROWS_PER_TASK - 1) // LAYERNORM_ROWS_PER_TASK
     cdef int kind = lanes_kind()
     cdef bint stream = use_stream(out, 2 * N * C * sizeof(float), C)
-    if n_threads == 1:      # the same tasks, no parallel region (see SERIAL)
+    if n_threads == 1:      # the same tasks, no parallel region (see _common's SERIAL)
         for k in range(n_tasks):
             ln_forward_rows(kind, out, mean, rstd, inp, weight, bias, k * LAYERNORM_ROWS_PER_TASK,
                             min(N, (k + 1) * LAYERNORM_ROWS_PER_TASK), C, stream)
@@ -700,19 +413,6 @@ cdef void layernorm_forward_core(float* out, float* mean, float* rstd, const flo
     for k in prange(n_tasks, schedule='static', nogil=True, num_threads=n_threads):
         ln_forward_rows(kind, out, mean, rstd, inp, weight, bias, k * LAYERNORM_ROWS_PER_TASK,
                         min(N, (k + 1) * LAYERNORM_ROWS_PER_TASK), C, stream)
-
-
-cdef void _reduce_blocks(float* dst, float* parts, Py_ssize_t n_blocks, Py_ssize_t C,
-                         Py_ssize_t c0, Py_ssize_t c1, bint overwrite) noexcept nogil:
-    # dst[c] += (= when overwrite) the sum over blocks of parts[block, c], blocks in
-    # order, for c in [c0, c1).
-    cdef Py_ssize_t blk
-    for blk in range(1, n_blocks):
-        _accumulate(parts + c0, parts + blk * C + c0, c1 - c0)
-    if overwrite:
-        memcpy(dst + c0, parts + c0, (c1 - c0) * sizeof(float))
-    else:
-        _accumulate(dst + c0, parts + c0, c1 - c0)
 
 
 cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, const float* dout,
@@ -726,10 +426,8 @@ cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, cons
         if ow_dbias:
             memset(dbias, 0, C * sizeof(float))
         return 0
-    # A count set by N alone (never by the thread count, so results do not depend on
-    # it): up to LAYERNORM_ROW_BLOCKS, at least 64 rows each, so that zeroing and
-    # summing the partial rows stays small next to the rows themselves.
-    cdef Py_ssize_t n_blocks = max(<Py_ssize_t>1, min(N // 64, <Py_ssize_t>LAYERNORM_ROW_BLOCKS))
+    # Column sums as _common.pxd describes them, for dweight and dbias.
+    cdef Py_ssize_t n_blocks = column_sum_blocks(N)
     # Partial dweight sums, one row per block, then partial dbias sums.
     cdef float* parts = <float*>malloc(2 * n_blocks * C * sizeof(float))
     if parts == NULL:
@@ -738,25 +436,25 @@ cdef int layernorm_backward_core(float* dinp, float* dweight, float* dbias, cons
     cdef float* parts_b = parts + n_blocks * C
     cdef Py_ssize_t blk, s, c0, c1
     cdef int kind = lanes_kind()
-    if n_threads == 1:      # the same blocks and sums, no parallel region (see SERIAL)
+    if n_threads == 1:      # the same blocks and sums, no parallel region (see _common's SERIAL)
         for blk in range(n_blocks):
             ln_backward_rows(kind, dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
                              mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C,
                              ow_dinp)
-        _reduce_blocks(dweight, parts, n_blocks, C, 0, C, ow_dweight)
-        _reduce_blocks(dbias, parts_b, n_blocks, C, 0, C, ow_dbias)
+        reduce_blocks(dweight, parts, n_blocks, C, 0, C, ow_dweight)
+        reduce_blocks(dbias, parts_b, n_blocks, C, 0, C, ow_dbias)
         free(parts)
         return 0
     for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
         ln_backward_rows(kind, dinp, parts + blk * C, parts_b + blk * C, dout, inp, weight,
                          mean, rstd, blk * N // n_blocks, (blk + 1) * N // n_blocks, C, ow_dinp)
-    cdef Py_ssize_t width = _slice_width(C, n_threads)
+    cdef Py_ssize_t width = slice_width(C, n_threads)
     cdef Py_ssize_t n_slices = (C + width - 1) // width
     for s in prange(n_slices, schedule='static', nogil=True, num_threads=n_threads):
         c0 = s * width
         c1 = min(C, c0 + width)
-        _reduce_blocks(dweight, parts, n_blocks, C, c0, c1, ow_dweight)
-        _reduce_blocks(dbias, parts_b, n_blocks, C, c0, c1, ow_dbias)
+        reduce_blocks(dweight, parts, n_blocks, C, c0, c1, ow_dweight)
+        reduce_blocks(dbias, parts_b, n_blocks, C, c0, c1, ow_dbias)
     free(parts)
     return 0
 
@@ -767,12 +465,12 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, *, n_threads=None):
     cdef int nt = resolve_threads(n_threads)
     N, C = _check_layernorm_forward(out, mean, rstd, inp, weight, bias, cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, N * C)
-    cdef float* o = _f32(out)
-    cdef float* mp = _f32(mean)
-    cdef float* rp = _f32(rstd)
-    cdef const float* ip = _f32(inp)
-    cdef const float* wp = _f32(weight)
-    cdef const float* bp = _f32(bias)
+    cdef float* o = f32_data(out)
+    cdef float* mp = f32_data(mean)
+    cdef float* rp = f32_data(rstd)
+    cdef const float* ip = f32_data(inp)
+    cdef const float* wp = f32_data(weight)
+    cdef const float* bp = f32_data(bias)
     cdef Py_ssize_t n = N, c = C
     with nogil:
         layernorm_forward_core(o, mp, rp, ip, wp, bp, n, c, nt)
@@ -789,14 +487,14 @@ def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, *,
     N, C = _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
                                      cnp.NPY_FLOAT32, flags)
     nt = serial_if_small(nt, n_threads, N * C)
-    cdef float* dip = _f32(dinp)
-    cdef float* dwp = _f32(dweight)
-    cdef float* dbp = _f32(dbias)
-    cdef const float* dop = _f32(dout)
-    cdef const float* ip = _f32(inp)
-    cdef const float* wp = _f32(weight)
-    cdef const float* mp = _f32(mean)
-    cdef const float* rp = _f32(rstd)
+    cdef float* dip = f32_data(dinp)
+    cdef float* dwp = f32_data(dweight)
+    cdef float* dbp = f32_data(dbias)
+    cdef const float* dop = f32_data(dout)
+    cdef const float* ip = f32_data(inp)
+    cdef const float* wp = f32_data(weight)
+    cdef const float* mp = f32_data(mean)
+    cdef const float* rp = f32_data(rstd)
     cdef Py_ssize_t n = N, c = C
     with nogil:
         layernorm_backward_core(dip, dwp, dbp, dop, ip, wp, mp, rp, n, c, nt, ow_i, ow_w, ow_b)
@@ -875,7 +573,7 @@ cdef void gelu_forward_core(float* out, const float* inp, Py_ssize_t n, int n_th
     cdef Py_ssize_t k
     cdef int kind = lanes_kind()
     cdef bint stream = use_stream(out, 2 * n * sizeof(float), CHUNK)
-    if n_threads == 1:      # no parallel region (see SERIAL)
+    if n_threads == 1:      # no parallel region (see _common's SERIAL)
         for k in range((n + CHUNK - 1) // CHUNK):
             _gelu_forward_span(kind, out + k * CHUNK, inp + k * CHUNK,
                                min(<Py_ssize_t>CHUNK, n - k * CHUNK), stream)
@@ -889,7 +587,7 @@ cdef void gelu_backward_core(float* dinp, const float* inp, const float* dout, P
                              int n_threads, bint overwrite) noexcept nogil:
     cdef Py_ssize_t k
     cdef int kind = lanes_kind()
-    if n_threads == 1:      # no parallel region (see SERIAL)
+    if n_threads == 1:      # no parallel region (see _common's SERIAL)
         for k in range((n + CHUNK - 1) // CHUNK):
             _gelu_backward_span(kind, dinp + k * CHUNK, inp + k * CHUNK, dout + k * CHUNK,
                                 min(<Py_ssize_t>CHUNK, n - k * CHUNK), overwrite)
@@ -904,8 +602,8 @@ def gelu_forward(out, inp, *, n_threads=None):
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = _check_pointwise((("out", out),), (("inp", inp),), cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, n)
-    cdef float* o = _f32(out)
-    cdef const float* ip = _f32(inp)
+    cdef float* o = f32_data(out)
+    cdef const float* ip = f32_data(inp)
     with nogil:
         gelu_forward_core(o, ip, n, nt)
 
@@ -918,9 +616,9 @@ def gelu_backward(dinp, inp, dout, *, overwrite=False, n_threads=None):
     cdef Py_ssize_t n = _check_pointwise((("dinp", dinp),), (("inp", inp), ("dout", dout)),
                                          cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, n)
-    cdef float* dp = _f32(dinp)
-    cdef const float* ip = _f32(inp)
-    cdef const float* dop = _f32(dout)
+    cdef float* dp = f32_data(dinp)
+    cdef const float* ip = f32_data(inp)
+    cdef const float* dop = f32_data(dout)
     with nogil:
         gelu_backward_core(dp, ip, dop, n, nt, ow)
 
@@ -968,7 +666,7 @@ cdef void residual_forward_core(float* out, const float* inp1, const float* inp2
     cdef Py_ssize_t k
     cdef int kind = lanes_kind()
     cdef bint stream = use_stream(out, 3 * n * sizeof(float), CHUNK)
-    if n_threads == 1:      # no parallel region (see SERIAL)
+    if n_threads == 1:      # no parallel region (see _common's SERIAL)
         for k in range((n + CHUNK - 1) // CHUNK):
             add_span(kind, out + k * CHUNK, inp1 + k * CHUNK, inp2 + k * CHUNK,
                      min(<Py_ssize_t>CHUNK, n - k * CHUNK), stream)
@@ -983,7 +681,7 @@ cdef void residual_backward_core(float* dinp1, float* dinp2, const float* dout, 
     # One pass: each vector of dout is read once for both outputs.
     cdef Py_ssize_t k
     cdef int kind = lanes_kind()
-    if n_threads == 1:      # no parallel region (see SERIAL)
+    if n_threads == 1:      # no parallel region (see _common's SERIAL)
         for k in range((n + CHUNK - 1) // CHUNK):
             add_to_both_span(kind, dinp1 + k * CHUNK, dinp2 + k * CHUNK, dout + k * CHUNK,
                              min(<Py_ssize_t>CHUNK, n - k * CHUNK), ow1, ow2, True)
@@ -1003,9 +701,9 @@ def residual_forward(out, inp1, inp2, *, n_threads=None):
     cdef Py_ssize_t n = _check_pointwise((("out", out),), (("inp1", inp1), ("inp2", inp2)),
                                          cnp.NPY_FLOAT32, _RESIDUAL_IN_PLACE)
     nt = serial_if_small(nt, n_threads, n)
-    cdef float* o = _f32(out)
-    cdef const float* p1 = _f32(inp1)
-    cdef const float* p2 = _f32(inp2)
+    cdef float* o = f32_data(out)
+    cdef const float* p1 = f32_data(inp1)
+    cdef const float* p2 = f32_data(inp2)
     with nogil:
         residual_forward_core(o, p1, p2, n, nt)
 
@@ -1018,9 +716,9 @@ def residual_backward(dinp1, dinp2, dout, *, overwrite=False, n_threads=None):
     cdef Py_ssize_t n = _check_pointwise((("dinp1", dinp1), ("dinp2", dinp2)), (("dout", dout),),
                                          cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, n)
-    cdef float* d1 = _f32(dinp1)
-    cdef float* d2 = _f32(dinp2)
-    cdef const float* dop = _f32(dout)
+    cdef float* d1 = f32_data(dinp1)
+    cdef float* d2 = f32_data(dinp2)
+    cdef const float* dop = f32_data(dout)
     with nogil:
         residual_backward_core(d1, d2, dop, n, nt, ow1, ow2)
 

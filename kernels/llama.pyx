@@ -17,14 +17,14 @@ embedding (RoPE) and SwiGLU, plus ``rope_tables`` for RoPE's cosine and sine tab
 Forward kernels overwrite their outputs; backward kernels add into every gradient
 unless its ``overwrite`` flag says to write it.  Rows run in sixteen-lane vectors
 where the CPU has AVX-512, else in eight (kernels/llama_lanes.h, the builds of
-kernels.layers' lanes_kind()), split over OpenMP threads by rows; results do not
+kernels._common's lanes_kind()), split over OpenMP threads by rows; results do not
 depend on the thread count.  Every kernel has a serial ``_naive`` twin, which also
 takes float64, for the tests and finite-difference checks.
 """
 from cython.parallel cimport prange
 from libc.math cimport exp, sqrt
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memset
 
 import math
 
@@ -32,8 +32,9 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels.layers cimport (check_disjoint, checked_data, float_type, lanes_kind,
-                             leading_size, overwrite_flags, resolve_threads, serial_if_small)
+from kernels._common cimport (check_disjoint, check_rows, checked_data, column_sum_blocks,
+                              f32_data, float_type, lanes_kind, leading_size, overwrite_flags,
+                              reduce_blocks, resolve_threads, serial_if_small, slice_width)
 
 cnp.import_array()
 
@@ -45,7 +46,7 @@ cdef extern from *:
     #include <math.h>
     /* The rows (kernels/llama_lanes.h) in eight lanes, as target clones and as an
        explicit x86-64-v3 build, and in sixteen for CPUs with AVX-512; each entry point
-       takes the build from its caller (kernels.layers' lanes_kind()). */
+       takes the build from its caller (kernels._common's lanes_kind()). */
     #define ADT_W 8
     #include "llama_lanes.h"
     #if ADT_HAVE_V3
@@ -107,19 +108,10 @@ cdef extern from *:
 cdef enum:
     # Floats of input per parallel task of the row kernels (whole rows, at least one).
     TASK_FLOATS = 16384
-    # Row blocks of rmsnorm backward's dweight partial sums: a count set by N alone, so
-    # the summation order, hence the result, does not depend on the thread count.
-    RMSNORM_ROW_BLOCKS = 32
-    # Channel slices of the dweight reduction are whole 64-byte cache lines.
-    LINE_FLOATS = 16
 
 
 cdef inline Py_ssize_t _rows_per_task(Py_ssize_t row_floats) noexcept nogil:
     return max(<Py_ssize_t>1, TASK_FLOATS // max(row_floats, <Py_ssize_t>1))
-
-
-cdef inline float* _f32(arr):
-    return <float*>cnp.PyArray_DATA(<cnp.ndarray>arr)
 
 
 # ---------------------------------------------------------------------------
@@ -134,21 +126,6 @@ cdef void rmsnorm_forward_core(float* out, float* rrms, const float* inp, const 
         rms_forward_rows(kind, out, rrms, inp, weight, eps, k * per, min(N, (k + 1) * per), C)
 
 
-cdef void _reduce_blocks(float* dst, float* parts, Py_ssize_t n_blocks, Py_ssize_t C,
-                         Py_ssize_t c0, Py_ssize_t c1, bint overwrite) noexcept nogil:
-    # dst[c] += (= when overwrite) the sum over blocks of parts[block, c], blocks in
-    # order, for c in [c0, c1).
-    cdef Py_ssize_t blk, c
-    for blk in range(1, n_blocks):
-        for c in range(c0, c1):
-            parts[c] = parts[c] + parts[blk * C + c]
-    if overwrite:
-        memcpy(dst + c0, parts + c0, (c1 - c0) * sizeof(float))
-    else:
-        for c in range(c0, c1):
-            dst[c] = dst[c] + parts[c]
-
-
 cdef int rmsnorm_backward_core(float* dinp, float* dweight, const float* dout,
                                const float* inp, const float* weight, const float* rrms,
                                Py_ssize_t N, Py_ssize_t C, int n_threads, bint ow_dinp,
@@ -157,10 +134,9 @@ cdef int rmsnorm_backward_core(float* dinp, float* dweight, const float* dout,
         if ow_dweight:
             memset(dweight, 0, C * sizeof(float))
         return 0
-    # Up to RMSNORM_ROW_BLOCKS blocks of at least 64 rows, each summing its rows'
-    # dweight terms into its own row of parts; then each thread owns a slice of the
-    # channels and adds the blocks up in order (layernorm_backward's scheme).
-    cdef Py_ssize_t n_blocks = max(<Py_ssize_t>1, min(N // 64, <Py_ssize_t>RMSNORM_ROW_BLOCKS))
+    # dweight as a column sum (_common.pxd): each row block sums its rows' terms into
+    # its own row of parts, then each thread adds up the blocks of a channel slice.
+    cdef Py_ssize_t n_blocks = column_sum_blocks(N)
     cdef float* parts = <float*>malloc(n_blocks * C * sizeof(float))
     if parts == NULL:
         with gil:
@@ -170,24 +146,14 @@ cdef int rmsnorm_backward_core(float* dinp, float* dweight, const float* dout,
     for blk in prange(n_blocks, schedule='static', nogil=True, num_threads=n_threads):
         rms_backward_rows(kind, dinp, parts + blk * C, dout, inp, weight, rrms,
                           blk * N // n_blocks, (blk + 1) * N // n_blocks, C, ow_dinp)
-    cdef Py_ssize_t width = max((C + n_threads - 1) // n_threads, <Py_ssize_t>1)
-    width = (width + LINE_FLOATS - 1) // LINE_FLOATS * LINE_FLOATS
+    cdef Py_ssize_t width = slice_width(C, n_threads)
     for s in prange((C + width - 1) // width, schedule='static', nogil=True,
                     num_threads=n_threads):
         c0 = s * width
         c1 = min(C, c0 + width)
-        _reduce_blocks(dweight, parts, n_blocks, C, c0, c1, ow_dweight)
+        reduce_blocks(dweight, parts, n_blocks, C, c0, c1, ow_dweight)
     free(parts)
     return 0
-
-
-cdef tuple _check_rows(str name, arr, int ft, bint writable):
-    # (B, T, C) or (N, C) -> (N, C, leading shape)
-    checked_data(name, arr, ft, None, writable)
-    if arr.ndim not in (2, 3) or arr.shape[arr.ndim - 1] < 1:
-        raise ValueError(f"{name} must have shape (B, T, C) or (N, C) with C >= 1, got {arr.shape}")
-    lead = arr.shape[:arr.ndim - 1]
-    return leading_size(arr), arr.shape[arr.ndim - 1], lead
 
 
 cdef float _checked_eps(eps) except? -1:
@@ -198,7 +164,7 @@ cdef float _checked_eps(eps) except? -1:
 
 
 cdef tuple _check_rmsnorm_forward(out, rrms, inp, weight, int ft):
-    N, C, lead = _check_rows("inp", inp, ft, False)
+    N, C, lead = check_rows("inp", inp, ft, False)
     checked_data("weight", weight, ft, (C,), False)
     checked_data("out", out, ft, inp.shape, True)
     checked_data("rrms", rrms, ft, lead, True)
@@ -207,7 +173,7 @@ cdef tuple _check_rmsnorm_forward(out, rrms, inp, weight, int ft):
 
 
 cdef tuple _check_rmsnorm_backward(dinp, dweight, dout, inp, weight, rrms, int ft):
-    N, C, lead = _check_rows("inp", inp, ft, False)
+    N, C, lead = check_rows("inp", inp, ft, False)
     checked_data("weight", weight, ft, (C,), False)
     checked_data("rrms", rrms, ft, lead, False)
     checked_data("dout", dout, ft, inp.shape, False)
@@ -226,10 +192,10 @@ def rmsnorm_forward(out, rrms, inp, weight, eps, *, n_threads=None):
     cdef float e = _checked_eps(eps)
     N, C = _check_rmsnorm_forward(out, rrms, inp, weight, cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, N * C)
-    cdef float* o = _f32(out)
-    cdef float* rp = _f32(rrms)
-    cdef const float* ip = _f32(inp)
-    cdef const float* wp = _f32(weight)
+    cdef float* o = f32_data(out)
+    cdef float* rp = f32_data(rrms)
+    cdef const float* ip = f32_data(inp)
+    cdef const float* wp = f32_data(weight)
     cdef Py_ssize_t n = N, c = C
     with nogil:
         rmsnorm_forward_core(o, rp, ip, wp, e, n, c, nt)
@@ -243,12 +209,12 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rrms, *, overwrite=False,
     ow_i, ow_w = overwrite_flags(overwrite, ("dinp", "dweight"))
     N, C = _check_rmsnorm_backward(dinp, dweight, dout, inp, weight, rrms, cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, N * C)
-    cdef float* dip = _f32(dinp)
-    cdef float* dwp = _f32(dweight)
-    cdef const float* dop = _f32(dout)
-    cdef const float* ip = _f32(inp)
-    cdef const float* wp = _f32(weight)
-    cdef const float* rp = _f32(rrms)
+    cdef float* dip = f32_data(dinp)
+    cdef float* dwp = f32_data(dweight)
+    cdef const float* dop = f32_data(dout)
+    cdef const float* ip = f32_data(inp)
+    cdef const float* wp = f32_data(weight)
+    cdef const float* rp = f32_data(rrms)
     cdef Py_ssize_t n = N, c = C
     with nogil:
         rmsnorm_backward_core(dip, dwp, dop, ip, wp, rp, n, c, nt, ow_i, ow_w)
@@ -367,10 +333,10 @@ def rope_forward(out, inp, cos, sin, n_rot_heads, *, n_threads=None):
     B, T, W, h, n_rot, _ = _check_rope("out", out, "inp", inp, cos, sin, n_rot_heads,
                                        cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, B * T * W)
-    cdef float* o = _f32(out)
-    cdef const float* ip = _f32(inp)
-    cdef const float* cp = _f32(cos)
-    cdef const float* sp = _f32(sin)
+    cdef float* o = f32_data(out)
+    cdef const float* ip = f32_data(inp)
+    cdef const float* cp = f32_data(cos)
+    cdef const float* sp = f32_data(sin)
     cdef Py_ssize_t b = B, t = T, w = W, hh = h, nr = n_rot
     with nogil:
         rope_forward_core(o, ip, cp, sp, b, t, w, hh, nr, nt)
@@ -388,10 +354,10 @@ def rope_backward(dinp, dout, cos, sin, n_rot_heads, *, overwrite=False, n_threa
                                               cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, B * T * W)
     ow = ow or in_place
-    cdef float* dp = _f32(dinp)
-    cdef const float* dop = _f32(dout)
-    cdef const float* cp = _f32(cos)
-    cdef const float* sp = _f32(sin)
+    cdef float* dp = f32_data(dinp)
+    cdef const float* dop = f32_data(dout)
+    cdef const float* cp = f32_data(cos)
+    cdef const float* sp = f32_data(sin)
     cdef Py_ssize_t b = B, t = T, w = W, hh = h, nr = n_rot
     with nogil:
         rope_backward_core(dp, dop, cp, sp, b, t, w, hh, nr, nt, ow)
@@ -544,8 +510,8 @@ def swiglu_forward(out, gate_up, *, n_threads=None):
     checked_data("out", out, cnp.NPY_FLOAT32, out_shape, True)
     check_disjoint((("out", out),), (("gate_up", gate_up),))
     nt = serial_if_small(nt, n_threads, N * 2 * I)
-    cdef float* o = _f32(out)
-    cdef const float* gp = _f32(gate_up)
+    cdef float* o = f32_data(out)
+    cdef const float* gp = f32_data(gate_up)
     cdef Py_ssize_t n = N, i = I
     with nogil:
         swiglu_forward_core(o, gp, n, i, nt)
@@ -566,9 +532,9 @@ def swiglu_backward(dgate_up, dout, gate_up, *, overwrite=False, n_threads=None)
     ow, = overwrite_flags(overwrite, ("dgate_up",))
     N, I = _check_swiglu_backward(dgate_up, dout, gate_up, cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, N * 2 * I)
-    cdef float* dp = _f32(dgate_up)
-    cdef const float* dop = _f32(dout)
-    cdef const float* gp = _f32(gate_up)
+    cdef float* dp = f32_data(dgate_up)
+    cdef const float* dop = f32_data(dout)
+    cdef const float* gp = f32_data(gate_up)
     cdef Py_ssize_t n = N, i = I
     with nogil:
         swiglu_backward_core(dp, dop, gp, n, i, nt, ow)

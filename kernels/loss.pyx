@@ -15,8 +15,8 @@ from libc.stdint cimport int32_t
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels.layers cimport (check_disjoint, checked_data, float_type, int32_within, lanes_kind,
-                             leading_size, resolve_threads, serial_if_small)
+from kernels._common cimport (check_disjoint, checked_data, float_type, int32_within, lanes_kind,
+                              leading_size, resolve_threads, serial_if_small)
 
 cnp.import_array()
 
@@ -32,7 +32,7 @@ cdef extern from *:
 
     /* The rows (kernels/loss_lanes.h) in eight lanes, as target clones and as an
        explicit x86-64-v3 build, and in sixteen for CPUs with AVX-512; each entry
-       point takes the build from its caller (kernels.layers' lanes_kind()). */
+       point takes the build from its caller (kernels._common's lanes_kind()). */
     #define ADT_W 8
     #include "loss_lanes.h"
     #if ADT_HAVE_V3
@@ -82,7 +82,7 @@ cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const flo
     # by pairs of rows (and a last one alone when N is odd)
     cdef Py_ssize_t p, r
     cdef int kind = lanes_kind()
-    if n_threads == 1:      # the same pairs, no parallel region (kernels.layers' SERIAL)
+    if n_threads == 1:      # the same pairs, no parallel region (kernels._common's SERIAL)
         for p in range((N + 1) // 2):
             r = 2 * p
             _rows_forward(kind, losses + r, lse + r, logits + r * Vp, targets + r, V, Vp,
@@ -100,7 +100,7 @@ cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosse
                                              Py_ssize_t Vp, int n_threads) noexcept nogil:
     cdef Py_ssize_t r
     cdef int kind = lanes_kind()
-    if n_threads == 1:      # no parallel region (kernels.layers' SERIAL)
+    if n_threads == 1:      # no parallel region (kernels._common's SERIAL)
         for r in range(N):
             ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp,
                             0)
@@ -119,7 +119,7 @@ cdef void softmax_crossentropy_backward_overwrite_core(float* dlogits, const flo
     # dlogits written, not added into (it may be logits itself), padding set to 0
     cdef Py_ssize_t r
     cdef int kind = lanes_kind()
-    if n_threads == 1:      # no parallel region (kernels.layers' SERIAL)
+    if n_threads == 1:      # no parallel region (kernels._common's SERIAL)
         for r in range(N):
             ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp,
                             1)

@@ -17,8 +17,8 @@ from cython.parallel cimport prange
 from libc.stdlib cimport calloc, free
 
 from kernels.gemm cimport gemm
-from kernels.layers cimport (check_disjoint, checked_data, float_type, overwrite_flags,
-                             resolve_threads)
+from kernels._common cimport (check_disjoint, checked_data, float_type, overwrite_flags,
+                              resolve_threads)
 
 import numpy as np
 

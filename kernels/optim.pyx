@@ -13,8 +13,8 @@ from libc.stdlib cimport malloc, free
 import numpy as np
 cimport numpy as cnp
 
-from kernels.layers cimport (check_disjoint, checked_data, resolve_threads, serial_if_small,
-                             zero_core)
+from kernels._common cimport (check_disjoint, checked_data, resolve_threads, serial_if_small,
+                              zero_core)
 
 cnp.import_array()
 

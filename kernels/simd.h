@@ -44,10 +44,9 @@ typedef int adt_v16i __attribute__((vector_size(64)));
      splat        every lane x
      select       mask ? a : b lane-wise (GCC's C front end has no vector ?:)
      max, min     lane-wise
-     exp_in_range exp(x) for x in [-87.3, 88.3], within 2 ulp,
-                  like kernels.layers' fast_expf: Cody-Waite reduction x = n ln2 + r,
-                  Cephes' degree-6 polynomial for exp(r), 2^n built in the exponent
-                  bits.
+     exp_in_range exp(x) for x in [-87.3, 88.3], within 2 ulp, as Cephes' expf:
+                  Cody-Waite reduction x = n ln2 + r, a degree-6 polynomial for
+                  exp(r), 2^n built in the exponent bits.
      exp_bits     exp_in_range for x <= 88.3 (callers clamp larger inputs): exactly
                   0 below -87.3 (no denormals downstream); one compare serves both
                   selects.  adt_exp (eight lanes) is this; adt_exp16 is
@@ -128,7 +127,7 @@ ADT_EXP2_FAST(16, adt_v16, adt_v16i)
    traffic for out = f(a, b).  On the Zen 3 VM, out = a + b over 6.3M floats with two
    threads: 3.3 -> 1.9 ms.  Below the size of the last-level cache they lose (the
    plain stores' output stays cached for the next pass), so callers choose them by
-   size (kernels.layers' stream_min_bytes).  p must be 16-byte aligned (eight
+   size (kernels._common's stream_min_bytes).  p must be 16-byte aligned (eight
    lanes: two SSE stores, which the baseline has too) or 64-byte (sixteen); a thread
    ends its streamed stores with adt_stream_fence() before others may read them. */
 #if defined(__GNUC__) && defined(__x86_64__)

@@ -22,7 +22,7 @@ import scipy.special as _sp
 
 from adtape import math as _amath
 from adtape import numpy as _anp
-from adtape.numpy_vjps import _primitive
+from adtape.numpy._vjps import _primitive
 from adtape.scalar import Scalar
 from adtape.tensor import Tensor, defvjp
 

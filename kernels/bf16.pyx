@@ -1,0 +1,553 @@
+"""bfloat16 kernels: conversions, and the linear layer's products with bf16 operands
+and float32 accumulation (``--precision bf16``).
+
+A bf16 array is a ``numpy.uint16`` array of the top halves of float32s.  ``to_bf16``
+rounds float32 to it (nearest, ties to even, NaN kept NaN), ``from_bf16`` widens it
+back (exact).  The products are ``kernels.matmul``'s, with the operands in bf16:
+
+    matmul_forward_bf16(out, inp, weight, bias)      out = inp @ weight.T + bias
+    matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight)
+        dinp += bf16(dout) @ weight, dweight += bf16(dout).T @ inp, dbias += sum(dout)
+
+``inp`` and ``weight`` are bf16; ``out``, ``bias``, ``dout`` and the gradients float32.
+The caller keeps the float32 master weights and converts each weight to bf16 once per
+step (after the optimizer's update), passing that copy to the forward and the
+backward; it converts the layer's input once and keeps the bf16 copy for the backward
+(half the memory of float32).  The backward rounds dout to bf16 itself, once for both
+products, and sums dbias from the float32 dout.
+
+Two implementations, chosen at run time (``bf16_path()``):
+  ``"native"``    AVX512_BF16 (VDPBF16PS) on packed pairs of depths, where the CPU has it;
+  ``"emulated"``  everywhere else: the operands widened to float32 (exact) and multiplied
+                  by ``kernels.gemm``'s float32 product, at float32's speed.
+A third, ``"twin"``, runs the native path's code with VDPBF16PS done by float32
+multiply-adds, for the tests (slow).  The products of two bf16 are exact in float32,
+so every path computes the exact products and sums them in float32; they differ only in
+the order of the sums (and the native path reads subnormal bf16 as zero).  None depends
+on the thread count: each splits its output into blocks that depend on the shapes alone.
+
+Conversions have serial ``_naive`` twins for the tests.
+"""
+cimport numpy as cnp
+from cython.parallel cimport parallel, prange, threadid
+from libc.stdint cimport uint16_t, uint32_t
+
+from kernels.gemm cimport gemm
+from kernels._common cimport check_disjoint, checked_data, overwrite_flags, resolve_threads
+
+import numpy as np
+
+from kernels.matmul import _matmul_shapes
+
+cnp.import_array()
+
+cdef extern from "<stdlib.h>" nogil:
+    void* aligned_alloc(size_t alignment, size_t size)
+    void* calloc(size_t n, size_t size)
+    void free(void* ptr)
+
+cdef extern from "bf16.h" nogil:
+    void bf16_round_span(uint16_t* out, const float* inp, Py_ssize_t n)
+    void bf16_widen_span(float* out, const uint16_t* inp, Py_ssize_t n)
+    void bf16_round_f32_span(float* out, const float* inp, Py_ssize_t n)
+    void bf16_dbias_cols(float* dbias, const float* dout, Py_ssize_t N, Py_ssize_t OC,
+                         Py_ssize_t c0, Py_ssize_t c1, int overwrite)
+    int bf16_cpu_native()
+    enum: BF_DBIAS_COLS
+    size_t bf_buffer_pairs(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K)
+    void bf_gemm(int native, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, const uint16_t* A,
+                 Py_ssize_t a_rs, Py_ssize_t a_cs, const uint16_t* B, Py_ssize_t b_rs,
+                 Py_ssize_t b_cs, int accumulate, float* C, Py_ssize_t ldc, const float* bias,
+                 uint32_t* buf)
+
+cdef enum:
+    PATH_EMULATED = 0
+    PATH_NATIVE = 1
+    PATH_TWIN = 2
+    # Below this many elements converted (or dbias's dout elements) and this many
+    # multiply-adds (kernels.gemm's threshold), a call runs on one thread.
+    CONVERT_PARALLEL_MIN = 65536
+    PRODUCT_PARALLEL_MIN = 1 << 20
+    # Conversions are handed out in chunks of this many elements (128 KiB of float32).
+    CONVERT_CHUNK = 32768
+    # A product's output is cut along its longer side into an even number of blocks
+    # of at most BLOCK_MAX rows or columns (a multiple of BLOCK_ALIGN), one block below
+    # PRODUCT_PARALLEL_MIN (Plan).  The cut depends on the shape alone, so the results
+    # do not depend on the thread count: kernels.gemm's own split follows the thread
+    # count, and some of its paths (its split by depth, BLAS's kernels for small
+    # blocks) sum in another order on each side of a cut.  Blocks of 512 keep each
+    # block on the path kernels.gemm takes for the whole product (at 1024 x 768 x 768
+    # blocks of 256 rows go to the packed GEMM, not BLAS: 26 ms of CPU against 17 on
+    # one Zen 3 core); an even count keeps two threads equally busy.
+    BLOCK_MAX = 512
+    BLOCK_ALIGN = 16
+
+cdef enum:
+    CONVERT_WIDEN = 0       # bf16 -> float32
+    CONVERT_ROUND = 1       # float32 -> bf16
+    CONVERT_ROUND_F32 = 2   # float32 -> its bf16 value in float32
+
+_PATH_NAMES = {PATH_EMULATED: "emulated", PATH_NATIVE: "native", PATH_TWIN: "twin"}
+cdef int _path = PATH_NATIVE if bf16_cpu_native() else PATH_EMULATED
+
+
+def cpu_has_avx512_bf16():
+    """Whether this CPU has AVX512_BF16 (and AVX-512 state saved by the OS)."""
+    return bool(bf16_cpu_native())
+
+
+def bf16_path():
+    """Which implementation the products run: "native" (AVX512_BF16), "emulated"
+    (widened to float32, kernels.gemm) or "twin" (the native code, emulated; tests)."""
+    return _PATH_NAMES[_path]
+
+
+def set_bf16_path(str path):
+    """Run the products on ``path`` ("native" only where ``cpu_has_avx512_bf16()``).
+
+    For tests and benchmarks; not thread-safe against running kernels.  Returns the
+    previous path."""
+    global _path
+    names = {name: key for key, name in _PATH_NAMES.items()}
+    if path not in names:
+        raise ValueError(f"path must be one of {sorted(names)}, got {path!r}")
+    if names[path] == PATH_NATIVE and not bf16_cpu_native():
+        raise ValueError("the native bf16 path needs a CPU with AVX512_BF16")
+    old = bf16_path()
+    _path = names[path]
+    return old
+
+
+def bf16_native():
+    """Whether the products run on AVX512_BF16 (VDPBF16PS)."""
+    return _path == PATH_NATIVE
+
+
+def set_bf16_native(bint native):
+    """Run the products on AVX512_BF16 (True; the CPU must have it) or emulated
+    (False).  For tests; returns the previous setting."""
+    old = bf16_native()
+    set_bf16_path("native" if native else "emulated")
+    return old
+
+
+# ---------------------------------------------------------------- the engine
+# Every call is one parallel region: its conversions, handed out in chunks, then its
+# products' blocks (and dbias's channels), handed out one at a time.  A region's
+# threads must all be woken, which costs microseconds on an idle machine and tens of
+# milliseconds on a busy one (a 2-thread conversion of 200,000 elements on the Zen 3
+# VM at a load of 10: 24-34 ms, against 0.03 on one thread), so the emulated forward's
+# three regions (two conversions, the product) cost it 1.8-1.9x the float32 product's
+# time there at 1024 x 768 x 768; and dynamic hand-out lets a thread that is running
+# take the work of one that is not.
+
+cdef struct Convert:
+    int kind                  # CONVERT_*
+    const void* src
+    void* dst
+    Py_ssize_t n
+
+
+cdef struct Plan:
+    # How a product's output is cut: along its longer side (columns where by_columns),
+    # `nblocks` blocks of `block` rows or columns (the last shorter), each packing (the
+    # native and twin paths) into a buffer of `pairs` uint32.
+    bint by_columns
+    Py_ssize_t block, nblocks
+    size_t pairs
+
+
+cdef struct Product:
+    # Row-major C (M, N) (+= where accumulate) op(A) (M, K) op(B) (K, N) (+ bias per
+    # column), A and B bf16 (the native and twin paths) or float32 holding bf16 values
+    # (emulated), of row strides lda and ldb.
+    bint trans_a, trans_b, accumulate
+    Py_ssize_t M, N, K, lda, ldb, ldc
+    const void* A
+    const void* B
+    float* C
+    const float* bias
+    Plan plan
+
+
+cdef struct Dbias:
+    # dbias (+)= the column sums of dout (N, OC), BF_DBIAS_COLS channels a task
+    float* dbias
+    const float* dout
+    Py_ssize_t N, OC
+    bint overwrite
+
+
+cdef Plan _plan(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K) noexcept nogil:
+    cdef Plan p
+    cdef Py_ssize_t extent, count
+    p.by_columns = N >= M
+    extent = N if p.by_columns else M
+    count = 2 * ((extent + 2 * BLOCK_MAX - 1) // (2 * BLOCK_MAX))
+    if M * N * K < PRODUCT_PARALLEL_MIN or extent < 2 * BLOCK_ALIGN:
+        count = 1
+    p.block = max(1, ((extent + count - 1) // count + BLOCK_ALIGN - 1) // BLOCK_ALIGN
+                  * BLOCK_ALIGN)
+    p.nblocks = 0 if M == 0 or N == 0 else (extent + p.block - 1) // p.block
+    p.pairs = 0
+    if p.nblocks > 0 and K > 0:
+        p.pairs = bf_buffer_pairs(M if p.by_columns else min(p.block, M),
+                                  min(p.block, N) if p.by_columns else N, K)
+    return p
+
+
+cdef Product _product(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                      const void* A, Py_ssize_t lda, const void* B, Py_ssize_t ldb,
+                      bint accumulate, float* C, Py_ssize_t ldc,
+                      const float* bias) noexcept nogil:
+    cdef Product p
+    p.trans_a, p.trans_b, p.accumulate = trans_a, trans_b, accumulate
+    p.M, p.N, p.K, p.lda, p.ldb, p.ldc = M, N, K, lda, ldb, ldc
+    p.A, p.B, p.C, p.bias = A, B, C, bias
+    p.plan = _plan(M, N, K)
+    return p
+
+
+cdef void _convert_chunk(const Convert* conv, int nconv, Py_ssize_t chunk) noexcept nogil:
+    # chunk `chunk` of the conversions, counted across all of them in order
+    cdef int i
+    cdef Py_ssize_t count, lo, n
+    for i in range(nconv):
+        count = (conv[i].n + CONVERT_CHUNK - 1) // CONVERT_CHUNK
+        if chunk < count:
+            lo = chunk * CONVERT_CHUNK
+            n = min(<Py_ssize_t>CONVERT_CHUNK, conv[i].n - lo)
+            if conv[i].kind == CONVERT_WIDEN:
+                bf16_widen_span(<float*>conv[i].dst + lo, <const uint16_t*>conv[i].src + lo, n)
+            elif conv[i].kind == CONVERT_ROUND:
+                bf16_round_span(<uint16_t*>conv[i].dst + lo, <const float*>conv[i].src + lo, n)
+            else:
+                bf16_round_f32_span(<float*>conv[i].dst + lo, <const float*>conv[i].src + lo, n)
+            return
+        chunk -= count
+
+
+cdef void _block(int path, const Product* p, Py_ssize_t t, uint32_t* buf) noexcept nogil:
+    # block t of p by its plan: rows r0:r1 of op(A) times columns c0:c1 of op(B)
+    cdef Py_ssize_t lo = t * p.plan.block
+    cdef Py_ssize_t hi = min(lo + p.plan.block, p.N if p.plan.by_columns else p.M)
+    cdef Py_ssize_t r0 = 0 if p.plan.by_columns else lo
+    cdef Py_ssize_t r1 = p.M if p.plan.by_columns else hi
+    cdef Py_ssize_t c0 = lo if p.plan.by_columns else 0
+    cdef Py_ssize_t c1 = hi if p.plan.by_columns else p.N
+    cdef Py_ssize_t a_rs = 1 if p.trans_a else p.lda, a_cs = p.lda if p.trans_a else 1
+    cdef Py_ssize_t b_rs = 1 if p.trans_b else p.ldb, b_cs = p.ldb if p.trans_b else 1
+    cdef float* C = p.C + r0 * p.ldc + c0
+    cdef const float* bias = p.bias
+    cdef Py_ssize_t i, j
+    if bias != NULL:
+        bias = bias + c0
+    if p.K == 0:
+        for i in range(r1 - r0):
+            for j in range(c1 - c0):
+                C[i * p.ldc + j] = ((C[i * p.ldc + j] if p.accumulate else 0.0)
+                                    + (0.0 if bias == NULL else bias[j]))
+    elif path == PATH_EMULATED:
+        gemm(p.trans_a, p.trans_b, r1 - r0, c1 - c0, p.K, 1.0, <const float*>p.A + r0 * a_rs,
+             p.lda, <const float*>p.B + c0 * b_cs, p.ldb, 1.0 if p.accumulate else 0.0, C,
+             p.ldc, bias, NULL, 1)
+    else:
+        bf_gemm(path == PATH_NATIVE, r1 - r0, c1 - c0, p.K, <const uint16_t*>p.A + r0 * a_rs,
+                a_rs, a_cs, <const uint16_t*>p.B + c0 * b_cs, b_rs, b_cs, p.accumulate, C,
+                p.ldc, bias, buf)
+
+
+cdef void _task(int path, const Product* prods, int nprod, const Dbias* db, Py_ssize_t t,
+                uint32_t* buf) noexcept nogil:
+    # task t: the products' blocks in order, then dbias's channel blocks
+    cdef int i
+    cdef Py_ssize_t c0
+    for i in range(nprod):
+        if t < prods[i].plan.nblocks:
+            _block(path, &prods[i], t, buf)
+            return
+        t -= prods[i].plan.nblocks
+    c0 = t * BF_DBIAS_COLS
+    bf16_dbias_cols(db.dbias, db.dout, db.N, db.OC, c0, min(c0 + BF_DBIAS_COLS, db.OC),
+                    db.overwrite)
+
+
+cdef int _threads(const Convert* conv, int nconv, const Product* prods, int nprod,
+                  const Dbias* db, int n_threads) noexcept nogil:
+    # n_threads, or 1 where the whole call is small
+    cdef Py_ssize_t elements = 0 if db == NULL else db.N * db.OC
+    cdef int i
+    for i in range(nconv):
+        elements += conv[i].n
+    for i in range(nprod):
+        if prods[i].plan.nblocks > 1:
+            return n_threads
+    return n_threads if elements >= CONVERT_PARALLEL_MIN else 1
+
+
+cdef void _run(int path, const Convert* conv, int nconv, const Product* prods, int nprod,
+               const Dbias* db, uint32_t** bufs, int nt) noexcept nogil:
+    # The call's one parallel region (bufs: nt packing buffers, or NULL for the
+    # emulated path).
+    cdef Py_ssize_t nchunks = 0, ntasks = 0, c, t
+    cdef int i
+    for i in range(nconv):
+        nchunks += (conv[i].n + CONVERT_CHUNK - 1) // CONVERT_CHUNK
+    for i in range(nprod):
+        ntasks += prods[i].plan.nblocks
+    if db != NULL:
+        ntasks += (db.OC + BF_DBIAS_COLS - 1) // BF_DBIAS_COLS
+    with parallel(num_threads=nt):
+        for c in prange(nchunks, schedule='dynamic', chunksize=1):
+            _convert_chunk(conv, nconv, c)
+        for t in prange(ntasks, schedule='dynamic', chunksize=1):
+            _task(path, prods, nprod, db, t, NULL if bufs == NULL else bufs[threadid()])
+
+
+cdef uint32_t** _buffers(int n, size_t pairs) noexcept nogil:
+    # n packing buffers of `pairs` uint32 each, 64-byte aligned; NULL where one fails
+    cdef uint32_t** bufs = <uint32_t**>calloc(n, sizeof(uint32_t*))
+    cdef int i
+    if bufs == NULL:
+        return NULL
+    for i in range(n):
+        bufs[i] = <uint32_t*>aligned_alloc(64, (max(pairs, <size_t>1) * sizeof(uint32_t) + 63)
+                                           // 64 * 64)
+        if bufs[i] == NULL:
+            _free_buffers(bufs, n)
+            return NULL
+    return bufs
+
+
+cdef void _free_buffers(uint32_t** bufs, int n) noexcept nogil:
+    cdef int i
+    if bufs == NULL:
+        return
+    for i in range(n):
+        free(bufs[i])
+    free(bufs)
+
+
+cdef void* _scratch(Py_ssize_t n, size_t size) noexcept nogil:
+    return aligned_alloc(64, (max(n, 1) * size + 63) // 64 * 64)
+
+
+cdef int _out_of_memory(str what) except -1 with gil:
+    raise MemoryError(f"bf16 products: no memory for {what}; nothing was written")
+
+
+# ---------------------------------------------------------------- the cores
+
+cdef void to_bf16_c(uint16_t* out, const float* inp, Py_ssize_t n, int n_threads) noexcept nogil:
+    cdef Convert conv = Convert(CONVERT_ROUND, inp, out, n)
+    _run(PATH_EMULATED, &conv, 1, NULL, 0, NULL, NULL,
+         _threads(&conv, 1, NULL, 0, NULL, n_threads))
+
+
+cdef void from_bf16_c(float* out, const uint16_t* inp, Py_ssize_t n, int n_threads) noexcept nogil:
+    cdef Convert conv = Convert(CONVERT_WIDEN, inp, out, n)
+    _run(PATH_EMULATED, &conv, 1, NULL, 0, NULL, NULL,
+         _threads(&conv, 1, NULL, 0, NULL, n_threads))
+
+
+cdef int matmul_forward_bf16_c(float* out, const uint16_t* inp, const uint16_t* weight,
+                               const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
+                               int n_threads) except -1 nogil:
+    cdef int path = _path
+    cdef Product p = _product(False, True, N, OC, C, inp, C, weight, C, False, out, OC, bias)
+    cdef Convert conv[2]
+    cdef int nconv = 0, nt
+    cdef uint32_t** bufs = NULL
+    cdef float* xf = NULL
+    cdef float* wf = NULL
+    if path == PATH_EMULATED:
+        # both operands widened to float32 scratch
+        xf = <float*>_scratch(N * C, sizeof(float))
+        wf = <float*>_scratch(OC * C, sizeof(float))
+        if xf == NULL or wf == NULL:
+            free(xf)
+            free(wf)
+            _out_of_memory("the operands in float32")
+        conv[0] = Convert(CONVERT_WIDEN, inp, xf, N * C)
+        conv[1] = Convert(CONVERT_WIDEN, weight, wf, OC * C)
+        nconv = 2
+        p.A, p.B = xf, wf
+    nt = _threads(conv, nconv, &p, 1, NULL, n_threads)
+    if path != PATH_EMULATED:
+        bufs = _buffers(nt, p.plan.pairs)
+        if bufs == NULL:
+            _out_of_memory("the packing buffers")
+    _run(path, conv, nconv, &p, 1, NULL, bufs, nt)
+    _free_buffers(bufs, nt)
+    free(xf)
+    free(wf)
+    return 0
+
+
+cdef int matmul_backward_bf16_c(float* dinp, float* dweight, float* dbias, const float* dout,
+                                const uint16_t* inp, const uint16_t* weight, Py_ssize_t N,
+                                Py_ssize_t C, Py_ssize_t OC, int n_threads, bint ow_dinp,
+                                bint ow_dweight, bint ow_dbias) except -1 nogil:
+    # dout is rounded to bf16 once for both products (emulated: to its bf16 values in
+    # float32, with the weight and inp widened beside it).  Everything is allocated
+    # before anything is written.
+    cdef int path = _path
+    cdef Product prods[2]
+    cdef Convert conv[3]
+    cdef Dbias db = Dbias(dbias, dout, N, OC, ow_dbias)
+    cdef int nprod = 0, nconv = 0, nt
+    cdef uint32_t** bufs = NULL
+    cdef void* d = NULL             # dout in bf16 (float32 when emulated)
+    cdef float* wf = NULL
+    cdef float* xf = NULL
+    cdef const void* w_op = weight
+    cdef const void* x_op = inp
+    cdef bint emulated = path == PATH_EMULATED
+    d = _scratch(N * OC, sizeof(float) if emulated else sizeof(uint16_t))
+    if emulated:
+        wf = <float*>_scratch(OC * C if dinp != NULL else 0, sizeof(float))
+        xf = <float*>_scratch(N * C, sizeof(float))
+    if d == NULL or (emulated and (wf == NULL or xf == NULL)):
+        free(d)
+        free(wf)
+        free(xf)
+        _out_of_memory("dout in bf16 and the operands")
+    conv[0] = Convert(CONVERT_ROUND_F32 if emulated else CONVERT_ROUND, dout, d, N * OC)
+    nconv = 1
+    if emulated:
+        if dinp != NULL:
+            conv[nconv] = Convert(CONVERT_WIDEN, weight, wf, OC * C)
+            nconv += 1
+        conv[nconv] = Convert(CONVERT_WIDEN, inp, xf, N * C)
+        nconv += 1
+        w_op, x_op = wf, xf
+    if dinp != NULL:
+        prods[nprod] = _product(False, False, N, C, OC, d, OC, w_op, C, not ow_dinp, dinp, C,
+                                NULL)
+        nprod += 1
+    prods[nprod] = _product(True, False, OC, C, N, d, OC, x_op, C, not ow_dweight, dweight, C,
+                            NULL)
+    nprod += 1
+    nt = _threads(conv, nconv, prods, nprod, &db if dbias != NULL else NULL, n_threads)
+    if not emulated:
+        bufs = _buffers(nt, max(prods[0].plan.pairs, prods[nprod - 1].plan.pairs))
+        if bufs == NULL:
+            free(d)
+            _out_of_memory("the packing buffers")
+    _run(path, conv, nconv, prods, nprod, &db if dbias != NULL else NULL, bufs, nt)
+    _free_buffers(bufs, nt)
+    free(d)
+    free(wf)
+    free(xf)
+    return 0
+
+
+# ---------------------------------------------------------------- Python boundary
+
+cdef void* _bf16_data(str name, object arr, tuple shape, bint writable) except? NULL:
+    # checked_data for a bf16 (uint16) array, whose dtype is named here
+    if isinstance(arr, np.ndarray) and (arr.dtype != np.uint16 or not arr.flags.aligned):
+        raise TypeError(f"{name} must be an aligned native uint16 (bf16) array, got dtype "
+                        f"{arr.dtype}")
+    return checked_data(name, arr, cnp.NPY_UINT16, shape, writable)
+
+
+def to_bf16(out, inp, *, n_threads=None):
+    """out = inp rounded to bf16: float32 ``inp`` of any shape, uint16 ``out`` of its
+    shape.  Nearest, ties to even; a NaN stays NaN (quiet, its sign and top payload
+    bits kept); finite values past the largest bf16 round to inf."""
+    cdef const float* src = <const float*>checked_data("inp", inp, cnp.NPY_FLOAT32, None, False)
+    cdef uint16_t* dst = <uint16_t*>_bf16_data("out", out, inp.shape, True)
+    check_disjoint((("out", out),), (("inp", inp),))
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = inp.size
+    with nogil:
+        to_bf16_c(dst, src, n, nt)
+
+
+def from_bf16(out, inp, *, n_threads=None):
+    """out = inp widened to float32 (exact): uint16 (bf16) ``inp`` of any shape,
+    float32 ``out`` of its shape."""
+    cdef const uint16_t* src = <const uint16_t*>_bf16_data("inp", inp, None, False)
+    cdef float* dst = <float*>checked_data("out", out, cnp.NPY_FLOAT32, inp.shape, True)
+    check_disjoint((("out", out),), (("inp", inp),))
+    cdef int nt = resolve_threads(n_threads)
+    cdef Py_ssize_t n = inp.size
+    with nogil:
+        from_bf16_c(dst, src, n, nt)
+
+
+def matmul_forward_bf16(out, inp, weight, bias, *, n_threads=None):
+    """out = inp @ weight.T + bias with bf16 operands and float32 sums.  inp (N, C) or
+    (B, T, C) and weight (OC, C) uint16 (bf16); bias (OC,) float32 or None; out (N, OC)
+    or (B, T, OC) float32, overwritten."""
+    cdef Py_ssize_t N, C, OC
+    lead, N, C, OC = _matmul_shapes(inp, weight)
+    cdef uint16_t* inp_p = <uint16_t*>_bf16_data("inp", inp, lead + (C,), False)
+    cdef uint16_t* w_p = <uint16_t*>_bf16_data("weight", weight, (OC, C), False)
+    cdef float* b_p = NULL
+    if bias is not None:
+        b_p = <float*>checked_data("bias", bias, cnp.NPY_FLOAT32, (OC,), False)
+    cdef float* out_p = <float*>checked_data("out", out, cnp.NPY_FLOAT32, lead + (OC,), True)
+    check_disjoint((("out", out),), (("inp", inp), ("weight", weight), ("bias", bias)))
+    cdef int nt = resolve_threads(n_threads)
+    with nogil:
+        matmul_forward_bf16_c(out_p, inp_p, w_p, b_p, N, C, OC, nt)
+
+
+def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
+                         n_threads=None):
+    """Accumulate the gradients of ``out = inp @ weight.T + bias`` with bf16 operands:
+    dinp += bf16(dout) @ weight (skipped when dinp is None), dweight += bf16(dout).T @
+    inp, dbias += dout summed over rows (float32 dout, float64 sums; skipped when dbias
+    is None).  dout, dinp, dweight, dbias float32; inp and weight uint16 (bf16), as
+    given to the forward.  ``overwrite`` (a bool, or one each for dinp, dweight,
+    dbias): that gradient is set instead, its old contents never read."""
+    cdef Py_ssize_t N, C, OC
+    cdef bint ow_i, ow_w, ow_b
+    ow_i, ow_w, ow_b = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
+    lead, N, C, OC = _matmul_shapes(inp, weight)
+    cdef uint16_t* inp_p = <uint16_t*>_bf16_data("inp", inp, lead + (C,), False)
+    cdef uint16_t* w_p = <uint16_t*>_bf16_data("weight", weight, (OC, C), False)
+    cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, lead + (OC,), False)
+    cdef float* dw_p = <float*>checked_data("dweight", dweight, cnp.NPY_FLOAT32, (OC, C), True)
+    cdef float* dinp_p = NULL
+    cdef float* db_p = NULL
+    if dinp is not None:
+        dinp_p = <float*>checked_data("dinp", dinp, cnp.NPY_FLOAT32, lead + (C,), True)
+    if dbias is not None:
+        db_p = <float*>checked_data("dbias", dbias, cnp.NPY_FLOAT32, (OC,), True)
+    check_disjoint((("dinp", dinp), ("dweight", dweight), ("dbias", dbias)),
+                   (("dout", dout), ("inp", inp), ("weight", weight)))
+    cdef int nt = resolve_threads(n_threads)
+    with nogil:
+        matmul_backward_bf16_c(dinp_p, dw_p, db_p, dout_p, inp_p, w_p, N, C, OC, nt, ow_i,
+                               ow_w, ow_b)
+
+
+# ---------------------------------------------------------------- naive twins
+
+def to_bf16_naive(out, inp):
+    """Plain-loop twin of ``to_bf16`` (serial)."""
+    cdef const uint32_t* src = <const uint32_t*>checked_data("inp", inp, cnp.NPY_FLOAT32, None,
+                                                             False)
+    cdef uint16_t* dst = <uint16_t*>_bf16_data("out", out, inp.shape, True)
+    check_disjoint((("out", out),), (("inp", inp),))
+    cdef Py_ssize_t i, n = inp.size
+    cdef uint32_t u
+    for i in range(n):
+        u = src[i]
+        if u & 0x7FFFFFFF > 0x7F800000:
+            dst[i] = <uint16_t>((u >> 16) | 0x40)
+        else:
+            dst[i] = <uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+def from_bf16_naive(out, inp):
+    """Plain-loop twin of ``from_bf16`` (serial)."""
+    cdef const uint16_t* src = <const uint16_t*>_bf16_data("inp", inp, None, False)
+    cdef uint32_t* dst = <uint32_t*>checked_data("out", out, cnp.NPY_FLOAT32, inp.shape, True)
+    check_disjoint((("out", out),), (("inp", inp),))
+    cdef Py_ssize_t i, n = inp.size
+    for i in range(n):
+        dst[i] = <uint32_t>src[i] << 16

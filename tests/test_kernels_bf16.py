@@ -1,0 +1,464 @@
+"""kernels.bf16: the conversions bit for bit against NumPy, and every product shape of a
+linear layer against float64 on the bf16-rounded operands, on every path this CPU runs
+("emulated" everywhere, "twin" everywhere, "native" where it has AVX512_BF16).
+
+The error bound of a product.  The operands are bf16 (8 significant bits), so each
+product a b is exact in float32 (16 bits; no product here underflows); an element of
+C is then a float32 sum of n = K + 1 terms (the K products and the bias or the
+gradient added into), in some order.  Any order of summing n terms in floating point is within
+gamma_(n-1) = (n-1) u / (1 - (n-1) u) of the sum of their magnitudes (Higham, Accuracy
+and Stability of Numerical Algorithms, 4.2; u = 2^-24, float32's unit roundoff), so
+
+    |C - C_exact| <= gamma_K (sum_k |a_ik b_kj| + |c0_ij|)
+
+with c0 the bias or the old gradient.  The float64 reference adds about K 2^-53 of the
+same sum, covered by rounding gamma_K up by a part in a million.  dbias is a float64
+sum of the float32 dout rounded once to float32 and added once: within 3 u
+(sum |dout| + |old|).  The native path reads subnormal bf16 as zero; the operands here
+are normal numbers, so the bound holds on every path.  A CPU with AVX512_BF16 runs
+every test on the native path as well, and checks it against the twin bit for bit.
+"""
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kernels import bf16, threads
+
+U = 2.0 ** -24
+
+
+# --------------------------------------------------------------------------- reference
+
+def ref_to_bf16(x):
+    """float32 -> bf16 bits: round to nearest even; NaN -> quiet NaN, sign and top
+    payload bits kept."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    quiet = (u >> 16) | 0x40
+    return np.where((u & 0x7FFFFFFF) > 0x7F800000, quiet, rounded).astype(np.uint16)
+
+
+def ref_from_bf16(b):
+    return (np.asarray(b, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def bits(values):
+    return np.array(values, np.uint32).view(np.float32)
+
+
+def to_bf16(x):
+    out = np.empty(x.shape, np.uint16)
+    bf16.to_bf16(out, np.ascontiguousarray(x, np.float32))
+    return out
+
+
+def gamma(n):
+    return n * U / (1 - n * U) * (1 + 1e-6)
+
+
+def paths():
+    return ["emulated", "twin"] + (["native"] if bf16.cpu_has_avx512_bf16() else [])
+
+
+@pytest.fixture(params=paths())
+def path(request):
+    old = bf16.set_bf16_path(request.param)
+    yield request.param
+    bf16.set_bf16_path(old)
+
+
+# --------------------------------------------------------------------------- conversions
+
+EDGES = {
+    0x00000000: 0x0000,   # +0
+    0x80000000: 0x8000,   # -0
+    0x00000001: 0x0000,   # the least subnormal rounds to 0
+    0x00008000: 0x0000,   # a tie between 0 and the least bf16 subnormal: to even (0)
+    0x00018000: 0x0002,   # a tie between 0x0001 and 0x0002: to even (up)
+    0x00008001: 0x0001,   # just past the tie: up
+    0x007FFFFF: 0x0080,   # the largest subnormal rounds up to the least normal
+    0x807FFFFF: 0x8080,
+    0x00800000: 0x0080,   # the least normal
+    0x3F800000: 0x3F80,   # 1
+    0x3F808000: 0x3F80,   # 1 + 2^-8: a tie, to even (down)
+    0x3F818000: 0x3F82,   # a tie, to even (up)
+    0x3F807FFF: 0x3F80,   # just below a tie
+    0x3F808001: 0x3F81,   # just past a tie
+    0xBF818000: 0xBF82,   # negative ties round the same way
+    0x7F7F7FFF: 0x7F7F,   # below the tie under the largest bf16: stays finite
+    0x7F7F8000: 0x7F80,   # the tie above the largest bf16 (odd): to even, which is inf
+    0x7F7FFFFF: 0x7F80,   # the largest float32 rounds up to inf
+    0xFF7FFFFF: 0xFF80,
+    0x7F800000: 0x7F80,   # inf
+    0xFF800000: 0xFF80,   # -inf
+    0x7FC00000: 0x7FC0,   # the default NaN
+    0xFFC00000: 0xFFC0,
+    0x7F800001: 0x7FC0,   # a signalling NaN whose payload lies in the bits rounded off
+    0xFF800001: 0xFFC0,
+    0x7FFFFFFF: 0x7FFF,   # all payload bits: no carry into the sign
+    0x7FA00000: 0x7FE0,   # payload kept, quiet bit set
+}
+
+
+def test_conversion_edge_cases():
+    x = bits(list(EDGES))
+    want = np.array(list(EDGES.values()), np.uint16)
+    for fn in (bf16.to_bf16, bf16.to_bf16_naive):
+        got = np.empty(x.shape, np.uint16)
+        fn(got, x)
+        np.testing.assert_array_equal(got, want, err_msg=fn.__name__)
+    np.testing.assert_array_equal(ref_to_bf16(x), want)
+    got = to_bf16(x)
+    assert np.isnan(ref_from_bf16(got[np.isnan(x)])).all()
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 257, 100_003])
+def test_to_bf16_matches_numpy_on_every_kind_of_float(n):
+    # random bit patterns: every exponent, subnormals, infinities and NaNs, in the
+    # parallel path too (100_003: two threads, an odd tail)
+    rng = np.random.default_rng(n)
+    x = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    want = ref_to_bf16(x)
+    for nt in (1, 2):
+        got = np.empty(n, np.uint16)
+        bf16.to_bf16(got, x, n_threads=nt)
+        np.testing.assert_array_equal(got, want)
+    got = np.empty(n, np.uint16)
+    bf16.to_bf16_naive(got, x)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_to_bf16_matches_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = x[~np.isnan(x)]         # PyTorch writes every NaN as 0x7FC0
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(to_bf16(x), want)
+
+
+def test_from_bf16_is_exact_on_every_bf16():
+    b = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    want = ref_from_bf16(b)
+    for nt in (1, 2):
+        got = np.empty(b.shape, np.float32)
+        bf16.from_bf16(got, b, n_threads=nt)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    got = np.empty(b.shape, np.float32)
+    bf16.from_bf16_naive(got, b)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # every bf16 but a NaN comes back from float32 as itself
+    finite_or_inf = ~np.isnan(want)
+    np.testing.assert_array_equal(to_bf16(want)[finite_or_inf], b[finite_or_inf])
+
+
+def test_conversions_keep_shapes():
+    x = np.random.default_rng(2).standard_normal((3, 5, 7)).astype(np.float32)
+    b = to_bf16(x)
+    assert b.shape == x.shape
+    back = np.empty_like(x)
+    bf16.from_bf16(back, b)
+    assert (np.abs(back - x) <= np.abs(x) * 2.0 ** -8).all()
+
+
+# --------------------------------------------------------------------------- products
+
+def operands(rng, lead, C, OC):
+    """bf16 inp and weight, float32 bias and dout, and the float64 values of each."""
+    x = rng.standard_normal(lead + (C,)).astype(np.float32)
+    w = (rng.standard_normal((OC, C)) / np.sqrt(max(C, 1))).astype(np.float32)
+    bias = rng.standard_normal(OC).astype(np.float32)
+    dout = rng.standard_normal(lead + (OC,)).astype(np.float32)
+    xb, wb = to_bf16(x), to_bf16(w)
+    return xb, wb, bias, dout
+
+
+def f64(b):
+    return ref_from_bf16(b).astype(np.float64)
+
+
+def check_within(got, exact, magnitude, terms, what):
+    bound = gamma(terms) * magnitude
+    err = np.abs(got.astype(np.float64) - exact)
+    assert np.isfinite(got).all(), what
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), (f"{what}: error {err[worst]:.3g} past the bound "
+                                  f"{bound[worst]:.3g} at {worst}")
+
+
+def forward_check(xb, wb, bias, n_threads=None):
+    N = int(np.prod(xb.shape[:-1]))
+    C, OC = wb.shape[1], wb.shape[0]
+    out = np.full(xb.shape[:-1] + (OC,), np.nan, np.float32)
+    bf16.matmul_forward_bf16(out, xb, wb, bias, n_threads=n_threads)
+    x, w = f64(xb).reshape(N, C), f64(wb)
+    b = np.zeros(OC) if bias is None else bias.astype(np.float64)
+    exact = x @ w.T + b
+    magnitude = np.abs(x) @ np.abs(w).T + np.abs(b)
+    check_within(out.reshape(N, OC), exact, magnitude, C, "out")
+    return out
+
+
+def backward_check(xb, wb, dout, prefill, with_dinp=True, with_dbias=True, overwrite=False,
+                   n_threads=None):
+    """Runs the backward into gradients holding `prefill` (NaN under overwrite) and
+    checks them; returns them."""
+    N = int(np.prod(xb.shape[:-1]))
+    C, OC = wb.shape[1], wb.shape[0]
+    rng = np.random.default_rng(99)
+    fill = (lambda shape: np.full(shape, np.nan, np.float32)) if overwrite else (
+        lambda shape: (prefill * rng.standard_normal(shape)).astype(np.float32))
+    dinp = fill(xb.shape) if with_dinp else None
+    dweight = fill(wb.shape)
+    dbias = fill(OC) if with_dbias else None
+    old = [None if g is None else np.zeros(g.shape) if overwrite else g.astype(np.float64)
+           for g in (dinp, dweight, dbias)]
+    bf16.matmul_backward_bf16(dinp, dweight, dbias, dout, xb, wb, overwrite=overwrite,
+                              n_threads=n_threads)
+    x, w = f64(xb).reshape(N, C), f64(wb)
+    d = f64(to_bf16(dout)).reshape(N, OC)      # the products take dout in bf16
+    if with_dinp:
+        check_within(dinp.reshape(N, C), old[0].reshape(N, C) + d @ w,
+                     np.abs(old[0].reshape(N, C)) + np.abs(d) @ np.abs(w), OC, "dinp")
+    check_within(dweight, old[1] + d.T @ x, np.abs(old[1]) + np.abs(d).T @ np.abs(x), N,
+                 "dweight")
+    if with_dbias:
+        # dbias from the float32 dout, not its bf16 rounding
+        d32 = dout.reshape(N, OC).astype(np.float64)
+        exact = old[2] + d32.sum(0)
+        bound = 3 * U * (np.abs(old[2]) + np.abs(d32).sum(0)) + 1e-300
+        assert (np.abs(dbias - exact) <= bound).all(), "dbias"
+    return dinp, dweight, dbias
+
+
+SIZES = [1, 7, 33, 64, 257]
+
+
+@pytest.mark.parametrize("N", SIZES)
+@pytest.mark.parametrize("C", [1, 7, 33, 257, 521])
+def test_forward_within_the_float32_bound(path, N, C):
+    rng = np.random.default_rng(N * 1000 + C)
+    for OC in (1, 33, 64, 257):
+        xb, wb, bias, _ = operands(rng, (N,), C, OC)
+        forward_check(xb, wb, bias)
+        forward_check(xb, wb, None)
+
+
+@pytest.mark.parametrize("N", SIZES + [521])
+@pytest.mark.parametrize("C", [1, 7, 33, 257])
+def test_backward_within_the_float32_bound(path, N, C):
+    rng = np.random.default_rng(N * 1000 + C + 7)
+    for OC in (1, 33, 64, 521):
+        xb, wb, _, dout = operands(rng, (N,), C, OC)
+        backward_check(xb, wb, dout, prefill=0.0, overwrite=True)
+        backward_check(xb, wb, dout, prefill=1.0)
+
+
+def test_products_past_one_block_of_each_loop(path):
+    # 1100 rows and 600 columns: blocks cut by rows, each block's 600 columns past the
+    # packed GEMM's 512-column block; 521 depths past its 512-depth block; 3-D input
+    rng = np.random.default_rng(3)
+    xb, wb, bias, dout = operands(rng, (4, 275), 521, 600)
+    forward_check(xb, wb, bias)
+    backward_check(xb, wb, dout, prefill=1.0)
+
+
+def test_backward_accumulates_overwrites_and_skips(path):
+    rng = np.random.default_rng(4)
+    xb, wb, _, dout = operands(rng, (3, 11), 19, 23)
+    # NaN-filled gradients under overwrite: their old contents are never read
+    backward_check(xb, wb, dout, prefill=0.0, overwrite=True)
+    backward_check(xb, wb, dout, prefill=3.0, overwrite=False)
+    _, dw_only, _ = backward_check(xb, wb, dout, prefill=0.0, overwrite=True, with_dinp=False,
+                                   with_dbias=False)
+    _, dw_all, _ = backward_check(xb, wb, dout, prefill=0.0, overwrite=True)
+    np.testing.assert_array_equal(dw_only, dw_all)
+    # one flag per gradient
+    dinp = np.ones(xb.shape, np.float32)
+    dweight = np.full(wb.shape, np.nan, np.float32)
+    dbias = np.ones(wb.shape[0], np.float32)
+    bf16.matmul_backward_bf16(dinp, dweight, dbias, dout, xb, wb, overwrite=(False, True, False))
+    fresh = [np.zeros(xb.shape, np.float32), np.zeros(wb.shape, np.float32),
+             np.zeros(wb.shape[0], np.float32)]
+    bf16.matmul_backward_bf16(*fresh, dout, xb, wb, overwrite=True)
+    np.testing.assert_array_equal(dweight, fresh[1])
+    assert np.abs(dinp - 1 - fresh[0]).max() <= 4 * U * (1 + np.abs(fresh[0]).max())
+    assert np.abs(dbias - 1 - fresh[2]).max() <= 4 * U * (1 + np.abs(fresh[2]).max())
+
+
+def test_empty_sizes(path):
+    # no rows: nothing written, gradients unchanged; no depth: out = bias, dweight += 0
+    wb = to_bf16(np.ones((3, 4), np.float32))
+    out = np.empty((0, 3), np.float32)
+    bf16.matmul_forward_bf16(out, np.empty((0, 4), np.uint16), wb, None)
+    dweight = np.ones((3, 4), np.float32)
+    bf16.matmul_backward_bf16(None, dweight, None, np.empty((0, 3), np.float32),
+                              np.empty((0, 4), np.uint16), wb)
+    np.testing.assert_array_equal(dweight, 1)
+    bias = np.arange(3, dtype=np.float32)
+    out = np.full((2, 3), np.nan, np.float32)
+    bf16.matmul_forward_bf16(out, np.empty((2, 0), np.uint16), np.empty((3, 0), np.uint16), bias)
+    np.testing.assert_array_equal(out, np.broadcast_to(bias, (2, 3)))
+
+
+@pytest.mark.parametrize("N, C, OC", [(300, 200, 520), (520, 200, 96), (40, 700, 300),
+                                      (2000, 64, 64)])
+def test_results_do_not_depend_on_the_thread_count(path, N, C, OC):
+    rng = np.random.default_rng(N + C + OC)
+    xb, wb, bias, dout = operands(rng, (N,), C, OC)
+    results = []
+    previous = threads.get_num_threads()
+    try:
+        for nt in (1, 2, 3):
+            threads.set_num_threads(nt)
+            out = forward_check(xb, wb, bias, n_threads=nt)
+            grads = backward_check(xb, wb, dout, prefill=1.0, n_threads=nt)
+            results.append((out,) + grads)
+    finally:
+        threads.set_num_threads(previous)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_native_matches_its_twin_bit_for_bit():
+    # VDPBF16PS against the twin's two float32 multiply-adds per pair: the same bits
+    # on normal numbers (the products are exact; each step rounds once)
+    # Without AVX512_BF16 the native path is refused, and the twin stands for it.
+    if not bf16.cpu_has_avx512_bf16():
+        with pytest.raises((ValueError, RuntimeError)):
+            bf16.set_bf16_path("native")
+        assert bf16.bf16_path() != "native"
+        return
+    rng = np.random.default_rng(5)
+    xb, wb, bias, dout = operands(rng, (3, 97), 521, 130)
+    got = {}
+    old = bf16.bf16_path()
+    try:
+        for p in ("native", "twin"):
+            bf16.set_bf16_path(p)
+            out = forward_check(xb, wb, bias)
+            got[p] = (out,) + backward_check(xb, wb, dout, prefill=1.0)
+    finally:
+        bf16.set_bf16_path(old)
+    for a, b in zip(got["native"], got["twin"]):
+        np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- the paths
+
+def test_path_switches():
+    old = bf16.bf16_path()
+    try:
+        assert bf16.set_bf16_native(False) == (old == "native")
+        assert bf16.bf16_path() == "emulated" and not bf16.bf16_native()
+        assert bf16.set_bf16_path("twin") == "emulated"
+        assert not bf16.bf16_native()
+        if bf16.cpu_has_avx512_bf16():
+            bf16.set_bf16_native(True)
+            assert bf16.bf16_path() == "native" and bf16.bf16_native()
+        else:
+            with pytest.raises(ValueError, match="AVX512_BF16"):
+                bf16.set_bf16_native(True)
+            with pytest.raises(ValueError, match="AVX512_BF16"):
+                bf16.set_bf16_path("native")
+        with pytest.raises(ValueError, match="path must be one of"):
+            bf16.set_bf16_path("amx")
+    finally:
+        bf16.set_bf16_path(old)
+
+
+def test_native_by_default_where_the_cpu_has_it():
+    # in a fresh interpreter, and the CPU check against the kernel's own flags
+    code = ("from kernels import bf16\n"
+            "assert bf16.bf16_native() == bf16.cpu_has_avx512_bf16()\n"
+            "print(bf16.cpu_has_avx512_bf16())\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = set()
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+        assert res.stdout.strip() == str("avx512_bf16" in flags and "avx512f" in flags)
+
+
+# --------------------------------------------------------------------------- misuse
+
+def test_bad_inputs_raise_errors_naming_the_argument():
+    rng = np.random.default_rng(7)
+    xb, wb, bias, dout = operands(rng, (5,), 6, 4)
+    out = np.empty((5, 4), np.float32)
+    fwd = bf16.matmul_forward_bf16
+    with pytest.raises(TypeError, match="inp.*uint16"):
+        fwd(out, ref_from_bf16(xb), wb, bias)
+    with pytest.raises(TypeError, match="weight.*uint16"):
+        fwd(out, xb, wb.astype(np.int16), bias)
+    with pytest.raises(TypeError, match="bias.*float32"):
+        fwd(out, xb, wb, to_bf16(bias))
+    with pytest.raises(TypeError, match="out.*float32"):
+        fwd(np.empty((5, 4), np.uint16), xb, wb, bias)
+    with pytest.raises(TypeError, match="inp.*uint16"):
+        fwd(out, xb.astype(">u2"), wb, bias)
+    with pytest.raises(ValueError, match="weight"):
+        fwd(out, xb, np.zeros((4, 7), np.uint16), bias)
+    with pytest.raises(ValueError, match="out"):
+        fwd(np.empty((5, 5), np.float32), xb, wb, bias)
+    with pytest.raises(ValueError, match="bias"):
+        fwd(out, xb, wb, np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="weight.*C-contiguous"):
+        fwd(out, xb, np.asfortranarray(wb), bias)
+    with pytest.raises(ValueError, match="inp.*C-contiguous"):
+        fwd(out, np.zeros((6, 10), np.uint16)[::2, :6], wb, bias)
+    with pytest.raises(ValueError, match="inp"):
+        fwd(out, xb.ravel(), wb, bias)
+    with pytest.raises(TypeError, match="bias"):
+        fwd(out, xb, wb, [0.0] * 4)
+    readonly = np.empty((5, 4), np.float32)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="out.*writable"):
+        fwd(readonly, xb, wb, bias)
+    shared = np.empty(24, np.float32)
+    with pytest.raises(ValueError, match="out overlaps bias"):
+        fwd(shared[:20].reshape(5, 4), xb, wb, shared[16:20])
+    with pytest.raises(ValueError, match="n_threads"):
+        fwd(out, xb, wb, bias, n_threads=0)
+
+    bwd = bf16.matmul_backward_bf16
+    dweight = np.zeros((4, 6), np.float32)
+    with pytest.raises(ValueError, match="dout"):
+        bwd(None, dweight, None, dout[:, :3].copy(), xb, wb)
+    with pytest.raises(TypeError, match="dout.*float32"):
+        bwd(None, dweight, None, to_bf16(dout), xb, wb)
+    with pytest.raises(ValueError, match="dweight"):
+        bwd(None, np.zeros((4, 5), np.float32), None, dout, xb, wb)
+    with pytest.raises(ValueError, match="dinp.*C-contiguous"):
+        bwd(np.zeros((6, 5), np.float32).T, dweight, None, dout, xb, wb)
+    with pytest.raises(TypeError, match="dinp.*float32"):
+        bwd(np.zeros((5, 6), np.uint16), dweight, None, dout, xb, wb)
+    with pytest.raises(ValueError, match="dbias"):
+        bwd(None, dweight, np.zeros(5, np.float32), dout, xb, wb)
+    grads = np.zeros(28, np.float32)
+    with pytest.raises(ValueError, match="dweight overlaps dbias"):
+        bwd(None, grads[:24].reshape(4, 6), grads[20:24], dout, xb, wb)
+    with pytest.raises(ValueError, match="overwrite"):
+        bwd(None, dweight, None, dout, xb, wb, overwrite=(True, False))
+
+    x = np.zeros((2, 3), np.float32)
+    with pytest.raises(TypeError, match="out.*uint16"):
+        bf16.to_bf16(np.empty((2, 3), np.float32), x)
+    with pytest.raises(ValueError, match="out must have shape"):
+        bf16.to_bf16(np.empty((3, 2), np.uint16), x)
+    with pytest.raises(TypeError, match="inp.*float32"):
+        bf16.to_bf16(np.empty((2, 3), np.uint16), x.astype(np.float64))
+    with pytest.raises(TypeError, match="inp.*uint16"):
+        bf16.from_bf16(np.empty((2, 3), np.float32), x)
+    with pytest.raises(ValueError, match="out.*C-contiguous"):
+        bf16.from_bf16(np.empty((3, 2), np.float32).T, np.zeros((2, 3), np.uint16))
+    with pytest.raises(TypeError, match="inp"):
+        bf16.to_bf16_naive(np.empty(3, np.uint16), [1.0, 2.0, 3.0])
