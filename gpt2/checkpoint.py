@@ -20,7 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpt2.config import GPT2Config, config_from_dict
+from gpt2.families import config_from_dict
+from gpt2.families.gpt2 import LLMC_HEADER, GPT2Config
+# Hugging Face GPT-2 files, the GPT-2 family's (gpt2.families.gpt2), by the names they have
+# always had here.
+from gpt2.families.gpt2 import export_hf_gpt2, hf_config_dict, import_hf_gpt2  # noqa: F401
 from gpt2.params import ParamArena, num_parameters
 
 
@@ -156,7 +160,7 @@ _MAX_HEADER_BYTES = 1 << 26
 class Checkpoint:
     """What ``load_checkpoint`` returns; adam_m / adam_v are None when no optimizer was saved."""
 
-    config: GPT2Config
+    config: object          # the model's config, of any family
     params: ParamArena
     step: int
     adam_m: ParamArena = None
@@ -197,7 +201,8 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
         table.append({"name": name, "offset": offset, "nbytes": flat.nbytes,
                       "crc32": 0xFFFFFFFF})
         offset = _align(offset + flat.nbytes)
-    header = {"config": config.to_dict(), "step": int(step), "adam_step": int(adam_step),
+    header = {"config": config.to_dict(), "family": config.family,
+              "step": int(step), "adam_step": int(adam_step),
               "data_state": data_state, "extra": extra, "sections": table}
     try:
         widest = json.dumps(header).encode("utf-8")
@@ -238,7 +243,7 @@ def _parse_checkpoint_header(f, path, file_size):
                          "(the file was damaged or edited)")
     try:
         header = json.loads(header_bytes)
-        config = config_from_dict(header["config"])
+        config = config_from_dict(header["config"], header.get("family"))
         sections = {}
         for s in header["sections"]:
             entry = {k: int(s[k]) for k in ("offset", "nbytes", "crc32")}
@@ -352,8 +357,7 @@ def export_llmc(path, params):
         raise TypeError(f"params must be a ParamArena, got {type(params).__name__}")
     c = params.config
     header = np.zeros(LLMC_HEADER_INTS, dtype="<i4")
-    header[:8] = (LLMC_MODEL_MAGIC, LLMC_MODEL_VERSION, c.block_size, c.vocab_size, c.n_layer,
-                  c.n_head, c.n_embd, c.padded_vocab_size)
+    header[:8] = (LLMC_MODEL_MAGIC, LLMC_MODEL_VERSION, *(getattr(c, k) for k in LLMC_HEADER))
     with atomic_writer(path) as f:
         f.write(header.tobytes())
         f.write(memoryview(params.in_llmc_order().flat).cast("B"))
@@ -372,10 +376,10 @@ def import_llmc(path):
         if header[1] != LLMC_MODEL_VERSION:
             raise ValueError(f"llm.c model file {path!r} has version {int(header[1])}; only "
                              f"version {LLMC_MODEL_VERSION} (float32, padded vocab) is supported")
-        max_t, vocab, n_layer, n_head, n_embd, padded_vocab = (int(x) for x in header[2:8])
+        sizes = {k: int(x) for k, x in zip(LLMC_HEADER, header[2:8])}
+        padded_vocab = sizes.pop("padded_vocab_size")
         try:
-            config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                                vocab_size=vocab, block_size=max_t)
+            config = GPT2Config(**sizes)
         except ValueError as e:
             raise ValueError(f"llm.c model file {path!r} has an invalid config: {e}") from None
         if padded_vocab != config.padded_vocab_size:
@@ -501,56 +505,6 @@ def write_safetensors(path, tensors, metadata=None):
             f.write(memoryview(arr).cast("B"))
 
 
-# --------------------------------------------------------------------------------------------
-# Hugging Face GPT-2 (transformers' GPT2Model / GPT2LMHeadModel names)
-# --------------------------------------------------------------------------------------------
-
-# our per-layer name -> (HF suffix under h.{i}., transposed: HF Conv1D stores (in, out))
-HF_LAYER_NAMES = {
-    "ln1w": ("ln_1.weight", False), "ln1b": ("ln_1.bias", False),
-    "qkvw": ("attn.c_attn.weight", True), "qkvb": ("attn.c_attn.bias", False),
-    "attprojw": ("attn.c_proj.weight", True), "attprojb": ("attn.c_proj.bias", False),
-    "ln2w": ("ln_2.weight", False), "ln2b": ("ln_2.bias", False),
-    "fcw": ("mlp.c_fc.weight", True), "fcb": ("mlp.c_fc.bias", False),
-    "fcprojw": ("mlp.c_proj.weight", True), "fcprojb": ("mlp.c_proj.bias", False),
-}
-HF_GLOBAL_NAMES = {"wpe": "wpe.weight", "lnfw": "ln_f.weight", "lnfb": "ln_f.bias"}
-_HF_PREFIX = "transformer."
-_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers, not parameters
-
-
-def hf_config_dict(config):
-    """A transformers GPT2Config (config.json) describing our model."""
-    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-            "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
-            "vocab_size": config.vocab_size, "n_positions": config.block_size,
-            "n_ctx": config.block_size, "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}
-
-
-def export_hf_gpt2(path, params, write_config=False):
-    """Write ``params`` as a Hugging Face GPT-2 ``model.safetensors`` (F32, no prefix).
-
-    wte is written with its vocab_size real rows. With write_config, a ``config.json`` is
-    written beside it so the directory loads with ``GPT2LMHeadModel.from_pretrained``.
-    """
-    if not isinstance(params, ParamArena):
-        raise TypeError(f"params must be a ParamArena, got {type(params).__name__}")
-    c = params.config
-    tensors = {"wte.weight": params.wte[:c.vocab_size]}
-    tensors["wpe.weight"] = params.wpe
-    for i in range(c.n_layer):
-        for ours, (suffix, transposed) in HF_LAYER_NAMES.items():
-            w = params.views[ours][i]
-            tensors[f"h.{i}.{suffix}"] = w.T if transposed else w
-    tensors["ln_f.weight"] = params.lnfw
-    tensors["ln_f.bias"] = params.lnfb
-    write_safetensors(path, tensors, metadata={"format": "pt"})
-    if write_config:
-        with atomic_writer(hf_config_path(path)) as f:
-            f.write(json.dumps(hf_config_dict(c), indent=2).encode("utf-8"))
-
-
 def check_fits_in_memory(config, source):
     """A ValueError naming ``source`` where the float32 parameters of ``config`` need more
     than the memory available (RAM and free swap): checked before they are allocated, so
@@ -565,113 +519,7 @@ def check_fits_in_memory(config, source):
                          f"{available / 2**30:,.1f} GiB of memory available")
 
 
-# config.json's GPT-2 sizes and ours.
-_HF_GPT2_SIZES = (("n_layer", "n_layer"), ("n_embd", "n_embd"), ("vocab_size", "vocab_size"),
-                  ("n_positions", "block_size"))
-
-
 def hf_config_path(path):
     """Where the config.json of a Hugging Face weights file is read from: beside it."""
     return os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), "config.json")
 
-
-def _hf_n_head(path, n_head, inferred):
-    """n_head from the argument or from config.json beside the file (weights cannot tell it)."""
-    if n_head is not None:
-        return n_head
-    config_path = hf_config_path(path)
-    if not os.path.exists(config_path):
-        raise ValueError(f"cannot tell n_head of {path!r}: pass n_head= or config=, or put the "
-                         "model's config.json beside it")
-    try:
-        with open(config_path, "rb") as f:
-            hf = json.load(f)
-        n_head = int(hf["n_head"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{config_path!r} is not a GPT-2 config.json with n_head: {e}") from None
-    for key, ours in _HF_GPT2_SIZES:
-        if key in hf and hf[key] != inferred[ours]:
-            raise ValueError(f"{config_path!r} says {key}={hf[key]}, but {path!r} holds "
-                             f"weights for {ours}={inferred[ours]}")
-    return n_head
-
-
-def import_hf_gpt2(path, config=None, n_head=None):
-    """Read a Hugging Face GPT-2 ``model.safetensors`` into a new ParamArena.
-
-    Names may carry the ``transformer.`` prefix (GPT2LMHeadModel) or not (GPT2Model); the
-    attention mask buffers are ignored; an ``lm_head.weight`` must equal wte (tied).
-    Sizes come from the weights; n_head from ``config``, ``n_head`` or ``config.json`` beside
-    the file. F32, F16, BF16 and F64 tensors are converted to float32.
-    """
-    st = SafetensorsFile(path)
-    names, lm_head = {}, None
-    for full in st.entries:
-        name = full[len(_HF_PREFIX):] if full.startswith(_HF_PREFIX) else full
-        if name.endswith(_HF_BUFFERS):
-            continue
-        if name == "lm_head.weight":
-            lm_head = full
-            continue
-        if name in names:
-            raise ValueError(f"safetensors file {st.path!r} holds {name!r} twice (with and "
-                             "without the transformer. prefix)")
-        names[name] = full
-    if "wte.weight" not in names or "wpe.weight" not in names:
-        raise ValueError(f"{st.path!r} is not a GPT-2 model: it lacks wte.weight/wpe.weight "
-                         f"(tensors: {sorted(st.entries)[:8]}...)")
-    vocab, n_embd = (st.entries[names["wte.weight"]].shape + (0, 0))[:2]
-    block = st.entries[names["wpe.weight"]].shape[0]
-    layers = {int(n.split(".")[1]) for n in names if n.startswith("h.") and n.split(".")[1].isdigit()}
-    n_layer = len(layers)
-    if layers != set(range(n_layer)):
-        raise ValueError(f"safetensors file {st.path!r}: layer indices {sorted(layers)} are not "
-                         f"0..{n_layer - 1}")
-    inferred = dict(n_layer=n_layer, n_embd=n_embd, vocab_size=vocab, block_size=block)
-    if config is None:
-        try:
-            config = GPT2Config(n_head=_hf_n_head(st.path, n_head, inferred), **inferred)
-        except ValueError as e:
-            raise ValueError(f"{st.path!r}: cannot build a GPT-2 config from its weights: "
-                             f"{e}") from None
-    else:
-        for key, ours in _HF_GPT2_SIZES:
-            if getattr(config, ours) != inferred[ours]:
-                raise ValueError(f"{st.path!r} holds weights for {key}={inferred[ours]}, "
-                                 f"not the {key}={getattr(config, ours)} of its config")
-    C = config.n_embd
-    expected = {"wte.weight": (config.vocab_size, C), "wpe.weight": (config.block_size, C),
-                "ln_f.weight": (C,), "ln_f.bias": (C,)}
-    layer_shapes = {"ln1w": (C,), "ln1b": (C,), "qkvw": (C, 3 * C), "qkvb": (3 * C,),
-                    "attprojw": (C, C), "attprojb": (C,), "ln2w": (C,), "ln2b": (C,),
-                    "fcw": (C, 4 * C), "fcb": (4 * C,), "fcprojw": (4 * C, C), "fcprojb": (C,)}
-    for i in range(config.n_layer):
-        for ours, (suffix, _) in HF_LAYER_NAMES.items():
-            expected[f"h.{i}.{suffix}"] = layer_shapes[ours]
-    missing = sorted(set(expected) - set(names))
-    unknown = sorted(set(names) - set(expected))
-    if missing or unknown:
-        raise ValueError(f"safetensors file {st.path!r} does not match GPT-2 {config}: missing "
-                         f"{missing[:8]}, unexpected {unknown[:8]}")
-    for name, shape in expected.items():
-        found = st.entries[names[name]].shape
-        if found != shape:
-            raise ValueError(f"safetensors file {st.path!r}: tensor {names[name]!r} has shape "
-                             f"{list(found)}, expected {list(shape)}")
-
-    check_fits_in_memory(config, st.path)
-    arena = ParamArena(config)
-    arena.wte[:config.vocab_size] = st.read(names["wte.weight"])
-    for ours, hf in HF_GLOBAL_NAMES.items():
-        arena.views[ours][...] = st.read(names[hf])
-    for i in range(config.n_layer):
-        for ours, (suffix, transposed) in HF_LAYER_NAMES.items():
-            w = st.read(names[f"h.{i}.{suffix}"])
-            arena.views[ours][i] = w.T if transposed else w
-    if lm_head is not None:
-        head = st.read(lm_head)
-        if head.shape != (config.vocab_size, C) or not np.array_equal(
-                head, arena.wte[:config.vocab_size]):
-            raise ValueError(f"safetensors file {st.path!r}: lm_head.weight differs from "
-                             "wte.weight; only tied GPT-2 heads are supported")
-    return arena

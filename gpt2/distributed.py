@@ -1,4 +1,4 @@
-"""Data-parallel GPT-2 training over MPI (mpi4py): ``mpiexec -n N gpt2-train ...``.
+"""Data-parallel training of any family over MPI (mpi4py): ``mpiexec -n N gpt2-train ...``.
 
 Every rank holds the whole model.  Rank 0's weights are broadcast at the start; each
 rank takes its 1/N of every global batch; the gradients are summed across ranks in
@@ -274,7 +274,7 @@ class BucketLayout:
 
 
 class DataParallelTrainer:
-    """Trains a ``GPT2`` with the ranks of ``comm`` sharing each global batch.
+    """Trains a ``Model`` with the ranks of ``comm`` sharing each global batch.
 
     ``train_step(inputs, targets, ...)`` takes the *global* batch (every rank passes
     the same one) and uses its rank's rows; it returns the loss and gradient norm of

@@ -1,11 +1,13 @@
-"""Autoregressive generation with a key/value cache, for both families.
+"""Autoregressive generation with a key/value cache, for every family.
 
 ``Decoder`` runs a model's forward pass over one sequence a chunk at a time (the prompt
 in one pass, then one token per step) and keeps every layer's keys and values, so a step
-costs one pass over the weights, not a forward over the whole context.  It reads the
-model's parameter arena as it is (q|k|v rows packed in ``qkvw``, gate|up in ``gateupw``)
-and calls the training kernels for the projections, norms, GELU, rotary embedding and
-SwiGLU; only the attention of the new rows over the cache is NumPy.
+costs one pass over the weights, not a forward over the whole context.  The forward pass
+is the family's own ``embed``, ``block`` and ``head`` (``gpt2.families``), the code the
+tape engine trains, run on the decoder's operations: the training kernels for the
+projections, norms, GELU, rotary embedding and SwiGLU over the model's parameter arena as
+it is (q|k|v rows packed in ``qkvw``, gate|up in ``gateupw``); only the attention of the
+new rows over the cache is NumPy.
 
 Each token is conditioned on the last ``block_size`` tokens, as the full forward over
 them would be.  Once the sequence outgrows block_size the window slides, and a cache is of
@@ -19,29 +21,35 @@ takes the likeliest token and draws nothing.
 """
 import numpy as np
 
+from gpt2.families import family_of
 from kernels import layers, llama, matmul
-from kernels.llama import rope_tables
 
 
 class Decoder:
     """The forward pass of one sequence, a chunk at a time, with a key/value cache of
-    ``capacity`` positions (at most the model's block_size)."""
+    ``capacity`` positions (at most the model's block_size).
+
+    It is the operations its family's ops run on (``gpt2.families.base``): each takes and
+    gives float32 (n, C) arrays of the n new positions, ``attention`` reads and extends the
+    cache of the block being run."""
 
     def __init__(self, model, capacity=None):
         cfg = model.config
         self.config = cfg
-        self.views = model.param_arena().views
-        self.rotary = cfg.family == "llama"
-        self.n_kv_head = cfg.n_kv_head if self.rotary else cfg.n_head
-        self.head_dim = cfg.head_dim if self.rotary else cfg.head_size
+        self.leaves = model.param_arena().views
+        self.layers = [{name: self.leaves[name][l] for name in cfg.per_layer}
+                       for l in range(cfg.n_layer)]
+        self.ops = family_of(cfg).ops(cfg, self)
+        self.n_kv_head = cfg.n_kv_head
+        self.head_dim = cfg.head_dim
         self.capacity = cfg.block_size if capacity is None else min(cfg.block_size, capacity)
         if self.capacity < 1:
             raise ValueError(f"Decoder capacity must be at least 1, got {capacity}")
         shape = (cfg.n_layer, self.n_kv_head, self.capacity, self.head_dim)
         self.keys = np.empty(shape, np.float32)
         self.values = np.empty(shape, np.float32)
-        self._cos = self._sin = np.empty((0, self.head_dim // 2), np.float32)
         self.length = 0         # positions held, the position of the next token
+        self._layer = 0         # the block being run
 
     @property
     def full(self):
@@ -62,66 +70,68 @@ class Decoder:
         if self.length + ids.size > self.capacity:
             raise ValueError(f"{ids.size} more token(s) overflow the cache of {self.capacity} "
                              f"positions ({self.length} held)")
-        x = self._embed(ids)
+        x = self.ops.embed(ids, self.leaves)
         for layer in range(cfg.n_layer):
-            x = self._block(layer, x)
+            self._layer = layer
+            x = self.ops.block(self.layers[layer], x)
         self.length += ids.size
-        return self._head(x if all_positions else x[-1:])
+        return self.ops.head(x if all_positions else x[-1:], self.leaves)
 
-    # -- the two families ---------------------------------------------------------
+    # -- the operations ---------------------------------------------------------------
 
-    def _embed(self, ids):
-        v, p = self.views, self.length
-        x = v["wte"][ids]
-        if not self.rotary:
-            x += v["wpe"][p:p + ids.size]
+    def embed(self, ids, wte, wpe):
+        x = wte[ids]
+        if wpe is not None:
+            x += wpe[self.length:self.length + ids.size]
         return x
 
-    def _block(self, layer, x):
-        v = self.views
-        if not self.rotary:
-            h = _layernorm(x, v["ln1w"][layer], v["ln1b"][layer])
-            qkv = _linear(h, v["qkvw"][layer], v["qkvb"][layer])
-            x += _linear(self._attend(layer, qkv), v["attprojw"][layer], v["attprojb"][layer])
-            h = _linear(_layernorm(x, v["ln2w"][layer], v["ln2b"][layer]), v["fcw"][layer],
-                        v["fcb"][layer])
-            gelu = np.empty_like(h)
-            layers.gelu_forward(gelu, h)
-            x += _linear(gelu, v["fcprojw"][layer], v["fcprojb"][layer])
-            return x
-        cfg = self.config
-        h = _rmsnorm(x, v["rms1w"][layer], cfg.rms_norm_eps)
-        qkv = _linear(h, v["qkvw"][layer], v["qkvb"][layer] if cfg.qkv_bias else None)
-        cos, sin = self._rotary_tables()
-        rows = qkv.reshape(1, *qkv.shape)
-        llama.rope_forward(rows, rows, cos[self.length:], sin[self.length:],
-                           cfg.n_head + cfg.n_kv_head)
-        x += _linear(self._attend(layer, qkv), v["attprojw"][layer], None)
-        gate_up = _linear(_rmsnorm(x, v["rms2w"][layer], cfg.rms_norm_eps), v["gateupw"][layer],
-                          None)
-        swiglu = np.empty((x.shape[0], cfg.intermediate_size), np.float32)
+    @staticmethod
+    def linear(x, weight, bias):
+        out = np.empty((x.shape[0], weight.shape[0]), np.float32)
+        matmul.matmul_forward(out, x, weight, bias)
+        return out
+
+    @staticmethod
+    def layernorm(x, weight, bias):
+        out = np.empty_like(x)
+        stats = np.empty((2, x.shape[0]), np.float32)
+        layers.layernorm_forward(out, stats[0], stats[1], x, weight, bias)
+        return out
+
+    @staticmethod
+    def rmsnorm(x, weight, eps):
+        out = np.empty_like(x)
+        llama.rmsnorm_forward(out, np.empty(x.shape[0], np.float32), x, weight, eps)
+        return out
+
+    @staticmethod
+    def residual(x, y):
+        return x + y
+
+    @staticmethod
+    def gelu(x):
+        out = np.empty_like(x)
+        layers.gelu_forward(out, x)
+        return out
+
+    def swiglu_linear(self, gate_up, weight):
+        swiglu = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
         llama.swiglu_forward(swiglu, gate_up)
-        x += _linear(swiglu, v["downw"][layer], None)
-        return x
+        return self.linear(swiglu, weight, None)
 
-    def _head(self, x):
-        cfg, v = self.config, self.views
-        if self.rotary:
-            h = _rmsnorm(x, v["rmsfw"], cfg.rms_norm_eps)
-            weight = v["wte" if cfg.tie_embeddings else "lm_head"]
-        else:
-            h = _layernorm(x, v["lnfw"], v["lnfb"])
-            weight = v["wte"]
-        return _linear(h, weight[:cfg.vocab_size], None)
+    def rope(self, qkv, rotary, n_rot_heads):
+        # The tables of the whole cache, computed once; the new rows are at self.length on.
+        cos, sin = rotary.tables(self.capacity)
+        out = np.empty_like(qkv)
+        llama.rope_forward(out.reshape(1, *out.shape), qkv.reshape(1, *qkv.shape),
+                           cos[self.length:], sin[self.length:], n_rot_heads)
+        return out
 
-    def _rotary_tables(self):
-        """cos, sin of the cache's positions, computed on first use."""
-        if self._cos.shape[0] < self.capacity:
-            cfg = self.config
-            self._cos, self._sin = rope_tables(
-                self.head_dim, self.capacity, cfg.rope_theta,
-                dict(cfg.rope_scaling) if cfg.rope_scaling else None)
-        return self._cos, self._sin
+    def attention(self, qkv, n_head, n_kv_head=None):
+        return self._attend(self._layer, qkv)
+
+    def logits(self, h, weight):
+        return self.linear(h, weight[:self.config.vocab_size], None)
 
     # -- attention over the cache -------------------------------------------------
 
@@ -149,25 +159,6 @@ class Decoder:
         out = np.matmul(scores.reshape(kv, group * n, held), values[:, :held])
         return np.ascontiguousarray(out.reshape(kv, group, n, hd).transpose(2, 0, 1, 3)
                                     .reshape(n, n_q * hd))
-
-
-def _linear(x, weight, bias):
-    out = np.empty((x.shape[0], weight.shape[0]), np.float32)
-    matmul.matmul_forward(out, x, weight, bias)
-    return out
-
-
-def _layernorm(x, weight, bias):
-    out = np.empty_like(x)
-    stats = np.empty((2, x.shape[0]), np.float32)
-    layers.layernorm_forward(out, stats[0], stats[1], x, weight, bias)
-    return out
-
-
-def _rmsnorm(x, weight, eps):
-    out = np.empty_like(x)
-    llama.rmsnorm_forward(out, np.empty(x.shape[0], np.float32), x, weight, eps)
-    return out
 
 
 def pick_token(logits, temperature, top_k, rng):

@@ -1,6 +1,7 @@
-"""GPT-2 over the OpenMP kernels: parameters, AdamW state and two backward paths.
+"""The model of any family over the OpenMP kernels: parameters, AdamW state and two
+backward paths.
 
-``GPT2`` owns three arenas of the parameter layout (parameters, gradients and
+``Model`` owns three arenas of its family's parameter layout (parameters, gradients and
 the two AdamW moments), each one allocation.  A training step is
 ``loss = model.loss_and_grad(inputs, targets)`` followed by ``model.adamw_step``.
 
@@ -10,15 +11,15 @@ Two engines compute the loss and its gradient with the same kernels:
   ``memory_budget`` spills activations to disk) and the backward pass is the
   tape's reverse sweep - derived, not written out by hand.
 * ``"manual"``: llm.c's hand-sequenced forward and backward over one
-  preallocated activation arena, kept as the baseline the tape path is checked
-  and timed against.
+  preallocated activation arena (GPT-2's layout: the families with
+  ``hand_sequenced``), kept as the baseline the tape path is checked and timed against.
 """
 import math
 
 import numpy as np
 
 from adtape import buffers
-from gpt2.config import GPT2Config, LlamaConfig
+from gpt2 import families
 from gpt2.params import ParamArena, init_params_
 from kernels import attention, layers, loss as loss_kernels, matmul, optim, threads
 
@@ -69,19 +70,20 @@ class ActivationArena:
 OFFLOAD_POLICIES = (None, "moments", "all")
 
 
-class GPT2:
-    """A model of either family (``GPT2Config`` or ``LlamaConfig``) with its gradients and
-    AdamW state, each one arena.  Only GPT-2 has the hand-sequenced engine."""
+class Model:
+    """A model of any family (its config: ``GPT2Config``, ``LlamaConfig``, ...) with its
+    gradients and AdamW state, each one arena.  Only the families with ``hand_sequenced``
+    (GPT-2) have the hand-sequenced engine."""
 
     def __init__(self, config, seed=0, engine="tape", tape_kwargs=None, checkpointing="none",
                  snapshots=2, offload=None, offload_dir=None):
-        if not isinstance(config, (GPT2Config, LlamaConfig)):
-            raise TypeError(f"config must be a GPT2Config or LlamaConfig, got "
-                            f"{type(config).__name__}")
+        family = families.family_of(config)
         if engine not in ("tape", "manual"):
             raise ValueError(f"engine must be 'tape' or 'manual', got {engine!r}")
-        if engine == "manual" and config.family != "gpt2":
-            raise ValueError(f"the hand-sequenced engine is GPT-2's; a {config.family} model "
+        if engine == "manual" and not family.hand_sequenced:
+            owners = " and ".join(f"{f.title}'s" for f in families.families()
+                                  if f.hand_sequenced)
+            raise ValueError(f"the hand-sequenced engine is {owners}; a {config.family} model "
                              f"runs on engine='tape'")
         if checkpointing not in ("none", "layer", "binomial"):
             raise ValueError(f"checkpointing must be 'none', 'layer' or 'binomial', "
@@ -94,6 +96,7 @@ class GPT2:
         if offload == "all" and (engine != "tape" or checkpointing != "none"):
             raise ValueError("offload='all' runs on engine='tape' without checkpointing")
         self.config = config
+        self.family = family
         self.params = ParamArena(config)
         init_params_(self.params, seed)
         self.grads = None if offload == "all" else ParamArena(config)
@@ -176,7 +179,7 @@ class GPT2:
         """Logits (B, T, Vp) - a view valid until the next call - and the mean loss if targets."""
         inputs, targets = self.check_batch(inputs, targets)
         self.finish_update()
-        if self.config.family != "gpt2" or self.offload == "all":
+        if not self.family.hand_sequenced or self.offload == "all":
             return self._forward_tape(inputs, targets)
         B, T = inputs.shape
         a = self._activations(B, T)
@@ -414,6 +417,10 @@ class GPT2:
         layers.encoder_backward(g.wte, g.wpe, dres, inputs, overwrite=(False, fresh))
 
 
+# The name it had when GPT-2 was the only family.
+GPT2 = Model
+
+
 def time_training_step(config, B, T, repeats=3, engine="tape", seed=0, **model_kwargs):
     """Measure a full training step (zero grad, forward, backward, AdamW) on random tokens.
 
@@ -424,7 +431,7 @@ def time_training_step(config, B, T, repeats=3, engine="tape", seed=0, **model_k
     import resource
     import time
 
-    model = GPT2(config, seed=seed, engine=engine, **model_kwargs)
+    model = Model(config, seed=seed, engine=engine, **model_kwargs)
     rng = np.random.default_rng(seed)
     x = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)

@@ -1,22 +1,21 @@
-"""Parameter layout of either family (the config's ``param_shapes``), the one-allocation
+"""Parameter layout of any family (the config's ``param_shapes``), the one-allocation
 arena and GPT-2-style initialization."""
 import math
 
 import numpy as np
 
 from adtape import buffers
-from gpt2.config import GPT2Config, LlamaConfig
+from gpt2.families import family_of
+from gpt2.families.gpt2 import GPT2Config
 
 # GPT-2's parameter names in llm.c order, and those with one slice per block.
 PARAM_NAMES = ("wte", "wpe", *GPT2Config.per_layer, "lnfw", "lnfb")
 PER_LAYER = GPT2Config.per_layer
 INIT_STD = 0.02
-CONFIG_TYPES = (GPT2Config, LlamaConfig)
 
 
 def _check_config(config):
-    if not isinstance(config, CONFIG_TYPES):
-        raise TypeError(f"config must be a GPT2Config or LlamaConfig, got {type(config).__name__}")
+    family_of(config)       # a TypeError for anything but a registered family's config
 
 
 def param_shapes(config):
@@ -63,7 +62,7 @@ def layer_major_offsets(config):
 
 
 class ParamArena:
-    """All GPT-2 parameters (or gradients, or optimizer moments) in ONE float32 buffer.
+    """All parameters of a model (or gradients, or optimizer moments) in ONE float32 buffer.
 
     ``flat`` is the 1-D buffer; ``views[name]`` (also ``arena.name``) are shaped views into it,
     so zeroing, copying or an optimizer update over everything is one operation on ``flat``.

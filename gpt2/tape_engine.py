@@ -1,6 +1,6 @@
-"""The AD engine of both families: the forward pass in adtape ops, the backward pass
+"""The AD engine of every family: the forward pass in adtape ops, the backward pass
 derived by the tape.  A family differs only in its ``embed``, ``block`` and ``head``
-(``GPT2Ops`` here, ``gpt2.llama.LlamaOps``).
+(its ops, ``gpt2.families``).
 
 Every parameter is a leaf ``Tensor`` over a view of the model's parameter arena,
 whose ``.grad`` is the matching view of the gradient arena, so the reverse sweep
@@ -21,7 +21,7 @@ from adtape import nn
 from kernels import _openmp
 from adtape.checkpointing import checkpoint, checkpoint_loop
 from adtape.tensor import OpTape, Primitive, Tensor, apply_deferred_zero, defvjp
-
+from gpt2.families import family_of
 
 
 def _marker_fwd(x, on_backward):
@@ -48,40 +48,8 @@ def _leaf(value, grad):
     return t
 
 
-class GPT2Ops:
-    """GPT-2's ``embed``, ``block`` and ``head`` (``gpt2.llama.LlamaOps`` is Llama's)."""
-
-    def __init__(self, config):
-        self.config = config
-
-    def embed(self, inputs, leaves):
-        return nn.encoder(inputs, leaves["wte"], leaves["wpe"])
-
-    def block(self, w, x):
-        """Transformer block: pre-norm attention and MLP, each with a residual."""
-        h = nn.layernorm(x, w["ln1w"], w["ln1b"])
-        qkv = nn.linear(h, w["qkvw"], w["qkvb"])
-        a = nn.attention(qkv, self.config.n_head)
-        x = nn.residual(x, nn.linear(a, w["attprojw"], w["attprojb"]))
-        h = nn.layernorm(x, w["ln2w"], w["ln2b"])
-        h = nn.gelu(nn.linear(h, w["fcw"], w["fcb"]))
-        return nn.residual(x, nn.linear(h, w["fcprojw"], w["fcprojb"]))
-
-    def head(self, x, leaves):
-        h = nn.layernorm(x, leaves["lnfw"], leaves["lnfb"])
-        return nn.linear(h, leaves["wte"], None)
-
-
-def family_ops(config):
-    """The embed/block/head ops of ``config``'s family."""
-    if config.family == "llama":
-        from gpt2.llama import LlamaOps
-        return LlamaOps(config)
-    return GPT2Ops(config)
-
-
 class TapeEngine:
-    """Loss and gradient of a ``GPT2`` through the AD runtime."""
+    """Loss and gradient of a ``Model`` through the AD runtime."""
 
     def __init__(self, model, tape_kwargs=None, checkpointing="none", snapshots=2):
         self.model = model
@@ -118,7 +86,7 @@ class TapeEngine:
             self.layers = [{name: _leaf(p.views[name][l], g.views[name][l])
                             for name in per_layer}
                            for l in range(self.config.n_layer)]
-        self.ops = family_ops(self.config)
+        self.ops = family_of(self.config).ops(self.config)
         self.last_forward_bytes = 0    # residual bytes saved by the last forward pass
         if model.moments is not None:
             # One disk queue: the offloaded state moves through this tape's I/O thread,

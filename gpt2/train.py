@@ -1,4 +1,5 @@
-"""Train GPT-2 on the CPU: the gpt2-train command, or python -m gpt2.train.
+"""Train a decoder-only transformer (GPT-2, the Llama family) on the CPU: the gpt2-train
+command, or python -m gpt2.train.
 
 With no arguments it trains a small byte-level GPT-2 on a built-in corpus (the Python
 standard library's own source files, so nothing is downloaded), shows loss, tokens/s and
@@ -167,15 +168,15 @@ def fraction(text):
 
 
 def build_parser(prog=None):
-    from gpt2.config import ALL_PRESETS
+    from gpt2 import families
     p = OneLineErrorParser(prog=prog or program_name(), description=__doc__,
                                 epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", choices=tuple(ALL_PRESETS), default=None, metavar="PRESET",
-                   help=f"the model: GPT-2 ({', '.join(p for p, c in ALL_PRESETS.items() if c.family == 'gpt2')}; "
-                        f"gpt2 is the 124M GPT-2) or the Llama family "
-                        f"({', '.join(p for p, c in ALL_PRESETS.items() if c.family == 'llama')}) "
+    presets = " or ".join(f"{f.title} ({', '.join(f.presets)})" for f in families.families())
+    m.add_argument("--model", choices=tuple(families.all_presets()), default=None,
+                   metavar="PRESET",
+                   help=f"the model: {presets}; gpt2 is the 124M GPT-2 "
                         f"(default: {DEFAULT_MODEL}, or the sizes of --init-from or --resume, "
                         f"which it must match if given)")
     m.add_argument("--init-from", default=None, metavar="PATH",
@@ -1126,7 +1127,7 @@ def _model_config(args, explicit, resumed):
 def _train(args, inputs, n_threads, comm=None):
     """The training run proper, with threads and floating-point mode already set."""
     from adtape import TapeCorruptionError
-    from gpt2.model import GPT2
+    from gpt2.model import Model
     if inputs.plan is not None:
         print(f"--max-memory {args.max_memory:,} bytes: {inputs.plan.describe()}", flush=True)
         policy = inputs.plan.engine_kwargs()
@@ -1139,7 +1140,7 @@ def _train(args, inputs, n_threads, comm=None):
     if args.spill_dir is not None:
         tape_kwargs["spill_dir"] = args.spill_dir
     with blame("model"):
-        model = GPT2(inputs.config, seed=args.seed, engine=args.engine, tape_kwargs=tape_kwargs,
+        model = Model(inputs.config, seed=args.seed, engine=args.engine, tape_kwargs=tape_kwargs,
                      checkpointing=args.checkpointing, snapshots=args.snapshots,
                      offload=None if args.offload == "none" else args.offload,
                      offload_dir=args.spill_dir)

@@ -23,6 +23,7 @@ import adtape
 import gpt2
 from gpt2 import hf
 from gpt2.config import LlamaConfig
+from gpt2.families.llama import hf_tensors
 from gpt2.train import main
 
 PACKAGE_ROOTS = os.pathsep.join({os.path.dirname(os.path.dirname(m.__file__))
@@ -75,7 +76,7 @@ def assert_loads_identically(directory):
         np.testing.assert_array_equal(state["transformer.wte.weight"],
                                       ours.wte[:ours.config.vocab_size])
         return ours
-    for name, (key, layer, piece, _) in hf._llama_expected(ours.config).items():
+    for name, (key, layer, piece, _) in hf_tensors(ours.config).items():
         view = ours.views[key] if layer is None else ours.views[key][layer]
         np.testing.assert_array_equal(state[name], view[piece], err_msg=name)
     return ours

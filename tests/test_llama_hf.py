@@ -15,6 +15,7 @@ import transformers
 
 from gpt2 import hf
 from gpt2.config import GPT2Config, LLAMA_PRESETS, LlamaConfig
+from gpt2.families.llama import hf_tensors
 from gpt2.model import GPT2
 from gpt2.params import ParamArena, init_params_
 
@@ -86,7 +87,7 @@ def hf_grads(model, config):
     """transformers' parameter gradients packed into our layout (an arena)."""
     grads = ParamArena(config)
     named = dict(model.named_parameters())
-    for key, (ours, layer, piece, _) in hf._llama_expected(config).items():
+    for key, (ours, layer, piece, _) in hf_tensors(config).items():
         view = grads.views[ours] if layer is None else grads.views[ours][layer]
         view[piece] = named[key].grad.numpy()
     if config.tie_embeddings and "lm_head.weight" in named and named["lm_head.weight"] is not \

@@ -409,6 +409,7 @@ def measure_disk(path, max_bytes, max_seconds=10.0, chunk=4 << 20):
 # (OpenBLAS maps 64 MiB and touches what the operands' sizes need: 38 MiB at 512 tokens,
 # all of it from 1024 on this Zen 4).
 BASELINE_GEMM = (1024, 768, 50257)     # tokens, input width, output width
+BASELINE_MODEL = "tiny"                # the preset of the baseline's training step
 
 
 def measure_baseline_rss(threads=None):
@@ -418,9 +419,9 @@ def measure_baseline_rss(threads=None):
     code = ("import numpy as np, psutil\n"
             "from kernels import threads, matmul\n"
             f"threads.set_num_threads({threads!r})\n"
-            "from gpt2.config import GPT2Config\n"
-            "from gpt2.model import GPT2\n"
-            "model = GPT2(GPT2Config.preset('tiny'), seed=0)\n"
+            "from gpt2.families import preset\n"
+            "from gpt2.model import Model\n"
+            f"model = Model(preset({BASELINE_MODEL!r}), seed=0)\n"
             "ids = np.zeros((1, 8), np.int32)\n"
             "model.train_step(ids, ids, lr=1e-4, weight_decay=0.1)\n"
             f"N, C, OC = {BASELINE_GEMM!r}\n"

@@ -34,7 +34,7 @@ def build_parser():
     p = argparse.ArgumentParser(prog="python -m gpt2.perfmodel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", help="a preset of gpt2.config, either family: gpt2, small, tiny, "
+    m.add_argument("--model", help="a preset of any family (gpt2.families): gpt2, small, tiny, "
                                     "smollm2-135m, tinyllama-1.1b, llama-3.2-1b, ...")
     m.add_argument("--n-layer", type=int)
     m.add_argument("--n-head", type=int)
@@ -132,7 +132,8 @@ def setup_from_args(args):
 
 def run_plan(args):
     """Print the memory planner's table for the model and (B, T) of ``args``."""
-    from gpt2.config import GPT2Config, preset
+    from gpt2.families import preset
+    from gpt2.families.gpt2 import GPT2Config
     from .plan import plan_memory
     if args.max_memory is None:
         raise ValueError("--plan needs --max-memory SIZE (e.g. 8G)")
@@ -140,6 +141,7 @@ def run_plan(args):
     if args.model:
         config = preset(args.model)
     else:
+        # The size flags describe ModelSpec's default layout, which is GPT-2's.
         config = GPT2Config(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size, spec.block_size)
     plan = plan_memory(config, args.batch, args.seq, args.max_memory, hardware=args.hardware or "this-machine",
                        spill_dir=args.spill_dir, threads=args.threads, flash=args.flash)

@@ -1,4 +1,4 @@
-"""Memory planner: the fastest way the tape engine can train GPT-2 within a memory limit.
+"""Memory planner: the fastest way the tape engine can train a model within a memory limit.
 
 ``plan_memory(config, B, T, max_memory)`` lists the engine's memory policies -
 everything in memory; a tape budget, past which saved activations spill to disk and are
@@ -100,7 +100,7 @@ class MemoryPlan:
                 f"{format_size(self.predicted_peak_bytes)} of {format_size(self.max_memory)}")
 
     def engine_kwargs(self):
-        """Keyword arguments of ``GPT2(config, engine="tape", **kwargs)`` that run this plan."""
+        """Keyword arguments of ``Model(config, engine="tape", **kwargs)`` that run this plan."""
         tape_kwargs = {}
         if self.tape_budget is not None:
             tape_kwargs["memory_budget"] = self.tape_budget

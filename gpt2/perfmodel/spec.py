@@ -2,9 +2,10 @@
 
 ``ModelSpec`` is a decoder-only transformer whose family differences are data: GPT-2
 (llm.c parameter layout: LayerNorm, learned positions, GELU MLP, biases, tied head,
-optionally mixture-of-experts MLPs) by default; the Llama family (RMSNorm, rotary
-positions, grouped-query attention, SwiGLU MLP, no biases but Qwen2's on q/k/v, tied or
-untied head) with ``ModelSpec.from_config(LlamaConfig)``.  ``ParallelConfig`` holds every distributed-training
+optionally mixture-of-experts MLPs) by default; any family's config with
+``ModelSpec.from_config(config)``, whose fields its family gives (the Llama family: RMSNorm,
+rotary positions, grouped-query attention, SwiGLU MLP, no biases but Qwen2's on q/k/v, tied
+or untied head).  ``ParallelConfig`` holds every distributed-training
 feature; each one at its neutral value (size 1, stage 0, "none", False) switches its
 terms off exactly.
 """
@@ -73,15 +74,12 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config, **extra):
-        """From a model config: a GPT2Config (n_layer, n_head, n_embd, vocab_size, block_size)
-        or a LlamaConfig (family "llama": also its key/value heads, head size, MLP width,
-        tied head and q/k/v biases; RMSNorm, rotary positions, SwiGLU, no other biases)."""
-        fields = {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")}
-        if getattr(config, "family", "gpt2") == "llama":
-            fields.update(n_kv_head=config.n_kv_head, head_dim=config.head_dim,
-                          intermediate_size=config.intermediate_size, norm="rmsnorm", mlp="swiglu",
-                          positions="rope", tied_head=config.tie_embeddings, linear_bias=False,
-                          qkv_bias=config.qkv_bias)
+        """From a model config of any family, as its family describes it (``spec_fields``: a
+        GPT2Config's n_layer, n_head, n_embd, vocab_size and block_size; a LlamaConfig's also
+        its key/value heads, head size, MLP width, tied head and q/k/v biases, RMSNorm, rotary
+        positions, SwiGLU and no other biases); ``extra`` fields on top."""
+        from gpt2.families import family_of
+        fields = family_of(config).spec_fields(config)
         fields.update(extra)
         return cls(**fields)
 
