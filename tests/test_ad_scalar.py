@@ -46,7 +46,8 @@ def test_known_derivatives():
     assert gy == pytest.approx(0.7 * math.cos(1.3) - 0.49 / 1.69, rel=1e-14)
     value, g = ad.value_and_grad(lambda x: x * x * x)(2.0)
     assert (value, g) == (8.0, 12.0)
-    assert ad.grad(lambda x, y: y * 2.0, 0)(1.0, 3.0) == 0.0
+    with pytest.warns(UserWarning, match="Output seems independent of input"):
+        assert ad.grad(lambda x, y: y * 2.0, 0)(1.0, 3.0) == 0.0
 
 
 def test_a_million_scalar_operations_in_seconds():
