@@ -67,7 +67,7 @@ GiB = 1 << 30
 
 
 def parse_size(text):
-    from gpt2.train import parse_size as parse
+    from gpt2.units import parse_size as parse
     return parse(text)
 
 

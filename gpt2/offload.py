@@ -22,14 +22,9 @@ import numpy as np
 
 from adtape.statefile import StateFile, aligned_buffer
 from gpt2.params import layer_major_offsets, num_parameters, param_offsets
+from gpt2.units import FULL_WINDOW, SEGMENT_FLOATS, UNIT_BYTES, WINDOW  # noqa: F401
 from kernels import optim
 
-SEGMENT_FLOATS = 4 << 20     # 16 MiB per moment record at most
-UNIT_BYTES = 64 << 20        # m and v of the segments of one I/O unit
-WINDOW = 8                   # unit buffers: read ahead and written behind
-# FullOffload's unit buffers: a block's gradients and moments take four units (GPT-2
-# large), so eight let the next block's be read while this block's are written.
-FULL_WINDOW = 8
 
 
 def _stage_runs(stages):

@@ -40,8 +40,8 @@ import resource
 import tempfile
 import time
 
-SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-                 "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+from gpt2.units import SIZE_SUFFIXES, format_size, parse_size  # noqa: F401  (gpt2.train's names)
+
 DEFAULT_OUT_DIR = "gpt2_run"
 DEFAULT_MODEL = "small"
 LOG_FIELDS = ("step", "loss", "lr", "ms", "tokens_per_s", "grad_norm", "val_loss")
@@ -101,22 +101,6 @@ def program_name():
     """gpt2-train when run as the console script, python -m gpt2.train when run as a module."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     return "python -m gpt2.train" if name in ("", "-c", "train.py", "__main__.py") else name
-
-
-def parse_size(text):
-    """'512M', '2GiB', '1048576' -> bytes."""
-    s = text.strip().lower()
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    suffix = s[len(number):]
-    if suffix not in SIZE_SUFFIXES or not number:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)")
-    try:
-        value = float(number)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"a size must be finite and non-negative: {text!r}")
-    return int(value * SIZE_SUFFIXES[suffix])
 
 
 def positive_size(text):
@@ -490,7 +474,6 @@ def memory_policy(args, plan=None, from_checkpoint=()):
 
 def describe_memory_policy(args, plan=None, from_checkpoint=()):
     """The header line's words for ``memory_policy``."""
-    from gpt2.perfmodel.plan import format_size
     parts = []
     if args.tape_budget is not None:
         parts.append(f"tape budget {format_size(args.tape_budget)}, spilling to "
@@ -581,7 +564,6 @@ class TapeWatch:
 
     @staticmethod
     def describe_offload(o):
-        from gpt2.perfmodel.plan import format_size
         what = "AdamW moments" if o["state"] == "moments" else "model state"
         return (f"{what} on disk ({format_size(o['file_bytes'])} file, "
                 f"{format_size(o['window_bytes'])} window in RAM): per step "
@@ -591,7 +573,6 @@ class TapeWatch:
 
     @staticmethod
     def describe(t):
-        from gpt2.perfmodel.plan import format_size
         hits, misses = t["prefetch_hits_per_step"], t["prefetch_misses_per_step"]
         rate = f"{hits / (hits + misses):.0%}" if hits + misses else "-"
         return (f"tape (budget {format_size(t['memory_budget'])}): per step "

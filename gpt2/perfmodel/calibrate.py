@@ -709,7 +709,7 @@ def describe_link(profile):
 
 
 def _bytes(text):
-    from gpt2.train import parse_size
+    from gpt2.units import parse_size
     return parse_size(text)
 
 

@@ -90,7 +90,7 @@ def build_parser():
 
 
 def _size(text):
-    from gpt2.train import parse_size
+    from gpt2.units import parse_size
     return parse_size(text)
 
 

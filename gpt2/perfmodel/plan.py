@@ -34,7 +34,7 @@ from .graph import step_graph
 from .hardware import HardwareProfile, load_profile
 from .memory import loss_backward_bytes, saved_by_layer
 from .spec import ModelSpec, ParallelConfig, Workload
-from gpt2.offload import UNIT_BYTES, WINDOW
+from gpt2.units import UNIT_BYTES, WINDOW, format_size  # noqa: F401  (plan.format_size)
 
 FLOAT_BYTES = 4
 MODEL_STATE_ARENAS = 4          # parameters, gradients, AdamW m and v
@@ -131,15 +131,6 @@ class MemoryPlan:
         lines += [f"note: {n}" for n in self.notes]
         lines.append(self.describe())
         return "\n".join(lines)
-
-
-def format_size(n):
-    """Bytes as a short human-readable figure (binary units)."""
-    n = float(n)
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if abs(n) >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 class _Accounting:

@@ -1,0 +1,41 @@
+"""Sizes and the offload's I/O constants: what the command line, the planner and the
+offload share, with no import of the compiled extensions (``gpt2.perfmodel`` imports
+this, not ``gpt2.train`` or ``gpt2.offload``)."""
+import argparse
+import math
+
+SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+                 "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+# gpt2.offload's state file: records and the I/O units they are moved in.
+SEGMENT_FLOATS = 4 << 20     # 16 MiB per moment record at most
+UNIT_BYTES = 64 << 20        # m and v of the segments of one I/O unit
+WINDOW = 8                   # unit buffers: read ahead and written behind
+# FullOffload's unit buffers: a block's gradients and moments take four units (GPT-2
+# large), so eight let the next block's be read while this block's are written.
+FULL_WINDOW = 8
+
+
+def parse_size(text):
+    """'512M', '2GiB', '1048576' -> bytes."""
+    s = text.strip().lower()
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    suffix = s[len(number):]
+    if suffix not in SIZE_SUFFIXES or not number:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)")
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"a size must be finite and non-negative: {text!r}")
+    return int(value * SIZE_SUFFIXES[suffix])
+
+
+def format_size(n):
+    """Bytes as a short human-readable figure (binary units)."""
+    n = float(n)
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n:.0f} B"
