@@ -2,6 +2,7 @@
 below its code, the imports at module level form no cycle, and Tensor's operators are
 assigned in one place (adtape._operators, imported last by adtape/__init__)."""
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -98,9 +99,14 @@ print(" ".join(failed))
 """
 
 
-def test_each_module_imports_first_in_a_fresh_interpreter():
+def test_each_module_imports_first_in_a_fresh_interpreter(tmp_path):
+    import adtape
     modules = sorted(MODULES) + COMPILED
-    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST, *modules], cwd=ROOT,
+    # The installed package, run from outside the source tree (whose unbuilt adtape
+    # "-c" would put first on sys.path).
+    installed = os.path.dirname(os.path.dirname(adtape.__file__))
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST, *modules], cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=installed),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and not done.stdout.strip(), (
         f"these modules fail to import first: {done.stdout.strip()}\n{done.stderr}")
