@@ -117,8 +117,7 @@ def _product_forward(out, x, w, bias):
     if _precision == "fp32":
         _matmul.matmul_forward(out, x, w, bias)
         return x
-    xb = _buffers.empty(x.shape, np.uint16)
-    _bf16.to_bf16(xb, x)
+    xb = _product_input(x)
     _bf16.matmul_forward_bf16(out, xb, _bf16_weight(w), bias)
     return xb
 
