@@ -51,6 +51,23 @@ def cpu_name():
     return f"{name} ({core + ', ' if core else ''}family {family} model {model}, {avx})"
 
 
+# The flags that decide which kernels run: vector widths, bf16 dot products, AMX tiles.
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_flags():
+    """Which of KERNEL_FLAGS the CPU reports (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.partition(":")[2].split())
+                    return [flag for flag in KERNEL_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
 def git_commit():
     """The checkout's short commit hash, or None outside a git checkout."""
     try:

@@ -170,14 +170,20 @@ def make_adamw(model, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
                              weight_decay=weight_decay)
 
 
-def train_step(model, optimizer, inputs, targets):
+def train_step(model, optimizer, inputs, targets, autocast=None):
     """One timed training step: zero grads, forward, backward, AdamW update; returns the loss.
 
     inputs/targets: int64 torch tensors (B, T) from ``as_index_tensor``, converted once
-    outside the timed loop.
+    outside the timed loop.  ``autocast=torch.bfloat16``: PyTorch's mixed precision, the
+    forward and loss under ``torch.autocast("cpu", dtype)`` (float32 weights, gradients
+    and AdamW; the backward outside it, as PyTorch's recipe has it).
     """
     optimizer.zero_grad(set_to_none=True)
-    _, loss = model(inputs, targets)
+    if autocast is None:
+        _, loss = model(inputs, targets)
+    else:
+        with torch.autocast("cpu", dtype=autocast):
+            _, loss = model(inputs, targets)
     loss.backward()
     optimizer.step()
     return loss.item()

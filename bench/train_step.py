@@ -71,7 +71,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
-from _runinfo import compute_limit, cpu_name, git_commit, physical_peak  # noqa: E402
+from _runinfo import compute_limit, cpu_flags, cpu_name, git_commit, physical_peak  # noqa: E402
 from kernels import blas_dispatch  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -83,6 +83,12 @@ ENGINES = ("tape", "manual")
 # The Llama family: our tape engine, PyTorch eager, transformers' model.
 LLAMA_SIDES = ("tape", "torch", "hf")   # hf: transformers' model
 LLAMA_LOSS_TOLERANCE = 1e-4
+# --precision both: ours with bf16 products ("bf16") and PyTorch under
+# torch.autocast("cpu", torch.bfloat16) ("autocast"), beside the float32 sides.  Their
+# first-step losses must agree with the float32 ones within this relative tolerance
+# (bf16 operands move GPT-2's initial loss by about 1e-4 of its value).
+BF16_SIDES = ("bf16", "autocast")
+BF16_LOSS_TOLERANCE = 1e-2
 # --long-steps applies from this many tokens per step: SmolLM2-135M's (4, 1024) takes
 # 20-60 s per step per side on 2 cores.
 LONG_TOKENS = 4096
@@ -152,6 +158,9 @@ def build_parser():
                    help="comma-separated BxT list instead of the grid")
     p.add_argument("--ftz", choices=("both", "on", "off"), default="both",
                    help="flush-to-zero passes: both (on, then off), or one of them")
+    p.add_argument("--precision", choices=("fp32", "both"), default="fp32",
+                   help="fp32: float32 sides only; both: also ours with --precision bf16 "
+                        "and PyTorch under bf16 autocast, in the same interleaved run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker", choices=("step", "limits"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--B", type=positive_int, default=None, help=argparse.SUPPRESS)
@@ -310,14 +319,15 @@ def limits_line(limits):
 
 # -- worker: one (B, T) configuration ------------------------------------------------
 
-def memory_estimate(config, B, T, engines):
+def memory_estimate(config, B, T, engines, n_torch=1):
     """Bytes the worker would touch: per side four parameter-sized arenas plus activations.
 
     Ours: the manual engine's ActivationArena, whose size is B*(a*T + b*T^2) floats
     (b: any T x T buffers; none since attention keeps log-sum-exps), read off two
     small arenas (T = 16 and 32: every buffer a whole number of the arena's 16-float
     padding, so the fit is exact); the tape engine saves the same activations.
-    PyTorch: the same minus any T x T buffers plus the log-softmax copy of the logits.
+    PyTorch: the same minus any T x T buffers plus the log-softmax copy of the logits,
+    for each of its ``n_torch`` models.
     """
     from gpt2.model import ActivationArena
     _, n_layout = model_sizes(config)
@@ -328,7 +338,7 @@ def memory_estimate(config, B, T, engines):
     ours_acts = 4 * B * (lin * T + quad * T * T)
     arenas = 4 * 4 * n_layout
     torch_acts = ours_acts - 4 * B * quad * T * T + 4 * B * T * config.padded_vocab_size
-    return len(engines) * (arenas + ours_acts) + arenas + torch_acts
+    return len(engines) * (arenas + ours_acts) + n_torch * (arenas + torch_acts)
 
 
 def check_flush(ftz, torch):
@@ -448,6 +458,38 @@ def timed_steps(result, steps, sides, warm_loss, args, torch):
     result["seconds"] = times
 
 
+def bf16_sides(args, torch, ours, baseline, step_ours, t_inputs, t_targets):
+    """The --precision both sides: {"bf16": a step of ``ours`` with bf16 products,
+    "autocast": a step of ``baseline`` (a PyTorch model, float32 weights) under
+    torch.autocast("cpu", torch.bfloat16)}; empty for --precision fp32."""
+    if args.precision == "fp32":
+        return {}
+    import torch_gpt2
+    from adtape import nn
+    optimizer = torch_gpt2.make_adamw(baseline, lr=LR, betas=BETAS, eps=EPS,
+                                      weight_decay=args.weight_decay)
+
+    def bf16():
+        previous = nn.set_precision("bf16")
+        try:
+            return step_ours(ours)
+        finally:
+            nn.set_precision(previous)
+    return {"bf16": bf16,
+            "autocast": lambda: torch_gpt2.train_step(baseline, optimizer, t_inputs, t_targets,
+                                                      autocast=torch.bfloat16)}
+
+
+def check_bf16_losses(warm_loss, reference):
+    """The bf16 sides' first-step losses against the float32 ``reference`` side's."""
+    for s in BF16_SIDES:
+        if s in warm_loss and (abs(warm_loss[s] - warm_loss[reference])
+                               > BF16_LOSS_TOLERANCE * abs(warm_loss[reference])):
+            raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
+                               f"{reference}'s ({warm_loss[reference]:.6f}) by more than "
+                               f"{BF16_LOSS_TOLERANCE:.0%}")
+
+
 def run_step_worker(args):
     if args.model != "gpt2":
         return run_llama_worker(args)
@@ -463,9 +505,11 @@ def run_step_worker(args):
     config = GPT2Config.preset("gpt2")
     engines = [e for e in ENGINES
                if e != "tape" or importlib.util.find_spec("gpt2.tape_engine") is not None]
-    result = {"B": B, "T": T, "ftz": ftz, "threads": n, "engines": engines}
-    if too_big(result, memory_estimate(config, B, T, engines),
-               f"{len(engines)} engine(s) of ours + PyTorch"):
+    both = args.precision == "both"
+    result = {"B": B, "T": T, "ftz": ftz, "threads": n, "engines": engines,
+              "precision": args.precision}
+    if too_big(result, memory_estimate(config, B, T, engines + ["bf16"] * both, 1 + both),
+               f"{len(engines) + both} model(s) of ours + {1 + both} of PyTorch"):
         return result
     result["flush_check_before"] = check_flush(ftz, torch)
 
@@ -484,10 +528,17 @@ def run_step_worker(args):
                                                   grad_clip=None)[0])
              for e in engines}
     steps["torch"] = lambda: torch_gpt2.train_step(t_model, t_opt, t_inputs, t_targets)
-    sides = engines + ["torch"]
+    if both:
+        models["bf16"] = GPT2(config, seed=args.seed)
+        steps.update(bf16_sides(
+            args, torch, models["bf16"], torch_gpt2.build_model(config, first.params),
+            lambda m: m.train_step(inputs, targets, LR, weight_decay=args.weight_decay,
+                                   grad_clip=None)[0], t_inputs, t_targets))
+    sides = list(steps)
 
     warm_loss = {s: steps[s]() for s in sides}
-    for s in sides:
+    check_bf16_losses(warm_loss, "torch")
+    for s in engines:
         if abs(warm_loss[s] - warm_loss["torch"]) > 1e-3 * abs(warm_loss["torch"]):
             raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
                                f"PyTorch's ({warm_loss['torch']:.6f}): the two sides do not "
@@ -499,14 +550,14 @@ def run_step_worker(args):
     return result
 
 
-def llama_memory_estimate(config, B, T):
+def llama_memory_estimate(config, B, T, n_sides=len(LLAMA_SIDES)):
     """Bytes a Llama worker would touch: the parameters, gradients and both moments of
     each of its three sides, plus one side's activations (each side frees its own after
     its backward): ours (``saved_floats`` per token and layer, the logits and their
     gradient) times LLAMA_ACTIVATION_FACTOR for the baselines' larger graphs."""
     _, n_layout = model_sizes(config)
     ours_acts = 4 * B * T * (config.n_layer * saved_floats(config) + 2 * config.padded_vocab_size)
-    return len(LLAMA_SIDES) * 4 * 4 * n_layout + LLAMA_ACTIVATION_FACTOR * ours_acts
+    return n_sides * 4 * 4 * n_layout + LLAMA_ACTIVATION_FACTOR * ours_acts
 
 
 class RssSampler:
@@ -546,10 +597,11 @@ def run_llama_worker(args):
     from gpt2.model import GPT2
 
     config = model_config(args.model)
-    sides = list(LLAMA_SIDES)
-    result = {"model": args.model, "B": B, "T": T, "ftz": ftz, "threads": n, "sides": sides}
-    if too_big(result, llama_memory_estimate(config, B, T),
-               "three sides' model states, one side's activations"):
+    sides = list(LLAMA_SIDES) + (list(BF16_SIDES) if args.precision == "both" else [])
+    result = {"model": args.model, "B": B, "T": T, "ftz": ftz, "threads": n, "sides": sides,
+              "precision": args.precision}
+    if too_big(result, llama_memory_estimate(config, B, T, len(sides)),
+               f"{len(sides)} sides' model states, one side's activations"):
         return result
     result["flush_check_before"] = check_flush(ftz, torch)
 
@@ -567,6 +619,12 @@ def run_llama_worker(args):
     for s in baselines:
         steps[s] = (lambda m=baselines[s], o=optimizers[s]:
                     torch_gpt2.train_step(m, o, t_inputs, t_targets))
+    if args.precision == "both":
+        model_bf16 = GPT2(config, seed=args.seed)
+        steps.update(bf16_sides(
+            args, torch, model_bf16, torch_llama.build_model(config, model.params),
+            lambda m: m.train_step(inputs, targets, LR, weight_decay=args.weight_decay)[0],
+            t_inputs, t_targets))
 
     # The warm-up step is the first step of each side from the same weights: the
     # same maths gives the same loss, to float32 rounding.
@@ -575,7 +633,8 @@ def run_llama_worker(args):
         with RssSampler() as sampler:
             warm_loss[s] = steps[s]()
         rss[s] = {"before": sampler.before, "peak": sampler.peak}
-    for s in sides[1:]:
+    check_bf16_losses(warm_loss, "tape")
+    for s in LLAMA_SIDES[1:]:
         if abs(warm_loss[s] - warm_loss["tape"]) > LLAMA_LOSS_TOLERANCE:
             raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
                                f"ours ({warm_loss['tape']:.6f}) by more than "
@@ -585,6 +644,8 @@ def run_llama_worker(args):
     result["warmup_rss_bytes"] = rss
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model.close()
+    if args.precision == "both":
+        model_bf16.close()
     return result
 
 
@@ -596,7 +657,8 @@ def run_worker(kind, args, extra, steps=None, timeout=3600):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind,
                "--threads", str(args.threads), "--steps", str(steps or args.steps),
                "--weight-decay", repr(args.weight_decay), "--seed", str(args.seed),
-               "--model", args.model, "--result-file", path, *extra]
+               "--model", args.model, "--precision", args.precision,
+               "--result-file", path, *extra]
         proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"worker {' '.join(extra) or kind} failed with exit code "
@@ -613,7 +675,8 @@ def write_records(path, model, records):
     except FileNotFoundError:
         kept = []
     blas = blas_dispatch.record()
-    records = [dict(r, **blas) for r in records]
+    cpu = {"cpu": cpu_name(), "cpu_flags": cpu_flags()}
+    records = [dict(r, **blas, **cpu) for r in records]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(kept + records, f, indent=1)
@@ -659,7 +722,32 @@ def summarize(raw, config, limits):
     }
     if "manual" in med and ours_engine != "manual":
         rec["manual_speedup"] = med["torch"] / med["manual"]
+    rec.update(bf16_fields(raw, flops, limits, "torch", ours_engine))
     return rec
+
+
+def bf16_fields(raw, flops, limits, torch_side, ours_side):
+    """--precision both: the bf16 sides' ms, GFLOP/s, share of the bf16 peak (the fp32
+    one where the CPU has no bf16 dot products) and paired ratios: PyTorch fp32 and
+    autocast over ours bf16, autocast over ours fp32.  {"precision": "fp32"} otherwise."""
+    sec = raw["seconds"]
+    if "bf16" not in sec:
+        return {"precision": "fp32"}
+    med = {s: 1e3 * statistics.median(sec[s]) for s in ("bf16", "autocast")}
+    peak = limits.get("bf16_peak_gflops") or compute_limit(limits)[0]
+
+    def paired(num, den):
+        return statistics.median(a / b for a, b in zip(sec[num], sec[den]))
+    return {"precision": "fp32+bf16", "bf16_ms": med["bf16"], "autocast_ms": med["autocast"],
+            "bf16_gflops": flops / (med["bf16"] / 1e3) / 1e9,
+            "bf16_share": flops / (med["bf16"] / 1e3) / (peak * 1e9),
+            "autocast_gflops": flops / (med["autocast"] / 1e3) / 1e9,
+            "torch_over_bf16_paired": paired(torch_side, "bf16"),
+            "autocast_over_bf16_paired": paired("autocast", "bf16"),
+            "autocast_over_ours_paired": paired("autocast", ours_side),
+            "ours_over_bf16_paired": paired(ours_side, "bf16"),
+            "bf16_first_step_loss": raw["warmup_loss"]["bf16"],
+            "autocast_first_step_loss": raw["warmup_loss"]["autocast"]}
 
 
 def summarize_llama(raw, config, limits):
@@ -698,6 +786,7 @@ def summarize_llama(raw, config, limits):
         "peak_rss_bytes": raw["peak_rss_bytes"],
         "warmup_peak_rss_bytes": {s: v["peak"] for s, v in raw["warmup_rss_bytes"].items()},
     })
+    rec.update(bf16_fields(raw, flops, limits, "torch", "tape"))
     return rec
 
 
@@ -719,6 +808,24 @@ def print_table(records, skipped):
               f"{100 * r['torch_share']:>6.1f}% {100 * r['sgemm_share']:>5.1f}% {r['bound']}")
     for s in skipped:
         print(f"{s['B']:>2} {s['T']:>5} {'on' if s['ftz'] else 'off':>3} skipped: {s['skipped']}")
+
+
+def print_bf16_table(records):
+    """--precision both: ours bf16 and PyTorch autocast beside the float32 sides."""
+    recs = [r for r in records if r.get("precision") == "fp32+bf16"]
+    if not recs:
+        return
+    head = (f"\n{'B':>2} {'T':>5} {'FTZ':>3} {'bf16 ms':>9} {'autocast ms':>11} "
+            f"{'torch/bf16':>10} {'autoc/bf16':>10} {'autoc/fp32':>10} {'fp32/bf16':>9} "
+            f"{'bf16 GF':>8} {'bf16 share':>10}")
+    print(head)
+    print("-" * (len(head) - 1))
+    for r in recs:
+        print(f"{r['B']:>2} {r['T']:>5} {'on' if r['ftz'] else 'off':>3} {r['bf16_ms']:>9.1f} "
+              f"{r['autocast_ms']:>11.1f} {r['torch_over_bf16_paired']:>9.2f}x "
+              f"{r['autocast_over_bf16_paired']:>9.2f}x {r['autocast_over_ours_paired']:>9.2f}x "
+              f"{r['ours_over_bf16_paired']:>8.2f}x {r['bf16_gflops']:>8.1f} "
+              f"{100 * r['bf16_share']:>9.1f}%")
 
 
 def print_table_llama(records, skipped):
@@ -888,6 +995,7 @@ def main(argv=None):
             records.append(rec)
     print()
     (print_table_llama if llama else print_table)(records, skipped)
+    print_bf16_table(records)
     n_matmul, n_layout = model_sizes(config)
     if llama:
         flops_formula = "6*N*B*T + 6*L*B*T^2*(n_head*head_dim)"
@@ -943,7 +1051,8 @@ def main(argv=None):
     meta = {"model": args.model, "threads": args.threads, "weight_decay": args.weight_decay,
             "lr": LR, "betas": BETAS, "eps": EPS, "steps": args.steps, "long_steps": args.long_steps,
             "long_tokens": LONG_TOKENS, "seed": args.seed,
-            "cpu": cpu_name(), "commit": git_commit(), **blas_dispatch.record(),
+            "cpu": cpu_name(), "cpu_flags": cpu_flags(), "precision": args.precision,
+            "commit": git_commit(), **blas_dispatch.record(),
             "n_matmul_params": n_matmul, "n_layout_floats": n_layout,
             "flops_formula": flops_formula, "bytes_formula": bytes_formula,
             "limits": limits, "limits_runs": limits_runs, "skipped": skipped, "workers": raws}

@@ -1,0 +1,166 @@
+"""The matrix products of a training step, each against the CPU's physical peak.
+
+  python bench/products.py [--model gpt2] [--tokens 64,512,4096] [--threads N]
+                           [--precision fp32|bf16|both] [--reps 5] [--out PATH]
+
+Every linear layer of the model (GPT-2: qkv, attention projection, fc, fc projection
+and the tied LM head; a Llama preset: q|k|v, o, gate|up, down and the head) at B*T =
+each of --tokens rows, three products each: the forward (out = x @ w.T, kernels.matmul
+or kernels.bf16), the weight gradient (dw = g.T @ x) and the whole backward (dx = g @ w
+and dw together, the call a step makes: 4*M*N*K FLOPs).  A product's rate is its FLOPs
+(2*M*N*K each) over the median of --reps timings (after one warm call); its share is
+that rate over the physical peak of the threads in use (kernels.peak: register-only
+multiply-adds, fp32 for fp32 products, the bf16 dot-product peak for bf16 ones where
+the CPU has one, fp32's where it emulates them).  SciPy's BLAS sgemm of the forward
+shape is a column beside it.  bf16 products take operands converted beforehand (the
+conversions are timed apart: ``conv ms``, the input's and the output gradient's).
+
+Writes bench/results/products.json (a record per precision, layer, rows and product)
+unless --out names another file.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import _paths  # noqa: F401  (import order: source if built in place, installed, bench/)
+from _runinfo import cpu_flags, cpu_name, git_commit, physical_peak
+from kernels import blas_dispatch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def layers(config):
+    """[(name, K inputs, N outputs)] of the model's linear layers."""
+    C = config.n_embd
+    if config.family == "gpt2":
+        return [("qkv", C, 3 * C), ("attproj", C, C), ("fc", C, 4 * C), ("fcproj", 4 * C, C),
+                ("head", C, config.padded_vocab_size)]
+    I = config.intermediate_size
+    return [("qkv", C, config.qkv_width), ("o", config.n_head * config.head_dim, C),
+            ("gateup", C, 2 * I), ("down", I, C), ("head", C, config.padded_vocab_size)]
+
+
+def median_seconds(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(precision, M, K, N, n, reps, rng):
+    """{product: seconds} of one layer at M rows in ``precision``."""
+    import numpy as np
+    from adtape import buffers
+    from scipy.linalg.blas import sgemm
+
+    from kernels import bf16, matmul
+    x, w, g = buffers.empty((M, K)), buffers.empty((N, K)), buffers.empty((M, N))
+    x[...] = rng.standard_normal((M, K), dtype=np.float32)
+    w[...] = rng.standard_normal((N, K), dtype=np.float32) * 0.02
+    g[...] = rng.standard_normal((M, N), dtype=np.float32) * 1e-3
+    out, dx, dw = buffers.empty((M, N)), buffers.empty((M, K)), buffers.empty((N, K))
+    if precision == "fp32":
+        fwd, bwd = matmul.matmul_forward, matmul.matmul_backward
+        xs, ws, conv = x, w, None
+    else:
+        xs, ws = buffers.empty((M, K), np.uint16), buffers.empty((N, K), np.uint16)
+        bf16.to_bf16(xs, x, n_threads=n)
+        bf16.to_bf16(ws, w, n_threads=n)
+        fwd, bwd = bf16.matmul_forward_bf16, bf16.matmul_backward_bf16
+        conv = median_seconds(lambda: bf16.to_bf16(xs, x, n_threads=n), reps)
+    t = {"forward": median_seconds(lambda: fwd(out, xs, ws, None, n_threads=n), reps)}
+    t["dw"] = median_seconds(lambda: bwd(None, dw, None, g, xs, ws, overwrite=True,
+                                         n_threads=n), reps)
+    both = median_seconds(lambda: bwd(dx, dw, None, g, xs, ws, overwrite=True, n_threads=n),
+                          reps)
+    t["backward"] = both
+    # SciPy's sgemm of out.T = w @ x.T in Fortran order: the same memory, no copies.
+    t["blas_forward"] = median_seconds(lambda: sgemm(1.0, w.T, x.T, trans_a=True), reps)
+    return t, conv
+
+
+def parse_tokens(text):
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens is a comma-separated list of row counts, "
+                                         f"got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"row counts must be positive, got {text!r}")
+    return values
+
+
+def main(argv=None):
+    from gpt2.config import preset
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt2")
+    p.add_argument("--tokens", type=parse_tokens, default=(64, 512, 4096))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if argv is None:
+        blas_dispatch.ensure()
+    import numpy as np
+    from kernels import _openmp, bf16, threads
+    n = args.threads or len(os.sched_getaffinity(0))
+    threads.set_num_threads(n)
+    _openmp.set_flush_denormal(True, n)
+    try:
+        config = preset(args.model)
+    except (KeyError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    peak = physical_peak(n)
+    precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
+    limit = {"fp32": peak["fp32_peak_gflops"],
+             "bf16": peak.get("bf16_peak_gflops") or peak["fp32_peak_gflops"]}
+    print(f"{args.model} products, {n} threads, {cpu_name()}; physical peak fp32 "
+          f"{limit['fp32']:.1f} GFLOP/s, bf16 "
+          + (f"{peak['bf16_peak_gflops']:.1f}" if peak.get("bf16_peak_gflops") else
+             "none (emulated: shares against fp32's)")
+          + f"; bf16 path {bf16.bf16_path()}; BLAS {blas_dispatch.record()}", flush=True)
+    head = (f"{'prec':>4} {'layer':>8} {'M':>5} {'K':>5} {'N':>6} {'fwd GF':>7} {'dW GF':>7} "
+            f"{'bwd GF':>7} {'fwd%':>5} {'dW%':>5} {'bwd%':>5} {'sgemm GF':>8} {'conv ms':>7}")
+    print(head)
+    print("-" * len(head))
+    rng = np.random.default_rng(0)
+    records = []
+    for precision in precisions:
+        for M in args.tokens:
+            for name, K, N in layers(config):
+                t, conv = measure(precision, M, K, N, n, args.reps, rng)
+                flops = 2.0 * M * N * K
+                gf = {k: flops * (2 if k == "backward" else 1) / s / 1e9 for k, s in t.items()}
+                share = {k: gf[k] / limit[precision] for k in ("forward", "dw", "backward")}
+                records.append({"model": args.model, "precision": precision, "layer": name,
+                                "M": M, "K": K, "N": N, "threads": n, "seconds": t,
+                                "gflops": gf, "share": share, "convert_seconds": conv,
+                                "peak_gflops": limit[precision]})
+                print(f"{precision:>4} {name:>8} {M:>5} {K:>5} {N:>6} {gf['forward']:>7.1f} "
+                      f"{gf['dw']:>7.1f} {gf['backward']:>7.1f} {100 * share['forward']:>4.0f}% "
+                      f"{100 * share['dw']:>4.0f}% {100 * share['backward']:>4.0f}% "
+                      f"{gf['blas_forward']:>8.1f} "
+                      + ("-" if conv is None else f"{1e3 * conv:.2f}").rjust(7), flush=True)
+    for precision in precisions:
+        shares = [min(r["share"].values()) for r in records if r["precision"] == precision]
+        print(f"{precision}: lowest share {100 * min(shares):.0f}%, median "
+              f"{100 * statistics.median(shares):.0f}% of the physical {precision} peak")
+    out = args.out or os.path.join(RESULTS, "products.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"cpu": cpu_name(), "cpu_flags": cpu_flags(), "commit": git_commit(),
+                   "threads": n, "peak": peak, "bf16_path": bf16.bf16_path(),
+                   **blas_dispatch.record(), "records": records}, f, indent=1)
+    print(f"wrote {os.path.relpath(out)}")
+
+
+if __name__ == "__main__":
+    main()
