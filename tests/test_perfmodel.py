@@ -282,3 +282,41 @@ def test_mfu_is_taken_against_the_physical_peak_where_the_profile_has_one(tmp_pa
     assert load_profile(str(path)) == physical
     with pytest.raises(ValueError, match="physical_peak_flops"):
         profile_from_dict(dict(old, physical_peak_flops={"fp32": 0.0}), "x")
+
+
+# -- the optimizer step: what the engine runs, at the rate calibration measured ----------
+
+ZEN4 = load_profile("zen4-2core-vm")
+
+
+def _optimizer_ops(ops):
+    return [op for op in ops if op.phase == "optim"]
+
+
+def test_tape_engine_step_graph_has_no_zero_grad_pass():
+    # The engines defer zeroing: the backward's first write overwrites each gradient
+    # (Model.zero_grad(deferred=True)), so no pass over the gradient arena is charged.
+    ops = _optimizer_ops(step_graph(GPT2, Workload(1, 64), ParallelConfig()))
+    assert [op.name for op in ops] == ["adamw"]
+    # Megatron's accounting zeroes its gradient buffer every iteration.
+    megatron = _optimizer_ops(step_graph(GPT2, Workload(1, 64), ParallelConfig(), GraphOptions("megatron")))
+    assert [op.name for op in megatron] == ["zero_grad", "adamw"]
+
+
+def test_optimizer_time_is_the_calibrated_kernel_time_where_measured():
+    from gpt2.perfmodel.graph import ADAMW_FLOPS
+    curve = ZEN4.kernel_efficiency["optimizer.optim"]
+    flops = ADAMW_FLOPS * GPT2.num_parameters()
+    measured = ZEN4.op_overhead + flops / (ZEN4.peak("fp32") * curve(flops))
+    for b, t in ((1, 64), (4, 256)):
+        est = estimate(GPT2, Workload(b, t), ParallelConfig(), ZEN4)
+        assert est.optimizer == pytest.approx(measured, rel=1e-12)
+    # Its bytes at the copy bandwidth would take longer: the measured time already pays them.
+    (adam,) = _optimizer_ops(step_graph(GPT2, Workload(1, 64), ParallelConfig()))
+    assert ZEN4.memory_time(adam.nbytes) > 2 * (measured - ZEN4.op_overhead)
+    # Without a measured optimizer curve the roofline bound stays.
+    assert estimate(GPT2, Workload(1, 64), ParallelConfig(), CPU).optimizer == pytest.approx(
+        CPU.op_overhead + CPU.memory_time(adam.nbytes), rel=1e-12)
+    fast = CPU.with_changes(kernel_efficiency={"optimizer.optim": EfficiencyCurve(0.5, 0.0)})
+    assert estimate(GPT2, Workload(1, 64), ParallelConfig(), fast).optimizer == pytest.approx(
+        fast.op_overhead + flops / (fast.peak("fp32") * 0.5), rel=1e-12)

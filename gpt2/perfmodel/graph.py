@@ -398,7 +398,7 @@ def step_graph(spec, workload, parallel, options=GraphOptions(), stage=0, sram_b
         for i in range(passes):
             recompute += [_as_recompute(op) for op in layer_fwd[layers[i % per_stage]]]
 
-    optim = optimizer_ops(spec, parallel, stage, workload)
+    optim = optimizer_ops(spec, parallel, stage, workload, options)
     return fwd + recompute + bwd + optim
 
 
@@ -425,18 +425,22 @@ def stage_parameters(spec, parallel, stage):
     return params
 
 
-def optimizer_ops(spec, parallel, stage, workload):
-    """Zeroing gradients and AdamW over the parameters this device updates."""
+def optimizer_ops(spec, parallel, stage, workload, options=GraphOptions()):
+    """AdamW over the parameters this device updates, and under the Megatron layout the
+    zeroing of the gradients before the step.  Our engines make no zeroing pass: the
+    zeroing is deferred (``Model.zero_grad(deferred=True)``), and the backward's first
+    write to each gradient overwrites it instead of adding to zeros."""
     params = stage_parameters(spec, parallel, stage)
     updated = params / parallel.dp if parallel.sharding >= 1 else params
     grad_bytes = workload.act_bytes
-    zero = Op("zero_grad", "optimizer", "optim", -1, 0.0, grad_bytes * params)
     # AdamW reads param, grad, m, v and writes param, m, v in fp32; with 16-bit training
     # it also writes the 16-bit copy of the parameters.
     extra = 2.0 if workload.act_bytes == 2 else 0.0
     adam = Op("adamw", "optimizer", "optim", -1, ADAMW_FLOPS * updated,
               (6 * 4 + grad_bytes + extra) * updated)
-    return [zero, adam]
+    if options.layout == "adtape":
+        return [adam]
+    return [Op("zero_grad", "optimizer", "optim", -1, 0.0, grad_bytes * params), adam]
 
 
 def palm_flops_per_token(n_params, n_layer, n_head, head_dim, seq_len):
