@@ -320,3 +320,114 @@ def test_optimizer_time_is_the_calibrated_kernel_time_where_measured():
     fast = CPU.with_changes(kernel_efficiency={"optimizer.optim": EfficiencyCurve(0.5, 0.0)})
     assert estimate(GPT2, Workload(1, 64), ParallelConfig(), fast).optimizer == pytest.approx(
         fast.op_overhead + flops / (fast.peak("fp32") * 0.5), rel=1e-12)
+
+
+# -- our engine's bf16 mode: bf16 products, linear inputs saved in bf16 --------------------
+
+BF16 = GraphOptions(precision="bf16")
+PRODUCT_INPUTS = ("qkv.input", "attproj.input", "fc.input", "fcproj.input", "lm_head.input")
+
+
+def _saved(ops):
+    return {s.name: s.nbytes for op in ops if op.phase == "fwd" for s in op.saved if op.layer in (-1, 0)}
+
+
+def test_bf16_saves_the_plain_linear_inputs_in_half_the_bytes():
+    fp32 = _saved(step_graph(GPT2, Workload(4, 64), ParallelConfig()))
+    bf16 = _saved(step_graph(GPT2, Workload(4, 64), ParallelConfig(), BF16))
+    assert set(fp32) == set(bf16)
+    for name, nbytes in fp32.items():
+        assert bf16[name] == (nbytes / 2 if name in PRODUCT_INPUTS else nbytes), name
+    # Llama: the fused down projection keeps gate|up in float32 (it recomputes swiglu).
+    from gpt2.config import preset
+    llama = ModelSpec.from_config(preset("smollm2-135m"))
+    fp32 = _saved(step_graph(llama, Workload(1, 64), ParallelConfig()))
+    bf16 = _saved(step_graph(llama, Workload(1, 64), ParallelConfig(), BF16))
+    halved = {n for n in fp32 if bf16[n] != fp32[n]}
+    assert halved == {"qkv.input", "attproj.input", "gateup.input", "lm_head.input"}
+    assert bf16["swiglu.gate_up"] == fp32["swiglu.gate_up"]
+
+
+def test_bf16_products_run_at_the_bf16_rate_or_fp32_where_the_profile_has_none():
+    flops = 2.0 * 1024 * 768 * 3072
+    assert "bf16" not in CPU.peak_flops and "bf16" not in ZEN4.peak_flops
+    assert CPU.matmul_time(flops, "fwd", "bf16") == CPU.matmul_time(flops, "fwd", "fp32")
+    assert CPU.mfu_peak("bf16") == CPU.mfu_peak("fp32")
+    fast = CPU.with_changes(peak_flops={"fp32": CPU.peak("fp32"), "bf16": 2 * CPU.peak("fp32")})
+    assert fast.matmul_time(flops, "fwd", "bf16") == pytest.approx(CPU.matmul_time(flops, "fwd", "fp32") / 2)
+    w = Workload(4, 256)
+
+    def matmul(est):
+        return sum(v for (_, c), v in est.compute.items() if c == "matmul")
+    fp32, same, doubled = (estimate(GPT2, w, ParallelConfig(), CPU), estimate(GPT2, w, ParallelConfig(), CPU, BF16),
+                           estimate(GPT2, w, ParallelConfig(), fast, BF16))
+    # The same rate: the conversions to bf16 cost a little on top.
+    assert fp32.step_time < same.step_time < 1.1 * fp32.step_time
+    assert matmul(doubled) < 0.6 * matmul(fp32) + (matmul(same) - matmul(fp32))
+    assert doubled.mfu == pytest.approx(doubled.model_flops / (doubled.step_time * fast.peak("bf16")))
+    # Everything but the products is the same.
+    for (phase, c), v in fp32.compute.items():
+        if c != "matmul":
+            assert same.compute[(phase, c)] == v
+    assert same.optimizer == fp32.optimizer
+
+
+def test_bf16_memory_estimate_is_smaller_with_the_weights_bf16_copies():
+    from gpt2.perfmodel.graph import product_weight_params
+    w = Workload(8, 1024)
+    fp32 = estimate(GPT2, w, ParallelConfig(), ZEN4).memory
+    bf16 = estimate(GPT2, w, ParallelConfig(), ZEN4, BF16).memory
+    copies = 2.0 * product_weight_params(GPT2, ParallelConfig(), 0)
+    C, L = GPT2.n_embd, GPT2.n_layer
+    assert copies == 2.0 * (L * 12 * C * C + GPT2.padded_vocab * C)
+    assert bf16.parameters == fp32.parameters + copies
+    assert (bf16.gradients, bf16.optimizer, bf16.workspace) == (fp32.gradients, fp32.optimizer, fp32.workspace)
+    N = 8 * 1024
+    assert fp32.activations - bf16.activations == pytest.approx(2.0 * N * (L * 7 * C + C))
+    assert bf16.total < fp32.total - 500e6
+    # Under a tape budget the smaller tape spills less and copies less.
+    budget = 2 << 30
+    p = ParallelConfig(tape_budget=budget)
+    spilled32, spilled16 = (estimate(GPT2, w, p, ZEN4), estimate(GPT2, w, p, ZEN4, BF16))
+    assert spilled16.memory.spilled < spilled32.memory.spilled and spilled16.tape_copy < spilled32.tape_copy
+
+
+def test_fp32_estimates_are_unchanged_by_the_precision_option():
+    for options in (GraphOptions(), GraphOptions(precision="fp32")):
+        a = estimate(GPT2, Workload(4, 256), ParallelConfig(recompute="per_layer"), ZEN4)
+        b = estimate(GPT2, Workload(4, 256), ParallelConfig(recompute="per_layer"), ZEN4, options)
+        assert (a.step_time, a.memory.total, a.compute) == (b.step_time, b.memory.total, b.compute)
+
+
+def test_precision_errors_name_the_allowed_values():
+    with pytest.raises(ValueError, match="must be one of fp32, bf16, got 'fp16'"):
+        GraphOptions(precision="fp16")
+    with pytest.raises(ValueError, match="layout 'adtape'"):
+        GraphOptions("megatron", precision="bf16")
+    with pytest.raises(ValueError, match="Workload.precision 'fp32'"):
+        step_graph(GPT2, Workload(1, 64, precision="bf16"), ParallelConfig(), BF16)
+
+
+def test_profiles_without_a_bf16_rate_load_and_calibration_measures_it(tmp_path):
+    data = ZEN4.to_dict()
+    assert "bf16" not in data["peak_flops"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = load_profile(str(path))
+    assert estimate(GPT2, Workload(1, 64), ParallelConfig(), old, BF16).step_time > 0
+    from gpt2.perfmodel.calibrate import measure_bf16_peak
+    pytest.importorskip("kernels.bf16")
+    assert measure_bf16_peak(256, 1) > 0
+
+
+def test_cli_precision(capsys):
+    args = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--vocab", "256", "--batch", "2", "--seq", "16"]
+    assert cli.main(args + ["--precision", "bf16"]) == 0
+    assert "bf16 products, fp32 values" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        cli.main(args + ["--precision", "fp8"])
+    assert str(info.value).startswith("error: ") and "\n" not in str(info.value)
+    assert cli.main(args + ["--plan", "--max-memory", "1G", "--hardware", "zen4-2core-vm",
+                            "--precision", "fp16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "fp32, bf16" in err[0]

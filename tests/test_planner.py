@@ -199,3 +199,32 @@ def test_disk_probe_measures_both_directions_and_leaves_nothing(tmp_path):
     assert write > 0 and read > 0
     assert method in ("O_DIRECT", "fsync + fadvise(DONTNEED)")
     assert os.listdir(tmp_path) == []
+
+
+def test_bf16_fits_in_memory_where_fp32_must_spill_or_checkpoint(profile):
+    fp32 = predict_policy(GPT2_124M, 8, 1024, hardware=profile)
+    bf16 = predict_policy(GPT2_124M, 8, 1024, hardware=profile, precision="bf16")
+    assert bf16.predicted_peak_bytes < fp32.predicted_peak_bytes
+    assert bf16.memory["activations"] < fp32.memory["activations"]
+    assert bf16.memory["bf16 weight copies"] > 0 and "bf16 weight copies" not in fp32.memory
+    limit = (fp32.predicted_peak_bytes + bf16.predicted_peak_bytes) // 2
+    plan32 = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile)
+    plan16 = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile, precision="bf16")
+    assert plan32.policy != "in-memory" and plan16.policy == "in-memory"
+    assert plan16.precision == "bf16" and "with bf16 products" in plan16.describe()
+    assert plan16.predicted_peak_bytes == bf16.predicted_peak_bytes <= limit
+    # The fp32 plan says what bf16 would do.
+    assert any("--precision bf16" in n and "fits in memory" in n for n in plan32.notes)
+    # At the least memory (nearly everything on disk) the weights' bf16 copies outweigh
+    # what the halved linear inputs save.
+    least32 = minimum_memory(GPT2_124M, 8, 1024, hardware=profile)
+    least16 = minimum_memory(GPT2_124M, 8, 1024, hardware=profile, precision="bf16")
+    assert least32 < least16 <= least32 + bf16.memory["bf16 weight copies"]
+
+
+def test_planner_precision_errors_name_the_allowed_values(profile):
+    for call in (lambda: plan_memory(TINY, 4, 64, HUGE, hardware=profile, precision="fp16"),
+                 lambda: predict_policy(TINY, 4, 64, hardware=profile, precision="fp16"),
+                 lambda: minimum_memory(TINY, 4, 64, hardware=profile, precision="fp16")):
+        with pytest.raises(ValueError, match="precision must be one of fp32, bf16, got 'fp16'"):
+            call()

@@ -11,7 +11,8 @@ this-machine``, ``--plan`` and ``gpt2-train --max-memory`` read; --output writes
 
 Measures, at GPT-2 124M's shapes at a few (B, T): float32 sgemm throughput through the
 kernels' gemm for the forward product and both backward products, the peak on a large
-square sgemm, the physical peak of the cores (kernels.peak: register-only multiply-add
+square sgemm and on the same product with bf16 operands (kernels.bf16, what
+``--precision bf16`` runs; the matmul curves are shared), the physical peak of the cores (kernels.peak: register-only multiply-add
 loops of every ISA the CPU has, all threads at once; what MFU is taken against), memory bandwidth by array size (copied by all the threads), the fixed cost
 of one kernel call and of one tape record, our kernels' throughput by op class
 (attention, layernorm, GELU, residual, embedding, loss, optimizer: whichever are built),
@@ -96,6 +97,25 @@ def measure_peak(size, repeats):
     a, b = _random(rng, size, size), _random(rng, size, size)
     c = np.empty_like(a)
     t = _median_times({"peak": lambda: gemm_rowmajor(c, a, b, trans_b=True)}, repeats)["peak"]
+    return 2.0 * size ** 3 / t
+
+
+def measure_bf16_peak(size, repeats):
+    """FLOP/s of the same large square product with bf16 operands and float32 sums, through
+    the kernels the bf16 mode runs (kernels.bf16.matmul_forward_bf16, operands converted
+    beforehand: the model charges the conversions apart); None where kernels.bf16 is not
+    built.  Where the CPU has no bf16 instructions this is the emulated path's rate."""
+    try:
+        from kernels import bf16
+    except ImportError:
+        return None
+    rng = np.random.default_rng(0)
+    a, b = _random(rng, size, size), _random(rng, size, size)
+    ab, bb = np.empty(a.shape, np.uint16), np.empty(b.shape, np.uint16)
+    bf16.to_bf16(ab, a)
+    bf16.to_bf16(bb, b)
+    c = np.empty_like(a)
+    t = _median_times({"peak": lambda: bf16.matmul_forward_bf16(c, ab, bb, None)}, repeats)["peak"]
     return 2.0 * size ** 3 / t
 
 
@@ -603,6 +623,7 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress):
     repeats = repeats or settings["repeats"]
     progress("peak")
     peak = measure_peak(settings["peak_size"], repeats)
+    bf16_peak = measure_bf16_peak(settings["peak_size"], repeats)
     physical, physical_figures = measure_physical_peak(threads, settings["peak_seconds"], min(repeats, 5))
     progress("matmuls")
     matmul_curves, gemm_rates = measure_matmuls(spec, configs, peak, repeats)
@@ -624,7 +645,7 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress):
         name=this_machine_name(threads, identity), kind="cpu",
         source=f"measured by python -m gpt2.perfmodel.calibrate{' --quick' if quick else ''} at {now} on "
                f"{identity['model_name']}, {threads} threads",
-        peak_flops={"fp32": peak}, memory_bandwidth=bandwidth,
+        peak_flops={"fp32": peak, **({"bf16": bf16_peak} if bf16_peak else {})}, memory_bandwidth=bandwidth,
         memory_capacity=float(psutil.virtual_memory().total), matmul_efficiency=matmul_curves,
         memory_efficiency=memory_curve, op_overhead=overhead, tape_overhead=tape_cost,
         disk_write_bandwidth=disk_write, disk_read_bandwidth=disk_read,
@@ -798,8 +819,9 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     save_profile(profile, output)
     physical = ", ".join(f"{p} {v / 1e9:.1f}" for p, v in profile.physical_peak_flops.items())
+    bf16 = profile.peak_flops.get("bf16")
     print(f"physical peak {physical or 'not measured'} GFLOP/s, peak sgemm {profile.peak('fp32') / 1e9:.1f} "
-          f"GFLOP/s, copy bandwidth "
+          f"GFLOP/s, bf16 product {f'{bf16 / 1e9:.1f} GFLOP/s' if bf16 else 'not measured'}, copy bandwidth "
           f"{profile.memory_bandwidth / 1e9:.2f} GB/s, kernel call {profile.op_overhead * 1e6:.2f} us, "
           f"tape record {profile.tape_overhead * 1e6:.2f} us, spill write {profile.disk_write_bandwidth / 1e9:.2f} "
           f"GB/s, read {profile.disk_read_bandwidth / 1e9:.2f} GB/s ({profile.calibration['disk_method']}, "

@@ -49,7 +49,12 @@ def build_parser():
     w.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
     w.add_argument("--seq", type=int, default=64)
     w.add_argument("--micro-batch", type=int, default=0)
-    w.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
+    w.add_argument("--precision", default="fp32",
+                   help="fp32 (default), or bf16: with --layout adtape (and --plan) our engine's bf16 mode "
+                        "(gpt2-train --precision bf16: the linear layers' products take bf16 operands at the "
+                        "profile's bf16 product rate, fp32's where it has none; linear inputs saved in bf16; "
+                        "everything else float32); with --layout megatron 16-bit mixed precision, as tf32 "
+                        "and fp16 are")
     w.add_argument("--layout", default="adtape", choices=["adtape", "megatron"],
                    help="which activations are saved (our tape's set, or Megatron's with dropout)")
     w.add_argument("--causal-flops", action="store_true", help="attention kernels skip the masked half")
@@ -118,7 +123,8 @@ def model_from_args(args):
 
 def setup_from_args(args):
     spec = model_from_args(args)
-    workload = Workload(args.batch, args.seq, args.micro_batch, args.precision)
+    engine_bf16 = args.layout == "adtape" and args.precision == "bf16"
+    workload = Workload(args.batch, args.seq, args.micro_batch, "fp32" if engine_bf16 else args.precision)
     parallel = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp,
                               interleave=args.interleave, zero_stage=args.zero, fsdp=args.fsdp,
                               recompute=args.recompute, checkpoints=args.checkpoints,
@@ -126,7 +132,8 @@ def setup_from_args(args):
                               overlap_dp_comm=args.layout == "adtape" if args.overlap_dp is None else args.overlap_dp,
                               dp_bucket_bytes=args.bucket_mb * (1 << 20),
                               tape_budget=args.tape_budget, overlap_spill_io=args.overlap_spill)
-    options = GraphOptions(layout=args.layout, causal_attention_flops=args.causal_flops)
+    options = GraphOptions(layout=args.layout, causal_attention_flops=args.causal_flops,
+                           precision="bf16" if engine_bf16 else "fp32")
     return spec, workload, parallel, load_profile(args.hardware or "generic-cpu", args.threads), options
 
 
@@ -144,7 +151,7 @@ def run_plan(args):
         # The size flags describe ModelSpec's default layout, which is GPT-2's.
         config = GPT2Config(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size, spec.block_size)
     plan = plan_memory(config, args.batch, args.seq, args.max_memory, hardware=args.hardware or "this-machine",
-                       spill_dir=args.spill_dir, threads=args.threads, flash=args.flash)
+                       spill_dir=args.spill_dir, threads=args.threads, flash=args.flash, precision=args.precision)
     if args.json:
         print(json.dumps({"chosen": plan.describe(), "engine_kwargs": plan.engine_kwargs(),
                           "candidates": [asdict(c) for c in plan.candidates], "notes": plan.notes}, indent=2))
@@ -167,7 +174,7 @@ def _fmt_bytes(n):
 def format_table(est, spec, workload, parallel, hardware):
     lines = [f"model: {spec.n_layer} layers, {spec.n_head} heads, C={spec.n_embd}, V={spec.vocab_size} "
              f"({spec.num_parameters() / 1e6:.1f}M params)   batch {workload.global_batch} x seq {workload.seq_len}"
-             f"   {workload.precision}   hardware: {hardware.describe()}",
+             f"   {est.details['products']}   hardware: {hardware.describe()}",
              f"parallel: dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} ep={parallel.ep} "
              f"sp={parallel.sequence_parallel} interleave={parallel.interleave} zero={parallel.sharding} "
              f"recompute={parallel.recompute} flash={parallel.flash_attention}"]
@@ -332,7 +339,7 @@ def main(argv=None):
                                                          ("seq", "seq", workload.seq_len)) if key != name]
         if name != "hardware":
             fixed.append(f"{hardware.name}{' (approximate)' if hardware.approximate else ''}")
-        plot_sweep(name, results, args.plot, ", ".join(fixed + [workload.precision]))
+        plot_sweep(name, results, args.plot, ", ".join(fixed + [results[0][1].details["products"]]))
         print(f"wrote {args.plot}")
     return 0
 

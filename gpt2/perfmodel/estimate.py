@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import collectives
-from .graph import GraphOptions, model_flops_per_token, stage_parameters, step_graph
+from .graph import GraphOptions, engine_bf16, model_flops_per_token, stage_parameters, step_graph
 from .memory import memory_breakdown
 
 
@@ -91,7 +91,13 @@ def op_time(op, hardware, precision):
     if curve is not None and op.op_class in MEASURED_WHOLE:
         return hardware.op_overhead + tape + compute
     memory = hardware.memory_time(op.nbytes)
-    return hardware.op_overhead + tape + max(compute, memory)
+    seconds = hardware.op_overhead + tape + max(compute, memory)
+    if op.convert_bytes or op.weight_convert_bytes:
+        # bf16 products: each conversion is a kernel call of its own, at the bandwidth.
+        calls = (op.convert_bytes > 0) + (op.weight_convert_bytes > 0)
+        seconds += calls * hardware.op_overhead + hardware.memory_time(op.convert_bytes) + hardware.memory_time(
+            op.weight_convert_bytes)
+    return seconds
 
 
 def _group_link(hardware, size, stride):
@@ -249,6 +255,9 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
     says."""
     hardware, ranks_per_node = device_view(hardware, parallel)
     n_micro = workload.num_micro_batches(parallel)
+    # The products' precision: our engine's bf16 mode keeps the values (activations,
+    # gradients: what the ranks exchange) in the workload's float32.
+    precision = "bf16" if engine_bf16(workload, options) else workload.precision
     stages = sorted({0, parallel.pp - 1} | ({parallel.pp // 2} if parallel.pp > 2 else set()))
     per_stage_layers = spec.n_layer // parallel.pp
     tp_time = _tensor_parallel_time(spec, workload, parallel, hardware, per_stage_layers)
@@ -261,7 +270,7 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
         compute = defaultdict(float)
         optimizer = 0.0
         for op in ops:
-            seconds = op_time(op, hardware, workload.precision)
+            seconds = op_time(op, hardware, precision)
             if op.phase == "optim":
                 optimizer += seconds
             else:
@@ -307,7 +316,8 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
         bubble=bubble, bubble_fraction=bubble_fraction, optimizer=optimizer, spill_io=spill_io,
         memory=memory, model_flops=model_flops_per_token(spec, workload.seq_len) * tokens,
         hardware_flops=hardware_flops, tokens=tokens, world_size=devices,
-        peak_flops=hardware.mfu_peak(workload.precision), tape_copy=tape_copy,
+        peak_flops=hardware.mfu_peak(precision), tape_copy=tape_copy,
         details={"stage": stage, "micro_batches": n_micro, "micro_batch_time": micro,
                  "data_parallel_unhidden": reduce + gather, "data_parallel_reduce": reduce,
-                 "data_parallel_gather": gather, "ranks_per_node": ranks_per_node})
+                 "data_parallel_gather": gather, "ranks_per_node": ranks_per_node,
+                 "products": "bf16 products, fp32 values" if options.precision == "bf16" else workload.precision})

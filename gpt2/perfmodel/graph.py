@@ -14,7 +14,14 @@ Two layouts of what is saved:
   tables (constants, by reference); the SwiGLU MLP's down projection (nn.swiglu_linear)
   keeps only gate|up and recomputes swiglu in its backward; our encoder adds a zero
   position row under rotary positions and keeps it; no dropout; activations in the
-  workload's precision.
+  workload's precision.  ``GraphOptions(precision="bf16")`` is our engine's bf16 mode
+  (``--precision bf16``, ``adtape.nn.set_precision("bf16")``; the workload's precision
+  stays fp32): everything stays float32 but the linear layers' products, which take
+  bf16 operands: a plain
+  linear layer saves its input as bf16 (2 bytes), converts it (and, once per forward
+  pass, its weight) before the product, and its backward converts the output's
+  gradient; the fused down projection keeps gate|up in float32 and converts the
+  recomputed swiglu output.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
   1-byte dropout masks after softmax, attention projection and MLP; attention split
   into QK^T, softmax, dropout, AV); this reproduces 34sbh + 5as^2b per layer.
@@ -24,6 +31,7 @@ Sizes: b micro-batch, s sequence, h hidden, a heads, t tensor-parallel size.
 from dataclasses import dataclass, field
 
 LAYOUTS = ("adtape", "megatron")
+ENGINE_PRECISIONS = ("fp32", "bf16")     # our engine's --precision (gpt2.precision), auto resolved
 OP_CLASSES = ("matmul", "attention", "layernorm", "elementwise", "embedding", "loss", "optimizer")
 
 # FLOPs per element of the non-matmul kernels (counted from the kernels' arithmetic).
@@ -59,6 +67,8 @@ class Op:
     saved: tuple = field(default_factory=tuple)
     tape_records: int = 0        # records the forward pushes on the tape (popped by backward)
     gemm_flops: float = 0.0      # FLOPs of its dense matrix products (what Megatron's formula counts)
+    convert_bytes: float = 0.0   # bf16 products: bytes its operands' conversions move (float32 read, bf16
+    weight_convert_bytes: float = 0.0   # written), of its inputs / of its weight (once per forward pass)
 
     @property
     def saved_bytes(self):
@@ -69,17 +79,64 @@ class Op:
 class GraphOptions:
     layout: str = "adtape"
     causal_attention_flops: bool = False   # count only the causal half of T x T (kernels that skip it)
+    precision: str = "fp32"                # our engine's products: "fp32", or "bf16" operands (adtape layout)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"GraphOptions.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        check_engine_precision(self.precision, "GraphOptions.precision")
+        if self.precision == "bf16" and self.layout != "adtape":
+            raise ValueError("GraphOptions.precision='bf16' is our engine's bf16 mode: it needs layout 'adtape' "
+                             "(for 16-bit training in Megatron's accounting, give Workload(precision='bf16'))")
+
+
+def check_engine_precision(precision, what="precision"):
+    """``precision`` if it is one of ``ENGINE_PRECISIONS``, else ValueError naming them."""
+    if precision not in ENGINE_PRECISIONS:
+        raise ValueError(f"{what} must be one of {', '.join(ENGINE_PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def engine_bf16(workload, options):
+    """Whether the step is our engine's bf16 mode: bf16 products, everything else float32
+    (then the workload's precision must be fp32: its values are)."""
+    if options.precision != "bf16":
+        return False
+    if workload.precision != "fp32":
+        raise ValueError(f"GraphOptions.precision='bf16' (our engine's bf16 products) keeps the values in float32: "
+                         f"it needs Workload.precision 'fp32', got {workload.precision!r}")
+    return True
+
+
+def value_bytes(workload, options):
+    """Bytes of an activation or gradient element: the workload's precision, float32 in our
+    engine's bf16 mode."""
+    return 4 if engine_bf16(workload, options) else workload.act_bytes
+
+
+def product_weight_params(spec, parallel, stage):
+    """Weights of the matrix products one device of ``stage`` runs (biases, norms and
+    position rows excluded; the LM head's weight on the last stage, tied or not): what
+    the bf16 mode keeps a bf16 copy of."""
+    C, W, A, F = spec.n_embd, spec.qkv_width, spec.n_head * spec.head_dim, spec.ffn_hidden
+    expert = C * (2 * F if spec.gated_mlp else F) + F * C
+    per_stage = spec.n_layer // parallel.pp
+    per_layer = C * W + A * C + max(spec.n_experts, 1) * expert + C * spec.n_experts
+    params = per_stage * per_layer
+    if spec.n_experts:
+        params -= per_stage * expert * spec.n_experts * (1 - 1 / parallel.ep)
+    params /= parallel.tp
+    if stage == parallel.pp - 1:
+        params += spec.padded_vocab * C / parallel.tp
+    return params
 
 
 class _Builder:
     """Emits the forward ops of one micro-batch and their backward twins."""
 
-    def __init__(self, spec, b, s, e, tp, sp, flash, options, sram_bytes):
+    def __init__(self, spec, b, s, e, tp, sp, flash, options, sram_bytes, bf16=False):
         self.spec, self.b, self.s, self.e = spec, b, s, e
+        self.bf16 = bf16
         self.tp, self.sp, self.flash, self.options = tp, sp, flash, options
         self.sram_bytes = sram_bytes
         self.N = b * s
@@ -95,6 +152,8 @@ class _Builder:
         saved: what the forward keeps instead of its input (a fused op's)."""
         e = self.e
         gemm = 2.0 * rows * fan_in * fan_out
+        if self.bf16:
+            return self._bf16_matmul(name, layer, rows, fan_in, fan_out, bias, input_shard, saved, gemm)
         if saved is None:
             saved = (Saved(f"{name}.input", e * rows * fan_in / input_shard),)
         fwd = Op(name, "matmul", "fwd", layer, gemm,
@@ -104,6 +163,25 @@ class _Builder:
                     e * (rows * fan_out + fan_in * fan_out + 2 * rows * fan_in), "bwd_input", gemm_flops=gemm)
         bwd_w = Op(name, "matmul", "bwd", layer, gemm + (rows * fan_out if bias else 0),
                    e * (rows * fan_out + rows * fan_in + 2 * fan_in * fan_out), "bwd_weight", gemm_flops=gemm)
+        return fwd, [bwd_in, bwd_w]
+
+    def _bf16_matmul(self, name, layer, rows, fan_in, fan_out, bias, input_shard, saved, gemm):
+        """``matmul`` in the bf16 mode (adtape.nn._product_forward / _product_backward): the
+        operands are read as bf16 (2 bytes), outputs and gradients written as float32;
+        the forward converts its input and weight (the latter once per forward pass; a
+        re-run does not), the backward the output's gradient."""
+        e, h = self.e, 2.0
+        if saved is None:
+            saved = (Saved(f"{name}.input", h * rows * fan_in / input_shard),)
+        b = fan_out if bias else 0
+        fwd = Op(name, "matmul", "fwd", layer, gemm, h * (rows * fan_in + fan_in * fan_out) + e * (rows * fan_out + b),
+                 "fwd", tuple(saved), 1 if saved else 0, gemm, convert_bytes=(e + h) * rows * fan_in,
+                 weight_convert_bytes=(e + h) * fan_in * fan_out)
+        bwd_in = Op(name, "matmul", "bwd", layer, gemm, h * (rows * fan_out + fan_in * fan_out) + 2 * e * rows * fan_in,
+                    "bwd_input", gemm_flops=gemm, convert_bytes=(e + h) * rows * fan_out)
+        bwd_w = Op(name, "matmul", "bwd", layer, gemm + (rows * fan_out if bias else 0),
+                   h * (rows * fan_out + rows * fan_in) + 2 * e * fan_in * fan_out + e * rows * fan_out * (1 if bias else 0),
+                   "bwd_weight", gemm_flops=gemm)
         return fwd, [bwd_in, bwd_w]
 
     def pointwise(self, name, op_class, layer, elems, fwd_flops, bwd_flops, fwd_rw, bwd_rw, saved=()):
@@ -262,6 +340,9 @@ class _Builder:
         if self.megatron:
             return [gateup, (swiglu_fwd, swiglu_bwd), self.matmul(f"{tag}down", layer, rows, hidden, C, bias=bias)]
         down = self.matmul(f"{tag}down", layer, rows, hidden, C, bias=bias, saved=[gate_up])
+        if self.bf16:
+            # Its backward converts the recomputed swiglu output for the weight's gradient.
+            down[1][1].convert_bytes += (e + 2.0) * elems
         recompute = Op(f"{tag}swiglu.recompute", "elementwise", "bwd", layer, SWIGLU_FWD_FLOPS * elems, e * 3 * elems)
         return [gateup, (swiglu_fwd, swiglu_bwd + [recompute]), down]
 
@@ -363,8 +444,9 @@ def step_graph(spec, workload, parallel, options=GraphOptions(), stage=0, sram_b
     if spec.n_head % parallel.tp:
         raise ValueError(f"n_head ({spec.n_head}) must be divisible by tp ({parallel.tp})")
     b = workload.micro_batch_size(parallel)
-    builder = _Builder(spec, b, workload.seq_len, workload.act_bytes, parallel.tp, parallel.sequence_parallel,
-                       parallel.flash_attention, options, sram_bytes)
+    builder = _Builder(spec, b, workload.seq_len, value_bytes(workload, options), parallel.tp,
+                       parallel.sequence_parallel, parallel.flash_attention, options, sram_bytes,
+                       engine_bf16(workload, options))
     per_stage = spec.n_layer // parallel.pp
     layers = range(stage * per_stage, (stage + 1) * per_stage)
     first, last = stage == 0, stage == parallel.pp - 1
@@ -403,8 +485,9 @@ def step_graph(spec, workload, parallel, options=GraphOptions(), stage=0, sram_b
 
 
 def _as_recompute(op):
+    """A forward op re-run: no records pushed, the weights' bf16 copies already made."""
     return Op(op.name, op.op_class, "recompute", op.layer, op.flops, op.nbytes, op.variant,
-              gemm_flops=op.gemm_flops)
+              gemm_flops=op.gemm_flops, convert_bytes=op.convert_bytes)
 
 
 def stage_parameters(spec, parallel, stage):
@@ -432,10 +515,11 @@ def optimizer_ops(spec, parallel, stage, workload, options=GraphOptions()):
     write to each gradient overwrites it instead of adding to zeros."""
     params = stage_parameters(spec, parallel, stage)
     updated = params / parallel.dp if parallel.sharding >= 1 else params
-    grad_bytes = workload.act_bytes
+    grad_bytes = value_bytes(workload, options)
     # AdamW reads param, grad, m, v and writes param, m, v in fp32; with 16-bit training
-    # it also writes the 16-bit copy of the parameters.
-    extra = 2.0 if workload.act_bytes == 2 else 0.0
+    # it also writes the 16-bit copy of the parameters (our bf16 mode converts the
+    # weights in the forward pass instead: the matmuls' weight_convert_bytes).
+    extra = 2.0 if grad_bytes == 2 else 0.0
     adam = Op("adamw", "optimizer", "optim", -1, ADAMW_FLOPS * updated,
               (6 * 4 + grad_bytes + extra) * updated)
     if options.layout == "adtape":

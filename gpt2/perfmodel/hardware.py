@@ -206,14 +206,26 @@ class HardwareProfile:
 
     def mfu_peak(self, precision):
         """FLOP/s that MFU is taken against: the physical peak where the profile has one for
-        ``precision``, else ``peak(precision)``."""
+        ``precision``, else ``peak(precision)``; bf16 on a profile that knows nothing of
+        it (no bf16 rate at all), fp32's."""
+        if precision == "bf16" and "bf16" not in self.peak_flops and "bf16" not in self.physical_peak_flops:
+            return self.mfu_peak("fp32")
         return self.physical_peak_flops.get(precision) or self.peak(precision)
+
+    def matmul_peak(self, precision):
+        """FLOP/s of a large product in ``precision`` (what the matmul curves are shares of):
+        ``peak(precision)``; bf16 falls back to fp32's where the profile has no bf16 rate
+        (profiles calibrated before it was measured; CPUs whose bf16 products are
+        emulated run at about the fp32 rate)."""
+        if precision == "bf16" and "bf16" not in self.peak_flops:
+            return self.peak("fp32")
+        return self.peak(precision)
 
     def matmul_time(self, flops, variant, precision):
         """Seconds for a matmul of ``flops`` FLOPs, without the per-call overhead."""
         if flops <= 0:
             return 0.0
-        return flops / (self.peak(precision) * self.matmul_efficiency[variant](flops))
+        return flops / (self.matmul_peak(precision) * self.matmul_efficiency[variant](flops))
 
     def spill_times(self, nbytes):
         """(seconds to write, seconds to read back) ``nbytes`` of spilled tape to the spill device."""

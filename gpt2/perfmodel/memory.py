@@ -7,7 +7,7 @@ in flight and the tape's memory budget (what spills to disk) are applied on top.
 """
 from dataclasses import dataclass
 
-from .graph import GraphOptions, stage_parameters, step_graph
+from .graph import GraphOptions, engine_bf16, product_weight_params, stage_parameters, step_graph, value_bytes
 
 # Saved tensors that selective recomputation (Korthikanti et al. 2022) drops: the
 # s x s attention intermediates.
@@ -81,11 +81,11 @@ def saved_by_layer(ops):
     return out
 
 
-def layer_input_bytes(spec, workload, parallel):
+def layer_input_bytes(spec, workload, parallel, options=GraphOptions()):
     """Bytes of one layer's input (the checkpoint kept by full/per-layer recomputation)."""
     b = workload.micro_batch_size(parallel)
     shard = parallel.tp if parallel.sequence_parallel else 1
-    return workload.act_bytes * b * workload.seq_len * spec.n_embd / shard
+    return value_bytes(workload, options) * b * workload.seq_len * spec.n_embd / shard
 
 
 def activation_bytes(spec, workload, parallel, options=GraphOptions(), stage=0, ops=None):
@@ -106,7 +106,7 @@ def activation_bytes(spec, workload, parallel, options=GraphOptions(), stage=0, 
     if policy == "selective":
         kept = sum(v for tensors in by_layer.values() for k, v in tensors.items() if k not in SELECTIVE_DROPS)
         return other + kept, 0.0
-    checkpoint = layer_input_bytes(spec, workload, parallel)
+    checkpoint = layer_input_bytes(spec, workload, parallel, options)
     if policy in ("full", "per_layer"):
         slots = len(layers)
     else:
@@ -143,7 +143,13 @@ def loss_backward_bytes(spec, tokens, act_bytes=4, tp=1):
 def memory_breakdown(spec, workload, parallel, hardware, options=GraphOptions(), stage=0, ops=None):
     """Peak bytes on one device of ``stage``."""
     params = stage_parameters(spec, parallel, stage)
+    bf16 = engine_bf16(workload, options)
+    e = value_bytes(workload, options)
     p_bytes, g_bytes, o_bytes = model_state_bytes(params, workload.precision, parallel.dp, parallel.sharding)
+    if bf16:
+        # float32 master weights, gradients and moments, and the products' weights' bf16
+        # copies (adtape.nn keeps them from the forward pass until the weights change).
+        p_bytes += 2.0 * product_weight_params(spec, parallel, stage)
     reduced = g_bytes
     if options.layout == "adtape" and parallel.sharding == 1 and parallel.dp > 1:
         # gpt2.distributed keeps the whole gradient arena (the backward writes it) and
@@ -158,13 +164,13 @@ def memory_breakdown(spec, workload, parallel, hardware, options=GraphOptions(),
     if ops is None:
         ops = step_graph(spec, workload, parallel, options, stage)
     layer_sets = [v for k, v in _layer_totals(ops).items() if k >= 0]
-    workspace = transient + max(layer_sets, default=0.0) + layer_input_bytes(spec, workload, parallel)
+    workspace = transient + max(layer_sets, default=0.0) + layer_input_bytes(spec, workload, parallel, options)
     if stage == parallel.pp - 1:
         # The loss's backward, on the last stage: at GPT-2's vocabulary the backward's
         # fullest moment below a few thousand tokens per micro-batch (measured peaks were
         # 3-8% above the prediction without it).
         tokens = workload.micro_batch_size(parallel) * workload.seq_len
-        workspace = max(workspace, loss_backward_bytes(spec, tokens, workload.act_bytes,
+        workspace = max(workspace, loss_backward_bytes(spec, tokens, e,
                                                        parallel.tp))
     if parallel.dp > 1 and parallel.overlap_dp_comm:
         # Non-blocking collectives allocate temporary buffers while in flight; every
@@ -175,7 +181,7 @@ def memory_breakdown(spec, workload, parallel, hardware, options=GraphOptions(),
         workspace += per_byte * reduced
     if parallel.sharding == 3:
         # Stage 3 / FSDP gathers one layer's full parameters at a time.
-        workspace += spec.layer_params() / parallel.tp * (2 if workload.act_bytes == 2 else 4)
+        workspace += spec.layer_params() / parallel.tp * (2 if e == 2 else 4)
     return MemoryBreakdown(p_bytes, g_bytes, o_bytes, stored - spilled, workspace, hardware.baseline_rss,
                            spilled, stored)
 

@@ -13,11 +13,16 @@ included), plus the byte tape's copies and the spill I/O that compute does not h
 its pop wait on the disk).
 Memory is counted the way the engine holds it:
 - model states: parameters, gradients and both AdamW moments, four float32 arenas;
+  with ``precision="bf16"`` (``--precision bf16``: the linear layers' products take bf16
+  operands) also the products' weights' bf16 copies, which adtape.nn keeps from the
+  forward pass until the weights change;
 - saved activations, from the op graph: without a budget they are held by reference (an
   array two ops save counts once); with one they are copies on the byte tape, of which
   at most the budget, plus the slabs the tape keeps above it, stays resident;
   checkpointing keeps only block inputs (one per block, or Revolve's snapshots) and a
-  re-run block's copies;
+  re-run block's copies; under bf16 a linear layer saves its input as bf16 (half the
+  bytes), so the same policy holds less and a limit that made fp32 spill or
+  checkpoint may hold everything in bf16;
 - the working set at the step's fullest moment, the loss's backward: the logits'
   gradient (mapped) on top of the heap's high water, which the allocator keeps from
   wherever in the step it was reached (a block's forward arrays, or its backward's
@@ -30,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 
 from .estimate import estimate, tape_io_time
-from .graph import step_graph
+from .graph import GraphOptions, check_engine_precision, product_weight_params, step_graph
 from .hardware import HardwareProfile, load_profile
 from .memory import loss_backward_bytes, saved_by_layer
 from .spec import ModelSpec, ParallelConfig, Workload
@@ -50,7 +55,7 @@ MMAP_THRESHOLD_BYTES = 256 << 20
 # Tape budgets listed beside the largest one that fits: these shares of the activations.
 BUDGET_SHARES = (2, 4, 8)
 # Saved arrays that are another op's saved array too (held once by reference).
-ALIASES = ("attn.out",)         # FlashAttention's output is the projection's input
+ALIASES = ("attn.out",)         # the attention's output is the projection's input (fp32: its bf16 copy is not)
 # Offloaded AdamW moments (gpt2.offload): the unit buffers in RAM, the largest unit, and
 # the disk tier's checksum rate on one core (adtape.checksum_bytes: 11 GB/s on the
 # 2-core Xeon), which the I/O thread spends on every byte read and written.
@@ -93,10 +98,12 @@ class MemoryPlan:
     candidates: list
     notes: list = field(default_factory=list)
     offload: object = None          # None, or "moments"
+    precision: str = "fp32"         # the products' precision it was planned for
 
     def describe(self):
         """One line: which policy, its predicted step time and peak against the limit."""
-        return (f"chose {self.policy}: predicted {self.predicted_ms:.0f} ms/step, peak "
+        products = " with bf16 products" if self.precision == "bf16" else ""
+        return (f"chose {self.policy}{products}: predicted {self.predicted_ms:.0f} ms/step, peak "
                 f"{format_size(self.predicted_peak_bytes)} of {format_size(self.max_memory)}")
 
     def engine_kwargs(self):
@@ -147,17 +154,19 @@ class _Accounting:
     GPT-2 124M at (4,1024) and (8,1024): within 0.5% without checkpointing, 1.6-3.3%
     above with it, bench/README.md)."""
 
-    def __init__(self, spec, B, T, flash):
-        ops = step_graph(spec, Workload(B, T), ParallelConfig(flash_attention=flash))
+    def __init__(self, spec, B, T, flash, precision="fp32"):
+        ops = step_graph(spec, Workload(B, T), ParallelConfig(flash_attention=flash), GraphOptions(precision=precision))
         by_layer = saved_by_layer(ops)
         head = by_layer.pop(-1, {})
         block = by_layer[0]
         e, N, C = FLOAT_BYTES, B * T, spec.n_embd
         self.n_layer = spec.n_layer
         self.spec = spec
+        self.flash, self.precision = flash, precision
         self.head_saved = sum(head.values())                       # lnf input, lm_head input, logits, lse
         self.block_saved = sum(block.values())                     # copies on the byte tape
-        self.block_referenced = self.block_saved - sum(v for k, v in block.items() if k in ALIASES)
+        aliases = ALIASES if precision == "fp32" else ()
+        self.block_referenced = self.block_saved - sum(v for k, v in block.items() if k in aliases)
         self.block_input = e * N * C
         # Popped off the byte tape one op at a time: the largest op's residuals.
         ops_saved = [op.saved_bytes for op in ops if op.phase == "fwd" and op.layer == 0]
@@ -192,6 +201,9 @@ class _Accounting:
         attention = max(W + spec.n_head * spec.head_dim, 2 * W if rotary else 0)
         self.block_gradients = e * N * (3 * C + max(mlp, attention))
         self.model_states = MODEL_STATE_ARENAS * FLOAT_BYTES * spec.num_parameters()
+        # bf16 products: each product's weight has a bf16 copy, all of them held through the
+        # step (an upper bound with everything offloaded, where only the blocks in RAM may).
+        self.weight_copies = 2.0 * product_weight_params(spec, ParallelConfig(), 0) if precision == "bf16" else 0.0
 
     def states(self, offload):
         """Model-state bytes in RAM: four arenas; with the moments on disk two and the
@@ -245,7 +257,7 @@ class _Accounting:
 
 
 def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=None, threads=None, flash=False,
-                baseline_bytes=None):
+                baseline_bytes=None, precision="fp32"):
     """The fastest policy that trains ``config`` at (B, T) within ``max_memory`` bytes of RSS.
 
     ``hardware``: a profile name, path or ``HardwareProfile`` (its disk rates should be
@@ -256,15 +268,21 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     scaled from the threads they were measured with, and a note says so); ``flash``: the model's attention
     keeps O(T) per row (FlashAttention) instead of the T x T probabilities;
     ``baseline_bytes``: the resident memory of the process before the model exists
-    (interpreter, libraries, the data set), when it is larger than the profile's.  Raises
-    ValueError naming the least memory needed when no policy fits.
+    (interpreter, libraries, the data set), when it is larger than the profile's;
+    ``precision``: the products' precision training runs with, "fp32" or "bf16" (bf16
+    operands: the profile's bf16 product rate, fp32's where it has none; linear inputs
+    saved in half the bytes; the weights' bf16 copies).  Raises ValueError naming the
+    least memory needed when no policy fits.  Under fp32, when the chosen policy is not
+    everything in memory and bf16 would hold everything in memory within the limit, a
+    note says so.
     """
     if not isinstance(max_memory, (int, float)) or isinstance(max_memory, bool) or not max_memory > 0:
         raise ValueError(f"max_memory must be a positive number of bytes, got {max_memory!r}")
+    check_engine_precision(precision)
     profile, notes = _prepare(config, B, T, hardware, threads, baseline_bytes)
     notes += _spill_dir_notes(profile, spill_dir)
     spec = ModelSpec.from_config(config)
-    acc = _Accounting(spec, B, T, flash)
+    acc = _Accounting(spec, B, T, flash, precision)
     least_states = min(acc.states(offload) for offload in OFFLOAD_POLICIES)
     if least_states + profile.baseline_rss > max_memory:
         raise ValueError(
@@ -276,7 +294,7 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     candidates = []
     policies = _policies(spec)
     for checkpointing, snapshots in policies:
-        compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile)
+        compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision)
         for offload in _offloads(checkpointing):
             fixed = acc.states(offload) + profile.baseline_rss
             candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, None, max_memory,
@@ -303,13 +321,26 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
             f"{least.policy}, peaks at {format_size(least.predicted_peak_bytes)} "
             f"({least.predicted_peak_bytes} bytes); that is the required minimum at B={B}, T={T}")
     best = min(fitting, key=lambda c: (c.predicted_ms, c.predicted_peak_bytes))
+    if precision == "fp32" and best.policy != "in-memory":
+        notes += _bf16_note(spec, B, T, flash, profile, max_memory)
     return MemoryPlan(best.policy, best.tape_budget, best.checkpointing, best.snapshots, best.predicted_ms,
                       best.predicted_peak_bytes, int(max_memory), spill_dir, candidates, notes,
-                      best.offload)
+                      best.offload, precision)
+
+
+def _bf16_note(spec, B, T, flash, profile, max_memory):
+    """[a note] when bf16 products would hold everything in memory within ``max_memory``."""
+    acc = _Accounting(spec, B, T, flash, "bf16")
+    compute = _compute_estimate(spec, B, T, flash, "none", 0, profile, "bf16")
+    c = _candidate(acc, compute, profile, "none", 0, None, max_memory)
+    if not c.fits:
+        return []
+    return [f"with --precision bf16 (bf16 products; other numbers than fp32's) everything fits in memory: "
+            f"predicted {c.predicted_ms:.0f} ms/step, peak {format_size(c.predicted_peak_bytes)}"]
 
 
 def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapshots=0, hardware="this-machine",
-                   threads=None, flash=False, baseline_bytes=None, offload=None):
+                   threads=None, flash=False, baseline_bytes=None, offload=None, precision="fp32"):
     """The predicted step time and peak memory (a ``Candidate``) of one policy, chosen or
     not: ``tape_budget`` bytes (None: everything in memory), ``checkpointing`` "none",
     "layer" or "binomial" with ``snapshots``, ``offload`` None or "moments"; the other
@@ -322,12 +353,13 @@ def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapsho
         raise ValueError(f"checkpointing must be 'none', 'layer' or 'binomial', got {checkpointing!r}")
     if tape_budget is not None and not (isinstance(tape_budget, int) and tape_budget > 0):
         raise ValueError(f"tape_budget must be a positive int or None, got {tape_budget!r}")
+    check_engine_precision(precision)
     profile, _ = _prepare(config, B, T, hardware, threads, baseline_bytes)
     spec = ModelSpec.from_config(config)
     snapshots = snapshots if checkpointing == "binomial" else 0
-    compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile)
-    return _candidate(_Accounting(spec, B, T, flash), compute, profile, checkpointing, snapshots, tape_budget,
-                      HUGE_BYTES, offload)
+    compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision)
+    return _candidate(_Accounting(spec, B, T, flash, precision), compute, profile, checkpointing, snapshots,
+                      tape_budget, HUGE_BYTES, offload)
 
 
 def _prepare(config, B, T, hardware, threads, baseline_bytes):
@@ -351,11 +383,12 @@ def _prepare(config, B, T, hardware, threads, baseline_bytes):
     return profile, notes
 
 
-def _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile):
+def _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision="fp32"):
     """The step's compute (recomputation included) and optimizer time, without a tape budget."""
     recompute = {"none": "none", "layer": "per_layer", "binomial": "binomial"}[checkpointing]
     return estimate(spec, Workload(B, T), ParallelConfig(recompute=recompute, checkpoints=snapshots,
-                                                         flash_attention=flash), profile)
+                                                         flash_attention=flash), profile,
+                    GraphOptions(precision=precision))
 
 
 def _least_memory(acc, profile, B, T, flash, policies, max_memory):
@@ -364,7 +397,7 @@ def _least_memory(acc, profile, B, T, flash, policies, max_memory):
     activations with it)."""
     least = []
     for checkpointing, snapshots in policies:
-        compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile)
+        compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile, acc.precision)
         for budget in (None, int(acc.rerun(checkpointing)) or MIN_TAPE_BUDGET):
             for offload in _offloads(checkpointing):
                 least.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory,
@@ -372,12 +405,14 @@ def _least_memory(acc, profile, B, T, flash, policies, max_memory):
     return min(least, key=lambda c: c.predicted_peak_bytes)
 
 
-def minimum_memory(config, B, T, hardware="this-machine", flash=False):
+def minimum_memory(config, B, T, hardware="this-machine", flash=False, precision="fp32"):
     """The least ``max_memory`` (bytes) any policy can train ``config`` at (B, T) within
-    (``hardware`` as ``plan_memory``'s)."""
+    (``hardware`` and ``precision`` as ``plan_memory``'s)."""
+    check_engine_precision(precision)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     spec = ModelSpec.from_config(config)
-    least = _least_memory(_Accounting(spec, B, T, flash), profile, B, T, flash, _policies(spec), HUGE_BYTES)
+    least = _least_memory(_Accounting(spec, B, T, flash, precision), profile, B, T, flash, _policies(spec),
+                          HUGE_BYTES)
     return least.predicted_peak_bytes
 
 
@@ -459,6 +494,8 @@ def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memo
     state_s = offload_time(acc.spec, offload, forward, backward, profile) if offload else 0.0
     memory = {"model states": acc.states(offload), "activations": resident, "working set": working,
               "tape slack": slack, "baseline": profile.baseline_rss, "spilled": spilled}
+    if acc.weight_copies:
+        memory["bf16 weight copies"] = acc.weight_copies
     peak = int(math.ceil(sum(v for k, v in memory.items() if k != "spilled")))
     if not rejected and peak > max_memory:
         rejected = f"over the limit by {format_size(peak - max_memory)}"
