@@ -3,8 +3,8 @@
 fp32 is float32 throughout.  bf16 is mixed precision: float32 master weights, gradients
 and AdamW moments; the linear layers' products take bf16 operands and sum in float32
 (``adtape.nn.set_precision``, ``kernels.bf16``).  auto picks bf16 only where the CPU
-multiplies bf16 natively (AVX512_BF16) and a short probe measures its product faster
-than the float32 one on the run's threads; elsewhere bf16 runs an emulated path (exact,
+multiplies bf16 natively (AVX512_BF16; AMX-BF16 tiles where present) and a short
+probe measures its product faster than the float32 one on the run's threads; elsewhere bf16 runs an emulated path (exact,
 at the float32 rate or a little below), which auto never picks.
 """
 import statistics
@@ -59,8 +59,9 @@ def choose(choice, n_threads, measure=probe):
     native = bf16.cpu_has_avx512_bf16()
     if choice == "fp32":
         return "fp32", "--precision fp32"
+    engine = "AMX-BF16 tiles" if bf16.bf16_path() == "amx" else "AVX512_BF16"
     if choice == "bf16":
-        return "bf16", ("bf16 products on AVX512_BF16" if native else
+        return "bf16", (f"bf16 products on {engine}" if native else
                         "bf16 products emulated: this CPU has no AVX512_BF16 (same numbers, "
                         "not faster)")
     if choice != "auto":
@@ -70,5 +71,6 @@ def choose(choice, n_threads, measure=probe):
     fp32_s, bf16_s = measure(n_threads)
     speedup = fp32_s / bf16_s
     if bf16_s < MARGIN * fp32_s:
-        return "bf16", f"auto: bf16 products measured {speedup:.2f}x as fast as fp32"
-    return "fp32", f"auto: bf16 products measured {speedup:.2f}x fp32's speed, not faster"
+        return "bf16", f"auto: bf16 products ({engine}) measured {speedup:.2f}x as fast as fp32"
+    return "fp32", (f"auto: bf16 products ({engine}) measured {speedup:.2f}x fp32's speed, "
+                    f"not faster")

@@ -142,16 +142,29 @@ _Static_assert(BF_KC % 2 == 0 && BF_MC % BF_MR == 0 && BF_NC % BF_NR == 0,
 
 typedef uint32_t bf_pairs __attribute__((vector_size(64)));
 
+/* The AMX build's tiles: 32 x 32 of C (four 16 x 16 tiles of float32) from two tiles
+   of A (16 rows x 16 depth pairs) and two of B (16 depth pairs x 16 columns). */
+#define BF_AMX_MR 32
+#define BF_AMX_KP 16     /* depth pairs of a tile */
+_Static_assert(BF_MC % BF_AMX_MR == 0 && BF_NR == 32 && (BF_KC / 2) % BF_AMX_KP == 0,
+               "bf16.h: the blocks must hold whole AMX tiles");
+
+/* kp depth pairs padded to whole AMX tiles (the AMX build's panels; the others pass
+   kp itself as their panels' depth) */
+static inline ptrdiff_t bf_kpad(ptrdiff_t kp) {
+    return (kp + BF_AMX_KP - 1) / BF_AMX_KP * BF_AMX_KP;
+}
+
 /* The pairs of a packing buffer for an M x N x K product (K > 0): a block of B panels,
-   then one of A panels. */
+   then one of A panels (sized for the AMX build's padding, which covers the others). */
 static size_t bf_buffer_b_pairs(ptrdiff_t N, ptrdiff_t K) {
-    ptrdiff_t kp = K < BF_KC ? (K + 1) / 2 : BF_KC / 2;
+    ptrdiff_t kp = bf_kpad(K < BF_KC ? (K + 1) / 2 : BF_KC / 2);
     ptrdiff_t nc = N < BF_NC ? (N + BF_NR - 1) / BF_NR * BF_NR : BF_NC;
     return (size_t)nc * (size_t)kp;
 }
 static size_t bf_buffer_pairs(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K) {
-    ptrdiff_t kp = K < BF_KC ? (K + 1) / 2 : BF_KC / 2;
-    ptrdiff_t mc = M < BF_MC ? (M + BF_MR - 1) / BF_MR * BF_MR : BF_MC;
+    ptrdiff_t kp = bf_kpad(K < BF_KC ? (K + 1) / 2 : BF_KC / 2);
+    ptrdiff_t mc = M < BF_MC ? (M + BF_AMX_MR - 1) / BF_AMX_MR * BF_AMX_MR : BF_MC;
     return bf_buffer_b_pairs(N, K) + (size_t)mc * (size_t)kp;
 }
 
@@ -189,14 +202,15 @@ static void bf_pack_a(ptrdiff_t mc, ptrdiff_t kc, const uint16_t* A, ptrdiff_t a
     }
 }
 
-/* Pack op(B)[0:kc, 0:nc] (op(B)[k, j] = B[k b_rs + j b_cs]) as panels of BF_NR columns:
-   for each depth pair the panel's BF_NR pairs; columns past nc and the odd depth past
-   kc are zero. */
+/* Pack op(B)[0:kc, 0:nc] (op(B)[k, j] = B[k b_rs + j b_cs]) as panels of BF_NR columns
+   and kpad >= (kc + 1) / 2 depth pairs: for each depth pair the panel's BF_NR pairs;
+   columns past nc, the odd depth past kc and the pairs past it are zero. */
 ADT_MULTIVERSION
 static void bf_pack_b(ptrdiff_t kc, ptrdiff_t nc, const uint16_t* B, ptrdiff_t b_rs,
-                      ptrdiff_t b_cs, uint32_t* restrict pb) {
+                      ptrdiff_t b_cs, uint32_t* restrict pb, ptrdiff_t kpad) {
     ptrdiff_t kp = (kc + 1) / 2, kfull = kc / 2;
-    for (ptrdiff_t j = 0; j < nc; j += BF_NR, pb += kp * BF_NR) {
+    for (ptrdiff_t j = 0; j < nc; j += BF_NR, pb += kpad * BF_NR) {
+        memset(pb + kp * BF_NR, 0, (size_t)(kpad - kp) * BF_NR * sizeof *pb);
         ptrdiff_t nr = nc - j < BF_NR ? nc - j : BF_NR;
         const uint16_t* b = B + j * b_cs;
         if (b_rs == 1) {
@@ -259,19 +273,186 @@ BF_TARGET ADT_INLINE adt_v16 bf_dot_nat(adt_v16 acc, uint32_t a, bf_pairs b) {
 #undef BF_DOT
 #endif
 
-/* C (+)= op(A) op(B) (+ bias) on the build `native` names (1: AVX512_BF16, 0: the
-   portable twin), packing into buf (see bf_gemm_twin). */
-static void bf_gemm(int native, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const uint16_t* A,
+/* ---- the AMX build ---- */
+
+/* Pack op(A)[0:mc, 0:kc] for AMX: panels of BF_AMX_MR rows, each row its kpad depth
+   pairs in order (a tile of A is 16 rows of 16 pairs, read with a stride of kpad
+   pairs); rows past mc, the odd depth past kc and the pairs past it are zero. */
+ADT_MULTIVERSION
+static void bf_pack_a_amx(ptrdiff_t mc, ptrdiff_t kc, const uint16_t* A, ptrdiff_t a_rs,
+                          ptrdiff_t a_cs, uint32_t* restrict pa, ptrdiff_t kpad) {
+    ptrdiff_t kp = (kc + 1) / 2, kfull = kc / 2;
+    ptrdiff_t mpad = (mc + BF_AMX_MR - 1) / BF_AMX_MR * BF_AMX_MR;
+    if (a_cs == 1) {
+        /* rows along the depth (x, dout): a row's pairs are its bf16 in order */
+        for (ptrdiff_t r = 0; r < mc; r++) {
+            uint32_t* row = pa + r * kpad;
+            memcpy(row, A + r * a_rs, (size_t)kc * sizeof(uint16_t));
+            if (kp > kfull) row[kfull] = A[r * a_rs + 2 * kfull];
+        }
+    } else {
+        /* (dout^T): a depth pair at a time, across the rows */
+        for (ptrdiff_t p = 0; p < kp; p++) {
+            const uint16_t* lo = A + 2 * p * a_cs;
+            const uint16_t* hi = lo + a_cs;
+            int odd = 2 * p + 1 < kc;
+            for (ptrdiff_t r = 0; r < mc; r++)
+                pa[r * kpad + p] = (uint32_t)lo[r * a_rs] | (odd ? (uint32_t)hi[r * a_rs] << 16 : 0u);
+        }
+    }
+    for (ptrdiff_t r = 0; r < mc; r++)
+        memset(pa + r * kpad + kp, 0, (size_t)(kpad - kp) * sizeof *pa);
+    memset(pa + mc * kpad, 0, (size_t)(mpad - mc) * (size_t)kpad * sizeof *pa);
+}
+
+#if BF_HAVE_NATIVE
+#include "peak.h"
+#define BF_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+/* Whether the CPU has AMX-BF16 and Linux gave this process the tile data state
+   (peak.h asks for it). */
+static int bf16_cpu_amx(void) {
+    static int has = -1;
+    if (has < 0) has = (adt_peak_isas() >> ADT_PEAK_AMX_BF16) & 1;   /* benign race */
+    return has;
+}
+
+/* C tiles 0-3 (rows 0-15 | 16-31 x columns 0-15 | 16-31) += A tiles 4-5 x B tiles
+   6-7 over kpad depth pairs: pa a packed A panel (row stride kpad pairs), pb a
+   packed B panel (row stride BF_NR pairs). */
+BF_AMX_TARGET static inline void bf_amx_product(ptrdiff_t kpad, const uint32_t* pa,
+                                                const uint32_t* pb) {
+    for (ptrdiff_t p = 0; p < kpad; p += BF_AMX_KP) {
+        _tile_loadd(4, pa + p, kpad * 4);
+        _tile_loadd(5, pa + 16 * kpad + p, kpad * 4);
+        _tile_loadd(6, pb + p * BF_NR, BF_NR * 4);
+        _tile_loadd(7, pb + p * BF_NR + 16, BF_NR * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+/* Load C tiles 0-3 from the 32 x 32 float32 block at c (row stride ld floats), or
+   store them there. */
+BF_AMX_TARGET static inline void bf_amx_load_c(const float* c, ptrdiff_t ld) {
+    _tile_loadd(0, c, ld * 4);
+    _tile_loadd(1, c + 16, ld * 4);
+    _tile_loadd(2, c + 16 * ld, ld * 4);
+    _tile_loadd(3, c + 16 * ld + 16, ld * 4);
+}
+BF_AMX_TARGET static inline void bf_amx_store_c(float* c, ptrdiff_t ld) {
+    _tile_stored(0, c, ld * 4);
+    _tile_stored(1, c + 16, ld * 4);
+    _tile_stored(2, c + 16 * ld, ld * 4);
+    _tile_stored(3, c + 16 * ld + 16, ld * 4);
+}
+
+/* The 32 x 32 tile of C at c, mr x nr of it in C: C = init + the products, init being
+   C (where add) + bias[0:nr] (where not NULL), summed in the tiles.  A whole tile
+   reads and writes C in place (its init from C, from rows of the bias, or zero);
+   an edge tile goes through a buffer, the same sums in the same order. */
+BF_AMX_TARGET static void bf_amx_tile(ptrdiff_t kpad, const uint32_t* pa, const uint32_t* pb,
+                                      float* c, ptrdiff_t ldc, int add, const float* bias,
+                                      ptrdiff_t mr, ptrdiff_t nr) {
+    if (mr == BF_AMX_MR && nr == BF_NR && (bias == NULL || !add)) {
+        if (add) {
+            bf_amx_load_c(c, ldc);
+        } else if (bias != NULL) {
+            float rows[16][BF_NR] __attribute__((aligned(64)));
+            for (int r = 0; r < 16; r++) memcpy(rows[r], bias, sizeof rows[r]);
+            _tile_loadd(0, &rows[0][0], BF_NR * 4);
+            _tile_loadd(1, &rows[0][16], BF_NR * 4);
+            _tile_loadd(2, &rows[0][0], BF_NR * 4);
+            _tile_loadd(3, &rows[0][16], BF_NR * 4);
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        bf_amx_product(kpad, pa, pb);
+        bf_amx_store_c(c, ldc);
+        return;
+    }
+    float t[BF_AMX_MR][BF_NR] __attribute__((aligned(64)));
+    memset(t, 0, sizeof t);
+    for (ptrdiff_t r = 0; r < mr; r++)
+        for (ptrdiff_t j = 0; j < nr; j++)
+            t[r][j] = (add ? c[r * ldc + j] : 0.0f) + (bias != NULL ? bias[j] : 0.0f);
+    bf_amx_load_c(&t[0][0], BF_NR);
+    bf_amx_product(kpad, pa, pb);
+    bf_amx_store_c(&t[0][0], BF_NR);
+    for (ptrdiff_t r = 0; r < mr; r++)
+        memcpy(c + r * ldc, t[r], (size_t)nr * sizeof(float));
+}
+
+/* bf_gemm_twin's loops on AMX tiles: C (+= where accumulate) op(A) op(B) (+ bias),
+   each element summed over blocks of BF_KC depths in order, as the other builds. */
+BF_AMX_TARGET static void bf_gemm_amx(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const uint16_t* A,
+                                      ptrdiff_t a_rs, ptrdiff_t a_cs, const uint16_t* B,
+                                      ptrdiff_t b_rs, ptrdiff_t b_cs, int accumulate, float* C,
+                                      ptrdiff_t ldc, const float* bias, uint32_t* buf) {
+    struct adt_peak_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    uint32_t* pb = buf;
+    uint32_t* pa = buf + bf_buffer_b_pairs(N, K);
+    for (ptrdiff_t j0 = 0; j0 < N; j0 += BF_NC) {
+        ptrdiff_t nc = N - j0 < BF_NC ? N - j0 : BF_NC;
+        for (ptrdiff_t k0 = 0; k0 < K; k0 += BF_KC) {
+            ptrdiff_t kc = K - k0 < BF_KC ? K - k0 : BF_KC;
+            ptrdiff_t kpad = bf_kpad((kc + 1) / 2);
+            int add = accumulate || k0 > 0;
+            bf_pack_b(kc, nc, B + k0 * b_rs + j0 * b_cs, b_rs, b_cs, pb, kpad);
+            for (ptrdiff_t i0 = 0; i0 < M; i0 += BF_MC) {
+                ptrdiff_t mc = M - i0 < BF_MC ? M - i0 : BF_MC;
+                bf_pack_a_amx(mc, kc, A + i0 * a_rs + k0 * a_cs, a_rs, a_cs, pa, kpad);
+                for (ptrdiff_t j = 0; j < nc; j += BF_NR) {
+                    ptrdiff_t nr = nc - j < BF_NR ? nc - j : BF_NR;
+                    const float* bj = k0 == 0 && bias != NULL ? bias + j0 + j : NULL;
+                    for (ptrdiff_t i = 0; i < mc; i += BF_AMX_MR) {
+                        ptrdiff_t mr = mc - i < BF_AMX_MR ? mc - i : BF_AMX_MR;
+                        bf_amx_tile(kpad, pa + i * kpad, pb + j * kpad,
+                                    C + (i0 + i) * ldc + j0 + j, ldc, add, bj, mr, nr);
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#else
+static int bf16_cpu_amx(void) { return 0; }
+#endif
+
+/* The builds, as kernels/bf16.pyx numbers its paths. */
+enum { BF_PATH_NATIVE = 1, BF_PATH_TWIN = 2, BF_PATH_AMX = 3 };
+
+/* C (+)= op(A) op(B) (+ bias) on the build `path` names (BF_PATH_NATIVE: AVX512_BF16,
+   BF_PATH_AMX: AMX-BF16 tiles, else the portable twin), packing into buf
+   (bf_buffer_pairs(M, N, K) pairs, 64-byte aligned). */
+static void bf_gemm(int path, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const uint16_t* A,
                     ptrdiff_t a_rs, ptrdiff_t a_cs, const uint16_t* B, ptrdiff_t b_rs,
                     ptrdiff_t b_cs, int accumulate, float* C, ptrdiff_t ldc, const float* bias,
                     uint32_t* buf) {
 #if BF_HAVE_NATIVE
-    if (native) {
+    if (path == BF_PATH_NATIVE) {
         bf_gemm_nat(M, N, K, A, a_rs, a_cs, B, b_rs, b_cs, accumulate, C, ldc, bias, buf);
         return;
     }
+    if (path == BF_PATH_AMX) {
+        bf_gemm_amx(M, N, K, A, a_rs, a_cs, B, b_rs, b_cs, accumulate, C, ldc, bias, buf);
+        return;
+    }
 #else
-    (void)native;
+    (void)path;
 #endif
     bf_gemm_twin(M, N, K, A, a_rs, a_cs, B, b_rs, b_cs, accumulate, C, ldc, bias, buf);
 }

@@ -16,15 +16,20 @@ backward; it converts the layer's input once and keeps the bf16 copy for the bac
 (half the memory of float32).  The backward rounds dout to bf16 itself, once for both
 products, and sums dbias from the float32 dout.
 
-Two implementations, chosen at run time (``bf16_path()``):
+Three implementations, chosen at run time (``bf16_path()``; the default is the first
+this CPU has):
+  ``"amx"``       AMX-BF16 tiles (TDPBF16PS, 32 x 32 of C at a time) on packed pairs of
+                  depths, where the CPU has them and Linux grants the tile state;
   ``"native"``    AVX512_BF16 (VDPBF16PS) on packed pairs of depths, where the CPU has it;
   ``"emulated"``  everywhere else: the operands widened to float32 (exact) and multiplied
                   by ``kernels.gemm``'s float32 product, at float32's speed.
-A third, ``"twin"``, runs the native path's code with VDPBF16PS done by float32
+A fourth, ``"twin"``, runs the native path's code with VDPBF16PS done by float32
 multiply-adds, for the tests (slow).  The products of two bf16 are exact in float32,
 so every path computes the exact products and sums them in float32; they differ only in
-the order of the sums (and the native path reads subnormal bf16 as zero).  None depends
-on the thread count: each splits its output into blocks that depend on the shapes alone.
+the order of the sums (and the native and AMX paths read subnormal bf16 as zero).  None
+depends on the thread count: each splits its output into blocks that depend on the
+shapes alone (the packed paths into tiles of both rows and columns, enough for 16
+threads).
 
 Conversions have serial ``_naive`` twins for the tests.
 """
@@ -53,9 +58,10 @@ cdef extern from "bf16.h" nogil:
     void bf16_dbias_cols(float* dbias, const float* dout, Py_ssize_t N, Py_ssize_t OC,
                          Py_ssize_t c0, Py_ssize_t c1, int overwrite)
     int bf16_cpu_native()
+    int bf16_cpu_amx()
     enum: BF_DBIAS_COLS
     size_t bf_buffer_pairs(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K)
-    void bf_gemm(int native, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, const uint16_t* A,
+    void bf_gemm(int path, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, const uint16_t* A,
                  Py_ssize_t a_rs, Py_ssize_t a_cs, const uint16_t* B, Py_ssize_t b_rs,
                  Py_ssize_t b_cs, int accumulate, float* C, Py_ssize_t ldc, const float* bias,
                  uint32_t* buf)
@@ -64,6 +70,7 @@ cdef enum:
     PATH_EMULATED = 0
     PATH_NATIVE = 1
     PATH_TWIN = 2
+    PATH_AMX = 3            # bf16.h's BF_PATH_* for the packed paths
     # Below this many elements converted (or dbias's dout elements) and this many
     # multiply-adds (kernels.gemm's threshold), a call runs on one thread.
     CONVERT_PARALLEL_MIN = 65536
@@ -81,14 +88,23 @@ cdef enum:
     # one Zen 3 core); an even count keeps two threads equally busy.
     BLOCK_MAX = 512
     BLOCK_ALIGN = 16
+    # The packed paths (native, AMX, twin) sum every element in the same order however
+    # the output is cut, so they cut it both ways, into tiles of PACKED_TILE rows and
+    # columns (PACKED_TILE_SMALL where that gives fewer than PACKED_TILES_MIN): enough
+    # tasks for 16 threads at a (4, 256) step's products (1024 x 768 x 768: 48 tiles).
+    PACKED_TILE = 256
+    PACKED_TILE_SMALL = 128
+    PACKED_TILES_MIN = 32
 
 cdef enum:
     CONVERT_WIDEN = 0       # bf16 -> float32
     CONVERT_ROUND = 1       # float32 -> bf16
     CONVERT_ROUND_F32 = 2   # float32 -> its bf16 value in float32
 
-_PATH_NAMES = {PATH_EMULATED: "emulated", PATH_NATIVE: "native", PATH_TWIN: "twin"}
-cdef int _path = PATH_NATIVE if bf16_cpu_native() else PATH_EMULATED
+_PATH_NAMES = {PATH_EMULATED: "emulated", PATH_NATIVE: "native", PATH_TWIN: "twin",
+               PATH_AMX: "amx"}
+cdef int _path = (PATH_AMX if bf16_cpu_amx() else
+                  PATH_NATIVE if bf16_cpu_native() else PATH_EMULATED)
 
 
 def cpu_has_avx512_bf16():
@@ -96,14 +112,21 @@ def cpu_has_avx512_bf16():
     return bool(bf16_cpu_native())
 
 
+def cpu_has_amx_bf16():
+    """Whether this CPU has AMX-BF16 tiles and Linux lets this process use them."""
+    return bool(bf16_cpu_amx())
+
+
 def bf16_path():
-    """Which implementation the products run: "native" (AVX512_BF16), "emulated"
-    (widened to float32, kernels.gemm) or "twin" (the native code, emulated; tests)."""
+    """Which implementation the products run: "amx" (AMX-BF16 tiles), "native"
+    (AVX512_BF16), "emulated" (widened to float32, kernels.gemm) or "twin" (the
+    native code, emulated; tests).  The default is the fastest this CPU has."""
     return _PATH_NAMES[_path]
 
 
 def set_bf16_path(str path):
-    """Run the products on ``path`` ("native" only where ``cpu_has_avx512_bf16()``).
+    """Run the products on ``path`` ("native" only where ``cpu_has_avx512_bf16()``,
+    "amx" only where ``cpu_has_amx_bf16()``).
 
     For tests and benchmarks; not thread-safe against running kernels.  Returns the
     previous path."""
@@ -113,14 +136,17 @@ def set_bf16_path(str path):
         raise ValueError(f"path must be one of {sorted(names)}, got {path!r}")
     if names[path] == PATH_NATIVE and not bf16_cpu_native():
         raise ValueError("the native bf16 path needs a CPU with AVX512_BF16")
+    if names[path] == PATH_AMX and not bf16_cpu_amx():
+        raise ValueError("the amx bf16 path needs a CPU with AMX-BF16 (and Linux's "
+                         "permission to use its tiles)")
     old = bf16_path()
     _path = names[path]
     return old
 
 
 def bf16_native():
-    """Whether the products run on AVX512_BF16 (VDPBF16PS)."""
-    return _path == PATH_NATIVE
+    """Whether the products run on the CPU's bf16 instructions (AMX or VDPBF16PS)."""
+    return _path == PATH_NATIVE or _path == PATH_AMX
 
 
 def set_bf16_native(bint native):
@@ -149,11 +175,10 @@ cdef struct Convert:
 
 
 cdef struct Plan:
-    # How a product's output is cut: along its longer side (columns where by_columns),
-    # `nblocks` blocks of `block` rows or columns (the last shorter), each packing (the
-    # native and twin paths) into a buffer of `pairs` uint32.
-    bint by_columns
-    Py_ssize_t block, nblocks
+    # How a product's output is cut: into blocks of `rows` x `cols` (the last of each
+    # row and column shorter), `col_blocks` to a row of blocks, `nblocks` in all, each
+    # packing (the packed paths) into a buffer of `pairs` uint32.
+    Py_ssize_t rows, cols, col_blocks, nblocks
     size_t pairs
 
 
@@ -178,25 +203,37 @@ cdef struct Dbias:
     bint overwrite
 
 
-cdef Plan _plan(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K) noexcept nogil:
+cdef Plan _plan(int path, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K) noexcept nogil:
     cdef Plan p
-    cdef Py_ssize_t extent, count
-    p.by_columns = N >= M
-    extent = N if p.by_columns else M
-    count = 2 * ((extent + 2 * BLOCK_MAX - 1) // (2 * BLOCK_MAX))
-    if M * N * K < PRODUCT_PARALLEL_MIN or extent < 2 * BLOCK_ALIGN:
-        count = 1
-    p.block = max(1, ((extent + count - 1) // count + BLOCK_ALIGN - 1) // BLOCK_ALIGN
-                  * BLOCK_ALIGN)
-    p.nblocks = 0 if M == 0 or N == 0 else (extent + p.block - 1) // p.block
+    cdef Py_ssize_t extent, count, block, tile
+    cdef bint by_columns = N >= M
+    p.rows, p.cols = max(M, 1), max(N, 1)
+    if M * N * K >= PRODUCT_PARALLEL_MIN and path != PATH_EMULATED:
+        tile = PACKED_TILE
+        if ((M + tile - 1) // tile) * ((N + tile - 1) // tile) < PACKED_TILES_MIN:
+            tile = PACKED_TILE_SMALL
+        p.rows, p.cols = min(p.rows, tile), min(p.cols, tile)
+    elif M * N * K >= PRODUCT_PARALLEL_MIN:
+        extent = N if by_columns else M
+        count = 2 * ((extent + 2 * BLOCK_MAX - 1) // (2 * BLOCK_MAX))
+        if extent < 2 * BLOCK_ALIGN:
+            count = 1
+        block = max(1, ((extent + count - 1) // count + BLOCK_ALIGN - 1) // BLOCK_ALIGN
+                    * BLOCK_ALIGN)
+        if by_columns:
+            p.cols = block
+        else:
+            p.rows = block
+    p.col_blocks = (N + p.cols - 1) // p.cols
+    p.nblocks = 0 if M == 0 or N == 0 else (M + p.rows - 1) // p.rows * p.col_blocks
     p.pairs = 0
     if p.nblocks > 0 and K > 0:
-        p.pairs = bf_buffer_pairs(M if p.by_columns else min(p.block, M),
-                                  min(p.block, N) if p.by_columns else N, K)
+        p.pairs = bf_buffer_pairs(min(p.rows, M), min(p.cols, N), K)
     return p
 
 
-cdef Product _product(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+cdef Product _product(int path, bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N,
+                      Py_ssize_t K,
                       const void* A, Py_ssize_t lda, const void* B, Py_ssize_t ldb,
                       bint accumulate, float* C, Py_ssize_t ldc,
                       const float* bias) noexcept nogil:
@@ -204,7 +241,7 @@ cdef Product _product(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py
     p.trans_a, p.trans_b, p.accumulate = trans_a, trans_b, accumulate
     p.M, p.N, p.K, p.lda, p.ldb, p.ldc = M, N, K, lda, ldb, ldc
     p.A, p.B, p.C, p.bias = A, B, C, bias
-    p.plan = _plan(M, N, K)
+    p.plan = _plan(path, M, N, K)
     return p
 
 
@@ -229,12 +266,10 @@ cdef void _convert_chunk(const Convert* conv, int nconv, Py_ssize_t chunk) noexc
 
 cdef void _block(int path, const Product* p, Py_ssize_t t, uint32_t* buf) noexcept nogil:
     # block t of p by its plan: rows r0:r1 of op(A) times columns c0:c1 of op(B)
-    cdef Py_ssize_t lo = t * p.plan.block
-    cdef Py_ssize_t hi = min(lo + p.plan.block, p.N if p.plan.by_columns else p.M)
-    cdef Py_ssize_t r0 = 0 if p.plan.by_columns else lo
-    cdef Py_ssize_t r1 = p.M if p.plan.by_columns else hi
-    cdef Py_ssize_t c0 = lo if p.plan.by_columns else 0
-    cdef Py_ssize_t c1 = hi if p.plan.by_columns else p.N
+    cdef Py_ssize_t r0 = t // p.plan.col_blocks * p.plan.rows
+    cdef Py_ssize_t c0 = t % p.plan.col_blocks * p.plan.cols
+    cdef Py_ssize_t r1 = min(r0 + p.plan.rows, p.M)
+    cdef Py_ssize_t c1 = min(c0 + p.plan.cols, p.N)
     cdef Py_ssize_t a_rs = 1 if p.trans_a else p.lda, a_cs = p.lda if p.trans_a else 1
     cdef Py_ssize_t b_rs = 1 if p.trans_b else p.ldb, b_cs = p.ldb if p.trans_b else 1
     cdef float* C = p.C + r0 * p.ldc + c0
@@ -252,7 +287,7 @@ cdef void _block(int path, const Product* p, Py_ssize_t t, uint32_t* buf) noexce
              p.lda, <const float*>p.B + c0 * b_cs, p.ldb, 1.0 if p.accumulate else 0.0, C,
              p.ldc, bias, NULL, 1)
     else:
-        bf_gemm(path == PATH_NATIVE, r1 - r0, c1 - c0, p.K, <const uint16_t*>p.A + r0 * a_rs,
+        bf_gemm(path, r1 - r0, c1 - c0, p.K, <const uint16_t*>p.A + r0 * a_rs,
                 a_rs, a_cs, <const uint16_t*>p.B + c0 * b_cs, b_rs, b_cs, p.accumulate, C,
                 p.ldc, bias, buf)
 
@@ -354,7 +389,7 @@ cdef int matmul_forward_bf16_c(float* out, const uint16_t* inp, const uint16_t* 
                                const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
                                int n_threads) except -1 nogil:
     cdef int path = _path
-    cdef Product p = _product(False, True, N, OC, C, inp, C, weight, C, False, out, OC, bias)
+    cdef Product p = _product(path, False, True, N, OC, C, inp, C, weight, C, False, out, OC, bias)
     cdef Convert conv[2]
     cdef int nconv = 0, nt
     cdef uint32_t** bufs = NULL
@@ -422,10 +457,10 @@ cdef int matmul_backward_bf16_c(float* dinp, float* dweight, float* dbias, const
         nconv += 1
         w_op, x_op = wf, xf
     if dinp != NULL:
-        prods[nprod] = _product(False, False, N, C, OC, d, OC, w_op, C, not ow_dinp, dinp, C,
+        prods[nprod] = _product(path, False, False, N, C, OC, d, OC, w_op, C, not ow_dinp, dinp, C,
                                 NULL)
         nprod += 1
-    prods[nprod] = _product(True, False, OC, C, N, d, OC, x_op, C, not ow_dweight, dweight, C,
+    prods[nprod] = _product(path, True, False, OC, C, N, d, OC, x_op, C, not ow_dweight, dweight, C,
                             NULL)
     nprod += 1
     nt = _threads(conv, nconv, prods, nprod, &db if dbias != NULL else NULL, n_threads)

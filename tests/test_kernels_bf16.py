@@ -1,6 +1,7 @@
 """kernels.bf16: the conversions bit for bit against NumPy, and every product shape of a
 linear layer against float64 on the bf16-rounded operands, on every path this CPU runs
-("emulated" everywhere, "twin" everywhere, "native" where it has AVX512_BF16).
+("emulated" everywhere, "twin" everywhere, "native" where it has AVX512_BF16, "amx"
+where it has AMX-BF16).
 
 The error bound of a product.  The operands are bf16 (8 significant bits), so each
 product a b is exact in float32 (16 bits; no product here underflows); an element of
@@ -16,7 +17,9 @@ same sum, covered by rounding gamma_K up by a part in a million.  dbias is a flo
 sum of the float32 dout rounded once to float32 and added once: within 3 u
 (sum |dout| + |old|).  The native path reads subnormal bf16 as zero; the operands here
 are normal numbers, so the bound holds on every path.  A CPU with AVX512_BF16 runs
-every test on the native path as well, and checks it against the twin bit for bit.
+every test on the native path as well, and checks it against the twin bit for bit; one
+with AMX-BF16 runs them on the AMX path too (its tiles sum a pair's two products in
+another order than VDPBF16PS: the bound, not the twin's bits, is its check).
 """
 import pathlib
 import subprocess
@@ -60,7 +63,8 @@ def gamma(n):
 
 
 def paths():
-    return ["emulated", "twin"] + (["native"] if bf16.cpu_has_avx512_bf16() else [])
+    return (["emulated", "twin"] + (["native"] if bf16.cpu_has_avx512_bf16() else [])
+            + (["amx"] if bf16.cpu_has_amx_bf16() else []))
 
 
 @pytest.fixture(params=paths())
@@ -353,7 +357,7 @@ def test_native_matches_its_twin_bit_for_bit():
 def test_path_switches():
     old = bf16.bf16_path()
     try:
-        assert bf16.set_bf16_native(False) == (old == "native")
+        assert bf16.set_bf16_native(False) == (old in ("native", "amx"))
         assert bf16.bf16_path() == "emulated" and not bf16.bf16_native()
         assert bf16.set_bf16_path("twin") == "emulated"
         assert not bf16.bf16_native()
@@ -365,8 +369,14 @@ def test_path_switches():
                 bf16.set_bf16_native(True)
             with pytest.raises(ValueError, match="AVX512_BF16"):
                 bf16.set_bf16_path("native")
-        with pytest.raises(ValueError, match="path must be one of"):
+        if bf16.cpu_has_amx_bf16():
             bf16.set_bf16_path("amx")
+            assert bf16.bf16_path() == "amx" and bf16.bf16_native()
+        else:
+            with pytest.raises(ValueError, match="AMX-BF16"):
+                bf16.set_bf16_path("amx")
+        with pytest.raises(ValueError, match="path must be one of"):
+            bf16.set_bf16_path("avx512_fp16")
     finally:
         bf16.set_bf16_path(old)
 
@@ -374,8 +384,10 @@ def test_path_switches():
 def test_native_by_default_where_the_cpu_has_it():
     # in a fresh interpreter, and the CPU check against the kernel's own flags
     code = ("from kernels import bf16\n"
-            "assert bf16.bf16_native() == bf16.cpu_has_avx512_bf16()\n"
-            "print(bf16.cpu_has_avx512_bf16())\n")
+            "assert bf16.bf16_native() == (bf16.cpu_has_avx512_bf16() or bf16.cpu_has_amx_bf16())\n"
+            "assert bf16.bf16_path() == ('amx' if bf16.cpu_has_amx_bf16() else 'native' if "
+            "bf16.cpu_has_avx512_bf16() else 'emulated')\n"
+            "print(bf16.cpu_has_avx512_bf16(), bf16.cpu_has_amx_bf16())\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     cpuinfo = pathlib.Path("/proc/cpuinfo")
@@ -385,7 +397,10 @@ def test_native_by_default_where_the_cpu_has_it():
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
-        assert res.stdout.strip() == str("avx512_bf16" in flags and "avx512f" in flags)
+        # AMX counts only where Linux grants the tiles too: the flags say at most that
+        avx512_bf16, amx = res.stdout.split()
+        assert avx512_bf16 == str("avx512_bf16" in flags and "avx512f" in flags)
+        assert amx == "False" or {"amx_bf16", "amx_tile"} <= flags
 
 
 # --------------------------------------------------------------------------- misuse
