@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from adtape import buffers
+from adtape import buffers, nn
 from gpt2 import families
 from gpt2.params import ParamArena, init_params_
 from kernels import attention, layers, loss as loss_kernels, matmul, optim, threads
@@ -179,7 +179,9 @@ class Model:
         """Logits (B, T, Vp) - a view valid until the next call - and the mean loss if targets."""
         inputs, targets = self.check_batch(inputs, targets)
         self.finish_update()
-        if not self.family.hand_sequenced or self.offload == "all":
+        # bf16 products run in the tape engine's ops only: the hand-sequenced forward
+        # is float32's, and a bf16 run's validation loss is that of its own products.
+        if not self.family.hand_sequenced or self.offload == "all" or nn.get_precision() != "fp32":
             return self._forward_tape(inputs, targets)
         B, T = inputs.shape
         a = self._activations(B, T)
@@ -189,7 +191,6 @@ class Model:
     def _forward_tape(self, inputs, targets):
         # The tape engine's ops with nothing recorded (the families without a
         # hand-sequenced forward).
-        from adtape import nn
         from adtape.tensor import no_grad
         with no_grad():
             logits = self._engine().forward_logits(inputs)

@@ -972,7 +972,9 @@ def _prepare(args, explicit, comm=None):
             plan = plan_memory(config, max(1, args.batch_size // ranks), args.seq_len,
                                args.max_memory,
                                spill_dir=args.spill_dir, threads=args.threads,
-                               baseline_bytes=psutil.Process().memory_info().rss)
+                               baseline_bytes=psutil.Process().memory_info().rss,
+                               # auto's choice is made later: plan for fp32, the larger
+                               precision="bf16" if args.precision == "bf16" else "fp32")
     history = []
     if resumed is not None:
         # The run's log lies beside its checkpoint; rows past the checkpoint will be redone.

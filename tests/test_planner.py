@@ -215,11 +215,16 @@ def test_bf16_fits_in_memory_where_fp32_must_spill_or_checkpoint(profile):
     assert plan16.predicted_peak_bytes == bf16.predicted_peak_bytes <= limit
     # The fp32 plan says what bf16 would do.
     assert any("--precision bf16" in n and "fits in memory" in n for n in plan32.notes)
-    # At the least memory (nearly everything on disk) the weights' bf16 copies outweigh
-    # what the halved linear inputs save.
+    # At the least memory bf16 keeps the parameters and gradients in RAM (gpt2-train
+    # refuses --precision bf16 with --offload all) and the weights' bf16 copies beside.
     least32 = minimum_memory(GPT2_124M, 8, 1024, hardware=profile)
     least16 = minimum_memory(GPT2_124M, 8, 1024, hardware=profile, precision="bf16")
-    assert least32 < least16 <= least32 + bf16.memory["bf16 weight copies"]
+    moments32 = min(predict_policy(GPT2_124M, 8, 1024, tape_budget=b, checkpointing=c,
+                                   hardware=profile, offload="moments").predicted_peak_bytes
+                    for c in ("none", "layer") for b in (None, 1 << 20))
+    assert least32 < least16 <= moments32 + bf16.memory["bf16 weight copies"]
+    with pytest.raises(ValueError, match="offload='all' runs in fp32"):
+        predict_policy(GPT2_124M, 8, 1024, hardware=profile, offload="all", precision="bf16")
 
 
 def test_planner_precision_errors_name_the_allowed_values(profile):

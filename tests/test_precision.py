@@ -48,6 +48,28 @@ def test_bf16_gradients_point_where_fp32_gradients_do(config):
         assert not np.array_equal(a, b) or a.size < 4, name   # bf16 did run
 
 
+def test_the_forward_loss_is_that_of_the_runs_products():
+    # GPT-2's hand-sequenced forward is float32's: under bf16 the model's forward (the
+    # validation loss) runs the tape engine's ops, as its training steps do.
+    config = GPT2Config.preset("tiny")
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, config.vocab_size, (2, 16)).astype(np.int32)
+    y = rng.integers(0, config.vocab_size, (2, 16)).astype(np.int32)
+    model = GPT2(config, seed=3)
+    try:
+        fp32 = model.forward(x, y)[1]
+        previous = nn.set_precision("bf16")
+        try:
+            bf16 = model.forward(x, y)[1]
+            step = model.loss_and_grad(x, y)
+        finally:
+            nn.set_precision(previous)
+    finally:
+        model.close()
+    assert bf16 != fp32 and abs(bf16 - fp32) <= 1e-2 * abs(fp32)
+    assert bf16 == pytest.approx(step, rel=1e-6)
+
+
 def test_fp32_is_the_float32_path():
     config = LlamaConfig.preset("llama-tiny")
     assert nn.get_precision() == "fp32"

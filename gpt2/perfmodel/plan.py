@@ -283,11 +283,12 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     notes += _spill_dir_notes(profile, spill_dir)
     spec = ModelSpec.from_config(config)
     acc = _Accounting(spec, B, T, flash, precision)
-    least_states = min(acc.states(offload) for offload in OFFLOAD_POLICIES)
+    least_states = min(acc.states(offload) for offload in _offloads("none", precision))
     if least_states + profile.baseline_rss > max_memory:
         raise ValueError(
             f"max_memory {format_size(max_memory)} cannot be met: the model states that stay in RAM with the "
-            f"rest on disk (--offload all) take {format_size(least_states)} and the process baseline "
+            f"rest on disk ({'--offload all' if precision == 'fp32' else '--offload moments: bf16 runs without --offload all'}) "
+            f"take {format_size(least_states)} and the process baseline "
             f"{format_size(profile.baseline_rss)}, so at least {format_size(least_states + profile.baseline_rss)} "
             f"({int(least_states + profile.baseline_rss)} bytes) is needed before any activation")
 
@@ -295,7 +296,7 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     policies = _policies(spec)
     for checkpointing, snapshots in policies:
         compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision)
-        for offload in _offloads(checkpointing):
+        for offload in _offloads(checkpointing, precision):
             fixed = acc.states(offload) + profile.baseline_rss
             candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, None, max_memory,
                                          offload))
@@ -349,6 +350,9 @@ def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapsho
         raise ValueError(f"offload must be None, 'moments' or 'all', got {offload!r}")
     if offload not in _offloads(checkpointing):
         raise ValueError(f"offload='all' runs without checkpointing, got {checkpointing!r}")
+    if offload not in _offloads(checkpointing, precision):
+        raise ValueError("offload='all' runs in fp32 (gpt2-train refuses --precision bf16 "
+                         "with --offload all)")
     if checkpointing not in ("none", "layer", "binomial"):
         raise ValueError(f"checkpointing must be 'none', 'layer' or 'binomial', got {checkpointing!r}")
     if tape_budget is not None and not (isinstance(tape_budget, int) and tape_budget > 0):
@@ -399,7 +403,7 @@ def _least_memory(acc, profile, B, T, flash, policies, max_memory):
     for checkpointing, snapshots in policies:
         compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile, acc.precision)
         for budget in (None, int(acc.rerun(checkpointing)) or MIN_TAPE_BUDGET):
-            for offload in _offloads(checkpointing):
+            for offload in _offloads(checkpointing, acc.precision):
                 least.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory,
                                         offload))
     return min(least, key=lambda c: c.predicted_peak_bytes)
@@ -416,9 +420,12 @@ def minimum_memory(config, B, T, hardware="this-machine", flash=False, precision
     return least.predicted_peak_bytes
 
 
-def _offloads(checkpointing):
-    """The offload policies that run with ``checkpointing`` (everything offloaded: without)."""
-    return OFFLOAD_POLICIES if checkpointing == "none" else OFFLOAD_POLICIES[:2]
+def _offloads(checkpointing, precision="fp32"):
+    """The offload policies that run with ``checkpointing`` and ``precision``
+    (everything offloaded: without checkpointing, in fp32: gpt2-train refuses
+    --precision bf16 with --offload all)."""
+    return (OFFLOAD_POLICIES if checkpointing == "none" and precision == "fp32"
+            else OFFLOAD_POLICIES[:2])
 
 
 def _policies(spec):
