@@ -40,6 +40,7 @@ import adtape.numpy as anp  # noqa: E402
 from adtape import nn  # noqa: E402
 from kernels import threads  # noqa: E402
 from _runinfo import cpu_name, git_commit  # noqa: E402
+from harness import interleave  # noqa: E402
 
 try:
     import autograd
@@ -335,13 +336,9 @@ def measure(ours, theirs, reps, warmup=2):
 
 
 def interleaved(runners, reps, warmup=2):
-    """name -> median seconds per call of each runner, called in turn after a warm-up."""
-    times = {lib: [] for lib in runners}
-    for r in range(warmup + reps):
-        for lib, run in runners.items():
-            t = time_call(run)
-            if r >= warmup:
-                times[lib].append(t)
+    """name -> median seconds per call of each runner, called in turn after a warm-up
+    (harness.interleave)."""
+    times, _ = interleave(runners, reps, warmup)
     return {lib: statistics.median(v) for lib, v in times.items()}
 
 

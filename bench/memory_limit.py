@@ -52,6 +52,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
 from _runinfo import cpu_name, git_commit, model_configs  # noqa: E402
+from harness import RssSampler  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 CONFIGS = (("gpt2", 4, 1024), ("gpt2", 8, 1024), ("gpt2-medium", 4, 1024))
@@ -281,7 +282,6 @@ def worker_main(args):
 
 def run_worker(policy, model, B, T, args, budget=None):
     """Run one worker in a fresh process; its result with the sampled peak RSS."""
-    import psutil
     fd, result_file = tempfile.mkstemp(suffix=".tmp", dir=RESULTS, prefix="memory_limit.")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", policy, "--model", model,
@@ -291,24 +291,19 @@ def run_worker(policy, model, B, T, args, budget=None):
         cmd += ["--budget", str(int(budget))]
     if args.spill_dir:
         cmd += ["--spill-dir", args.spill_dir]
-    peak = 0
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        ps = psutil.Process(proc.pid)
         output = []
         reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
         reader.start()
-        deadline = time.monotonic() + args.timeout
-        while proc.poll() is None:
+        with RssSampler(interval=RSS_SAMPLE_S, pid=proc.pid) as sampler:
             try:
-                peak = max(peak, ps.memory_info().rss)
-            except psutil.Error:
-                pass
-            if time.monotonic() > deadline:
+                proc.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
                 return {"error": f"timed out after {args.timeout} s"}
-            time.sleep(RSS_SAMPLE_S)
+        peak = sampler.peak
         reader.join()
         if proc.returncode != 0:
             tail = "".join(output).strip().splitlines()[-3:]

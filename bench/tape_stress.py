@@ -47,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -58,6 +57,7 @@ import _paths  # noqa: E402,F401  (import order: installed packages, source, ben
 
 from adtape import Tape, _bench, _bench_stress  # noqa: E402
 from gpt2.perfmodel.calibrate import measure_disk  # noqa: E402
+from harness import RssSampler, interleave, reset_vm_hwm, vm_hwm  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 MiB = 1 << 20
@@ -91,18 +91,13 @@ TARGETS = {
 # ---------------------------------------------------------------------------
 
 def interleaved(variants, rounds, warmup=1):
-    """Run each variant once per round, in turn; return {name: {metric: [samples]}}.
-
-    ``variants`` is a list of (name, fn); fn() returns a dict of numbers.  The order is
-    reversed every other round so that no variant always runs right after another.
-    """
+    """Run each variant once per round, in turn (harness.interleave: the order rotated
+    every round); return {name: {metric: [samples]}}.  ``variants`` is a list of
+    (name, fn); fn() returns a dict of numbers."""
+    _, results = interleave(dict(variants), rounds, warmup)
     samples = {name: {} for name, _ in variants}
-    for r in range(warmup + rounds):
-        order = variants if r % 2 == 0 else variants[::-1]
-        for name, fn in order:
-            out = fn()
-            if r < warmup:
-                continue
+    for name, outs in results.items():
+        for out in outs:
             for key, value in out.items():
                 samples[name].setdefault(key, []).append(value)
     return samples
@@ -357,42 +352,6 @@ def bench_bulk(sizes, rounds):
 # Spill: one fresh process per case
 # ---------------------------------------------------------------------------
 
-class PeakRSS:
-    """Samples this process's RSS every half millisecond in a background thread."""
-
-    def __init__(self):
-        self.proc = psutil.Process()
-        self.peak = 0
-        self.samples = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.loop, daemon=True)
-
-    def loop(self):
-        while not self.stop.is_set():
-            rss = self.proc.memory_info().rss
-            self.peak = max(self.peak, rss)
-            self.samples += 1
-            time.sleep(0.0005)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        return False
-
-
-def vm_hwm():
-    """The kernel's peak RSS of this process (VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
-
-
 def spill_worker(spec):
     """Run one spill case in this (fresh) process and return its numbers."""
     mode, data_bytes, budget = spec["mode"], spec["data_bytes"], spec["budget"]
@@ -402,11 +361,10 @@ def spill_worker(spec):
         _bench.push_pop_ns(warm, 1 << 20, 1, locked=False)
         bulk_run(warm, chunk, 8)
     tape = Tape(threadsafe=(mode == "bulk"), memory_budget=budget)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")   # resets VmHWM to the current RSS
+    reset_vm_hwm()
     rss_before = psutil.Process().memory_info().rss
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    with PeakRSS() as sampler:
+    with RssSampler(interval=0.0005) as sampler:
         if mode == "scalar":
             n = data_bytes // 8
             push_ns, pop_ns = _bench.push_pop_ns(tape, n, 1, locked=False)

@@ -72,6 +72,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
 from _runinfo import compute_limit, cpu_flags, cpu_name, git_commit, physical_peak  # noqa: E402
+from harness import RssSampler, interleave  # noqa: E402
 from kernels import blas_dispatch  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -408,27 +409,6 @@ def random_batch(config, B, T, seed):
             np.ascontiguousarray(tokens[:, 1:], dtype=np.int32))
 
 
-def interleave(steps, sides, n_steps):
-    """n_steps timed steps of every side, interleaved, the order rotated by one side
-    every round: ({side: [seconds]}, {side: [loss]}).
-
-    A side's step right after its own runs faster than after another side's (its
-    caches hold its own data: our SmolLM2 (1, 64) step 6-11% on the 2-core Xeon).
-    Rotation gives every side the same predecessors: with three sides none follows
-    itself, with two each does every other round.  (Reversing the order every other
-    round let the first and last sides follow themselves half the time and the middle
-    one never.)"""
-    times = {s: [] for s in sides}
-    losses = {s: [] for s in sides}
-    for r in range(n_steps):
-        k = r % len(sides)
-        for s in sides[k:] + sides[:k]:
-            t0 = time.perf_counter()
-            losses[s].append(steps[s]())
-            times[s].append(time.perf_counter() - t0)
-    return times, losses
-
-
 def too_big(result, need, what):
     """Record the estimate; True (with the reason in ``result``) when ``need`` bytes
     with the margin do not fit in the memory available now."""
@@ -446,7 +426,7 @@ def too_big(result, need, what):
 def timed_steps(result, steps, sides, warm_loss, args, torch):
     """The timed steps of every side, interleaved, then the FTZ check and the machine's
     limits, into ``result``."""
-    times, losses = interleave(steps, sides, args.steps)
+    times, losses = interleave({s: steps[s] for s in sides}, args.steps)
     result["flush_check_after"] = check_flush(bool(args.ftz_on), torch)
     # Limits again here, in this configuration's conditions (on a shared machine a
     # measurement taken while others run reads low; the best of the run counts).
@@ -560,32 +540,6 @@ def llama_memory_estimate(config, B, T, n_sides=len(LLAMA_SIDES)):
     return n_sides * 4 * 4 * n_layout + LLAMA_ACTIVATION_FACTOR * ours_acts
 
 
-class RssSampler:
-    """The process's largest RSS while the ``with`` block runs (psutil, every 5 ms)."""
-
-    def __init__(self, interval=0.005):
-        import psutil
-        self.process = psutil.Process()
-        self.interval = interval
-
-    def _run(self):
-        while not self._done.wait(self.interval):
-            self.peak = max(self.peak, self.process.memory_info().rss)
-
-    def __enter__(self):
-        import threading
-        self.before = self.peak = self.process.memory_info().rss
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-
-
 def run_llama_worker(args):
     """One (B, T) of a Llama-family model: ours (tape), PyTorch eager, transformers."""
     n, ftz, B, T = args.threads, bool(args.ftz_on), args.B, args.T
@@ -630,7 +584,7 @@ def run_llama_worker(args):
     # same maths gives the same loss, to float32 rounding.
     warm_loss, rss = {}, {}
     for s in sides:
-        with RssSampler() as sampler:
+        with RssSampler(interval=0.005) as sampler:
             warm_loss[s] = steps[s]()
         rss[s] = {"before": sampler.before, "peak": sampler.peak}
     check_bf16_losses(warm_loss, "tape")
