@@ -1,6 +1,6 @@
 """Data-parallel training over MPI (gpt2.distributed) and the reverse sweep's grad-final hook.
 
-The MPI tests run ``mpiexec -n 2`` on this machine (loopback) with tests/mpi_dp_worker.py
+The MPI tests run ``mpiexec -n 2`` on this machine (loopback) with tests/gpt2/mpi_dp_worker.py
 and compare with one process on the whole batch; they need the ``mpi`` extra
 (``pip install '.[mpi]'``) and never skip.
 """

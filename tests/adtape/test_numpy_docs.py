@@ -3,7 +3,7 @@ import pathlib
 
 from adtape import numpy_docs
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "numpy.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "numpy.md"
 
 
 def test_the_list_of_supported_functions_is_current():

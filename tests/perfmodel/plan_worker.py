@@ -1,8 +1,8 @@
 """Train a preset for a few steps under a memory plan's engine arguments, in a fresh
-process, sampling its RSS: ``python tests/plan_worker.py NAME KWARGS_JSON`` prints the
+process, sampling its RSS: ``python tests/perfmodel/plan_worker.py NAME KWARGS_JSON`` prints the
 losses (hex), the peak RSS and the fastest step's ms as JSON.  ``train`` runs it (the
 planner tests of both families).  ``RssPeak`` samples a worker's RSS (here and in
-tests/test_gpt2_memory.py's worker)."""
+tests/gpt2/test_gpt2_memory.py's worker)."""
 import json
 import os
 import subprocess

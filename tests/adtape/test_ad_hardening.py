@@ -290,7 +290,7 @@ def test_polygamma_takes_an_integer_order():
 
 
 def test_adtape_scipy_is_a_package_of_the_distribution():
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     assert '"adtape.scipy"' in (root / "pyproject.toml").read_text()
 
 

@@ -1,5 +1,5 @@
 """The data-parallel tests' model, batches and hyperparameters, shared by the MPI worker
-(tests/mpi_dp_worker.py) and the one-process reference in tests/test_distributed.py."""
+(tests/gpt2/mpi_dp_worker.py) and the one-process reference in tests/gpt2/test_distributed.py."""
 import numpy as np
 
 from gpt2.config import GPT2Config

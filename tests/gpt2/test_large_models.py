@@ -2,7 +2,7 @@
 user runs it (the last two: TinyLlama 1.1B within 20 GiB; GPT-2 XL with its state on
 disk within 20 GiB).
 
-Opt-in: ``ADTAPE_LARGE=1 pytest tests/test_large_models.py`` (about 35 minutes on 2
+Opt-in: ``ADTAPE_LARGE=1 pytest tests/gpt2/test_large_models.py`` (about 35 minutes on 2
 cores, 24 GiB of RAM and up to 23 GiB of spill and state files in pytest's temporary
 directory).
 Without the variable these tests are deselected, not skipped (conftest.py).

@@ -32,9 +32,9 @@ print(json.dumps({{"losses": losses, "tape_bytes": engine.last_forward_bytes,
 
 
 def run(budget, spill_dir):
-    # The package roots, and this directory for the worker's RssPeak (tests/plan_worker.py).
+    # The package roots, and tests/perfmodel/ for the worker's RssPeak (plan_worker.py).
     roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
-    roots.add(os.path.dirname(os.path.abspath(__file__)))
+    roots.add(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perfmodel"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sorted(roots)))
     out = subprocess.run([sys.executable, "-c", RUN.format(spill_dir=str(spill_dir)), str(budget)],
                          capture_output=True, text=True, env=env, check=True, cwd=spill_dir,

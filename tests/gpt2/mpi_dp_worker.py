@@ -1,4 +1,4 @@
-"""One rank of the data-parallel tests: ``mpiexec -n 2 python tests/mpi_dp_worker.py SCENARIO OUT``.
+"""One rank of the data-parallel tests: ``mpiexec -n 2 python tests/gpt2/mpi_dp_worker.py SCENARIO OUT``.
 
 Rank 0 writes what the test checks as JSON to OUT.  The batches and hyperparameters
 come from ``dp_reference`` so the test can replay them in one process.

@@ -485,7 +485,7 @@ def test_eight_lane_builds_agree():
 
 # ---------------------------------------------------------------------------
 # misuse: zero sizes, thread counts, read-only and overlapping outputs, bad arguments
-# (the cases of tests/test_kernels_misuse.py, run in this process: every one is refused
+# (the cases of tests/kernels/test_kernels_misuse.py, run in this process: every one is refused
 # or done before any thread starts)
 
 def _arr(rng, shape):
