@@ -1,6 +1,7 @@
-"""Test setup: the PyTorch oracle bench/torch_gpt2.py is importable as ``torch_gpt2``.
+"""Test setup: the PyTorch oracle bench/torch_gpt2.py and the measuring harness
+bench/harness.py are importable as ``torch_gpt2`` and ``harness``.
 
-It is loaded by file path: nothing goes on sys.path, so neither the repo root nor
+They are loaded by file path: nothing goes on sys.path, so neither the repo root nor
 bench/ (whose scripts, e.g. bench/kernels.py, would shadow packages) can hide the
 installed adtape, kernels and gpt2 packages the tests are about.
 """
@@ -16,13 +17,14 @@ import pytest
 # with AVX512_BF16. The precision tests ask for auto and bf16 themselves.
 os.environ.setdefault("ADTAPE_PRECISION", "fp32")
 
-_ORACLE = pathlib.Path(__file__).resolve().parent.parent / "bench" / "torch_gpt2.py"
+_BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
-if "torch_gpt2" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("torch_gpt2", _ORACLE)
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["torch_gpt2"] = _module
-    _spec.loader.exec_module(_module)
+for _name in ("torch_gpt2", "harness"):
+    if _name not in sys.modules:
+        _spec = importlib.util.spec_from_file_location(_name, _BENCH / f"{_name}.py")
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules[_name] = _module
+        _spec.loader.exec_module(_module)
 
 
 def pytest_configure(config):

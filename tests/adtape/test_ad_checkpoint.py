@@ -137,44 +137,37 @@ def test_peak_tape_memory_falls_as_predicted():
 
 
 RSS_PROGRAM = textwrap.dedent("""
-    import json, sys, threading, time
-    import numpy as np, psutil
+    import json, sys
+    import numpy as np
     import adtape as ad
+    from plan_worker import harness
     budget = None if sys.argv[1] == "none" else int(sys.argv[1])
     rng = np.random.default_rng(0)
     W = rng.standard_normal((256, 256)) / 16
     x0 = rng.standard_normal((512, 256))
-    proc = psutil.Process()
-    peak = [0]
-    done = threading.Event()
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.001)
     with ad.OpTape(memory_budget=budget, spill_dir=sys.argv[2]) as t:
-        base = proc.memory_info().rss
-        thread = threading.Thread(target=sample, daemon=True)
-        thread.start()
-        x = ad.Tensor(x0, requires_grad=True)
-        w = ad.Tensor(W, requires_grad=True)
-        y = x
-        for _ in range(60):
-            y = ad.tanh(y @ w)
-        saved = t.tape.nbytes
-        y.sum().backward()
-        done.set()
-        thread.join()
+        with harness().RssSampler(interval=0.001) as rss:
+            x = ad.Tensor(x0, requires_grad=True)
+            w = ad.Tensor(W, requires_grad=True)
+            y = x
+            for _ in range(60):
+                y = ad.tanh(y @ w)
+            saved = t.tape.nbytes
+            y.sum().backward()
         spills = t.tape.stats["spills"]
     np.save(sys.argv[3], np.concatenate([x.grad.ravel(), w.grad.ravel()]))
-    print(json.dumps({"saved": saved, "peak_growth": peak[0] - base, "spills": spills}))
+    print(json.dumps({"saved": saved, "peak_growth": rss.growth, "spills": spills}))
 """)
 
 
 def _run_rss_program(budget, tmp_path, name):
     root = os.path.dirname(os.path.dirname(os.path.abspath(ad.__file__)))
     out = tmp_path / f"{name}.npy"
+    # tests/perfmodel/ for plan_worker's harness (bench/harness.py by its path)
+    workers = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perfmodel")
     res = subprocess.run([sys.executable, "-c", RSS_PROGRAM, str(budget), str(tmp_path), str(out)],
-                         cwd=root, capture_output=True, text=True, timeout=300)
+                         cwd=root, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=workers))
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1]), np.load(out)
 

@@ -1,38 +1,13 @@
 """The memory budget holds for real: 1 GiB through a 32 MiB budget, RSS sampled throughout."""
 import os
-import threading
-import time
 
 import numpy as np
 import psutil
+from harness import RssSampler
 
 from adtape import Tape
 
 MiB = 1 << 20
-
-
-class RssSampler:
-    """Samples this process's RSS in a background thread."""
-
-    def __init__(self, period=0.002):
-        self.proc = psutil.Process()
-        self.period = period
-        self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(self.period)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 def test_one_gib_through_a_32_mib_budget(tmp_path):
@@ -43,7 +18,7 @@ def test_one_gib_through_a_32_mib_budget(tmp_path):
     buf = np.empty_like(base)
     out = np.empty_like(base)
     start = psutil.Process().memory_info().rss
-    with Tape(memory_budget=budget, spill_dir=tmp_path) as tape, RssSampler() as rss:
+    with Tape(memory_budget=budget, spill_dir=tmp_path) as tape, RssSampler(interval=0.002) as rss:
         for k in range(n_chunks):
             np.add(base, k * chunk, out=buf)
             tape.push_many(buf)

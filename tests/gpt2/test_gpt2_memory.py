@@ -12,7 +12,7 @@ import gpt2
 RUN = """
 import json, sys
 import numpy as np
-from plan_worker import RssPeak
+from plan_worker import harness
 from gpt2.config import GPT2Config
 from gpt2.model import GPT2
 budget = None if sys.argv[1] == "none" else int(sys.argv[1])
@@ -22,17 +22,16 @@ model = GPT2(config, seed=0, engine="tape", tape_kwargs=kwargs)
 rng = np.random.default_rng(0)
 x = rng.integers(0, 256, (8, 128)).astype(np.int32)
 y = rng.integers(0, 256, (8, 128)).astype(np.int32)
-rss = RssPeak(0.001)
-losses = [model.train_step(x, y, lr=1e-3, weight_decay=0.1)[0] for _ in range(3)]
-rss.stop()
+with harness().RssSampler(interval=0.001) as rss:
+    losses = [model.train_step(x, y, lr=1e-3, weight_decay=0.1)[0] for _ in range(3)]
 engine = model._tape_engine
 print(json.dumps({{"losses": losses, "tape_bytes": engine.last_forward_bytes,
-                  "spills": engine.optape.tape.stats["spills"], "growth": rss.peak - rss.base}}))
+                  "spills": engine.optape.tape.stats["spills"], "growth": rss.growth}}))
 """
 
 
 def run(budget, spill_dir):
-    # The package roots, and tests/perfmodel/ for the worker's RssPeak (plan_worker.py).
+    # The package roots, and tests/perfmodel/ for the worker's harness (plan_worker.py).
     roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (adtape, gpt2)}
     roots.add(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perfmodel"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sorted(roots)))

@@ -1,13 +1,13 @@
 """Train a preset for a few steps under a memory plan's engine arguments, in a fresh
 process, sampling its RSS: ``python tests/perfmodel/plan_worker.py NAME KWARGS_JSON`` prints the
 losses (hex), the peak RSS and the fastest step's ms as JSON.  ``train`` runs it (the
-planner tests of both families).  ``RssPeak`` samples a worker's RSS (here and in
-tests/gpt2/test_gpt2_memory.py's worker)."""
+planner tests of both families).  ``harness()`` gives bench/harness.py, whose
+``RssSampler`` samples a worker's RSS (here and in tests/gpt2/test_gpt2_memory.py's worker)."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 B, T, STEPS = 32, 64, 3
@@ -24,29 +24,17 @@ def train(name, kwargs, cwd):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-class RssPeak:
-    """This process's peak RSS from construction to ``stop()``: ``base`` (at the start)
-    and ``peak``, sampled every ``interval`` seconds on a daemon thread and once more
-    at the stop."""
-
-    def __init__(self, interval):
-        import psutil
-        self._proc = psutil.Process()
-        self.base = self.peak = self._proc.memory_info().rss
-        self._interval = interval
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self):
-        while not self._done.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(self._interval)
-
-    def stop(self):
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
+def harness():
+    """bench/harness.py (its ``RssSampler``), loaded by its path in this worker process
+    as conftest.py loads it in the tests': bench/ never goes on sys.path, whose scripts
+    would shadow the packages."""
+    if "harness" not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                            "bench", "harness.py")
+        spec = importlib.util.spec_from_file_location("harness", path)
+        sys.modules["harness"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["harness"])
+    return sys.modules["harness"]
 
 
 def main(name, kwargs):
@@ -54,17 +42,16 @@ def main(name, kwargs):
     from gpt2.config import preset
     from gpt2.model import GPT2
     config = preset(name)
-    rss = RssPeak(0.0005)      # from before the model is built
-    model = GPT2(config, seed=0, engine="tape", **kwargs)
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
-    y = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
-    losses, times = [], []
-    for _ in range(STEPS):
-        t0 = time.perf_counter()
-        losses.append(model.train_step(x, y, lr=1e-3, weight_decay=0.1)[0])
-        times.append(time.perf_counter() - t0)
-    rss.stop()
+    with harness().RssSampler(interval=0.0005) as rss:      # from before the model is built
+        model = GPT2(config, seed=0, engine="tape", **kwargs)
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+        y = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+        losses, times = [], []
+        for _ in range(STEPS):
+            t0 = time.perf_counter()
+            losses.append(model.train_step(x, y, lr=1e-3, weight_decay=0.1)[0])
+            times.append(time.perf_counter() - t0)
     print(json.dumps({"losses": [float(v).hex() for v in losses], "peak": rss.peak,
                       "ms": 1e3 * min(times)}))
 
