@@ -273,14 +273,22 @@ def read_checkpoint_header(path):
                       extra=header["extra"])
 
 
-def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None):
+def is_checkpoint(path):
+    """Whether ``path`` opens with our checkpoint's magic (not an llm.c model file)."""
+    with open(path, "rb") as f:
+        return f.read(len(CHECKPOINT_MAGIC)) == CHECKPOINT_MAGIC
+
+
+def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
+                    optimizer=True):
     """Read a checkpoint written by ``save_checkpoint``.
 
     config: if given, the file's config must equal it. params / adam_m / adam_v: optional
     ParamArenas to read into in place (no second copy of a large model); otherwise new arenas.
     Their contents are undefined if loading fails, so pass fresh ones when the old values matter.
     Raises FileNotFoundError for a missing file and ValueError for a foreign, truncated,
-    corrupt (CRC) or mismatching one.
+    corrupt (CRC) or mismatching one.  Without ``optimizer`` only the parameters are read
+    (the moments come back as None): for starting a new run or exporting.
     """
     path = os.fspath(path)
     with open(path, "rb") as f:
@@ -306,7 +314,7 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None)
                              f"describes {end}")
         destinations = {"params": params, "adam_m": adam_m, "adam_v": adam_v}
         arenas = {}
-        for name in expected_names:
+        for name in expected_names if optimizer else ["params"]:
             dest = destinations[name]
             if hasattr(dest, "load"):       # a streamed section (gpt2.offload.StreamedState)
                 entry = sections[name]
@@ -479,30 +487,61 @@ class SafetensorsFile:
         return arr.astype(np.float32)
 
 
-def write_safetensors(path, tensors, metadata=None):
-    """Write dict name -> numpy array (float32/float16/float64/ints) as a safetensors file."""
+def to_bfloat16(arr):
+    """float32 ``arr`` rounded to bfloat16 (to nearest, ties to even; NaN stays NaN), as the
+    uint16 bit patterns safetensors stores."""
+    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = np.isnan(arr)
+    if nan.any():   # rounding could carry a NaN's payload into the exponent: keep it quiet NaN
+        rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
+    return rounded
+
+
+# The floating-point formats write_safetensors converts to, by their safetensors names.
+_FLOAT_WRITERS = {"F32": lambda a: a.astype("<f4", copy=False),
+                  "F16": lambda a: a.astype("<f2"),
+                  "BF16": to_bfloat16}
+
+
+def write_safetensors(path, tensors, metadata=None, dtype=None):
+    """Write dict name -> numpy array (float32/float16/float64/ints) as a safetensors file.
+
+    dtype: None keeps each array's own; "F32", "F16" or "BF16" stores every floating-point
+    array in that format (bfloat16 rounded to nearest even), one tensor at a time.
+    """
+    if dtype is not None and dtype not in _FLOAT_WRITERS:
+        raise ValueError(f"dtype must be one of {', '.join(_FLOAT_WRITERS)} or None, got "
+                         f"{dtype!r}")
     by_dtype = {v: k for k, v in SAFETENSORS_DTYPES.items() if k != "BF16"}
     header, arrays, offset = {}, [], 0
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        code = by_dtype.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype)
-        if code is None:
-            raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, which write_safetensors "
-                             "does not store")
-        arr = arr.astype(SAFETENSORS_DTYPES[code], copy=False)
+        arr = np.asarray(arr)
+        if dtype is not None and arr.dtype.kind == "f":
+            code, convert = dtype, _FLOAT_WRITERS[dtype]
+        else:
+            code = by_dtype.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">"
+                                else arr.dtype)
+            if code is None:
+                raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, which "
+                                 "write_safetensors does not store")
+            convert = None
+        nbytes = arr.size * SAFETENSORS_DTYPES[code].itemsize
         header[name] = {"dtype": code, "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        arrays.append(arr)
-        offset += arr.nbytes
+                        "data_offsets": [offset, offset + nbytes]}
+        arrays.append((arr, code, convert))
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw = raw.ljust((len(raw) + 7) // 8 * 8, b" ")  # the spec pads the header to 8 bytes
     with atomic_writer(path) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for arr in arrays:
-            f.write(memoryview(arr).cast("B"))
+        for arr, code, convert in arrays:
+            out = (convert(arr) if convert is not None
+                   else arr.astype(SAFETENSORS_DTYPES[code], copy=False))
+            f.write(memoryview(np.ascontiguousarray(out)).cast("B"))
 
 
 def check_fits_in_memory(config, source):

@@ -187,24 +187,156 @@ def weight_files(directory):
     return sorted(found)
 
 
-def save_dir(directory, params, overwrite=False):
-    """A Hugging Face model directory of ``params`` (any family).
+# --save-dtype's names: safetensors' and config.json's (torch_dtype) for each.
+SAVE_DTYPES = {"fp32": ("F32", "float32"), "bf16": ("BF16", "bfloat16"),
+               "fp16": ("F16", "float16")}
+_SAVE_DTYPE_OF = {"F32": "fp32", "F64": "fp32", "BF16": "bf16", "F16": "fp16"}
+# What a directory's tokenizer is made of (transformers' names), and the generation defaults.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "chat_template.json")
+GENERATION_CONFIG = "generation_config.json"
+SPECIAL_TOKENS = ("bos", "eos", "pad")
+
+
+def weights_dtype(path):
+    """fp32, bf16 or fp16: the format holding most of the weights of a Hugging Face
+    directory or safetensors file (F64 counts as fp32)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        entries = [st.entries[name] for name, st in tensor_files(path).items()]
+    else:
+        entries = list(SafetensorsFile(path).entries.values())
+    counts = {}
+    for entry in entries:
+        kind = _SAVE_DTYPE_OF.get(entry.dtype)
+        if kind is not None:
+            counts[kind] = counts.get(kind, 0) + math.prod(entry.shape)
+    return max(counts, key=counts.get) if counts else "fp32"
+
+
+def _read_json(path):
+    """The JSON object in ``path``, or {} where it is missing or not an object."""
+    try:
+        with open(path, "rb") as f:
+            value = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _same_path(a, b):
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _token_text(value):
+    """A tokenizer_config.json special token: a string, or an AddedToken's dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _tokenizer_plan(source, tokenizer):
+    """(files to copy: name -> path, the tokenizer file the run used or None, whether the
+    source directory's tokenizer is the run's) for ``save_dir``."""
+    from gpt2.tokenizer import find_tokenizer
+    used = None if tokenizer in (None, "bytes") else os.path.abspath(os.fspath(tokenizer))
+    own_tokenizer = find_tokenizer(source) if source else None
+    if source and (used is None or (own_tokenizer and _same_path(used, own_tokenizer))):
+        names = TOKENIZER_FILES + (GENERATION_CONFIG,)
+        return ({n: os.path.join(source, n) for n in names
+                 if os.path.isfile(os.path.join(source, n))}, own_tokenizer, True)
+    if used is None:
+        return {}, None, False
+    home = os.path.dirname(used)
+    if _same_path(find_tokenizer(home) or "", used):   # a model directory's own tokenizer
+        return ({n: os.path.join(home, n) for n in TOKENIZER_FILES
+                 if os.path.isfile(os.path.join(home, n))}, used, False)
+    from gpt2.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
+    kind = type(load_tokenizer(used))
+    name = {HFTokenizer: "tokenizer.json", SentencePieceTokenizer: "tokenizer.model"}.get(kind)
+    return ({name: used} if name else {}), used, False
+
+
+def save_dir(directory, params, overwrite=False, dtype="fp32", source=None, tokenizer=None):
+    """A Hugging Face model directory of ``params`` (any family), weights in ``dtype`` (fp32,
+    bf16 or fp16; config.json's torch_dtype says which).
+
+    ``source``: the Hugging Face directory the weights came from; ``tokenizer``: the
+    tokenizer file the model was trained with (None or "bytes": none, or the source's).
+    Where the run's tokenizer is the source's own, its tokenizer files, generation_config.json
+    and the special-token ids of its config.json are carried over; else the tokenizer file
+    is written (its directory's tokenizer files too, where it is a model directory's own),
+    with the bos/eos ids it knows, a tokenizer_config.json and a generation_config.json.
 
     A directory that holds another model's weights is refused unless ``overwrite``; then
     the others (shards, their index, pytorch_model.bin, ...) are removed once the new
     ``model.safetensors`` is written, so that transformers and ``load_dir`` both read the
-    new weights and nothing else.
+    new weights and nothing else.  Where a tokenizer is written, the directory's other
+    tokenizer files go too; without one (bytes), they stay.
     """
+    from gpt2.tokenizer import load_tokenizer, special_ids
     directory = os.fspath(directory)
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
     others = weight_files(directory)
     if others and not overwrite:
         raise ValueError(f"{directory!r} holds another model's weights "
                          f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})")
-    families.family_of(params.config).save_hf(directory, params.in_llmc_order())
-    for name in others:
-        if name != WEIGHTS_NAME:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
+    source = os.fspath(source) if source else None
+    copies, used, own = _tokenizer_plan(source, tokenizer)
+    ids = {}
+    if own:
+        hf_config = _read_json(os.path.join(source, "config.json"))
+        ids = {f"{k}_token_id": hf_config[f"{k}_token_id"] for k in SPECIAL_TOKENS
+               if f"{k}_token_id" in hf_config}
+    texts = {}
+    if used is not None:
+        tok = load_tokenizer(used)
+        settings = (_read_json(copies["tokenizer_config.json"])
+                    if "tokenizer_config.json" in copies else {})
+        for key in SPECIAL_TOKENS:
+            text = _token_text(settings.get(f"{key}_token"))
+            token_id = tok.token_id(text) if text and hasattr(tok, "token_id") else None
+            if token_id is not None:
+                texts[key] = (text, token_id)
+        if not settings:
+            texts = {**special_ids(tok), **texts}
+        for key, (_, token_id) in texts.items():
+            ids.setdefault(f"{key}_token_id", token_id)
+    extra = {"torch_dtype": SAVE_DTYPES[dtype][1], **ids}
+    families.family_of(params.config).save_hf(directory, params.in_llmc_order(),
+                                              dtype=SAVE_DTYPES[dtype][0], extra_config=extra)
+    from gpt2.checkpoint import atomic_writer
+
+    def write(name, data):
+        with atomic_writer(os.path.join(directory, name)) as f:
+            f.write(data)
+
+    for name, path in copies.items():
+        if not _same_path(path, os.path.join(directory, name)):
+            with open(path, "rb") as f:
+                write(name, f.read())
+    written = set(copies)
+    if written & {"tokenizer.json", "tokenizer.model"} and "tokenizer_config.json" not in written:
+        settings = {f"{k}_token": text for k, (text, _) in texts.items() if text}
+        if "tokenizer.json" in written:
+            settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+        settings["model_max_length"] = params.config.block_size
+        write("tokenizer_config.json", json.dumps(settings, indent=2).encode("utf-8"))
+        written.add("tokenizer_config.json")
+    if GENERATION_CONFIG not in written and ids.keys() & {"bos_token_id", "eos_token_id"}:
+        write(GENERATION_CONFIG, json.dumps(ids, indent=2).encode("utf-8"))
+        written.add(GENERATION_CONFIG)
+    stale = [n for n in others if n != WEIGHTS_NAME]
+    if written & set(TOKENIZER_FILES):     # no other tokenizer's files may mix with these
+        stale += [n for n in TOKENIZER_FILES if n not in written]
+    for name in stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
 
 
 def num_parameters(config):

@@ -292,6 +292,22 @@ class GPT2BPETokenizer(_VocabDecoder):
 
 
 HF_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model")
+# The spellings of the start and end of a text in the tokenizers of the families we train
+# (GPT-2, Llama 2 and 3, SmolLM2, Qwen2), likeliest first.
+_USUAL_SPECIAL_TOKENS = {"bos": ("<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>"),
+                         "eos": ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>",
+                                 "<|im_end|>")}
+
+
+def special_ids(tokenizer):
+    """{'bos'|'eos'|'pad': (token text, id)} that ``tokenizer`` knows; {} for bytes."""
+    if hasattr(tokenizer, "special_ids"):
+        return tokenizer.special_ids()
+    eot = getattr(tokenizer, "eot_token", None)
+    if eot is None:
+        return {}
+    text = GPT2_EOT if isinstance(tokenizer, GPT2BPETokenizer) else None
+    return {"bos": (text, eot), "eos": (text, eot)}
 _TIKTOKEN_HEAD = re.compile(rb"[A-Za-z0-9+/=\s]*")
 
 
@@ -338,6 +354,22 @@ class HFTokenizer:
         ids = _ids_array(ids, self.vocab_size, "HFTokenizer")
         return self._tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
+    def token_id(self, text):
+        """The id of the token spelled ``text``, or None if there is no such token."""
+        return self._tokenizer.token_to_id(text)
+
+    def special_ids(self):
+        """bos/eos ids of the well-known special tokens this tokenizer.json holds (a
+        tokenizer_config.json says which they are; without one, these are the usual)."""
+        found = {}
+        for key, names in _USUAL_SPECIAL_TOKENS.items():
+            for name in names:
+                token_id = self.token_id(name)
+                if token_id is not None:
+                    found[key] = (name, token_id)
+                    break
+        return found
+
 
 class SentencePieceTokenizer:
     """A SentencePiece model (``tokenizer.model``: Llama 2, TinyLlama, Mistral) through the
@@ -365,6 +397,16 @@ class SentencePieceTokenizer:
     def decode(self, ids):
         ids = _ids_array(ids, self.vocab_size, "SentencePieceTokenizer")
         return self._processor.decode(ids.tolist())
+
+    def token_id(self, text):
+        token_id = self._processor.piece_to_id(text)
+        return token_id if self._processor.id_to_piece(token_id) == text else None
+
+    def special_ids(self):
+        """bos/eos/pad of the model ((piece, id); absent where it defines none)."""
+        ids = {"bos": self._processor.bos_id(), "eos": self._processor.eos_id(),
+               "pad": self._processor.pad_id()}
+        return {k: (self._processor.id_to_piece(i), i) for k, i in ids.items() if i >= 0}
 
 
 def _looks_like_sentencepiece(head):

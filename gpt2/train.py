@@ -55,16 +55,22 @@ def learning_rate(step, args):
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def load_tokens(args):
+def load_tokens(args, config=None):
     """(tokens, tokenizer) for --data/--tokenizer, or the built-in corpus.
 
     Without --tokenizer, an --init-from model directory's own tokenizer (tokenizer.json,
     else tokenizer.model) is used, and args.tokenizer names it so that --resume reads it too.
+    A directory without one whose vocabulary (``config``) is wider than bytes is refused.
     """
     from gpt2 import data, tokenizer as tok
     given = args.tokenizer is not None
     if not given and args.init_from and os.path.isdir(args.init_from):
         args.tokenizer = tok.find_tokenizer(args.init_from)
+        if args.tokenizer is None and config is not None and config.vocab_size > 256:
+            raise UsageError(f"--init-from {args.init_from} has no tokenizer (tokenizer.json "
+                             f"or tokenizer.model) and a vocabulary of {config.vocab_size} "
+                             f"tokens, not bytes: pass --tokenizer with the model's tokenizer "
+                             f"file (or --tokenizer bytes to train on bytes anyway)")
     if args.tokenizer in (None, "bytes"):
         tokenizer = tok.ByteTokenizer()
     else:
@@ -177,7 +183,16 @@ class RunInputs:
     val: object             # DataLoader, or None without evaluation
     plan: object = None     # gpt2.perfmodel.plan.MemoryPlan of --max-memory, or None
     memory_from_checkpoint: tuple = ()  # the memory options --resume took from the checkpoint
+    # Where the weights came from, for --save-hf: {"directory": the Hugging Face directory
+    # or None, "dtype": its weights' format (the default of --save-dtype)}.
+    export_source: dict = dataclasses.field(default_factory=lambda: dict(NO_EXPORT_SOURCE))
+    own_save_hf: bool = False   # --save-hf is the resumed run's own: its weights are replaced
     precision: tuple = ("fp32", "")   # (the products' precision, why), set by _run
+
+
+# The export source of a model from scratch, an llm.c file, or a checkpoint saved before
+# checkpoints recorded theirs.
+NO_EXPORT_SOURCE = {"directory": None, "dtype": "fp32"}
 
 
 def _run(args, explicit):
@@ -227,7 +242,7 @@ def _prepare(args, explicit, comm=None):
     """Check the options and read the inputs; None when a resumed run has nothing left to do."""
     from gpt2 import checkpoint as ckpt
     from gpt2.data import DataLoader, split_sizes
-    resumed, memory_from_checkpoint = None, ()
+    resumed, memory_from_checkpoint, own_save_hf = None, (), False
     if args.resume:
         if args.init_from:
             raise UsageError("--resume and --init-from exclude each other: the checkpoint "
@@ -238,6 +253,13 @@ def _prepare(args, explicit, comm=None):
         for name in RESUMED_OPTIONS:
             if name in saved and name not in explicit:
                 setattr(args, name, saved[name])
+        if "hf_export" in (resumed.extra or {}):
+            # Saved since the checkpoint records its export; older ones take neither.
+            for name in ("save_hf", "save_dtype"):
+                if saved.get(name) is not None and name not in explicit:
+                    setattr(args, name, saved[name])
+            # The run's own --save-hf, written by an earlier stretch of it: replaced.
+            own_save_hf = "save_hf" not in explicit and args.save_hf is not None
         memory_from_checkpoint = _restore_memory_policy(args, explicit, saved)
         if args.decay_steps is None and "steps" in saved:
             # Saved before --decay-steps existed: that run decayed over its own --steps.
@@ -245,6 +267,11 @@ def _prepare(args, explicit, comm=None):
         if args.out_dir is None:
             args.out_dir = os.path.dirname(args.resume) or "."
         if resumed.step >= args.steps:
+            from gpt2 import hf
+            if args.save_hf and ("save_hf" in explicit or not hf.weight_files(args.save_hf)):
+                if comm is None or comm.Get_rank() == 0:    # under mpiexec, rank 0 writes
+                    _export_checkpoint(args, resumed)
+                return None
             print(f"{args.resume} is at step {resumed.step} of --steps {args.steps}: nothing "
                   f"left to do (pass a larger --steps to train further); "
                   f"{args.out_dir} is unchanged", flush=True)
@@ -255,7 +282,7 @@ def _prepare(args, explicit, comm=None):
         args.decay_steps = args.steps
     if not args.overwrite:
         _refuse_another_runs_output(args)
-    if args.save_hf:
+    if args.save_hf and not own_save_hf:
         _check_save_hf(args)
     if args.val_fraction == 0 and args.eval_interval:
         raise UsageError(f"--val-fraction 0 leaves no validation data for --eval-interval "
@@ -279,7 +306,7 @@ def _prepare(args, explicit, comm=None):
         raise UsageError("--precision bf16 runs on the tape engine without --offload all: "
                          "leave out " + ("--engine manual" if args.engine != "tape"
                                          else "--offload all"))
-    config, params, model_name = _model_config(args, explicit, resumed)
+    config, params, model_name, export_source = _model_config(args, explicit, resumed)
     if args.seq_len is None:
         args.seq_len = min(128, config.block_size)
     if args.seq_len > config.block_size:
@@ -295,7 +322,7 @@ def _prepare(args, explicit, comm=None):
             raise UsageError("--max-memory plans the tape engine's memory: leave out "
                              "--engine manual")
     _check_snapshots(args, explicit, config)
-    tokens, tokenizer = load_tokens(args)
+    tokens, tokenizer = load_tokens(args, config)
     if tokens.size and int(tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(tokens.max())}, outside the model's "
                          f"vocabulary of {config.vocab_size}; use a matching --tokenizer")
@@ -347,7 +374,8 @@ def _prepare(args, explicit, comm=None):
     return RunInputs(config=config, model_name=model_name, params=params, resumed=resumed,
                      history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
                      train=train, val=val, plan=plan,
-                     memory_from_checkpoint=memory_from_checkpoint)
+                     memory_from_checkpoint=memory_from_checkpoint, export_source=export_source,
+                     own_save_hf=own_save_hf)
 
 
 RUN_OUTPUTS = ("checkpoint.bin", "log.csv", "summary.json", "loss.png")
@@ -393,6 +421,59 @@ def _check_save_hf(args):
                          f"pass --overwrite to replace them, or choose another --save-hf")
 
 
+def _export_source(extra):
+    """The export source a checkpoint's header (``extra``) records, or NO_EXPORT_SOURCE."""
+    source = ((extra or {}).get("hf_export") or {}).get("source") or {}
+    return {**NO_EXPORT_SOURCE, **{k: v for k, v in source.items() if k in NO_EXPORT_SOURCE}}
+
+
+def _save_hf(args, params, source, overwrite=False):
+    """Write --save-hf: the weights in --save-dtype (default: the source's), with the source
+    directory's or the run's tokenizer files and special-token ids."""
+    from gpt2 import hf
+    dtype = args.save_dtype or source["dtype"]
+    with blame("--save-hf", (OSError, ValueError)):
+        hf.save_dir(args.save_hf, params, overwrite=args.overwrite or overwrite, dtype=dtype,
+                    source=source["directory"], tokenizer=args.tokenizer)
+    return dtype
+
+
+def _export_checkpoint(args, resumed):
+    """--save-hf of a finished --resume checkpoint: the directory, without training."""
+    from gpt2 import checkpoint as ckpt
+    _check_save_hf(args)
+    with blame("--resume"):
+        params = ckpt.load_checkpoint(args.resume, resumed.config, optimizer=False).params
+    dtype = _save_hf(args, params, _export_source(resumed.extra))
+    print(f"{args.resume} is at step {resumed.step} of --steps {args.steps}: nothing left to "
+          f"train; wrote its model to {args.save_hf} ({dtype})", flush=True)
+
+
+def _resume_command(args, ckpt_path):
+    """The command line that continues this run from ``ckpt_path``: --resume, and the
+    --save-hf and memory options it had (the checkpoint holds them too)."""
+    import shlex
+    words = [program_name(), "--resume", ckpt_path]
+    if args.save_hf:
+        words += ["--save-hf", args.save_hf]
+    if args.save_dtype:
+        words += ["--save-dtype", args.save_dtype]
+    if args.max_memory is not None:     # it chose the others: plan again
+        words += ["--max-memory", str(args.max_memory)]
+    else:
+        if args.tape_budget is not None:
+            words += ["--tape-budget", str(args.tape_budget)]
+        if args.checkpointing != "none":
+            words += ["--checkpointing", args.checkpointing]
+            if args.checkpointing == "binomial":
+                words += ["--snapshots", str(args.snapshots)]
+        if args.offload != "none":
+            words += ["--offload", args.offload]
+    if args.spill_dir is not None:
+        words += ["--spill-dir", args.spill_dir]
+    return " ".join(shlex.quote(str(w)) for w in words)
+
+
 def _restore_memory_policy(args, explicit, saved):
     """Set the memory options not given again to the resumed run's (``saved``: its options,
     from the checkpoint; older checkpoints may lack some), one by one as RESUMED_OPTIONS
@@ -435,17 +516,30 @@ def _check_snapshots(args, explicit, config):
 
 
 def _model_config(args, explicit, resumed):
-    """(config, params or None, what the model is called): from --resume, --init-from or --model."""
+    """(config, params or None, what the model is called, its export source): from --resume,
+    --init-from or --model."""
     from gpt2 import checkpoint as ckpt
     from gpt2.config import preset
-    params = None
+    params, export_source = None, dict(NO_EXPORT_SOURCE)
     if resumed is not None:
         config, source = resumed.config, args.resume
+        export_source = _export_source(resumed.extra)
     elif args.init_from:
+        from gpt2 import hf
         if os.path.isdir(args.init_from):
-            from gpt2 import hf
             with blame("--init-from"):
                 params = hf.load_dir(args.init_from)
+                export_source = {"directory": os.path.abspath(args.init_from),
+                                 "dtype": hf.weights_dtype(args.init_from)}
+        elif _is_checkpoint(args.init_from):
+            # A new run from a checkpoint's weights (not its optimizer, step or data
+            # position), with its tokenizer unless --tokenizer is given.
+            with blame("--init-from"):
+                state = ckpt.load_checkpoint(args.init_from, optimizer=False)
+            params, export_source = state.params, _export_source(state.extra)
+            saved_tokenizer = ((state.extra or {}).get("args") or {}).get("tokenizer")
+            if args.tokenizer is None and saved_tokenizer is not None:
+                args.tokenizer = saved_tokenizer
         elif args.init_from.endswith(".bin"):
             with blame("--init-from"):
                 params = ckpt.import_llmc(args.init_from)
@@ -459,15 +553,28 @@ def _model_config(args, explicit, resumed):
                                  f"beside it, at {ckpt.hf_config_path(args.init_from)}")
             with blame("--init-from"):
                 params = ckpt.import_hf_gpt2(args.init_from)
+                export_source = {"directory": os.path.dirname(os.path.abspath(args.init_from)),
+                                 "dtype": hf.weights_dtype(args.init_from)}
         config, source = params.config, args.init_from
     else:
-        return preset(args.model or DEFAULT_MODEL), None, args.model or DEFAULT_MODEL
+        return (preset(args.model or DEFAULT_MODEL), None, args.model or DEFAULT_MODEL,
+                export_source)
     if "model" in explicit and preset(args.model) != config:
         raise UsageError(f"--model {args.model} does not match {source}, which holds "
                          f"{config.preset_name() or 'a model'} with "
                          + ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
                          + "; leave --model out to use the file's sizes")
-    return config, params, config.preset_name() or source
+    return config, params, config.preset_name() or source, export_source
+
+
+def _is_checkpoint(path):
+    """Whether ``path`` is our training checkpoint; a file that cannot be opened is
+    reported by the reader of its kind."""
+    from gpt2 import checkpoint as ckpt
+    try:
+        return ckpt.is_checkpoint(path)
+    except OSError:
+        return False
 
 
 def _train(args, inputs, n_threads, comm=None):
@@ -549,8 +656,11 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         # The resumed run may start elsewhere: keep where the files are, not how they were named.
         if saved_args[name] not in (None, "bytes"):
             saved_args[name] = os.path.abspath(saved_args[name])
-    if saved_args["spill_dir"] is not None:
-        saved_args["spill_dir"] = os.path.abspath(saved_args["spill_dir"])
+    for name in ("spill_dir", "save_hf"):
+        if saved_args[name] is not None:
+            saved_args[name] = os.path.abspath(saved_args[name])
+    # The source of the weights, for --save-hf of this run and of a run resuming it.
+    extra = {"args": saved_args, "hf_export": {"source": inputs.export_source}}
 
     # Parameters and both AdamW moments, in float32.
     schedule = SaveSchedule(args.checkpoint_interval, 12 * n_params)
@@ -560,12 +670,12 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         model.finish_update()
         if trainer:  # collective: rank 0 gathers the sharded state and writes
             trainer.save_checkpoint(ckpt_path, step=step, data_state=train.state(),
-                                    extra={"args": saved_args})
+                                    extra=extra)
         else:
             adam_m, adam_v = model.optimizer_moments()
             ckpt.save_checkpoint(ckpt_path, model.checkpoint_params(), step=step, adam_m=adam_m,
                                  adam_v=adam_v, adam_step=model.adam_step,
-                                 data_state=train.state(), extra={"args": saved_args})
+                                 data_state=train.state(), extra=extra)
         schedule.saved(time.perf_counter() - t0)
 
     def interrupted(signum, step):
@@ -584,8 +694,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
             return Interrupted(signum, f"interrupted by {name} after step {step} of "
                                        f"{args.steps}; no checkpoint (--no-checkpoint)")
         return Interrupted(signum, f"interrupted by {name} after step {step} of {args.steps}: "
-                                   f"saved {ckpt_path}; continue with: {program_name()} "
-                                   f"--resume {ckpt_path}")
+                                   f"saved {ckpt_path}; continue with: "
+                                   f"{_resume_command(args, ckpt_path)}")
 
     rows = []
     tape_watch = TapeWatch(model)
@@ -640,9 +750,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                 save(args.steps)
             model.finish_update()
             if args.save_hf and writer:
-                from gpt2 import hf
-                with blame("--save-hf", (OSError, ValueError)):
-                    hf.save_dir(args.save_hf, model.param_arena(), overwrite=args.overwrite)
+                _save_hf(args, model.param_arena(), inputs.export_source, inputs.own_save_hf)
             # A first signal during the last step or the final saves: they are done, the
             # summary and the sample are not.
             signum = stop.signum or 0

@@ -48,7 +48,8 @@ every training, data and memory option (--offload, --spill-dir, --tape-budget,
 --checkpointing, --snapshots, --max-memory) not given again is the saved run's; log.csv and
 loss.png cover the whole run. The learning rate continues the saved run's schedule: its
 cosine ends at the saved run's --steps and stays at --min-lr after it, unless
---decay-steps is given.
+--decay-steps is given. --save-hf and --save-dtype are the saved run's too; with --resume of
+a run already at --steps, --save-hf writes the model directory without training.
 
 Ctrl-C (SIGINT) or SIGTERM finishes the current step, saves a checkpoint and exits with
 status 130 (143 for SIGTERM), saying how to resume; a second Ctrl-C stops at once and keeps
@@ -141,9 +142,11 @@ def build_parser(prog=None):
                         f"which it must match if given)")
     m.add_argument("--init-from", default=None, metavar="PATH",
                    help="start from weights: a Hugging Face model directory (config.json and "
-                        "model.safetensors or its shards: GPT-2, Llama, Qwen2), an llm.c model "
-                        "file (gpt2_124M.bin) or a GPT-2 model.safetensors with its config.json "
-                        "beside it")
+                        "model.safetensors or its shards: GPT-2, Llama, Qwen2), a checkpoint.bin "
+                        "of gpt2-train (a new run from its weights and tokenizer), an llm.c "
+                        "model file (gpt2_124M.bin) or a GPT-2 model.safetensors with its "
+                        "config.json beside it; a directory without a tokenizer whose "
+                        "vocabulary is wider than 256 needs --tokenizer")
     m.add_argument("--engine", choices=("tape", "manual"), default="tape",
                    help="tape: backward derived by the adtape tape; manual: hand-sequenced "
                         "(default: %(default)s)")
@@ -240,9 +243,13 @@ def build_parser(prog=None):
     o.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint at all")
     o.add_argument("--save-hf", default=None, metavar="DIR",
                    help="at the end of the run, also write the model as a Hugging Face "
-                        "directory (config.json, model.safetensors) that transformers loads; "
-                        "a directory holding another model's weights is refused unless "
-                        "--overwrite")
+                        "directory (config.json, model.safetensors, the tokenizer's files and "
+                        "generation_config.json) that transformers loads; with --resume of a "
+                        "finished run, write it without training; a directory holding "
+                        "another model's weights is refused unless --overwrite")
+    o.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="the format of the --save-hf weights (default: that of the "
+                        "--init-from weights, fp32 from scratch)")
     o.add_argument("--resume", default=None, metavar="FILE",
                    help="continue the run saved in this checkpoint (see below)")
     o.add_argument("--sample-tokens", type=non_negative_int, metavar="N", default=300,

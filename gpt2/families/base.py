@@ -106,8 +106,9 @@ class Family:
         """A ParamArena of ``config`` from a Hugging Face model directory."""
         raise NotImplementedError(f"the {self.title} family reads no Hugging Face directory")
 
-    def save_hf(self, directory, params):
-        """Write ``params`` as a Hugging Face model directory (config.json and weights)."""
+    def save_hf(self, directory, params, dtype="F32", extra_config=None):
+        """Write ``params`` as a Hugging Face model directory (config.json and weights in
+        ``dtype``, a safetensors float name; ``extra_config``: fields added to config.json)."""
         raise NotImplementedError(f"the {self.title} family writes no Hugging Face directory")
 
     def spec_fields(self, config):

@@ -189,11 +189,13 @@ def config_from_hf(hf):
                       vocab_size=sizes["vocab_size"], block_size=sizes["n_positions"])
 
 
-def export_hf_gpt2(path, params, write_config=False):
-    """Write ``params`` as a Hugging Face GPT-2 ``model.safetensors`` (F32, no prefix).
+def export_hf_gpt2(path, params, write_config=False, dtype="F32", extra_config=None):
+    """Write ``params`` as a Hugging Face GPT-2 ``model.safetensors`` (no prefix) in
+    ``dtype`` (F32, F16 or BF16).
 
     wte is written with its vocab_size real rows. With write_config, a ``config.json`` is
-    written beside it so the directory loads with ``GPT2LMHeadModel.from_pretrained``.
+    written beside it so the directory loads with ``GPT2LMHeadModel.from_pretrained``, with
+    ``extra_config`` (e.g. torch_dtype, the special-token ids) added to its fields.
     """
     from gpt2.checkpoint import atomic_writer, hf_config_path, write_safetensors
     from gpt2.params import ParamArena
@@ -208,10 +210,11 @@ def export_hf_gpt2(path, params, write_config=False):
             tensors[f"h.{i}.{suffix}"] = w.T if transposed else w
     tensors["ln_f.weight"] = params.lnfw
     tensors["ln_f.bias"] = params.lnfb
-    write_safetensors(path, tensors, metadata={"format": "pt"})
+    write_safetensors(path, tensors, metadata={"format": "pt"}, dtype=dtype)
     if write_config:
         with atomic_writer(hf_config_path(path)) as f:
-            f.write(json.dumps(hf_config_dict(c), indent=2).encode("utf-8"))
+            f.write(json.dumps({**hf_config_dict(c), **(extra_config or {})},
+                               indent=2).encode("utf-8"))
 
 
 def _hf_n_head(path, n_head, inferred):
@@ -347,10 +350,11 @@ class GPT2Family(Family):
                              f"sharded GPT-2 directories are not supported")
         return import_hf_gpt2(single, config=config)
 
-    def save_hf(self, directory, params):
+    def save_hf(self, directory, params, dtype="F32", extra_config=None):
         from gpt2.hf import WEIGHTS_NAME
         os.makedirs(directory, exist_ok=True)
-        export_hf_gpt2(os.path.join(directory, WEIGHTS_NAME), params, write_config=True)
+        export_hf_gpt2(os.path.join(directory, WEIGHTS_NAME), params, write_config=True,
+                       dtype=dtype, extra_config=extra_config)
 
     def spec_fields(self, config):
         return {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size",

@@ -419,9 +419,10 @@ def import_hf_llama(directory, config=None):
     return arena
 
 
-def export_hf_llama(directory, params):
-    """Write ``params`` as a Hugging Face directory (config.json, model.safetensors in F32)
-    that transformers loads with ``AutoModelForCausalLM.from_pretrained``."""
+def export_hf_llama(directory, params, dtype="F32", extra_config=None):
+    """Write ``params`` as a Hugging Face directory (config.json, model.safetensors in
+    ``dtype``: F32, F16 or BF16) that transformers loads with
+    ``AutoModelForCausalLM.from_pretrained``; ``extra_config`` adds fields to config.json."""
     from gpt2.checkpoint import atomic_writer, write_safetensors
     from gpt2.hf import WEIGHTS_NAME
     config = params.config
@@ -430,9 +431,11 @@ def export_hf_llama(directory, params):
     for name, (ours, layer, piece, _) in hf_tensors(config).items():
         view = params.views[ours] if layer is None else params.views[ours][layer]
         tensors[name] = view[piece]
-    write_safetensors(os.path.join(directory, WEIGHTS_NAME), tensors, metadata={"format": "pt"})
+    write_safetensors(os.path.join(directory, WEIGHTS_NAME), tensors, metadata={"format": "pt"},
+                      dtype=dtype)
     with atomic_writer(os.path.join(directory, "config.json")) as f:
-        f.write(json.dumps(hf_config_dict(config), indent=2).encode("utf-8"))
+        f.write(json.dumps({**hf_config_dict(config), **(extra_config or {})},
+                           indent=2).encode("utf-8"))
 
 
 class LlamaFamily(Family):
@@ -450,8 +453,8 @@ class LlamaFamily(Family):
     def load_hf(self, directory, config):
         return import_hf_llama(directory, config)
 
-    def save_hf(self, directory, params):
-        export_hf_llama(directory, params)
+    def save_hf(self, directory, params, dtype="F32", extra_config=None):
+        export_hf_llama(directory, params, dtype=dtype, extra_config=extra_config)
 
     def spec_fields(self, config):
         """The sizes, key/value heads, head size, MLP width, tied head and q/k/v biases;
