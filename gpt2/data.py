@@ -1,10 +1,12 @@
 """Training data: corpora as token arrays, llm.c token files, and a resumable batch loader.
 
 Corpora: the built-in default (the Python standard library's own ``.py`` sources, no download),
-any text file, and llm.c's ``.bin`` token shards.  ``DataLoader`` cuts a token array into
+any text file, a JSONL file of {"text": ...} records, and llm.c's ``.bin`` token shards
+(``file_tokens`` tells them apart by the name's extension).  ``DataLoader`` cuts a token array into
 (inputs, targets) batches of shape (B, T), targets shifted by one, over a train or val split.
 """
 import functools
+import json
 import os
 import sysconfig
 
@@ -97,6 +99,49 @@ def text_file_tokens(path, tokenizer=None):
         raise ValueError(f"text file {path!r} is not UTF-8 ({e}); a BPE tokenizer needs text") \
             from None
     return tokenizer.encode(text)
+
+
+def jsonl_file_tokens(path, tokenizer=None):
+    """Token ids (int32) of a JSONL file of {"text": ...} records (other keys are ignored,
+    blank lines skipped), byte-level unless a tokenizer is given.
+
+    Each record's text is tokenized on its own and the records follow one another in file
+    order, each after the tokenizer's end-of-text token where it has one (as llm.c's data
+    scripts write their shards; GPT-2 BPE has one, bytes and tokenizer.json do not): one
+    stream of tokens, whose windows may cross from one record into the next.
+    """
+    path = os.fspath(path)
+    tokenizer = tokenizer or ByteTokenizer()
+    eot = getattr(tokenizer, "eot_token", None)
+    pieces = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"JSONL file {path!r} line {number}: not JSON ({e})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"JSONL file {path!r} line {number}: not a record with a "
+                                 f"\"text\" string (chat-format records are not read yet)")
+            if eot is not None:
+                pieces.append(np.array([eot], dtype=np.int32))
+            pieces.append(np.asarray(tokenizer.encode(record["text"]), dtype=np.int32))
+    if not pieces:
+        raise ValueError(f"JSONL file {path!r} holds no records")
+    return np.concatenate(pieces)
+
+
+def file_tokens(path, tokenizer=None):
+    """Token ids (int32) of a data file, by its extension: ``.bin`` an llm.c token file
+    (the tokenizer is not used), ``.jsonl`` records of text, anything else a text file."""
+    path = os.fspath(path)
+    if path.endswith(".bin"):
+        return read_llmc_tokens(path)
+    if path.endswith(".jsonl"):
+        return jsonl_file_tokens(path, tokenizer)
+    return text_file_tokens(path, tokenizer)
 
 
 # llm.c token shards (dev/data/data_common.py, GPT-2 flavour)

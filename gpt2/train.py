@@ -75,9 +75,7 @@ def load_tokens(args):
         with blame("--corpus-bytes"):
             return data.default_corpus_tokens(tokenizer, max_bytes=args.corpus_bytes), tokenizer
     with blame("--data"):
-        if args.data.endswith(".bin"):
-            return data.read_llmc_tokens(args.data), tokenizer
-        return data.text_file_tokens(args.data, tokenizer), tokenizer
+        return data.file_tokens(args.data, tokenizer), tokenizer
 
 
 def sample(model, prompt_ids, n_tokens, temperature, top_k, rng):

@@ -155,7 +155,8 @@ def build_parser(prog=None):
                         "$ADTAPE_PRECISION or auto)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, metavar="FILE",
-                   help="a text file or an llm.c token file (.bin) (default: the built-in corpus)")
+                   help="a text file, a JSONL file of {\"text\": ...} records (.jsonl) or an llm.c "
+                        "token file (.bin) (default: the built-in corpus)")
     d.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="'bytes', a tiktoken file (r50k_base.tiktoken) for GPT-2 BPE, or a "
                         "Hugging Face tokenizer.json or SentencePiece tokenizer.model (needs "
