@@ -212,7 +212,8 @@ class DataLoader:
     save and restore the position, so a resumed run sees exactly the batches it would have.
 
     tokens: 1-D integer array; vocab_size: every id must lie in [0, vocab_size);
-    split: "train" (the first 1 - val_fraction of the tokens) or "val" (the rest).
+    split: "train" (the first 1 - val_fraction of the tokens), "val" (the rest) or "all"
+    (every token: a validation file of its own).
     """
 
     def __init__(self, tokens, batch_size, seq_len, vocab_size, *, split="train",
@@ -221,8 +222,8 @@ class DataLoader:
                             ("vocab_size", vocab_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"DataLoader {name} must be a positive int, got {value!r}")
-        if split not in ("train", "val"):
-            raise ValueError(f"DataLoader split must be 'train' or 'val', got {split!r}")
+        if split not in ("train", "val", "all"):
+            raise ValueError(f"DataLoader split must be 'train', 'val' or 'all', got {split!r}")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"DataLoader val_fraction must lie in [0, 1), got {val_fraction}")
         tokens = np.asarray(tokens)
@@ -236,7 +237,7 @@ class DataLoader:
             raise ValueError(f"DataLoader: token ids must lie in [0, {vocab_size}) (vocab_size), "
                              f"the corpus has ids in [{lo}, {hi}]")
         n_train, _ = split_sizes(tokens.size, val_fraction)
-        part = tokens[:n_train] if split == "train" else tokens[n_train:]
+        part = {"train": tokens[:n_train], "val": tokens[n_train:], "all": tokens}[split]
         needed = batch_size * seq_len + 1
         if part.size < needed:
             raise ValueError(f"DataLoader: the {split} split has {part.size} tokens, too few for "

@@ -186,6 +186,10 @@ def open_model(path):
                            tokenizer_known=found is not None)
     with open(path, "rb") as f:
         magic = f.read(len(ckpt.CHECKPOINT_MAGIC))
+    if magic[:4] != np.int32(ckpt.LLMC_MODEL_MAGIC).astype("<i4").tobytes() and \
+            magic != ckpt.CHECKPOINT_MAGIC:
+        raise ValueError(f"{path!r} is neither a checkpoint (gpt2-train's checkpoint.bin), an "
+                         f"llm.c model file nor a Hugging Face model directory")
     if magic == ckpt.CHECKPOINT_MAGIC:
         header = ckpt.read_checkpoint_header(path)
         saved = (header.extra or {}).get("args") or {}
