@@ -238,6 +238,12 @@ def test_training_says_what_validation_covers_with_perplexity_and_val_data(tmp_p
     assert got["loss"] == pytest.approx(summary["final_val_loss"], rel=1e-6)
     saved = ckpt.read_checkpoint_header(tmp_path / "file" / "checkpoint.bin").extra["args"]
     assert (saved["val_data"], saved["val_fraction"]) == (str(val_file), 0.0)
+    # A resumed run validates on the same file; one that held out a tail cannot switch.
+    train.run(["--resume", str(tmp_path / "file" / "checkpoint.bin"), "--steps", "6"])
+    assert f"of --val-data {val_file}" in capsys.readouterr().out
+    with pytest.raises(train.UsageError, match="cannot change to --val-data"):
+        train.run(["--resume", str(tmp_path / "tail" / "checkpoint.bin"), "--steps", "6",
+                   "--val-data", str(val_file)])
     with pytest.raises(train.UsageError, match="leave out --val-fraction"):
         train.run(common + ["--out-dir", str(tmp_path / "x"), "--val-data", str(val_file),
                             "--val-fraction", "0.1"])
