@@ -1,10 +1,12 @@
 """Training data: corpora as token arrays, llm.c token files, and a resumable batch loader.
 
 Corpora: the built-in default (the Python standard library's own ``.py`` sources, no download),
-any text file, and llm.c's ``.bin`` token shards.  ``DataLoader`` cuts a token array into
+any text file, a JSONL file of {"text": ...} records, and llm.c's ``.bin`` token shards
+(``file_tokens`` tells them apart by the name's extension).  ``DataLoader`` cuts a token array into
 (inputs, targets) batches of shape (B, T), targets shifted by one, over a train or val split.
 """
 import functools
+import json
 import os
 import sysconfig
 
@@ -99,6 +101,49 @@ def text_file_tokens(path, tokenizer=None):
     return tokenizer.encode(text)
 
 
+def jsonl_file_tokens(path, tokenizer=None):
+    """Token ids (int32) of a JSONL file of {"text": ...} records (other keys are ignored,
+    blank lines skipped), byte-level unless a tokenizer is given.
+
+    Each record's text is tokenized on its own and the records follow one another in file
+    order, each after the tokenizer's end-of-text token where it has one (as llm.c's data
+    scripts write their shards; GPT-2 BPE has one, bytes and tokenizer.json do not): one
+    stream of tokens, whose windows may cross from one record into the next.
+    """
+    path = os.fspath(path)
+    tokenizer = tokenizer or ByteTokenizer()
+    eot = getattr(tokenizer, "eot_token", None)
+    pieces = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"JSONL file {path!r} line {number}: not JSON ({e})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"JSONL file {path!r} line {number}: not a record with a "
+                                 f"\"text\" string (chat-format records are not read yet)")
+            if eot is not None:
+                pieces.append(np.array([eot], dtype=np.int32))
+            pieces.append(np.asarray(tokenizer.encode(record["text"]), dtype=np.int32))
+    if not pieces:
+        raise ValueError(f"JSONL file {path!r} holds no records")
+    return np.concatenate(pieces)
+
+
+def file_tokens(path, tokenizer=None):
+    """Token ids (int32) of a data file, by its extension: ``.bin`` an llm.c token file
+    (the tokenizer is not used), ``.jsonl`` records of text, anything else a text file."""
+    path = os.fspath(path)
+    if path.endswith(".bin"):
+        return read_llmc_tokens(path)
+    if path.endswith(".jsonl"):
+        return jsonl_file_tokens(path, tokenizer)
+    return text_file_tokens(path, tokenizer)
+
+
 # llm.c token shards (dev/data/data_common.py, GPT-2 flavour)
 LLMC_TOKENS_MAGIC = 20240520
 LLMC_TOKENS_VERSION = 1  # uint16 tokens
@@ -167,7 +212,8 @@ class DataLoader:
     save and restore the position, so a resumed run sees exactly the batches it would have.
 
     tokens: 1-D integer array; vocab_size: every id must lie in [0, vocab_size);
-    split: "train" (the first 1 - val_fraction of the tokens) or "val" (the rest).
+    split: "train" (the first 1 - val_fraction of the tokens), "val" (the rest) or "all"
+    (every token: a validation file of its own).
     """
 
     def __init__(self, tokens, batch_size, seq_len, vocab_size, *, split="train",
@@ -176,8 +222,8 @@ class DataLoader:
                             ("vocab_size", vocab_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"DataLoader {name} must be a positive int, got {value!r}")
-        if split not in ("train", "val"):
-            raise ValueError(f"DataLoader split must be 'train' or 'val', got {split!r}")
+        if split not in ("train", "val", "all"):
+            raise ValueError(f"DataLoader split must be 'train', 'val' or 'all', got {split!r}")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"DataLoader val_fraction must lie in [0, 1), got {val_fraction}")
         tokens = np.asarray(tokens)
@@ -191,7 +237,7 @@ class DataLoader:
             raise ValueError(f"DataLoader: token ids must lie in [0, {vocab_size}) (vocab_size), "
                              f"the corpus has ids in [{lo}, {hi}]")
         n_train, _ = split_sizes(tokens.size, val_fraction)
-        part = tokens[:n_train] if split == "train" else tokens[n_train:]
+        part = {"train": tokens[:n_train], "val": tokens[n_train:], "all": tokens}[split]
         needed = batch_size * seq_len + 1
         if part.size < needed:
             raise ValueError(f"DataLoader: the {split} split has {part.size} tokens, too few for "

@@ -81,9 +81,7 @@ def load_tokens(args, config=None):
         with blame("--corpus-bytes"):
             return data.default_corpus_tokens(tokenizer, max_bytes=args.corpus_bytes), tokenizer
     with blame("--data"):
-        if args.data.endswith(".bin"):
-            return data.read_llmc_tokens(args.data), tokenizer
-        return data.text_file_tokens(args.data, tokenizer), tokenizer
+        return data.file_tokens(args.data, tokenizer), tokenizer
 
 
 def sample(model, prompt_ids, n_tokens, temperature, top_k, rng):
@@ -103,6 +101,21 @@ def evaluate(model, loader, n_batches):
         _, loss = model.forward(x, y)
         losses.append(loss)
     return float(np.mean(losses))
+
+
+def _describe_validation(args, val):
+    """The header's line on what each evaluation covers of the validation split."""
+    from gpt2.evaluate import describe_coverage
+    B, T, n_tokens = args.batch_size, args.seq_len, val.tokens.size
+    n_batches = min(args.eval_batches, val.num_batches)
+    split = (f"--val-data {args.val_data}" if args.val_data is not None
+             else f"the last {100 * args.val_fraction:g}% of the data")
+    text = (f"validation: {describe_coverage(n_batches, B, T, n_tokens)} of {split}, every "
+            f"{args.eval_interval} steps and at the end")
+    if n_batches < val.num_batches:
+        text += (f"; --eval-batches {val.num_batches} would cover "
+                 f"{100 * val.num_batches * B * T / n_tokens:.1f}%")
+    return text
 
 
 def main(argv=None):
@@ -284,7 +297,16 @@ def _prepare(args, explicit, comm=None):
         _refuse_another_runs_output(args)
     if args.save_hf and not own_save_hf:
         _check_save_hf(args)
-    if args.val_fraction == 0 and args.eval_interval:
+    if args.val_data is not None:
+        if "val_fraction" in explicit:
+            raise UsageError("--val-data is the validation split: leave out --val-fraction "
+                             "(all of --data trains)")
+        if resumed is not None and args.val_fraction:   # the saved run's
+            raise UsageError(f"--val-data: the run in {args.resume} trains on all but the last "
+                             f"{100 * args.val_fraction:g}% of its --data (--val-fraction), "
+                             f"which it keeps for validation; it cannot change to --val-data")
+        args.val_fraction = 0.0
+    elif args.val_fraction == 0 and args.eval_interval:
         raise UsageError(f"--val-fraction 0 leaves no validation data for --eval-interval "
                          f"{args.eval_interval}: pass --eval-interval 0 too, or a fraction in "
                          f"(0, 1)")
@@ -326,8 +348,19 @@ def _prepare(args, explicit, comm=None):
     if tokens.size and int(tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(tokens.max())}, outside the model's "
                          f"vocabulary of {config.vocab_size}; use a matching --tokenizer")
+    val_tokens = None
+    if args.val_data is not None and args.eval_interval:
+        from gpt2.data import file_tokens
+        with blame("--val-data"):
+            val_tokens = file_tokens(args.val_data, tokenizer)
+        if val_tokens.size and int(val_tokens.max()) >= config.vocab_size:
+            raise UsageError(f"--val-data has token id {int(val_tokens.max())}, outside the "
+                             f"model's vocabulary of {config.vocab_size}; use a matching "
+                             f"--tokenizer")
     needed = args.batch_size * args.seq_len + 1
     n_train, n_val = split_sizes(tokens.size, args.val_fraction)
+    if val_tokens is not None:
+        n_val = val_tokens.size
     for split, n, wanted in (("training", n_train, True),
                              ("validation", n_val, bool(args.eval_interval))):
         if wanted and n < needed:
@@ -345,7 +378,10 @@ def _prepare(args, explicit, comm=None):
         with blame("--resume"):
             train.load_state(resumed.data_state)
     val = None
-    if args.eval_interval:
+    if val_tokens is not None:
+        val = DataLoader(val_tokens, args.batch_size, args.seq_len, config.vocab_size,
+                         split="all", shuffle=False, seed=args.seed)
+    elif args.eval_interval:
         val = DataLoader(tokens, args.batch_size, args.seq_len, config.vocab_size, split="val",
                          val_fraction=args.val_fraction, shuffle=False, seed=args.seed)
     plan = None
@@ -613,6 +649,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
 
     from gpt2 import checkpoint as ckpt
     from gpt2 import distributed
+    from gpt2.evaluate import perplexity
     from gpt2.params import num_parameters as _num_parameters
     from kernels import blas_dispatch
 
@@ -651,8 +688,10 @@ def _train_model(args, inputs, model, n_threads, comm=None):
           f"{describe_memory_policy(args, inputs.plan, inputs.memory_from_checkpoint)}, "
           f"corpus {inputs.tokens.size:,} tokens"
           + (f"; resuming at step {start_step}" if start_step else ""), flush=True)
+    if val is not None:
+        print(_describe_validation(args, val), flush=True)
     saved_args = dict(vars(args))
-    for name in ("data", "tokenizer"):
+    for name in ("data", "val_data", "tokenizer"):
         # The resumed run may start elsewhere: keep where the files are, not how they were named.
         if saved_args[name] not in (None, "bytes"):
             saved_args[name] = os.path.abspath(saved_args[name])
@@ -734,8 +773,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                 if args.no_progress and (step % 20 == 0 or last or row["val_loss"] is not None):
                     print(f"step {step + 1}/{args.steps} loss {loss:.4f} "
                           f"{row['tokens_per_s']:.0f} tok/s {row['ms']:.0f} ms"
-                          + (f" val {row['val_loss']:.4f}" if row["val_loss"] is not None
-                             else ""), flush=True)
+                          + (f" val {row['val_loss']:.4f} ppl {perplexity(row['val_loss']):.2f}"
+                             if row["val_loss"] is not None else ""), flush=True)
                 signum = stop.signum or 0
                 due = not last and not args.no_checkpoint and schedule.due(step + 1, dt)
                 if trainer:  # every rank stops or saves at the same step
@@ -775,6 +814,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
             tape=None, checkpoints=None, offload=None):
     """summary.json and loss.png of the whole run, then the sample."""
     import numpy as np
+
+    from gpt2.evaluate import perplexity
     config, tokenizer = inputs.config, inputs.tokenizer
     if all_rows:
         plot_losses(os.path.join(args.out_dir, "loss.png"), all_rows)
@@ -794,6 +835,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
                "median_ms_per_step": median_ms,
                "tokens_per_s": args.batch_size * args.seq_len / (median_ms / 1e3)
                                if median_ms else None}
+    summary["final_val_perplexity"] = (perplexity(summary["final_val_loss"])
+                                       if summary["final_val_loss"] is not None else None)
     summary["peak_rss_bytes"] = peak_rss
     summary.update(ranks=trainer.size if trainer else 1, global_batch=args.batch_size,
                    zero=args.zero if trainer else 0, tape=tape)
@@ -808,7 +851,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
                                   "predicted_ms": inputs.plan.predicted_ms,
                                   "predicted_peak_bytes": inputs.plan.predicted_peak_bytes}
     print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
-          + (f" (validation {summary['final_val_loss']:.3f})"
+          + (f" (validation {summary['final_val_loss']:.3f}, perplexity "
+             f"{summary['final_val_perplexity']:.2f})"
              if summary["final_val_loss"] is not None else "")
           + f"; {median_ms:.0f} ms/step, {summary['tokens_per_s']:.0f} tokens/s; log, plot "
             f"and {'checkpoint' if not args.no_checkpoint else 'summary'} in {args.out_dir}/",

@@ -24,8 +24,8 @@ DEFAULT_MODEL = "small"
 # What --resume takes from the checkpoint unless given again: everything that decides what
 # the run computes. Where and how fast it runs (threads, engine, output) is this
 # invocation's own, but for the memory policy below.
-RESUMED_OPTIONS = ("data", "tokenizer", "corpus_bytes", "val_fraction", "batch_size", "seq_len",
-                   "steps", "decay_steps", "lr", "min_lr", "warmup", "schedule",
+RESUMED_OPTIONS = ("data", "val_data", "tokenizer", "corpus_bytes", "val_fraction", "batch_size",
+                   "seq_len", "steps", "decay_steps", "lr", "min_lr", "warmup", "schedule",
                    "weight_decay", "grad_clip",
                    "seed", "eval_interval", "eval_batches", "checkpoint_interval",
                    "no_checkpoint", "sample_tokens", "temperature", "top_k", "prompt")
@@ -158,7 +158,8 @@ def build_parser(prog=None):
                         "$ADTAPE_PRECISION or auto)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, metavar="FILE",
-                   help="a text file or an llm.c token file (.bin) (default: the built-in corpus)")
+                   help="a text file, a JSONL file of {\"text\": ...} records (.jsonl) or an llm.c "
+                        "token file (.bin) (default: the built-in corpus)")
     d.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="'bytes', a tiktoken file (r50k_base.tiktoken) for GPT-2 BPE, or a "
                         "Hugging Face tokenizer.json or SentencePiece tokenizer.model (needs "
@@ -169,6 +170,9 @@ def build_parser(prog=None):
     d.add_argument("--val-fraction", type=fraction, metavar="F", default=0.05,
                    help="fraction of the tokens held out for validation, at the end of the "
                         "data; 0 needs --eval-interval 0 (default: %(default)s)")
+    d.add_argument("--val-data", default=None, metavar="FILE",
+                   help="validate on this file instead (text, .jsonl or .bin, read as --data "
+                        "is); all of --data then trains, and --val-fraction is not used")
     t = p.add_argument_group("training")
     t.add_argument("-B", "--batch-size", type=positive_int, metavar="N", default=8,
                    help="sequences per step (default: %(default)s)")
@@ -228,7 +232,9 @@ def build_parser(prog=None):
     o.add_argument("--eval-interval", type=non_negative_int, metavar="N", default=250,
                    help="evaluate every N steps and at the end, 0: never (default: %(default)s)")
     o.add_argument("--eval-batches", type=positive_int, metavar="N", default=8,
-                   help="validation batches per evaluation (default: %(default)s)")
+                   help="validation batches of B x T tokens per evaluation, from the start "
+                        "of the split; the header says how much of it they cover "
+                        "(gpt2-eval evaluates a whole file) (default: %(default)s)")
     o.add_argument("--out-dir", default=None, metavar="DIR",
                    help=f"where log, plot, summary and checkpoint go (default: {DEFAULT_OUT_DIR} "
                         f"in the current directory; with --resume, the checkpoint's directory)")
