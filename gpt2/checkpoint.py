@@ -273,11 +273,13 @@ def read_checkpoint_header(path):
                       extra=header["extra"])
 
 
-def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None):
+def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
+                    optimizer=True):
     """Read a checkpoint written by ``save_checkpoint``.
 
     config: if given, the file's config must equal it. params / adam_m / adam_v: optional
     ParamArenas to read into in place (no second copy of a large model); otherwise new arenas.
+    optimizer=False reads the parameters alone (adam_m and adam_v are None): to generate.
     Their contents are undefined if loading fails, so pass fresh ones when the old values matter.
     Raises FileNotFoundError for a missing file and ValueError for a foreign, truncated,
     corrupt (CRC) or mismatching one.
@@ -306,7 +308,7 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None)
                              f"describes {end}")
         destinations = {"params": params, "adam_m": adam_m, "adam_v": adam_v}
         arenas = {}
-        for name in expected_names:
+        for name in expected_names if optimizer else ["params"]:
             dest = destinations[name]
             if hasattr(dest, "load"):       # a streamed section (gpt2.offload.StreamedState)
                 entry = sections[name]
