@@ -28,6 +28,13 @@ without the gradients and optimizer state of ``gpt2.model.Model``.
 """
 import sys
 
+if __name__ == "__main__":
+    # python -m gpt2.generate: Ctrl-C while the modules below load exits quietly.
+    import signal
+
+    from gpt2.generate_cli import exit_while_starting
+    signal.signal(signal.SIGINT, exit_while_starting)
+
 import numpy as np
 
 from gpt2.families import family_of

@@ -109,15 +109,23 @@ def build_parser(prog=None):
     return p
 
 
+def exit_while_starting(signum, frame):
+    """SIGINT while python -m gpt2.generate loads its modules, before main: exit at once,
+    without the traceback of a half-done import."""
+    os._exit(128 + signum)
+
+
 def main(argv=None):
     """Console entry point: generate; returns the exit status (2 on a bad option or input,
     130 on Ctrl-C)."""
+    if signal.getsignal(signal.SIGINT) is exit_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if argv is None:    # the process's own entry point: it may re-execute itself
-        from kernels import blas_dispatch
-        blas_dispatch.ensure()
     try:
+        if argv is None:    # the process's own entry point: it may re-execute itself
+            from kernels import blas_dispatch
+            blas_dispatch.ensure()
         _run(args)
     except UsageError as e:
         if args.debug:
