@@ -288,7 +288,7 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
     Their contents are undefined if loading fails, so pass fresh ones when the old values matter.
     Raises FileNotFoundError for a missing file and ValueError for a foreign, truncated,
     corrupt (CRC) or mismatching one.  Without ``optimizer`` only the parameters are read
-    (the moments come back as None): for starting a new run or exporting.
+    (the moments come back as None): to generate, export or start a new run.
     """
     path = os.fspath(path)
     with open(path, "rb") as f:

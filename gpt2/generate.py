@@ -16,9 +16,25 @@ just left the window (and with GPT-2's learned positions every position moves to
 from then on ``generate`` runs the model's full forward over the window, once per token.
 
 ``generate`` picks each token as ``gpt2.train`` always has: the logits divided by the
-temperature, cut to the ``top_k`` likeliest, one ``rng.choice`` per token; temperature 0
-takes the likeliest token and draws nothing.
+temperature, cut to the ``top_k`` likeliest, then (``top_p`` < 1) to the nucleus, one
+``rng.choice`` per token; temperature 0 takes the likeliest token and draws nothing.  It
+stops early after one of ``stop_ids`` and hands each token to ``on_token`` as it comes
+(the gpt2-generate command, ``gpt2.generate_cli``, streams them so).
+
+``Weights`` is a model to generate from and nothing else: parameters read from a file,
+without the gradients and optimizer state of ``gpt2.model.Model``.
+
+``python -m gpt2.generate`` is the gpt2-generate command.
 """
+import sys
+
+if __name__ == "__main__":
+    # python -m gpt2.generate: Ctrl-C while the modules below load exits quietly.
+    import signal
+
+    from gpt2.generate_cli import exit_while_starting
+    signal.signal(signal.SIGINT, exit_while_starting)
+
 import numpy as np
 
 from gpt2.families import family_of
@@ -161,10 +177,29 @@ class Decoder:
                                     .reshape(n, n_q * hd))
 
 
-def pick_token(logits, temperature, top_k, rng):
+class Weights:
+    """A model to generate from: a ParamArena and its config, no gradients nor optimizer
+    state.  Its ``forward`` (for when generation outgrows the cache) is a fresh Decoder's
+    over the sequence."""
+
+    def __init__(self, params):
+        self.config = params.config
+        self.params = params
+
+    def param_arena(self):
+        return self.params
+
+    def forward(self, inputs):
+        """(logits (1, T, V) of every position of the one sequence ``inputs`` (1, T), None)."""
+        ids = np.asarray(inputs)[0]
+        return Decoder(self, capacity=ids.size).extend(ids, all_positions=True)[None], None
+
+
+def pick_token(logits, temperature, top_k, rng, top_p=1.0):
     """The next token from a row of logits: the likeliest at temperature 0, else drawn
     with ``rng`` from the softmax of logits / temperature over the ``top_k`` likeliest
-    (0: all)."""
+    (0: all), cut to the nucleus where ``top_p`` < 1: the likeliest tokens whose
+    probabilities sum to at least top_p (at least one), renormalized."""
     if temperature == 0:
         return int(np.argmax(logits))
     row = np.asarray(logits, np.float64) / max(temperature, 1e-6)
@@ -174,13 +209,21 @@ def pick_token(logits, temperature, top_k, rng):
     row -= row.max()
     probs = np.exp(row)
     probs /= probs.sum()
+    if top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        kept = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
+        probs[order[kept:]] = 0
+        probs /= probs.sum()
     return int(rng.choice(row.size, p=probs))
 
 
-def generate(model, prompt_ids, n_tokens, temperature=1.0, top_k=0, rng=None):
-    """The prompt's token ids (``[0]`` for an empty prompt) followed by ``n_tokens``
+def generate(model, prompt_ids, n_tokens, temperature=1.0, top_k=0, rng=None, top_p=1.0,
+             stop_ids=(), on_token=None):
+    """The prompt's token ids (``[0]`` for an empty prompt) followed by up to ``n_tokens``
     generated ones, each conditioned on the last block_size tokens before it; ``rng`` (a
-    numpy Generator, None: an unseeded one) draws them unless temperature is 0."""
+    numpy Generator, None: an unseeded one) draws them unless temperature is 0.  A token
+    in ``stop_ids`` ends the generation (it is the last id returned); ``on_token(id)`` is
+    called with each token as it is picked."""
     cfg = model.config
     block = cfg.block_size
     ids = [int(i) for i in prompt_ids] or [0]
@@ -188,15 +231,23 @@ def generate(model, prompt_ids, n_tokens, temperature=1.0, top_k=0, rng=None):
         return ids
     if temperature != 0 and rng is None:
         rng = np.random.default_rng()
+    stop_ids = frozenset(int(i) for i in stop_ids)
     # The last token generated is never run: len(ids) + n_tokens - 1 positions at most.
     decoder = Decoder(model, capacity=len(ids) + n_tokens - 1)
     logits = decoder.extend(ids[-block:])
     for i in range(n_tokens):
-        ids.append(pick_token(logits[-1], temperature, top_k, rng))
-        if i + 1 == n_tokens:
+        ids.append(pick_token(logits[-1], temperature, top_k, rng, top_p))
+        if on_token is not None:
+            on_token(ids[-1])
+        if i + 1 == n_tokens or ids[-1] in stop_ids:
             break
         if decoder.full:    # the window slides: the cache is stale
             logits = model.forward(np.asarray([ids[-block:]], np.int32))[0][0, -1:, :cfg.vocab_size]
         else:
             logits = decoder.extend(ids[-1:])
     return ids
+
+
+if __name__ == "__main__":
+    from gpt2.generate_cli import main
+    sys.exit(main())

@@ -344,11 +344,19 @@ class HFTokenizer:
         # Ids may be sparse: the vocabulary spans up to the largest one.
         self.vocab_size = max(vocab.values()) + 1
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=False):
+        """Token ids of ``text``; ``add_special_tokens``: with what the tokenizer's
+        post-processor adds (a Llama tokenizer's BOS), as transformers' ``tokenizer(text)``."""
         _check_text(text, "HFTokenizer")
         # The batch call without offsets is three times faster than encode on a long text.
-        ids = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        ids = self._tokenizer.encode_batch_fast([text],
+                                                add_special_tokens=add_special_tokens)[0].ids
         return np.asarray(ids, dtype=np.int32)
+
+    def token_id(self, token):
+        """The id of the token whose text is ``token`` (an added token such as
+        ``<|endoftext|>``), or None where the vocabulary lacks it."""
+        return self._tokenizer.token_to_id(token)
 
     def decode(self, ids):
         ids = _ids_array(ids, self.vocab_size, "HFTokenizer")
