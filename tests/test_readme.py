@@ -35,3 +35,31 @@ def test_links_resolve_and_no_tuning_log():
     # History belongs to git log: no "this round" / "the round before" narrative.
     assert not re.search(r"\b(this|last|previous) round\b|\bround before\b", README, re.I)
     assert len(README.encode()) < 16 << 10
+
+
+# The console scripts as modules of the package the tests import (installed, or on
+# PYTHONPATH), in a fresh directory.
+COMMANDS = {"gpt2-train": "gpt2.train", "gpt2-generate": "gpt2.generate_cli",
+            "gpt2-eval": "gpt2.evaluate"}
+
+
+def test_using_a_trained_model_commands_run(tmp_path):
+    import shlex
+    import subprocess
+    import sys
+    section = README.split("## Using a trained model", 1)[1]
+    block = re.search(r"```\n(.*?)```", section, flags=re.S).group(1)
+    (tmp_path / "my.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    lines = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert [shlex.split(line)[0] for line in lines] == [
+        "gpt2-train", "gpt2-generate", "gpt2-generate", "gpt2-eval", "gpt2-train"]
+    outputs = []
+    for line in lines:
+        argv = shlex.split(line)
+        res = subprocess.run([sys.executable, "-m", COMMANDS[argv[0]], *argv[1:]],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, (line, res.stderr[-2000:])
+        outputs.append(res.stdout + res.stderr)
+    assert (tmp_path / "tiny_hf" / "model.safetensors").exists()
+    assert "tokens/s" in outputs[1] and "perplexity" in outputs[3]
+    assert (tmp_path / "out" / "model.safetensors").exists()
