@@ -26,6 +26,7 @@ without the gradients and optimizer state of ``gpt2.model.Model``.
 
 ``python -m gpt2.generate`` is the gpt2-generate command.
 """
+import os
 import sys
 
 if __name__ == "__main__":
@@ -246,6 +247,64 @@ def generate(model, prompt_ids, n_tokens, temperature=1.0, top_k=0, rng=None, to
         else:
             logits = decoder.extend(ids[-1:])
     return ids
+
+
+def sequence_ids(tokenizer, special_tokens=None, model_dir=None):
+    """(the ids that end a text, the id that starts one or None) for ``tokenizer``.
+
+    The end: the model directory's generation_config.json eos_token_id (else its
+    config.json's), and the tokenizer's end-of-sequence token (``special_tokens``' eos_token,
+    the names of its directory's tokenizer_config.json: ``gpt2.chat.special_tokens``; else
+    the tokenizer's own, a tiktoken or SentencePiece file's).  The start: ``special_tokens``'
+    bos_token, else config.json's bos_token_id, else the tokenizer's usual one
+    (``gpt2.tokenizer.special_ids``).  A malformed file is a UsageError naming it."""
+    from gpt2 import tokenizer as tok
+    special_tokens = special_tokens or {}
+
+    def named(name):
+        text = special_tokens.get(name)
+        if text is None or not hasattr(tokenizer, "token_id"):
+            return None
+        return tokenizer.token_id(text)
+
+    eos_ids = []
+    if model_dir is not None:
+        for name in ("generation_config.json", "config.json"):
+            path = os.path.join(model_dir, name)
+            if os.path.exists(path):
+                eos_ids = _id_field(path, "eos_token_id")
+                break
+    tokenizer_eos = named("eos_token")
+    if tokenizer_eos is None:
+        tokenizer_eos = getattr(tokenizer, "eot_token", None)
+    if tokenizer_eos is not None:
+        eos_ids.append(tokenizer_eos)
+    bos = named("bos_token")
+    if bos is None and model_dir is not None:
+        path = os.path.join(model_dir, "config.json")
+        ids = _id_field(path, "bos_token_id") if os.path.exists(path) else []
+        bos = ids[0] if ids else None
+    if bos is None:
+        bos = tok.special_ids(tokenizer).get("bos", (None, None))[1]
+    return sorted(set(eos_ids)), bos
+
+
+def _id_field(path, key):
+    """A token id field of a JSON file (an id, a list of them, or null) as a list."""
+    import json
+
+    from gpt2.train_options import blame
+    with blame(path):
+        try:
+            with open(path, "rb") as f:
+                value = json.load(f).get(key)
+        except (ValueError, UnicodeDecodeError, AttributeError) as e:
+            raise ValueError(f"not a JSON object: {e}") from None
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise ValueError(f"{key} must be a token id or a list of them, got "
+                             f"{json.dumps(value)}")
+    return list(values)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ as it is generated with the key/value cache of gpt2.generate; --chat talks throu
 directory's chat template (gpt2.chat).  Options and errors as gpt2-train's
 (gpt2.train_options): a bad option or input is one line, exit status 2."""
 import argparse
-import json
 import os
 import signal
 import sys
@@ -71,8 +70,8 @@ def build_parser(prog=None):
                         "or a GPT-2 model.safetensors")
     p.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="'bytes', a tiktoken file (r50k_base.tiktoken for GPT-2), a Hugging "
-                        "Face tokenizer.json or a SentencePiece tokenizer.model (default: the "
-                        "model's, see below)")
+                        "Face tokenizer.json or a SentencePiece tokenizer.model, or a "
+                        "directory holding one (default: the model's, see below)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("-p", "--prompt", default=None, metavar="TEXT",
                         help="the text to continue (default: standard input, see below)")
@@ -171,54 +170,9 @@ class Source:
                 raise UsageError(f"--chat: {tokenizer_dir} has no chat template "
                                  f"({chat.TEMPLATE_FILE}, or chat_template in "
                                  f"{chat.TOKENIZER_CONFIG})")
-        self.eos_ids = self._eos_ids()
-        bos = self._token("bos_token")
-        self.bos_id = bos if bos is not None else self._model_field("bos_token_id")
-
-    def _token(self, name):
-        """The id of the special token ``name`` (eos_token, ...) of tokenizer_config.json."""
-        text = self.special_tokens.get(name)
-        if text is None or not hasattr(self.tokenizer, "token_id"):
-            return None
-        return self.tokenizer.token_id(text)
-
-    def _model_field(self, key):
-        """An id field (bos_token_id) of the model directory's config.json, or None."""
-        if self.model_dir is None:
-            return None
-        ids = _id_field(os.path.join(self.model_dir, "config.json"), key)
-        return ids[0] if ids else None
-
-    def _eos_ids(self):
-        """generation_config.json's eos_token_id (else config.json's), and the tokenizer's."""
-        ids = []
-        if self.model_dir is not None:
-            for name in ("generation_config.json", "config.json"):
-                path = os.path.join(self.model_dir, name)
-                if os.path.exists(path):
-                    ids = _id_field(path, "eos_token_id")
-                    break
-        tokenizer_eos = self._token("eos_token")
-        if tokenizer_eos is None:
-            tokenizer_eos = getattr(self.tokenizer, "eot_token", None)
-        if tokenizer_eos is not None:
-            ids.append(tokenizer_eos)
-        return sorted(set(ids))
-
-
-def _id_field(path, key):
-    """A token id field of a JSON file (an id, a list of them, or null) as a list."""
-    with blame(path):
-        try:
-            with open(path, "rb") as f:
-                value = json.load(f).get(key)
-        except (ValueError, UnicodeDecodeError, AttributeError) as e:
-            raise ValueError(f"not a JSON object: {e}") from None
-        values = value if isinstance(value, list) else [] if value is None else [value]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-            raise ValueError(f"{key} must be a token id or a list of them, got "
-                             f"{json.dumps(value)}")
-    return list(values)
+        from gpt2.generate import sequence_ids
+        self.eos_ids, self.bos_id = sequence_ids(self.tokenizer, self.special_tokens,
+                                                 self.model_dir)
 
 
 def _read_weights(path):
@@ -262,6 +216,7 @@ def _read_tokenizer(args, named, config):
                          f"--tokenizer")
     with blame("--tokenizer" if args.tokenizer is not None else f"{args.model}'s tokenizer",
                INPUT_ERRORS + (ImportError,)):
+        path = tok.tokenizer_file(path)
         return tok.load_tokenizer(path), os.path.dirname(os.path.abspath(path))
 
 

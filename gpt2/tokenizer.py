@@ -431,8 +431,9 @@ def _looks_like_sentencepiece(head):
 def load_tokenizer(path):
     """The tokenizer in a file: a Hugging Face ``tokenizer.json``, a SentencePiece
     ``tokenizer.model`` or a tiktoken file (GPT-2 BPE), told apart by the name's extension
-    (.json, .model, .tiktoken), else by the contents."""
-    path = os.fspath(path)
+    (.json, .model, .tiktoken), else by the contents; or a model directory's (its
+    tokenizer.json, else tokenizer.model: ``tokenizer_file``)."""
+    path = tokenizer_file(path)
     kinds = {".json": HFTokenizer, ".model": SentencePieceTokenizer,
              ".tiktoken": GPT2BPETokenizer}
     ext = os.path.splitext(path)[1].lower()
@@ -449,6 +450,19 @@ def load_tokenizer(path):
     raise ValueError(f"{path!r} is not a tokenizer file: neither JSON (a Hugging Face "
                      f"tokenizer.json), a SentencePiece model (tokenizer.model) nor a "
                      f"tiktoken file (lines of 'base64_token rank')")
+
+
+def tokenizer_file(path):
+    """``path``, or where it is a directory, the tokenizer file in it (``find_tokenizer``);
+    ValueError for a directory without one."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        found = find_tokenizer(path)
+        if found is None:
+            raise ValueError(f"{path!r} is a directory without a tokenizer "
+                             f"({' or '.join(HF_TOKENIZER_NAMES)})")
+        return found
+    return path
 
 
 def find_tokenizer(directory):

@@ -76,6 +76,8 @@ def load_tokens(args, config=None):
     else:
         with blame("--tokenizer" if given else f"--init-from {args.init_from}",
                    INPUT_ERRORS + (ImportError,)):
+            # A directory: its tokenizer file, which --resume and --save-hf then read.
+            args.tokenizer = tok.tokenizer_file(args.tokenizer)
             tokenizer = tok.load_tokenizer(args.tokenizer)
     if args.data is None:
         with blame("--corpus-bytes"):
@@ -84,13 +86,58 @@ def load_tokens(args, config=None):
         return data.file_tokens(args.data, tokenizer), tokenizer
 
 
-def sample(model, prompt_ids, n_tokens, temperature, top_k, rng):
+def sample(model, prompt_ids, n_tokens, temperature, top_k, rng, stop_ids=()):
     """Autoregressive sampling with temperature (0: the likeliest token) and top-k, with a
-    key/value cache (gpt2.generate); returns (every token id, the seconds it took)."""
+    key/value cache (gpt2.generate), until one of ``stop_ids``; returns (every token id,
+    the seconds it took)."""
     from gpt2.generate import generate
     t0 = time.perf_counter()
-    ids = generate(model, prompt_ids, n_tokens, temperature, top_k, rng)
+    ids = generate(model, prompt_ids, n_tokens, temperature, top_k, rng, stop_ids=stop_ids)
     return ids, time.perf_counter() - t0
+
+
+# The sample's start where the tokenizer has no beginning-of-sequence token (bytes).
+DEFAULT_BYTE_PROMPT = "\n"
+
+
+def _sample_start(args, tokenizer):
+    """(the sample's prompt ids, the ids that end it, whether it starts from BOS): --prompt's
+    text (a Hugging Face tokenizer adding what its post-processor adds, as gpt2-generate
+    does), else the tokenizer's beginning-of-sequence token, else a newline; it ends at the
+    tokenizer's (and the --init-from directory's) end-of-sequence tokens."""
+    from gpt2 import chat
+    from gpt2 import tokenizer as tok
+    from gpt2.generate import sequence_ids
+    tokenizer_dir = (os.path.dirname(os.path.abspath(args.tokenizer))
+                     if args.tokenizer not in (None, "bytes") else None)
+    model_dir = args.init_from if args.init_from and os.path.isdir(args.init_from) else None
+    with blame("the tokenizer's special tokens"):
+        special = chat.special_tokens(tokenizer_dir) if tokenizer_dir else {}
+        stop_ids, bos = sequence_ids(tokenizer, special, model_dir)
+    if args.prompt:
+        with blame("--prompt"):
+            if isinstance(tokenizer, tok.HFTokenizer):
+                return tokenizer.encode(args.prompt, add_special_tokens=True).tolist(), stop_ids, False
+            return tokenizer.encode(args.prompt).tolist(), stop_ids, False
+    if bos is not None:
+        return [bos], stop_ids, True
+    return tokenizer.encode(DEFAULT_BYTE_PROMPT).tolist(), stop_ids, False
+
+
+def _describe_tokenizer(args, tokenizer, config):
+    """The header's line naming the tokenizer and its vocabulary, and a warning where the
+    model's vocabulary dwarfs it (rows of the embedding no token ever trains)."""
+    name = ("bytes" if args.tokenizer in (None, "bytes")
+            else f"{args.tokenizer} ({type(tokenizer).__name__})")
+    lines = [f"tokenizer: {name}, {tokenizer.vocab_size:,} tokens; the model's vocabulary: "
+             f"{config.vocab_size:,}"]
+    extra = config.vocab_size - tokenizer.vocab_size
+    if config.vocab_size > 2 * tokenizer.vocab_size and extra > 256:
+        lines.append(f"warning: the model's vocabulary has {config.vocab_size:,} tokens, the "
+                     f"tokenizer {tokenizer.vocab_size:,}: {extra:,} of its embedding rows never "
+                     f"train; pass --tokenizer with the model's tokenizer (a tokenizer.json, "
+                     f"tokenizer.model, r50k_base.tiktoken for GPT-2, or a directory holding one)")
+    return lines
 
 
 def evaluate(model, loader, n_batches):
@@ -201,6 +248,8 @@ class RunInputs:
     export_source: dict = dataclasses.field(default_factory=lambda: dict(NO_EXPORT_SOURCE))
     own_save_hf: bool = False   # --save-hf is the resumed run's own: its weights are replaced
     precision: tuple = ("fp32", "")   # (the products' precision, why), set by _run
+    stop_ids: tuple = ()    # the sample ends after one of these (end-of-sequence) ids
+    from_bos: bool = False  # the sample starts from the tokenizer's BOS, not --prompt's text
 
 
 # The export source of a model from scratch, an llm.c file, or a checkpoint saved before
@@ -367,7 +416,9 @@ def _prepare(args, explicit, comm=None):
             raise UsageError(f"the {split} data has {n} tokens, too few for one batch of "
                              f"-B {args.batch_size} x -T {args.seq_len} (needs {needed}); use a "
                              f"smaller -B or -T, more data, or another --val-fraction")
-    prompt_ids = tokenizer.encode(args.prompt).tolist() if args.sample_tokens else []
+    prompt_ids, stop_ids, from_bos = ([], (), False)
+    if args.sample_tokens:
+        prompt_ids, stop_ids, from_bos = _sample_start(args, tokenizer)
     if prompt_ids and max(prompt_ids) >= config.vocab_size:
         raise UsageError(f"--prompt {args.prompt!r} has token id {max(prompt_ids)}, outside "
                          f"the model's vocabulary of {config.vocab_size}; use a matching "
@@ -409,7 +460,7 @@ def _prepare(args, explicit, comm=None):
                                resumed.step)
     return RunInputs(config=config, model_name=model_name, params=params, resumed=resumed,
                      history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
-                     train=train, val=val, plan=plan,
+                     stop_ids=stop_ids, from_bos=from_bos, train=train, val=val, plan=plan,
                      memory_from_checkpoint=memory_from_checkpoint, export_source=export_source,
                      own_save_hf=own_save_hf)
 
@@ -688,6 +739,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
           f"{describe_memory_policy(args, inputs.plan, inputs.memory_from_checkpoint)}, "
           f"corpus {inputs.tokens.size:,} tokens"
           + (f"; resuming at step {start_step}" if start_step else ""), flush=True)
+    for line in _describe_tokenizer(args, inputs.tokenizer, config):
+        print(line, flush=True)
     if val is not None:
         print(_describe_validation(args, val), flush=True)
     saved_args = dict(vars(args))
@@ -810,6 +863,17 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                    trainer, tape_watch.summary(), checkpoints, tape_watch.offload_summary())
 
 
+def _describe_outputs(args, all_rows):
+    """'wrote <every file the run wrote> in OUT_DIR/ [and the Hugging Face model in DIR/]'
+    (summary.json is written after the sample)."""
+    names = (["log.csv"] + (["loss.png"] if all_rows else [])
+             + ([] if args.no_checkpoint else ["checkpoint.bin"]) + ["summary.json"])
+    words = f"wrote {', '.join(names[:-1])} and {names[-1]} in {args.out_dir}/"
+    if args.save_hf:
+        words += f", and the Hugging Face model in {args.save_hf}/"
+    return words
+
+
 def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss, trainer=None,
             tape=None, checkpoints=None, offload=None):
     """summary.json and loss.png of the whole run, then the sample."""
@@ -854,9 +918,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
           + (f" (validation {summary['final_val_loss']:.3f}, perplexity "
              f"{summary['final_val_perplexity']:.2f})"
              if summary["final_val_loss"] is not None else "")
-          + f"; {median_ms:.0f} ms/step, {summary['tokens_per_s']:.0f} tokens/s; log, plot "
-            f"and {'checkpoint' if not args.no_checkpoint else 'summary'} in {args.out_dir}/",
-          flush=True)
+          + f"; {median_ms:.0f} ms/step, {summary['tokens_per_s']:.0f} tokens/s; "
+          + _describe_outputs(args, all_rows), flush=True)
     if tape is not None:
         print(TapeWatch.describe(tape), flush=True)
     if offload is not None:
@@ -866,8 +929,10 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
     summary["sample_tokens_per_s"] = None
     if args.sample_tokens:
         ids, seconds = sample(model, inputs.prompt_ids, args.sample_tokens, args.temperature,
-                              args.top_k, np.random.default_rng(args.seed))
-        summary["sample_tokens_per_s"] = args.sample_tokens / seconds
+                              args.top_k, np.random.default_rng(args.seed), inputs.stop_ids)
+        n_sampled = len(ids) - max(1, len(inputs.prompt_ids))
+        stopped = n_sampled < args.sample_tokens or ids[-1] in inputs.stop_ids
+        summary["sample_tokens_per_s"] = n_sampled / seconds
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if args.sample_tokens:
@@ -880,9 +945,13 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
                   f"text)")
             print(" ".join(map(str, ids)))
         else:
-            print(tokenizer.decode(ids))
-        print(f"({args.sample_tokens} tokens in {seconds:.2f} s, "
-              f"{summary['sample_tokens_per_s']:.1f} tokens/s)")
+            # The text from the prompt on: without the BOS it started from or the
+            # end-of-sequence token it stopped at.
+            shown = ids[1 if inputs.from_bos else 0:len(ids) - 1 if stopped else None]
+            print(tokenizer.decode(shown))
+        print(f"({n_sampled} tokens in {seconds:.2f} s, "
+              f"{summary['sample_tokens_per_s']:.1f} tokens/s"
+              + ("; stopped at end-of-sequence" if stopped else "") + ")")
         print("------------------")
     return summary
 

@@ -163,7 +163,8 @@ def build_parser(prog=None):
     d.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="'bytes', a tiktoken file (r50k_base.tiktoken) for GPT-2 BPE, or a "
                         "Hugging Face tokenizer.json or SentencePiece tokenizer.model (needs "
-                        "pip install 'adtape[hf]') (default: the --init-from directory's "
+                        "pip install 'adtape[hf]'), or a model directory holding one "
+                        "(default: the --init-from directory's "
                         "tokenizer.json or tokenizer.model, else bytes)")
     d.add_argument("--corpus-bytes", type=positive_size, default="3M", metavar="SIZE",
                    help="size of the built-in corpus (default: 3M)")
@@ -265,8 +266,10 @@ def build_parser(prog=None):
                         "(default: %(default)s)")
     o.add_argument("--top-k", type=non_negative_int, metavar="K", default=40,
                    help="sample among the k likeliest tokens, 0: all (default: %(default)s)")
-    o.add_argument("--prompt", default="def ", metavar="TEXT",
-                   help="text the sample starts from (default: %(default)r)")
+    o.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="text the sample starts from (default: the tokenizer's "
+                        "beginning-of-sequence token, as gpt2-generate; bytes, which have "
+                        "none: a newline); the sample stops early at an end-of-sequence token")
     o.add_argument("--no-progress", action="store_true",
                    help="log lines instead of a progress bar")
     o.add_argument("--debug", action="store_true",

@@ -7,6 +7,8 @@ Examples:
       --batch 1536 --micro-batch 1 --hardware a100-80gb-sxm --precision bf16 --layout megatron \\
       --tp 8 --pp 16 --dp 12 --recompute full
   python -m gpt2.perfmodel --model gpt2 --seq 64 --sweep batch=1,2,4,8 --plot sweep.png
+  python -m gpt2.perfmodel --model path/to/SmolLM2-360M --batch 1 --seq 1024   # its config.json
+  python -m gpt2.perfmodel --model smollm2-135m --n-kv-head 9 --intermediate 2048 --seq 512
   python -m gpt2.perfmodel --plan --max-memory 8G --model gpt2 --batch 8 --seq 1024
 """
 import argparse
@@ -34,12 +36,21 @@ def build_parser():
     p = argparse.ArgumentParser(prog="python -m gpt2.perfmodel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", help="a preset of any family (gpt2.families): gpt2, small, tiny, "
-                                    "smollm2-135m, tinyllama-1.1b, llama-3.2-1b, ...")
+    m.add_argument("--model", metavar="PRESET|DIR",
+                   help="a preset of any family (gpt2.families): gpt2, small, tiny, smollm2-135m, "
+                        "tinyllama-1.1b, llama-3.2-1b, ...; or a Hugging Face model directory, whose "
+                        "config.json (GPT-2, Llama, Qwen2) gives the shape (a preset's name wins: ./NAME is "
+                        "the directory; without --model: the size flags below, a GPT-2 layout)")
     m.add_argument("--n-layer", type=int)
     m.add_argument("--n-head", type=int)
     m.add_argument("--n-embd", type=int)
     m.add_argument("--vocab", type=int)
+    m.add_argument("--n-kv-head", type=int,
+                   help="key/value heads (grouped-query attention; divides the heads): of the size flags' "
+                        "shape (default: --n-head), or in place of --model's")
+    m.add_argument("--intermediate", type=int, metavar="WIDTH",
+                   help="the MLP's hidden width: of the size flags' shape (default: 4 x --n-embd), or in "
+                        "place of --model's")
     m.add_argument("--block-size", type=int, help="position table size (default: --seq)")
     m.add_argument("--vocab-multiple", type=int, default=128)
     m.add_argument("--experts", type=int, default=0, help="mixture of experts: experts per layer (0: dense)")
@@ -99,26 +110,70 @@ def _size(text):
     return parse_size(text)
 
 
-def model_from_args(args):
-    if args.model:
+def _shape_overrides(args):
+    """The fields --n-kv-head and --intermediate set ({} without them)."""
+    return {field: value for field, value in (("n_kv_head", args.n_kv_head),
+                                              ("intermediate_size", args.intermediate))
+            if value is not None}
+
+
+def model_config(args):
+    """The family config of --model (a preset, or a directory's config.json), with --n-kv-head and
+    --intermediate in place of its own; None without --model (the size flags' shape)."""
+    if not args.model:
+        return None
+    import dataclasses
+    import os
+    try:
+        from gpt2.families import all_presets, preset
+        if args.model in all_presets():     # a preset's name wins: ./NAME is the directory
+            config = preset(args.model)
+        elif os.path.isdir(args.model):
+            from gpt2.hf import read_config
+            config = read_config(args.model)
+        elif os.sep in args.model:
+            raise ValueError("no such directory (a model directory with its config.json, or a preset's name)")
+        else:
+            config = preset(args.model)
+    except ImportError as exc:
+        raise SystemExit(f"--model {args.model!r} needs gpt2.families ({exc}); give --n-layer, --n-head, "
+                         f"--n-embd and --vocab instead") from None
+    except ValueError as exc:
+        raise SystemExit(f"error: --model {args.model}: {exc}") from None
+    overrides = _shape_overrides(args)
+    if overrides:
+        fields = {f.name for f in dataclasses.fields(config)}
+        unknown = [f"--{'n-kv-head' if k == 'n_kv_head' else 'intermediate'}" for k in overrides
+                   if k not in fields]
+        if unknown:
+            raise SystemExit(f"error: --model {args.model} is a {config.family_name} model, which has no "
+                             f"{' or '.join(unknown)} (a Llama-family model has both)")
         try:
-            from gpt2.config import preset
-        except ImportError as exc:
-            raise SystemExit(f"--model {args.model!r} needs gpt2.config ({exc}); give --n-layer, --n-head, "
-                             f"--n-embd and --vocab instead") from None
+            config = dataclasses.replace(config, **overrides)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+    return config
+
+
+def model_from_args(args):
+    config = model_config(args)
+    if config is not None:
         extra = dict(vocab_multiple=args.vocab_multiple, n_experts=args.experts, top_k=args.top_k,
                      capacity_factor=args.capacity)
         try:
-            config = preset(args.model)
+            return ModelSpec.from_config(config, **extra)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
-        return ModelSpec.from_config(config, **extra)
     missing = [f"--{n}" for n in ("n-layer", "n-head", "n-embd", "vocab") if getattr(args, n.replace("-", "_")) is None]
     if missing:
         raise SystemExit(f"give --model or all of {', '.join(missing)}")
-    return ModelSpec(args.n_layer, args.n_head, args.n_embd, args.vocab,
-                     block_size=args.block_size or args.seq, vocab_multiple=args.vocab_multiple,
-                     n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity)
+    try:
+        return ModelSpec(args.n_layer, args.n_head, args.n_embd, args.vocab,
+                         block_size=args.block_size or args.seq, vocab_multiple=args.vocab_multiple,
+                         n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity,
+                         **_shape_overrides(args))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def setup_from_args(args):
@@ -139,14 +194,17 @@ def setup_from_args(args):
 
 def run_plan(args):
     """Print the memory planner's table for the model and (B, T) of ``args``."""
-    from gpt2.families import preset
     from gpt2.families.gpt2 import GPT2Config
     from .plan import plan_memory
     if args.max_memory is None:
         raise ValueError("--plan needs --max-memory SIZE (e.g. 8G)")
     spec = model_from_args(args)
     if args.model:
-        config = preset(args.model)
+        config = model_config(args)
+    elif _shape_overrides(args):
+        raise ValueError("--plan plans a model gpt2-train can train: the size flags are a GPT-2, which has no "
+                         "--n-kv-head or --intermediate; give --model (a Llama preset or a model directory) "
+                         "with them")
     else:
         # The size flags describe ModelSpec's default layout, which is GPT-2's.
         config = GPT2Config(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size, spec.block_size)

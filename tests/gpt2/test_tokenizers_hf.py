@@ -30,7 +30,7 @@ SAMPLES = ["def f(x):\n    return x + 1\n", "hello world", "", "  two  spaces\n\
            CORPUS[:2000]]
 BEYOND = "héllo\twörld ✓ 😀"     # characters the corpus may lack
 RUN = ["-B", "2", "-T", "32", "--steps", "2", "--corpus-bytes", "50k", "--eval-interval", "0",
-       "--sample-tokens", "8", "--no-progress", "--no-checkpoint"]
+       "--sample-tokens", "8", "--no-progress", "--no-checkpoint", "--prompt", "def "]
 
 
 def train_tokenizer_json(path, vocab_size, full_alphabet):
