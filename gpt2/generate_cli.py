@@ -316,7 +316,8 @@ def _generate(args, source, prompt_ids, rng):
 def _encode(source, text, plain):
     """Token ids of ``text``: with the tokenizer's post-processor for a plain prompt (as
     transformers' tokenizer(text)), without for a rendered chat (it holds its specials)."""
-    if plain and hasattr(source.tokenizer, "token_id"):
+    from gpt2.tokenizer import HFTokenizer
+    if plain and isinstance(source.tokenizer, HFTokenizer):
         return source.tokenizer.encode(text, add_special_tokens=True).tolist()
     return source.tokenizer.encode(text).tolist()
 

@@ -396,3 +396,22 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
         proc.kill()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "interrupted by SIGINT" in err
+
+
+def test_a_plain_prompt_through_a_sentencepiece_model(dirs, capsys, tmp_path):
+    # tokenizer.model has no post-processor to run: the prompt is its pieces, as given
+    import io
+
+    import sentencepiece
+    path, model, _ = dirs["llama"]
+    spm = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(["def f(x):", "    return x + 1", "héllo world"] * 50),
+        model_writer=spm, vocab_size=60, model_type="bpe", character_coverage=1.0,
+        normalization_rule_name="identity", minloglevel=2)
+    (tmp_path / "tok.model").write_bytes(spm.getvalue())
+    status, out, err = run_main(capsys, path, "--tokenizer", tmp_path / "tok.model", "-p",
+                                "def f", "-n", "5", "--temperature", "0", "--print-ids",
+                                "--no-stop")
+    assert status == 0, err
+    assert len(ids_of(out)) == 5 and "Traceback" not in err
