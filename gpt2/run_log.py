@@ -1,6 +1,7 @@
 """What a training run writes as it goes: log.csv (``RunLog``, read back on --resume by
-``read_log``), the loss curve (``plot_losses``), and what the tape's and the offloaded
-state's disk traffic came to (``TapeWatch``), for summary.json and the closing lines."""
+``read_log``), the loss curve (``plot_losses``), a peak over --max-memory
+(``exceeded_line``), and what the tape's and the offloaded state's disk traffic came to
+(``TapeWatch``), for summary.json and the closing lines."""
 import csv
 import io
 
@@ -8,6 +9,12 @@ from gpt2.train_options import _one_line
 from gpt2.units import format_size
 
 LOG_FIELDS = ("step", "loss", "lr", "ms", "tokens_per_s", "grad_norm", "val_loss")
+
+
+def exceeded_line(peak_bytes, max_memory):
+    """One line saying the run's peak resident memory exceeded --max-memory, and by how much."""
+    return (f"peak RSS {format_size(peak_bytes)} exceeded --max-memory {format_size(max_memory)} "
+            f"by {peak_bytes / max_memory - 1:.1%}")
 
 
 def plot_losses(path, rows):

@@ -29,12 +29,12 @@ import contextlib
 import dataclasses
 import json
 import math
-import resource
 import time
 
-from gpt2.units import SIZE_SUFFIXES, format_size, parse_size  # noqa: F401  (gpt2.train's names)
+from gpt2.units import SIZE_SUFFIXES, format_size, parse_size, peak_rss_bytes  # noqa: F401  (gpt2.train's names)
 
-from gpt2.run_log import LOG_FIELDS, RunLog, TapeWatch, plot_losses, read_log  # noqa: F401
+from gpt2.run_log import (LOG_FIELDS, RunLog, TapeWatch, exceeded_line, plot_losses,  # noqa: F401
+                          read_log)
 from gpt2.stopping import Interrupted, SaveSchedule, StopSignals  # noqa: F401
 from gpt2.train_options import (  # noqa: F401  (gpt2.train's names)
     DEFAULT_MODEL, DEFAULT_OUT_DIR, INPUT_ERRORS, MEMORY_OPTIONS, PLANNED_OPTIONS,
@@ -439,6 +439,11 @@ def _prepare(args, explicit, comm=None):
     if args.max_memory is not None:
         import psutil
         from tqdm import tqdm  # noqa: F401  (loaded before the baseline is taken)
+        # The loss plot's libraries (about 50 MiB resident) load after training, on top of
+        # the heap's high water: loaded now, the baseline counts them.
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
 
         import gpt2.model  # noqa: F401
         import gpt2.tape_engine  # noqa: F401
@@ -853,13 +858,10 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     finally:
         bar.close()
         log.close()
-    # The training's peak resident memory (the kernel's count), before the plot loads its
-    # libraries.
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     checkpoints = dict(schedule.summary(), train_seconds=time.perf_counter() - loop_start)
     if not writer:
         return None
-    return _finish(args, inputs, model, n_threads, log.rows, rows, start_step, peak_rss,
+    return _finish(args, inputs, model, n_threads, log.rows, rows, start_step,
                    trainer, tape_watch.summary(), checkpoints, tape_watch.offload_summary())
 
 
@@ -874,9 +876,13 @@ def _describe_outputs(args, all_rows):
     return words
 
 
-def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss, trainer=None,
+def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, trainer=None,
             tape=None, checkpoints=None, offload=None):
-    """summary.json and loss.png of the whole run, then the sample."""
+    """summary.json and loss.png of the whole run, then the sample.
+
+    The peak resident memory reported is the process's own high-water mark (VmHWM) read
+    after the plot and the sample, the run's last allocations, so that it is the whole
+    run's: training, saves, plot and sample."""
     import numpy as np
 
     from gpt2.evaluate import perplexity
@@ -901,19 +907,30 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
                                if median_ms else None}
     summary["final_val_perplexity"] = (perplexity(summary["final_val_loss"])
                                        if summary["final_val_loss"] is not None else None)
-    summary["peak_rss_bytes"] = peak_rss
     summary.update(ranks=trainer.size if trainer else 1, global_batch=args.batch_size,
                    zero=args.zero if trainer else 0, tape=tape)
     summary["memory_policy"] = memory_policy(args, inputs.plan, inputs.memory_from_checkpoint)
     summary["checkpoints"] = checkpoints
     summary["offload"] = offload
+    summary["sample_tokens_per_s"] = None
+    if args.sample_tokens:
+        ids, seconds = sample(model, inputs.prompt_ids, args.sample_tokens, args.temperature,
+                              args.top_k, np.random.default_rng(args.seed), inputs.stop_ids)
+        n_sampled = len(ids) - max(1, len(inputs.prompt_ids))
+        stopped = n_sampled < args.sample_tokens or ids[-1] in inputs.stop_ids
+        summary["sample_tokens_per_s"] = n_sampled / seconds
+    # The kernel's count, children none (gpt2.units.peak_rss_bytes).
+    peak_rss = peak_rss_bytes()
+    summary["peak_rss_bytes"] = peak_rss
     if inputs.plan is not None:
         summary["memory_plan"] = {"policy": inputs.plan.policy, "max_memory": args.max_memory,
                                   "tape_budget": args.tape_budget,
                                   "checkpointing": args.checkpointing,
                                   "snapshots": args.snapshots, "offload": args.offload,
                                   "predicted_ms": inputs.plan.predicted_ms,
-                                  "predicted_peak_bytes": inputs.plan.predicted_peak_bytes}
+                                  "predicted_peak_bytes": inputs.plan.predicted_peak_bytes,
+                                  "peak_rss_bytes": peak_rss,
+                                  "exceeded": peak_rss > args.max_memory}
     print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
           + (f" (validation {summary['final_val_loss']:.3f}, perplexity "
              f"{summary['final_val_perplexity']:.2f})"
@@ -926,13 +943,8 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, peak_rss
         print(TapeWatch.describe_offload(offload), flush=True)
     if inputs.plan is not None and median_ms is not None:
         print(f"--max-memory: {inputs.plan.compare(median_ms, peak_rss)}", flush=True)
-    summary["sample_tokens_per_s"] = None
-    if args.sample_tokens:
-        ids, seconds = sample(model, inputs.prompt_ids, args.sample_tokens, args.temperature,
-                              args.top_k, np.random.default_rng(args.seed), inputs.stop_ids)
-        n_sampled = len(ids) - max(1, len(inputs.prompt_ids))
-        stopped = n_sampled < args.sample_tokens or ids[-1] in inputs.stop_ids
-        summary["sample_tokens_per_s"] = n_sampled / seconds
+    if inputs.plan is not None and summary["memory_plan"]["exceeded"]:
+        print(exceeded_line(peak_rss, args.max_memory), flush=True)
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if args.sample_tokens:

@@ -3,6 +3,7 @@ offload share, with no import of the compiled extensions (``gpt2.perfmodel`` imp
 this, not ``gpt2.train`` or ``gpt2.offload``)."""
 import argparse
 import math
+import sys
 
 SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                  "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -39,3 +40,33 @@ def format_size(n):
         if abs(n) >= 1 << shift:
             return f"{n / (1 << shift):.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def peak_rss_bytes(children=False):
+    """This process's peak resident memory in bytes, as the kernel keeps it: VmHWM of
+    /proc/self/status (the high-water mark of the resident set, file-backed and shared
+    pages included), or ru_maxrss of RUSAGE_SELF where /proc is missing.
+
+    ``children``: add the largest peak of the waited-for child processes (ru_maxrss of
+    RUSAGE_CHILDREN), for a run whose children hold memory while it trains.  gpt2-train
+    has none: the tape's spill, the prefetch and the offload's I/O are threads of this
+    process, and the one-time calibration's child processes exit before the model
+    exists, so their memory never adds to the training's."""
+    import resource
+    peak = None
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if peak is None:
+        # Linux counts ru_maxrss in KiB (macOS in bytes, but has no /proc either way).
+        scale = 1 if sys.platform == "darwin" else 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    if children:
+        scale = 1 if sys.platform == "darwin" else 1024
+        peak += resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
+    return peak

@@ -13,7 +13,7 @@ from gpt2.params import num_parameters
 from gpt2.perfmodel import cli, load_profile
 from gpt2.perfmodel.calibrate import measure_baseline_rss, measure_disk
 from gpt2.offload import UNIT_BYTES, WINDOW
-from gpt2.perfmodel.plan import minimum_memory, plan_memory, predict_policy
+from gpt2.perfmodel.plan import minimum_memory, plan_memory, predict_policy, required_memory
 
 TINY = GPT2Config.preset("tiny")
 GPT2_124M = GPT2Config.preset("gpt2")
@@ -39,11 +39,12 @@ def test_generous_limit_chooses_in_memory(profile):
 def test_chosen_plan_respects_the_limit(profile, limit_gib):
     limit = int(limit_gib * (1 << 30))
     plan = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile)
-    assert plan.predicted_peak_bytes <= limit
+    assert required_memory(plan.predicted_peak_bytes) <= limit
     fitting = [c for c in plan.candidates if c.fits]
-    assert all(c.predicted_peak_bytes <= limit for c in fitting)
+    # Each fits with the planner's margin.
+    assert all(required_memory(c.predicted_peak_bytes) <= limit for c in fitting)
     assert plan.predicted_ms == min(c.predicted_ms for c in fitting)
-    assert all(c.predicted_peak_bytes > limit or c.rejected.startswith("budget below")
+    assert all(required_memory(c.predicted_peak_bytes) > limit or c.rejected.startswith("budget below")
                for c in plan.candidates if not c.fits)
     kwargs = plan.engine_kwargs()
     assert kwargs["checkpointing"] == plan.checkpointing
@@ -68,7 +69,7 @@ def test_impossible_limit_names_the_minimum(profile):
     states = min(predict_policy(GPT2_124M, 8, 1024, hardware=profile, offload=o).memory["model states"]
                  for o in (None, "moments", "all"))
     assert states < 8 * num_parameters(GPT2_124M)
-    fixed = states + profile.baseline_rss
+    fixed = required_memory(states + profile.baseline_rss)   # with the planner's margin
     with pytest.raises(ValueError, match=f"at least .* \\({int(fixed)} bytes\\)") as info:
         plan_memory(GPT2_124M, 8, 1024, int(fixed) - 1, hardware=profile)
     assert "the model states that stay in RAM with the rest on disk" in str(info.value)
@@ -78,7 +79,7 @@ def test_impossible_limit_names_the_minimum(profile):
     minimum = minimum_memory(GPT2_124M, 8, 1024, hardware=profile)
     assert f"({minimum} bytes); that is the required minimum" in str(info.value) and minimum > fixed
     plan = plan_memory(GPT2_124M, 8, 1024, minimum, hardware=profile)
-    assert plan.predicted_peak_bytes <= minimum
+    assert required_memory(plan.predicted_peak_bytes) <= minimum
     with pytest.raises(ValueError, match="max_memory"):
         plan_memory(TINY, 4, 64, -5, hardware=profile)
 
@@ -169,9 +170,10 @@ def test_training_under_the_plan_stays_within_its_peak(profile, tmp_path):
     free = plan_memory(TINY, B, T, HUGE, hardware=profile)
     least = minimum_memory(TINY, B, T, hardware=profile)
     # Far below the in-memory need: a quarter of the way up from the least any policy needs.
-    limit = int(least + (free.predicted_peak_bytes - least) / 4)
+    # (Both with the planner's margin: minimum_memory's figure includes it.)
+    limit = int(least + (required_memory(free.predicted_peak_bytes) - least) / 4)
     plan = plan_memory(TINY, B, T, limit, hardware=profile, spill_dir=str(tmp_path))
-    assert plan.policy != "in-memory" and plan.predicted_peak_bytes <= limit
+    assert plan.policy != "in-memory" and required_memory(plan.predicted_peak_bytes) <= limit
     kwargs = plan.engine_kwargs()
     if plan.tape_budget is not None:
         assert kwargs["tape_kwargs"] == {"memory_budget": plan.tape_budget, "spill_dir": str(tmp_path)}
@@ -207,7 +209,8 @@ def test_bf16_fits_in_memory_where_fp32_must_spill_or_checkpoint(profile):
     assert bf16.predicted_peak_bytes < fp32.predicted_peak_bytes
     assert bf16.memory["activations"] < fp32.memory["activations"]
     assert bf16.memory["bf16 weight copies"] > 0 and "bf16 weight copies" not in fp32.memory
-    limit = (fp32.predicted_peak_bytes + bf16.predicted_peak_bytes) // 2
+    # Midway between the two, each with the planner's margin.
+    limit = (required_memory(fp32.predicted_peak_bytes) + required_memory(bf16.predicted_peak_bytes)) // 2
     plan32 = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile)
     plan16 = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile, precision="bf16")
     assert plan32.policy != "in-memory" and plan16.policy == "in-memory"
@@ -222,7 +225,7 @@ def test_bf16_fits_in_memory_where_fp32_must_spill_or_checkpoint(profile):
     moments32 = min(predict_policy(GPT2_124M, 8, 1024, tape_budget=b, checkpointing=c,
                                    hardware=profile, offload="moments").predicted_peak_bytes
                     for c in ("none", "layer") for b in (None, 1 << 20))
-    assert least32 < least16 <= moments32 + bf16.memory["bf16 weight copies"]
+    assert least32 < least16 <= required_memory(moments32 + bf16.memory["bf16 weight copies"])
     with pytest.raises(ValueError, match="offload='all' runs in fp32"):
         predict_policy(GPT2_124M, 8, 1024, hardware=profile, offload="all", precision="bf16")
 
