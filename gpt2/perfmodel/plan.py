@@ -312,7 +312,7 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     spec = ModelSpec.from_config(config)
     acc = _Accounting(spec, B, T, flash, precision)
     least_states = min(acc.states(offload) for offload in _offloads("none", precision))
-    least_fixed = required_memory(least_states + profile.baseline_rss)
+    least_fixed = required_memory(least_states + profile.baseline_rss + acc.weight_copies)
     if least_fixed > max_memory:
         raise ValueError(
             f"max_memory {format_size(max_memory)} cannot be met: the model states that stay in RAM with the "
@@ -326,7 +326,8 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     for checkpointing, snapshots in policies:
         compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision)
         for offload in _offloads(checkpointing, precision):
-            fixed = acc.states(offload) + profile.baseline_rss
+            # bf16: the weights' bf16 copies are resident beside the states
+            fixed = acc.states(offload) + profile.baseline_rss + acc.weight_copies
             candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, None, max_memory,
                                          offload))
             # The tape's peak holds the stored activations plus, under checkpointing, one re-run block.

@@ -236,3 +236,16 @@ def test_planner_precision_errors_name_the_allowed_values(profile):
                  lambda: minimum_memory(TINY, 4, 64, hardware=profile, precision="fp16")):
         with pytest.raises(ValueError, match="precision must be one of fp32, bf16, got 'fp16'"):
             call()
+
+
+def test_bf16_weighs_the_largest_tape_budget_that_fits(profile):
+    # The headroom for the tape counts the weights' bf16 copies: the largest budget that
+    # fits is among the candidates and fits (it was rejected, over by the copies).
+    in_memory = predict_policy(GPT2_124M, 8, 1024, hardware=profile, precision="bf16")
+    limit = int(in_memory.predicted_peak_bytes * 0.8)
+    plan = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile, precision="bf16")
+    spilling = [c for c in plan.candidates
+                if c.checkpointing == "none" and c.offload is None and c.tape_budget]
+    largest = max(spilling, key=lambda c: c.tape_budget)
+    assert largest.fits, largest.rejected
+    assert limit - required_memory(largest.predicted_peak_bytes) < 2 << 20
