@@ -42,6 +42,19 @@ PRESETS = {
     "qwen2.5-0.5b": dict(n_layer=24, n_head=14, n_kv_head=2, n_embd=896, intermediate_size=4864,
                          vocab_size=151936, block_size=32768, rope_theta=1000000.0,
                          rms_norm_eps=1e-6, tie_embeddings=True, qkv_bias=True),
+    "qwen2.5-1.5b": dict(n_layer=28, n_head=12, n_kv_head=2, n_embd=1536, intermediate_size=8960,
+                         vocab_size=151936, block_size=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, tie_embeddings=True, qkv_bias=True),
+    "qwen2.5-7b": dict(n_layer=28, n_head=28, n_kv_head=4, n_embd=3584, intermediate_size=18944,
+                       vocab_size=152064, block_size=131072, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_embeddings=False, qkv_bias=True),
+    "llama-3.1-8b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
+                         vocab_size=128256, block_size=131072, rope_theta=500000.0,
+                         rms_norm_eps=1e-5, tie_embeddings=False,
+                         rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
+                                       ("low_freq_factor", 1.0),
+                                       ("original_max_position_embeddings", 8192),
+                                       ("rope_type", "llama3"))),
 }
 
 

@@ -17,7 +17,7 @@ from gpt2 import hf
 from gpt2.config import GPT2Config, LLAMA_PRESETS, LlamaConfig
 from gpt2.families.llama import hf_tensors
 from gpt2.model import GPT2
-from gpt2.params import ParamArena, init_params_
+from gpt2.params import ParamArena, init_params_, num_parameters
 
 HEAD_DIM = 16
 
@@ -182,3 +182,33 @@ def test_gpt2_directories_round_trip_through_transformers(tmp_path):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     back = hf.load_dir(tmp_path / "gpt2")
     np.testing.assert_array_equal(back.flat, params.flat)
+
+
+# The published totals (the models' Hugging Face weights), embeddings and an untied head
+# included.
+PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768,
+             "llama-3.1-8b": 8_030_261_248, "qwen2.5-1.5b": 1_543_714_304,
+             "qwen2.5-7b": 7_615_616_512}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_full_size_presets_are_the_published_models(name):
+    # Counted, never allocated: transformers builds its model on the meta device from the
+    # config.json we write.
+    config = LlamaConfig.preset(name)
+    assert num_parameters(config) == PUBLISHED[name]    # vocabularies are multiples of 128
+    hf_config = hf.hf_config_dict(config)
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items()
+                                               if k != "architectures"})
+    with torch.device("meta"):
+        theirs = getattr(transformers, hf_config["architectures"][0])(cfg)
+    assert sum(p.numel() for p in theirs.parameters()) == PUBLISHED[name]
+    assert all(p.is_meta for p in theirs.parameters())
+    assert (cfg.tie_word_embeddings, cfg.max_position_embeddings) == \
+        (config.tie_embeddings, config.block_size)
+    # transformers 5 gathers rope_theta and rope_scaling into rope_parameters.
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta,
+                                                     **(cfg.rope_scaling or {})}
+    assert rope["rope_theta"] == config.rope_theta
+    assert {k: rope[k] for k in dict(config.rope_scaling or ())} == \
+        dict(config.rope_scaling or ())

@@ -38,6 +38,14 @@ def test_parameter_count_is_the_arenas(name):
     assert ModelSpec.from_config(config).num_parameters() == num_parameters(config)
 
 
+@pytest.mark.parametrize("name,total", [("llama-3.1-8b", 8_030_261_248),
+                                        ("qwen2.5-1.5b", 1_543_714_304),
+                                        ("qwen2.5-7b", 7_615_616_512)])
+def test_the_spec_counts_the_published_totals(name, total):
+    # The models' published parameter counts (their Hugging Face weights), never allocated.
+    assert ModelSpec.from_config(preset(name)).num_parameters() == total
+
+
 def test_a_llama_config_is_data_of_the_spec():
     spec = ModelSpec.from_config(QWEN_LIKE)
     assert (spec.n_kv_head, spec.head_dim, spec.ffn_hidden, spec.qkv_width) == (2, 24, 200, 10 * 24)
