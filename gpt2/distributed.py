@@ -495,24 +495,53 @@ class DataParallelTrainer:
         per_rank = batch_size // self.size
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
-    def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None):
+    def micro_batches(self, batch_size, grad_accum):
+        """This rank's rows of a global batch of ``batch_size`` as ``grad_accum`` equal
+        micro-batches (slices of those rows); CollectiveError if they cannot be equal."""
+        from gpt2.model import micro_batches
+        per_rank = self.local_rows(batch_size)
+        per_rank = per_rank.stop - per_rank.start
+        if per_rank % grad_accum:
+            raise CollectiveError(f"--grad-accum {grad_accum}: -B {batch_size} does not split "
+                                  f"into {grad_accum} equal micro-batches per rank (B/"
+                                  f"{self.size} = {per_rank}); use a -B that divides by "
+                                  f"{self.size * grad_accum}")
+        return micro_batches(per_rank, grad_accum)
+
+    def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None, grad_accum=1):
         """One step on the global batch; returns (loss, gradient norm or None), both of
-        the whole batch and equal on every rank."""
+        the whole batch and equal on every rank.
+
+        ``grad_accum`` N > 1: this rank's B/ranks rows run as N micro-batches, their
+        gradients summed locally; only the last micro-batch's backward launches the
+        bucket collectives (the hooks are off during the others), so the gradients
+        cross the network once per step, as without accumulation."""
         MPI = self.MPI
         model = self.model
         inputs, targets = np.asarray(inputs), np.asarray(targets)
         if inputs.ndim != 2:
             raise ValueError(f"inputs must have shape (B, T), got {inputs.shape}")
         rows = self.local_rows(inputs.shape[0])
+        micro = self.micro_batches(inputs.shape[0], grad_accum)
+        # The rows of wte the encoder may write: of the global batch, so that every rank
+        # reduces the same rows (see _wte_hook).
+        batch_rows = np.unique(inputs)
+        inputs, targets = inputs[rows], targets[rows]
         if self.moments is not None:
             self.moments.read_ahead()     # the shard's first units, while the step computes
         t0 = time.perf_counter()
         model.zero_grad(deferred=True)
         self._requests = []
-        self._pending = list(self._initial_pending)
-        self._batch_rows = np.unique(inputs)
+        self._pending = None        # the hooks do nothing until the last micro-batch
         try:
-            loss = model.loss_and_grad(inputs[rows], targets[rows])
+            loss = 0.0
+            for i, part in enumerate(micro):
+                if i == len(micro) - 1:
+                    self._pending = list(self._initial_pending)
+                    self._batch_rows = batch_rows
+                loss += model.loss_and_grad(inputs[part], targets[part])
+            if grad_accum > 1:
+                loss /= grad_accum
             # Buckets no hook launched (the manual engine has no hooks), in reverse
             # arena order, as the backward finishes them.
             late = [b for b in reversed(range(len(self.layout.bounds))) if self._pending[b] >= 0]
@@ -538,9 +567,12 @@ class DataParallelTrainer:
             gathered = self.comm.allgather((loss, 0.0))
             norm = optim.grad_norm(model.grads.flat) / self.size
         loss = sum(g[0] for g in gathered) / self.size
+        if grad_accum > 1:
+            norm /= grad_accum          # the local sums were over grad_accum micro-batches
         scale = optim.clip_coefficient(norm, grad_clip) if grad_clip else 1.0
-        # The collectives summed the gradients: 1/N makes them the mean.
-        self._adamw(lr, weight_decay, scale / self.size)
+        # The collectives summed the gradients: 1/N makes them the mean (and 1/grad_accum
+        # the mean over the micro-batches).
+        self._adamw(lr, weight_decay, scale / self.size / grad_accum)
         t3 = time.perf_counter()
         self.last_step = {"backward_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3,
                           "update_ms": (t3 - t2) * 1e3,
@@ -747,13 +779,15 @@ def trainer_from_args(model, comm, args, tokens):
     every rank must agree on the settings that shape the global batch and the data."""
     if comm is None:
         return None
-    settings = {"B": args.batch_size, "T": args.seq_len, "seed": args.seed,
+    settings = {"B": args.batch_size, "grad_accum": args.grad_accum, "T": args.seq_len,
+                "seed": args.seed,
                 "steps": args.steps, "lr": args.lr, "grad_clip": args.grad_clip,
                 "weight_decay": args.weight_decay, "resume": args.resume,
                 "data tokens": int(tokens.size), "data checksum": tokens_checksum(tokens)}
     trainer = DataParallelTrainer(model, comm, zero=args.zero, bucket_bytes=args.bucket_size,
                                   settings=settings)
     trainer.local_rows(args.batch_size)
+    trainer.micro_batches(args.batch_size, args.grad_accum)
     from kernels import threads
     print(f"data parallel: {trainer.size} ranks x {threads.get_num_threads()} threads, global "
           f"batch B={args.batch_size} ({args.batch_size // trainer.size} per rank), "

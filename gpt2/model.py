@@ -70,6 +70,18 @@ class ActivationArena:
 OFFLOAD_POLICIES = (None, "moments", "all")
 
 
+def micro_batches(batch_size, grad_accum):
+    """The row slices of a batch of ``batch_size`` rows cut into ``grad_accum`` equal
+    micro-batches; ValueError if they cannot be equal."""
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a positive integer, got {grad_accum!r}")
+    if batch_size % grad_accum:
+        raise ValueError(f"a batch of {batch_size} rows does not split into {grad_accum} "
+                         f"equal micro-batches")
+    m = batch_size // grad_accum
+    return [slice(i * m, (i + 1) * m) for i in range(grad_accum)]
+
+
 class Model:
     """A model of any family (its config: ``GPT2Config``, ``LlamaConfig``, ...) with its
     gradients and AdamW state, each one arena.  Only the families with ``hand_sequenced``
@@ -314,8 +326,15 @@ class Model:
             position[0] += piece.size
         self.moments.load("p", read_into)
 
-    def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None):
+    def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None, grad_accum=1):
         """Zero grads, forward, backward, (clip), AdamW. Returns (loss, grad norm or None).
+
+        ``grad_accum`` N > 1: the batch's B rows run as N micro-batches of B/N rows (the
+        activations of one micro-batch at a time), their gradients summed in
+        ``self.grads`` (the first backward writes them, the others add), then one
+        clipping and one AdamW on the sum scaled by 1/N: the mean of the micro-batch
+        gradients, which is the whole batch's.  The loss returned is the mean of the
+        micro-batch losses (the whole batch's mean: the micro-batches are equal-sized).
 
         The zeroing is deferred (``zero_grad(deferred=True)``): the backward kernels
         write the gradients instead of adding them into zeros, which saves two passes
@@ -323,16 +342,26 @@ class Model:
         the gradients inside AdamW rather than rewriting them first, which saves two
         more; the update is the same to the bit.  After the step ``self.grads`` holds
         the gradient as the backward left it, before clipping."""
+        micro = micro_batches(np.shape(inputs)[0] if np.ndim(inputs) else 0, grad_accum)
+        if grad_accum > 1 and self.offload == "all":
+            raise NotImplementedError("with offload='all' each backward pass writes the "
+                                      "gradients anew: no gradient accumulation")
         self.zero_grad(deferred=True)
         if self.offload == "all":
             self.moments.reset_norm()
-        loss = self.loss_and_grad(inputs, targets)
+        if grad_accum == 1:
+            loss = self.loss_and_grad(inputs, targets)
+        else:
+            loss = sum(self.loss_and_grad(inputs[rows], targets[rows])
+                       for rows in micro) / grad_accum
         norm, scale = None, 1.0
         if grad_clip:
             norm = (self.moments.grad_norm() if self.offload == "all"
                     else optim.grad_norm(self.grads.flat))
+            if grad_accum > 1:
+                norm /= grad_accum      # the norm of the mean gradient
             scale = optim.clip_coefficient(norm, grad_clip)
-        self.adamw_step(lr, weight_decay=weight_decay, grad_scale=scale)
+        self.adamw_step(lr, weight_decay=weight_decay, grad_scale=scale / grad_accum)
         return loss, norm
 
     @property

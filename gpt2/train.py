@@ -366,6 +366,15 @@ def _prepare(args, explicit, comm=None):
                          + (f" (from the checkpoint): {problem}; pass --spill-dir to choose "
                             f"another" if saved else f": {problem}"))
 
+    # Under mpiexec the ranks' micro-batches are checked by every rank alike, as their
+    # batch is (gpt2.distributed.trainer_from_args): one error line for the job.
+    if comm is None and args.batch_size % args.grad_accum:
+        raise UsageError(f"--grad-accum {args.grad_accum}: -B {args.batch_size} does not "
+                         f"split into {args.grad_accum} equal micro-batches; use a -B that "
+                         f"divides by {args.grad_accum}")
+    if args.grad_accum > 1 and args.offload == "all":
+        raise UsageError("--grad-accum runs without --offload all (each backward writes the "
+                         "offloaded gradients anew): use --offload moments")
     if comm is not None and comm.Get_size() > 1 and args.offload == "all":
         raise UsageError("--offload all trains in one process: under mpiexec use --offload "
                          "moments")
@@ -451,7 +460,9 @@ def _prepare(args, explicit, comm=None):
         # RuntimeError: the first use's calibration of this machine failed.
         with blame("--max-memory", INPUT_ERRORS + (RuntimeError,)):
             ranks = comm.Get_size() if comm is not None else 1
-            plan = plan_memory(config, max(1, args.batch_size // ranks), args.seq_len,
+            # A step holds the activations of one micro-batch at a time.
+            plan = plan_memory(config, max(1, args.batch_size // ranks // args.grad_accum),
+                               args.seq_len,
                                args.max_memory,
                                spill_dir=args.spill_dir, threads=args.threads,
                                baseline_bytes=psutil.Process().memory_info().rss,
@@ -679,6 +690,10 @@ def _train(args, inputs, n_threads, comm=None):
         args.tape_budget = policy["tape_kwargs"].get("memory_budget")
         args.checkpointing, args.snapshots = policy["checkpointing"], policy["snapshots"]
         args.offload = policy.get("offload") or "none"
+        if args.offload == "all" and args.grad_accum > 1:
+            raise UsageError(f"--max-memory {args.max_memory:,} plans --offload all, which "
+                             f"does not accumulate gradients: raise --max-memory or leave out "
+                             f"--grad-accum")
     tape_kwargs = {}
     if args.tape_budget is not None:
         tape_kwargs["memory_budget"] = args.tape_budget
@@ -738,7 +753,10 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     n_params = _num_parameters(config)
     print(f"{config.family_name} {inputs.model_name}: {n_params / 1e6:.2f}M parameters, "
           f"{config.describe()}; B={args.batch_size} "
-          f"T={args.seq_len}, {n_threads} threads ({blas_dispatch.describe()}), "
+          f"T={args.seq_len}"
+          + (f" (--grad-accum {args.grad_accum}: micro-batches of "
+             f"{args.batch_size // args.grad_accum})" if args.grad_accum > 1 else "")
+          + f", {n_threads} threads ({blas_dispatch.describe()}), "
           f"engine={args.engine}, precision {inputs.precision[0]} ({inputs.precision[1]}), "
           f"memory: "
           f"{describe_memory_policy(args, inputs.plan, inputs.memory_from_checkpoint)}, "
@@ -810,7 +828,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                 t0 = time.perf_counter()
                 loss, norm = (trainer or model).train_step(x, y, lr,
                                                            weight_decay=args.weight_decay,
-                                                           grad_clip=args.grad_clip or None)
+                                                           grad_clip=args.grad_clip or None,
+                                                           grad_accum=args.grad_accum)
                 dt = time.perf_counter() - t0
                 tape_watch.after_step()
                 if not math.isfinite(loss):
@@ -895,7 +914,7 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, trainer=
     summary = {"model": inputs.model_name, "init_from": args.init_from, "resumed_from": args.resume,
                "config": config.to_dict(), "engine": args.engine,
                "precision": inputs.precision[0], "precision_reason": inputs.precision[1],
-               "B": args.batch_size,
+               "B": args.batch_size, "grad_accum": args.grad_accum,
                "T": args.seq_len, "threads": n_threads, "start_step": start_step,
                "steps": args.steps,
                "first_loss": all_rows[0]["loss"] if all_rows else None,

@@ -26,9 +26,12 @@ DEFAULT_MODEL = "small"
 # invocation's own, but for the memory policy below.
 RESUMED_OPTIONS = ("data", "val_data", "tokenizer", "corpus_bytes", "val_fraction", "batch_size",
                    "seq_len", "steps", "decay_steps", "lr", "min_lr", "warmup", "schedule",
-                   "weight_decay", "grad_clip",
+                   "weight_decay", "grad_clip", "grad_accum",
                    "seed", "eval_interval", "eval_batches", "checkpoint_interval",
                    "no_checkpoint", "sample_tokens", "temperature", "top_k", "prompt")
+# --grad-accum changes only how a step is computed (its loss and update equal the
+# unaccumulated step's to float rounding), but it sizes the step's activations to B/N
+# rows: a resume keeps it, as it keeps the memory policy, unless given again.
 # Taken too, as the memory policy (the run was sized for its machine: a resume may not fit
 # in RAM without it); see _restore_memory_policy.
 MEMORY_OPTIONS = ("max_memory", "tape_budget", "checkpointing", "snapshots", "offload",
@@ -198,6 +201,13 @@ def build_parser(prog=None):
                    help="AdamW weight decay (default: %(default)s)")
     t.add_argument("--grad-clip", type=non_negative_float, metavar="NORM", default=1.0,
                    help="max global gradient norm, 0: off (default: %(default)s)")
+    t.add_argument("--grad-accum", type=positive_int, metavar="N", default=1,
+                   help="gradient accumulation: each step runs its B sequences as N "
+                        "micro-batches of B/N (under mpiexec, each rank's B/ranks as N of "
+                        "B/ranks/N), with the activations of one micro-batch at a time, and "
+                        "updates once on their mean gradient: the same loss curve, about N "
+                        "times less activation memory; B must divide by N (default: "
+                        "%(default)s)")
     t.add_argument("--seed", type=non_negative_int, metavar="N", default=0,
                    help="seed of the initialization, the batch order and the sample "
                         "(default: %(default)s)")

@@ -426,3 +426,28 @@ def test_offloaded_moments_under_mpiexec_train_bit_identically(tmp_path, zero):
                      tmp_path / "resumed-memory")
     assert proc.returncode == 0, proc.stderr
     assert logged_losses(tmp_path / "resumed") == logged_losses(tmp_path / "resumed-memory")
+
+
+# -- --grad-accum under mpiexec ---------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_grad_accum_under_mpiexec_gives_the_one_process_curve(tmp_path, model):
+    """2 ranks x 2 micro-batches of 2 (and ZeRO-1 x 4 of 1) train as one process on B=8."""
+    one = tmp_path / "one"
+    proc = run_train(["--steps", "4", "-B", "8"], one, model=model)
+    assert proc.returncode == 0, proc.stderr
+    for n, zero in (("2", "0"), ("4", "1")):
+        out = tmp_path / f"accum{n}"
+        proc = run_train(["--steps", "4", "-B", "8", "--grad-accum", n, "--zero", zero], out,
+                         ranks=RANKS, model=model)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads((out / "summary.json").read_text())["grad_accum"] == int(n)
+        assert relative_error(logged_losses(out), logged_losses(one)) < 1e-6
+
+
+def test_grad_accum_under_mpiexec_refuses_micro_batches_the_ranks_do_not_divide(tmp_path):
+    proc = run_train(["--steps", "2", "-B", "4", "--grad-accum", "4"], tmp_path, ranks=RANKS)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: --grad-accum 4: -B 4 does not split into 4 equal "
+                                   "micro-batches per rank (B/2 = 2); use a -B that divides "
+                                   "by 8")
