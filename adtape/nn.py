@@ -29,7 +29,7 @@ from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp,
 __all__ = ["set_precision", "get_precision", "weights_changed",
            "encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
            "attention_linear", "softmax_cross_entropy", "rmsnorm", "rope", "swiglu",
-           "swiglu_linear", "softmax", "log_softmax"]
+           "swiglu_linear", "lora_linear", "softmax", "log_softmax"]
 
 ENCODER = Primitive("encoder", ("ids", "wte", "wpe"))
 LAYERNORM = Primitive("layernorm", ("x", "weight", "bias"))
@@ -44,6 +44,7 @@ RMSNORM = Primitive("rmsnorm", ("x", "weight"))
 ROPE = Primitive("rope", ("qkv",))
 SWIGLU = Primitive("swiglu", ("gate_up",))
 SWIGLU_LINEAR = Primitive("swiglu_linear", ("gate_up", "weight", "bias"))
+LORA_LINEAR = Primitive("lora_linear", ("x", "weight", "bias", "a", "b"))
 
 
 def _data(x):
@@ -103,6 +104,8 @@ def weights_changed():
 
 
 def _bf16_weight(w):
+    if w.dtype == np.uint16:        # a weight held in bf16 (a frozen LoRA base)
+        return w
     entry = _bf16_weights.get(id(w))
     if entry is None or entry[0] is not w:
         wb = _buffers.empty(w.shape, np.uint16)
@@ -114,10 +117,10 @@ def _bf16_weight(w):
 def _product_forward(out, x, w, bias):
     """out = x @ w.T + bias in the current precision; returns what the backward needs
     of ``x`` (x itself, or its bf16 copy)."""
-    if _precision == "fp32":
+    if _precision == "fp32" and w.dtype != np.uint16:
         _matmul.matmul_forward(out, x, w, bias)
         return x
-    xb = _product_input(x)
+    xb = _product_input(x, w)
     _bf16.matmul_forward_bf16(out, xb, _bf16_weight(w), bias)
     return xb
 
@@ -130,9 +133,10 @@ def _product_backward(dx, dw, db, g, x, w, overwrite):
         _matmul.matmul_backward(dx, dw, db, g, x, w, overwrite=overwrite)
 
 
-def _product_input(x):
-    """A recomputed product input, as the forward gave it to the product."""
-    if _precision == "fp32":
+def _product_input(x, w=None):
+    """A recomputed product input, as the forward gave it to the product (with weight
+    ``w``: a bf16 weight takes bf16 inputs whatever the precision)."""
+    if _precision == "fp32" and (w is None or w.dtype != np.uint16):
         return x
     xb = _buffers.empty(x.shape, np.uint16)
     _bf16.to_bf16(xb, x)
@@ -229,7 +233,7 @@ def linear(x, weight, bias=None):
 
 
 def _linear_bwd(g, dests, fresh, x, weight):
-    dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
+    dw, ow_w = dests[1], fresh[1]      # None: a frozen weight, no dW product
     _product_backward(dests[0], dw, dests[2], _contiguous(g), x, weight,
                       (fresh[0], ow_w, fresh[2]))
 
@@ -255,8 +259,8 @@ def _gelu_linear_bwd(g, dests, fresh, x, weight):
     h = _buffers.empty_like(x)
     _layers.gelu_forward(h, x)
     dh = None if dests[0] is None else _buffers.empty_like(x)
-    dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
-    h = _product_input(h)
+    dw, ow_w = dests[1], fresh[1]
+    h = _product_input(h, weight)
     _product_backward(dh, dw, dests[2], _contiguous(g), h, weight, (True, ow_w, fresh[2]))
     del h          # freed before the GELU's gradient is allocated: 3 hidden-width arrays live, as unfused
     if dh is not None:
@@ -312,8 +316,8 @@ def attention_linear(qkv, n_head, weight, bias=None, n_kv_head=None):
 
 def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head, n_kv_head):
     da = None if dests[0] is None else _buffers.empty_like(a)
-    dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
-    _product_backward(da, dw, dests[2], _contiguous(g), _product_input(a), weight,
+    dw, ow_w = dests[1], fresh[1]
+    _product_backward(da, dw, dests[2], _contiguous(g), _product_input(a, weight), weight,
                       (True, ow_w, fresh[2]))
     if da is not None:
         _attention.attention_backward(dests[0], da, qkv, a, lse, n_head, n_kv_head=n_kv_head,
@@ -424,12 +428,100 @@ def _swiglu_linear_bwd(g, dests, fresh, gate_up, weight):
     h = _buffers.empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,))
     _llama.swiglu_forward(h, gate_up)
     dh = None if dests[0] is None else _buffers.empty_like(h)
-    dw, ow_w = _or_scratch(dests[1], fresh[1], weight)
-    h = _product_input(h)
+    dw, ow_w = dests[1], fresh[1]
+    h = _product_input(h, weight)
     _product_backward(dh, dw, dests[2], _contiguous(g), h, weight, (True, ow_w, fresh[2]))
     del h
     if dh is not None:
         _llama.swiglu_backward(dests[0], dh, gate_up, overwrite=fresh[0])
+
+
+
+def lora_linear(x, weight, bias, a, b, splits, scale, dropout=0.0, rng=None):
+    """``linear(x, weight, bias)`` plus LoRA's low-rank update of some of its output rows:
+    output rows ``start:start + n`` of each ``(start, n)`` in ``splits`` (target j) gain
+    ``scale * (dropout(x) @ a[j*r:(j+1)*r].T) @ b[rows of j].T``.
+
+    x (N,C) or (B,T,C); weight (OC,C) float32 or uint16 (bf16), frozen: its gradient is
+    never computed; bias (OC,) or None, frozen; a (k*r, C) holds the k targets' A
+    matrices stacked, b (sum of n, r) their B matrices stacked in ``splits`` order (as
+    peft's lora_A and lora_B).  ``dropout`` p drops elements of the adapters' input
+    (scaled by 1/(1-p), as torch.nn.Dropout), ``rng`` a numpy Generator.  The adapters'
+    products run in float32 whatever the precision (they are r wide); the base product
+    in the current precision (bf16 for a bf16 weight).  Saved: the base product's input
+    and ``x @ a.T`` (k*r floats a row), and with dropout the dropped input."""
+    xd = np.ascontiguousarray(_data(x))
+    wd, ad, bd = _data(weight), _data(a), _data(b)
+    k = len(splits)
+    r = ad.shape[0] // max(k, 1)
+    if ad.ndim != 2 or bd.ndim != 2 or ad.shape != (k * r, xd.shape[-1]) or bd.shape != (
+            sum(n for _, n in splits), r):
+        raise ValueError(f"lora_linear: a {ad.shape} and b {bd.shape} do not fit {k} "
+                         f"targets of rank {r} over inputs of width {xd.shape[-1]} "
+                         f"(splits {splits})")
+    out = _buffers.empty(xd.shape[:-1] + (wd.shape[0],))
+    saved = _product_forward(out, xd, wd, None if bias is None else _data(bias))
+    x2 = xd.reshape(-1, xd.shape[-1])
+    o2 = out.reshape(-1, out.shape[-1])
+    mask = None
+    xl = x2
+    if dropout:
+        rng = rng if rng is not None else np.random.default_rng()
+        mask = (rng.random(x2.shape, dtype=np.float32) >= dropout).astype(np.float32)
+        mask *= np.float32(1.0 / (1.0 - dropout))
+        xl = x2 * mask
+    xa = _buffers.empty((x2.shape[0], k * r))
+    _matmul.matmul_forward(xa, xl, ad, None)
+    xa *= np.float32(scale)
+    rows = 0
+    for j, (start, n) in enumerate(splits):
+        delta = _buffers.empty((x2.shape[0], n))
+        _matmul.matmul_forward(delta, np.ascontiguousarray(xa[:, j * r:(j + 1) * r]),
+                               bd[rows:rows + n], None)
+        o2[:, start:start + n] += delta
+        rows += n
+    if _needs_grad(x, a, b):
+        # The adapters' input: None where it is the base product's (float32, no dropout).
+        lora_in = xl if mask is not None else (None if saved is xd else x)
+        return _record(LORA_LINEAR, out, (x, weight, bias, a, b),
+                       (x if saved is xd else saved, lora_in, mask, xa, weight, a, b,
+                        splits, scale), None)
+    return _constant(out)
+
+
+def _lora_linear_bwd(g, dests, fresh, x, xl, mask, xa, weight, a, b, splits, scale):
+    # x: the base product's input as its forward kept it; xl: the adapters' (None: x)
+    g = _contiguous(g)
+    g2 = g.reshape(-1, g.shape[-1])
+    k = len(splits)
+    r = a.shape[0] // k
+    N = g2.shape[0]
+    # The base: dx only (the weight and bias are frozen).
+    _product_backward(dests[0], None, None, g, x, weight, (fresh[0], False, False))
+    # The adapters: with xa = scale * x_l @ A.T and out_j += xa_j @ B_j.T,
+    # dB_j = g_j.T @ xa_j, dxa_j = scale * g_j @ B_j, dA = dxa.T @ x_l, dx_l = dxa @ A.
+    dxa = _buffers.empty((N, k * r))
+    rows = 0
+    for j, (start, n) in enumerate(splits):
+        gj = g2 if (start, n) == (0, g2.shape[1]) else np.ascontiguousarray(
+            g2[:, start:start + n])
+        xaj = np.ascontiguousarray(xa[:, j * r:(j + 1) * r])
+        dxaj = _buffers.empty((N, r))
+        db = None if dests[4] is None else dests[4][rows:rows + n]
+        _matmul.matmul_backward(dxaj, db, None, gj, xaj, b[rows:rows + n],
+                                overwrite=(True, bool(fresh[4]), False))
+        dxa[:, j * r:(j + 1) * r] = dxaj
+        rows += n
+    dxa *= np.float32(scale)
+    x_l = (x if xl is None else xl).reshape(N, -1)
+    dx_l = None
+    if dests[0] is not None:
+        dx_l = dests[0].reshape(N, -1) if mask is None else _buffers.empty(x_l.shape)
+    _matmul.matmul_backward(dx_l, dests[3], None, dxa, x_l, a,
+                            overwrite=(mask is not None, bool(fresh[3]), False))
+    if mask is not None and dests[0] is not None:
+        d0 = dests[0].reshape(N, -1)
+        d0 += dx_l * mask
 
 
 defvjp_accumulate(ENCODER, _encoder_bwd, overwrite=True)
@@ -445,6 +537,7 @@ defvjp_accumulate(RMSNORM, _rmsnorm_bwd, overwrite=True)
 defvjp_accumulate(ROPE, _rope_bwd, overwrite=True)
 defvjp_accumulate(SWIGLU, _swiglu_bwd, overwrite=True)
 defvjp_accumulate(SWIGLU_LINEAR, _swiglu_linear_bwd, overwrite=True)
+defvjp_accumulate(LORA_LINEAR, _lora_linear_bwd, overwrite=True)
 
 
 def softmax(x, axis=-1):

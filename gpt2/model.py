@@ -88,7 +88,8 @@ class Model:
     (GPT-2) have the hand-sequenced engine."""
 
     def __init__(self, config, seed=0, engine="tape", tape_kwargs=None, checkpointing="none",
-                 snapshots=2, offload=None, offload_dir=None):
+                 snapshots=2, offload=None, offload_dir=None, lora=None, base_dtype="fp32",
+                 base=None):
         family = families.family_of(config)
         if engine not in ("tape", "manual"):
             raise ValueError(f"engine must be 'tape' or 'manual', got {engine!r}")
@@ -109,6 +110,16 @@ class Model:
             raise ValueError("offload='all' runs on engine='tape' without checkpointing")
         self.config = config
         self.family = family
+        self.lora = lora
+        self.adapter = None
+        if lora is not None or base is not None or base_dtype != "fp32":
+            self._init_lora(lora, base_dtype, base, engine, offload, seed)
+            self.offload, self.moments, self.adam_step = None, None, 0
+            self.engine, self.tape_kwargs = engine, dict(tape_kwargs or {})
+            self.checkpointing, self.snapshots = checkpointing, snapshots
+            self._acts = self._tape_engine = None
+            self._grads_fresh = True
+            return
         self.params = ParamArena(config)
         init_params_(self.params, seed)
         self.grads = None if offload == "all" else ParamArena(config)
@@ -146,6 +157,45 @@ class Model:
         self.snapshots = snapshots
         self._acts = None
         self._tape_engine = None
+
+    def _init_lora(self, lora, base_dtype, base, engine, offload, seed):
+        # A frozen base (float32 ParamArena or bf16 Bf16Base) and the adapters' state.
+        from gpt2.lora import Bf16Base, LoraConfig, LoraState
+        if not isinstance(lora, LoraConfig):
+            raise ValueError(f"base_dtype and base are LoRA's: pass lora=LoraConfig(...), got "
+                             f"lora={lora!r}")
+        if base_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"base_dtype must be 'fp32' or 'bf16', got {base_dtype!r}")
+        if engine != "tape":
+            raise ValueError("LoRA runs on engine='tape'")
+        if offload is not None:
+            raise ValueError(f"LoRA trains no base weights: offload={offload!r} has nothing "
+                             f"to offload (the adapters' state is small); use "
+                             f"base_dtype='bf16' to halve the base")
+        if base is None:
+            if base_dtype == "bf16":
+                base = Bf16Base.random(self.config, seed)
+            else:
+                base = init_params_(ParamArena(self.config), seed)
+        elif isinstance(base, ParamArena):
+            if base.config != self.config:
+                raise ValueError("base: a ParamArena of another config")
+            base = Bf16Base.from_arena(base) if base_dtype == "bf16" else base.in_llmc_order()
+        elif not isinstance(base, Bf16Base) or base_dtype != "bf16":
+            raise TypeError(f"base must be a ParamArena (or a Bf16Base with base_dtype='bf16'), "
+                            f"got {type(base).__name__}")
+        self.base_dtype = base_dtype
+        self.params = base
+        self.grads = self.adam_m = self.adam_v = None
+        self.adapter = LoraState(self.config, lora, seed)
+
+    def _state_arrays(self):
+        """(parameters, gradients, first moment, second moment) of what trains, each one
+        flat float32 array: the model's arenas, or with LoRA the adapters'."""
+        if self.adapter is not None:
+            a = self.adapter
+            return a.params.flat, a.grads.flat, a.adam_m.flat, a.adam_v.flat
+        return self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat
 
     # -- inputs ---------------------------------------------------------------
 
@@ -193,7 +243,8 @@ class Model:
         self.finish_update()
         # bf16 products run in the tape engine's ops only: the hand-sequenced forward
         # is float32's, and a bf16 run's validation loss is that of its own products.
-        if not self.family.hand_sequenced or self.offload == "all" or nn.get_precision() != "fp32":
+        if (not self.family.hand_sequenced or self.offload == "all" or self.adapter is not None
+                or nn.get_precision() != "fp32"):
             return self._forward_tape(inputs, targets)
         B, T = inputs.shape
         a = self._activations(B, T)
@@ -249,8 +300,8 @@ class Model:
         """Zero the gradients; ``deferred=True`` only marks them as zero, and the next
         backward writes over them instead of adding to them (no pass over memory;
         ``self.grads`` keeps its old values until then)."""
-        if not deferred and self.grads is not None:
-            optim.zero_grad(self.grads.flat)
+        if not deferred and (self.grads is not None or self.adapter is not None):
+            optim.zero_grad(self._state_arrays()[1])
         self._grads_fresh = True
 
     def clip_grad_norm(self, max_norm):
@@ -258,7 +309,7 @@ class Model:
         if self.offload == "all":
             raise NotImplementedError("with offload='all' the gradients are on disk: clip "
                                       "through train_step(..., grad_clip=)")
-        return optim.clip_grad_norm(self.grads.flat, max_norm)
+        return optim.clip_grad_norm(self._state_arrays()[1], max_norm)
 
     def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                    grad_scale=1.0):
@@ -273,9 +324,8 @@ class Model:
             self.moments.begin(self.params.flat, self.grads.flat, self.adam_step, lr, beta1,
                                beta2, eps, weight_decay, grad_scale)
             return
-        optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat,
-                         self.adam_step, lr, beta1, beta2, eps, weight_decay,
-                         grad_scale=grad_scale)
+        optim.adamw_step(*self._state_arrays(), self.adam_step, lr, beta1, beta2, eps,
+                         weight_decay, grad_scale=grad_scale)
 
     def finish_update(self):
         """Complete an offloaded AdamW update still pending (nothing otherwise): before
@@ -304,6 +354,9 @@ class Model:
     def param_arena(self):
         """Every parameter as a ParamArena: the model's own, or with offload="all" a copy
         read from disk (for sampling and exports)."""
+        if self.adapter is not None:
+            base = self.params
+            return self.adapter.merged(base if isinstance(base, ParamArena) else base.to_arena())
         if self.offload != "all":
             self.finish_update()
             return self.params
@@ -313,7 +366,16 @@ class Model:
         return arena
 
     def set_params(self, arena):
-        """Copy a ParamArena's values into the model's parameters."""
+        """Copy a ParamArena's values into the model's parameters (with LoRA: its base)."""
+        if self.adapter is not None and not isinstance(self.params, ParamArena):
+            from kernels import bf16
+            for name, view in self.params.views.items():
+                src = np.ascontiguousarray(arena.views[name])
+                if view.dtype == np.uint16:
+                    bf16.to_bf16(view, src)
+                else:
+                    view[...] = src
+            return
         if self.offload != "all":
             self.finish_update()
             self.params.copy_(arena)
@@ -357,7 +419,7 @@ class Model:
         norm, scale = None, 1.0
         if grad_clip:
             norm = (self.moments.grad_norm() if self.offload == "all"
-                    else optim.grad_norm(self.grads.flat))
+                    else optim.grad_norm(self._state_arrays()[1]))
             if grad_accum > 1:
                 norm /= grad_accum      # the norm of the mean gradient
             scale = optim.clip_coefficient(norm, grad_clip)

@@ -17,11 +17,14 @@ binomial schedule.
 """
 import functools
 
+import numpy as np
+
 from adtape import nn
 from kernels import _openmp
 from adtape.checkpointing import checkpoint, checkpoint_loop
 from adtape.tensor import OpTape, Primitive, Tensor, apply_deferred_zero, defvjp
 from gpt2.families import family_of
+from gpt2.lora import LORA_RECORDED, LoraWeight
 
 
 def _marker_fwd(x, on_backward):
@@ -40,6 +43,13 @@ def _marker(x, on_backward):
     """``x`` itself (no copy), recorded so that the reverse sweep calls ``on_backward()``
     when it passes this point."""
     return _MARKER(x, on_backward=on_backward)
+
+
+def _frozen(value):
+    """A constant Tensor over ``value`` (uint16 too: a bf16 base weight), no copy."""
+    t = Tensor(np.empty(0, np.float32))
+    t.data = value
+    return t
 
 
 def _leaf(value, grad):
@@ -71,13 +81,16 @@ class TapeEngine:
         _openmp.set_malloc_retention()
         per_layer = self.config.per_layer
         self.full_offload = model.offload == "all"
-        if self.full_offload:
+        if model.lora is not None:
+            self._lora_leaves(model)
+        elif self.full_offload:
             # Block l's leaves are views of its slot in the offload (gpt2.offload.FullOffload).
             state = model.moments
             self.globals = {name: _leaf(p, state.global_grads[name])
                             for name, p in state.global_params.items()}
             self.layers = [{name: _leaf(p, g) for name, (p, g) in state.layer_arrays(l).items()}
                            for l in range(self.config.n_layer)]
+            self.trainable = None
         else:
             p, g = model.params, model.grads
             # The parameters outside the blocks (GPT-2: wte, wpe, lnfw, lnfb), by name.
@@ -86,12 +99,34 @@ class TapeEngine:
             self.layers = [{name: _leaf(p.views[name][l], g.views[name][l])
                             for name in per_layer}
                            for l in range(self.config.n_layer)]
-        self.ops = family_of(self.config).ops(self.config)
+            self.trainable = None
+        self.ops = family_of(self.config).ops(
+            self.config, *(() if model.lora is None else (LORA_RECORDED,)))
         self.last_forward_bytes = 0    # residual bytes saved by the last forward pass
         if model.moments is not None:
             # One disk queue: the offloaded state moves through this tape's I/O thread,
             # beside the activations it spills (its stats count both).
             model.moments.file.attach(self.optape.tape)
+
+    def _lora_leaves(self, model):
+        # The base's parameters are constants (no gradient); each adapted weight becomes
+        # a LoraWeight whose A and B are leaves over the adapter arenas.
+        base, state, lora = model.params, model.adapter, model.lora
+        per_layer = self.config.per_layer
+        self.globals = {name: _frozen(v) for name, v in base.views.items()
+                        if name not in per_layer}
+        self.layers = [{name: _frozen(base.views[name][l]) for name in per_layer}
+                       for l in range(self.config.n_layer)]
+        self.trainable = []
+        for weight, parts in lora.groups(self.config):
+            splits = tuple((start, rows) for _, _, start, rows in parts)
+            pa, pb = (state.params.views[f"{weight}.lora_{x}"] for x in "AB")
+            ga, gb = (state.grads.views[f"{weight}.lora_{x}"] for x in "AB")
+            for l, layer in enumerate(self.layers):
+                a, b = _leaf(pa[l], ga[l]), _leaf(pb[l], gb[l])
+                self.trainable += [a, b]
+                layer[weight] = LoraWeight(layer[weight], a, b, splits, lora.scale,
+                                           lora.dropout, state.rng)
 
     def _ready(self, stage):
         # An offloaded AdamW update still pending updates each stage's parameters as the
@@ -155,7 +190,10 @@ class TapeEngine:
         return float(loss.data)
 
     def leaves(self):
-        """Every parameter leaf: those outside the blocks, then block by block."""
+        """Every trained leaf: those outside the blocks, then block by block (with LoRA:
+        the adapters)."""
+        if self.trainable is not None:
+            return list(self.trainable)
         out = list(self.globals.values())
         for layer in self.layers:
             out.extend(layer.values())

@@ -441,7 +441,7 @@ cdef int matmul_backward_bf16_c(float* dinp, float* dweight, float* dbias, const
     d = _scratch(N * OC, sizeof(float) if emulated else sizeof(uint16_t))
     if emulated:
         wf = <float*>_scratch(OC * C if dinp != NULL else 0, sizeof(float))
-        xf = <float*>_scratch(N * C, sizeof(float))
+        xf = <float*>_scratch(N * C if dweight != NULL else 0, sizeof(float))
     if d == NULL or (emulated and (wf == NULL or xf == NULL)):
         free(d)
         free(wf)
@@ -453,18 +453,20 @@ cdef int matmul_backward_bf16_c(float* dinp, float* dweight, float* dbias, const
         if dinp != NULL:
             conv[nconv] = Convert(CONVERT_WIDEN, weight, wf, OC * C)
             nconv += 1
-        conv[nconv] = Convert(CONVERT_WIDEN, inp, xf, N * C)
-        nconv += 1
+        if dweight != NULL:
+            conv[nconv] = Convert(CONVERT_WIDEN, inp, xf, N * C)
+            nconv += 1
         w_op, x_op = wf, xf
     if dinp != NULL:
         prods[nprod] = _product(path, False, False, N, C, OC, d, OC, w_op, C, not ow_dinp, dinp, C,
                                 NULL)
         nprod += 1
-    prods[nprod] = _product(path, True, False, OC, C, N, d, OC, x_op, C, not ow_dweight, dweight, C,
-                            NULL)
-    nprod += 1
+    if dweight != NULL:     # NULL: a frozen weight (LoRA's base), no weight gradient
+        prods[nprod] = _product(path, True, False, OC, C, N, d, OC, x_op, C, not ow_dweight,
+                                dweight, C, NULL)
+        nprod += 1
     nt = _threads(conv, nconv, prods, nprod, &db if dbias != NULL else NULL, n_threads)
-    if not emulated:
+    if not emulated and nprod:
         bufs = _buffers(nt, max(prods[0].plan.pairs, prods[nprod - 1].plan.pairs))
         if bufs == NULL:
             free(d)
@@ -534,8 +536,8 @@ def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, *, overwrite=F
                          n_threads=None):
     """Accumulate the gradients of ``out = inp @ weight.T + bias`` with bf16 operands:
     dinp += bf16(dout) @ weight (skipped when dinp is None), dweight += bf16(dout).T @
-    inp, dbias += dout summed over rows (float32 dout, float64 sums; skipped when dbias
-    is None).  dout, dinp, dweight, dbias float32; inp and weight uint16 (bf16), as
+    inp (skipped when dweight is None: a frozen weight), dbias += dout summed over rows
+    (float32 dout, float64 sums; skipped when dbias is None).  dout, dinp, dweight, dbias float32; inp and weight uint16 (bf16), as
     given to the forward.  ``overwrite`` (a bool, or one each for dinp, dweight,
     dbias): that gradient is set instead, its old contents never read."""
     cdef Py_ssize_t N, C, OC
@@ -545,9 +547,11 @@ def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, *, overwrite=F
     cdef uint16_t* inp_p = <uint16_t*>_bf16_data("inp", inp, lead + (C,), False)
     cdef uint16_t* w_p = <uint16_t*>_bf16_data("weight", weight, (OC, C), False)
     cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, lead + (OC,), False)
-    cdef float* dw_p = <float*>checked_data("dweight", dweight, cnp.NPY_FLOAT32, (OC, C), True)
+    cdef float* dw_p = NULL
     cdef float* dinp_p = NULL
     cdef float* db_p = NULL
+    if dweight is not None:
+        dw_p = <float*>checked_data("dweight", dweight, cnp.NPY_FLOAT32, (OC, C), True)
     if dinp is not None:
         dinp_p = <float*>checked_data("dinp", dinp, cnp.NPY_FLOAT32, lead + (C,), True)
     if dbias is not None:

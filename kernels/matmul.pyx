@@ -96,8 +96,10 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
     # dbias is the row sums of dout^T, which the weight gradient's product can take
     # as it packs dout (the packed GEMM): one read of dout from memory fewer (75 MB
     # for the qkv layer at 8192 tokens, 3.6 ms of 320 on the Zen 3 VM).
-    summed = gemm(True, False, OC, C, N, 1.0, dout, OC, inp, C, 0.0 if ow_dweight else 1.0,
-                  dweight, C, NULL, sums, n_threads) and sums != NULL
+    # dweight NULL: a frozen weight (LoRA's base), no weight gradient.
+    summed = dweight != NULL and gemm(True, False, OC, C, N, 1.0, dout, OC, inp, C,
+                                      0.0 if ow_dweight else 1.0, dweight, C, NULL, sums,
+                                      n_threads) and sums != NULL
     if summed:
         for o in range(OC):
             dbias[o] = <float>sums[o] if ow_dbias else dbias[o] + <float>sums[o]
@@ -145,7 +147,7 @@ cdef _check_backward_overlap(dinp, dweight, dbias, dout, inp, weight, tuple flag
     # set for dinp only.
     check_disjoint((("dinp", dinp), ("dweight", dweight), ("dbias", dbias)),
                    (("dout", dout), ("inp", inp), ("weight", weight)), (("dinp", "dweight"),))
-    if (flags[1] and dinp is not None
+    if (flags[1] and dinp is not None and dweight is not None
             and cnp.PyArray_DATA(<cnp.ndarray>dinp) == cnp.PyArray_DATA(<cnp.ndarray>dweight)):
         raise ValueError("dweight is dinp: overwrite may be set for dinp only, which takes "
                          "its gradient first")
@@ -171,7 +173,8 @@ def matmul_forward(out, inp, weight, bias, *, n_threads=None):
 def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
                     n_threads=None):
     """Accumulate the gradients of ``out = inp @ weight.T + bias``:
-    dinp += dout @ weight (skipped when dinp is None), dweight += dout.T @ inp,
+    dinp += dout @ weight (skipped when dinp is None), dweight += dout.T @ inp (skipped
+    when dweight is None: a frozen weight),
     dbias += dout summed over rows (skipped when dbias is None).
     ``overwrite`` (a bool, or one each for dinp, dweight, dbias): that gradient is
     set instead, its old contents never read."""
@@ -183,9 +186,11 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
     cdef float* inp_p = <float*>checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
     cdef float* w_p = <float*>checked_data("weight", weight, cnp.NPY_FLOAT32, (OC, C), False)
     cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, lead + (OC,), False)
-    cdef float* dw_p = <float*>checked_data("dweight", dweight, cnp.NPY_FLOAT32, (OC, C), True)
+    cdef float* dw_p = NULL
     cdef float* dinp_p = NULL
     cdef float* db_p = NULL
+    if dweight is not None:
+        dw_p = <float*>checked_data("dweight", dweight, cnp.NPY_FLOAT32, (OC, C), True)
     if dinp is not None:
         dinp_p = <float*>checked_data("dinp", dinp, cnp.NPY_FLOAT32, lead + (C,), True)
     if dbias is not None:

@@ -111,6 +111,13 @@ class Family:
         ``dtype``, a safetensors float name; ``extra_config``: fields added to config.json)."""
         raise NotImplementedError(f"the {self.title} family writes no Hugging Face directory")
 
+    def lora_targets(self, config):
+        """What LoRA can adapt: ``{our weight: ((module, hf_module, start, rows), ...)}``,
+        each projection a weight of ours packs (its output rows ``start:start + rows``):
+        ``module`` the name peft's ``target_modules`` matches, ``hf_module`` its full
+        Hugging Face module path with ``{layer}`` for the block."""
+        raise NotImplementedError(f"the {self.title} family has no LoRA targets")
+
     def spec_fields(self, config):
         """The ``gpt2.perfmodel.ModelSpec`` fields of ``config``."""
         raise NotImplementedError(f"the {self.title} family has no performance-model spec")

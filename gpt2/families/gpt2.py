@@ -356,6 +356,14 @@ class GPT2Family(Family):
         export_hf_gpt2(os.path.join(directory, WEIGHTS_NAME), params, write_config=True,
                        dtype=dtype, extra_config=extra_config)
 
+    def lora_targets(self, config):
+        C = config.n_embd
+        block = "transformer.h.{layer}."
+        return {"qkvw": (("c_attn", block + "attn.c_attn", 0, 3 * C),),
+                "attprojw": (("c_proj", block + "attn.c_proj", 0, C),),
+                "fcw": (("c_fc", block + "mlp.c_fc", 0, 4 * C),),
+                "fcprojw": (("c_proj", block + "mlp.c_proj", 0, C),)}
+
     def spec_fields(self, config):
         return {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size",
                                                 "block_size")}

@@ -469,6 +469,17 @@ class LlamaFamily(Family):
     def save_hf(self, directory, params, dtype="F32", extra_config=None):
         export_hf_llama(directory, params, dtype=dtype, extra_config=extra_config)
 
+    def lora_targets(self, config):
+        q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+        C, I = config.n_embd, config.intermediate_size
+        attn, mlp = "model.layers.{layer}.self_attn.", "model.layers.{layer}.mlp."
+        return {"qkvw": (("q_proj", attn + "q_proj", 0, q), ("k_proj", attn + "k_proj", q, kv),
+                         ("v_proj", attn + "v_proj", q + kv, kv)),
+                "attprojw": (("o_proj", attn + "o_proj", 0, C),),
+                "gateupw": (("gate_proj", mlp + "gate_proj", 0, I),
+                            ("up_proj", mlp + "up_proj", I, I)),
+                "downw": (("down_proj", mlp + "down_proj", 0, C),)}
+
     def spec_fields(self, config):
         """The sizes, key/value heads, head size, MLP width, tied head and q/k/v biases;
         RMSNorm, rotary positions, SwiGLU and no other biases."""

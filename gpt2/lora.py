@@ -1,0 +1,338 @@
+"""LoRA: low-rank adapters on a frozen base (Hu et al. 2021, as Hugging Face peft does it).
+
+Each adapted projection ``W`` (out, in) gains ``scale * B @ A`` with A (r, in) and B (out,
+r): ``y = x W^T + scale * (dropout(x) A^T) B^T``, scale ``alpha / r`` (rsLoRA: ``alpha /
+sqrt(r)``).  A starts uniform in +-1/sqrt(in) (peft's kaiming_uniform with a = sqrt(5)), B
+at zero, so training starts from the base model.  Only the adapters train: the base has
+no gradient, no AdamW moments and no weight-gradient products, and it may be held in bf16
+(``base_dtype="bf16"``: half the bytes; its products then run in bf16, as
+``--precision bf16`` runs them).
+
+Our weights pack several of Hugging Face's projections (Llama's q|k|v in ``qkvw``, gate|up
+in ``gateupw``); peft adapts each projection on its own, so one packed weight carries one
+A per adapted projection, stacked, and their B's stacked in row order
+(``Family.lora_targets`` says which rows are which projection).  ``LoraState`` holds
+every adapter, its gradients and its moments, each one flat float32 arena;
+``gpt2.peft_io`` reads and writes them in peft's format.
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from adtape import buffers, nn
+from adtape.tensor import Tensor, _state
+from gpt2.families import family_of
+from gpt2.families.base import Recorded
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """r: the adapters' rank; alpha: their scale's numerator; dropout: on the adapters'
+    input while training; targets: the module names adapted (peft's ``target_modules``,
+    e.g. ("q_proj", "v_proj"); None: every projection of the family); rslora: scale
+    alpha / sqrt(r) instead of alpha / r."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple = None
+    rslora: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"LoRA rank r must be a positive int, got {self.r!r}")
+        if (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                or not math.isfinite(self.alpha) or self.alpha <= 0):
+            raise ValueError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
+        if (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
+                or not 0 <= self.dropout < 1):
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if self.targets is not None:
+            targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+            if not targets or not all(isinstance(t, str) and t for t in targets):
+                raise ValueError(f"LoRA targets must be module names, got {self.targets!r}")
+            object.__setattr__(self, "targets", tuple(dict.fromkeys(targets)))
+
+    @property
+    def scale(self):
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+    def groups(self, config):
+        """The adapted weights of ``config``'s family, in parameter order:
+        ``[(weight, ((module, hf_module, start, rows), ...)), ...]``."""
+        table = family_of(config).lora_targets(config)
+        known = list(dict.fromkeys(m for parts in table.values() for m, *_ in parts))
+        wanted = known if self.targets is None else self.targets
+        unknown = [t for t in wanted if t not in known]
+        if unknown:
+            raise ValueError(f"LoRA target(s) {', '.join(map(repr, unknown))} are not "
+                             f"projections of a {family_of(config).title} model; its "
+                             f"targets: {', '.join(known)}")
+        order = [name for name in config.param_shapes() if name in table]
+        out = []
+        for weight in order:
+            parts = tuple(p for p in table[weight] if p[0] in wanted)
+            if parts:
+                out.append((weight, parts))
+        return out
+
+    def to_dict(self):
+        return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout,
+                "targets": list(self.targets) if self.targets is not None else None,
+                "rslora": self.rslora}
+
+    @classmethod
+    def from_dict(cls, d):
+        d = dict(d)
+        if d.get("targets") is not None:
+            d["targets"] = tuple(d["targets"])
+        return cls(**d)
+
+
+def adapter_shapes(config, lora):
+    """Ordered dict ``"<weight>.lora_A"`` -> (L, k*r, in) and ``"<weight>.lora_B"`` ->
+    (L, rows, r) for each adapted weight (k projections, ``rows`` their output rows)."""
+    shapes = {}
+    pshapes = config.param_shapes()
+    for weight, parts in lora.groups(config):
+        L, _, fan_in = pshapes[weight]
+        shapes[f"{weight}.lora_A"] = (L, len(parts) * lora.r, fan_in)
+        shapes[f"{weight}.lora_B"] = (L, sum(p[3] for p in parts), lora.r)
+    return shapes
+
+
+class AdapterArena:
+    """Every adapter matrix (or their gradients, or a moment) in one float32 buffer:
+    ``flat``, and ``views[name]`` shaped as ``adapter_shapes`` says."""
+
+    def __init__(self, config, lora, flat=None):
+        self.config, self.lora = config, lora
+        shapes = adapter_shapes(config, lora)
+        n = sum(math.prod(s) for s in shapes.values())
+        if flat is None:
+            flat = buffers.zeros(n)
+        elif flat.dtype != np.float32 or flat.shape != (n,):
+            raise ValueError(f"an adapter arena needs {n} float32, got {flat.dtype} "
+                             f"{flat.shape}")
+        self.flat = flat
+        self.views, start = {}, 0
+        for name, shape in shapes.items():
+            stop = start + math.prod(shape)
+            self.views[name] = flat[start:stop].reshape(shape)
+            start = stop
+
+    @property
+    def nbytes(self):
+        return self.flat.nbytes
+
+    def zero_(self):
+        self.flat.fill(0.0)
+        return self
+
+
+def init_adapters_(arena, seed):
+    """peft's initialization: each A uniform in +-1/sqrt(in) (kaiming_uniform with
+    a = sqrt(5)), each B zero.  Deterministic in ``seed``."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    for name, view in arena.views.items():
+        if name.endswith(".lora_A"):
+            bound = 1.0 / math.sqrt(view.shape[-1])
+            view[...] = rng.uniform(-bound, bound, view.shape).astype(np.float32)
+        else:
+            view.fill(0.0)
+    return arena
+
+
+class LoraState:
+    """The trainable state of a LoRA run: the adapters, their gradients and AdamW
+    moments (each an ``AdapterArena``)."""
+
+    def __init__(self, config, lora, seed=0):
+        self.config, self.lora = config, lora
+        self.params = init_adapters_(AdapterArena(config, lora), seed)
+        self.grads = AdapterArena(config, lora)
+        self.adam_m = AdapterArena(config, lora)
+        self.adam_v = AdapterArena(config, lora)
+        self.rng = np.random.Generator(np.random.PCG64([seed, 1]))   # dropout masks
+
+    @property
+    def num_parameters(self):
+        return self.params.flat.size
+
+    def delta(self, weight, layer):
+        """``scale * B @ A`` of ``weight`` in block ``layer``, as a dict of row slices:
+        ``{(start, rows): (rows, in) float32}``."""
+        lora = self.lora
+        parts = dict(lora.groups(self.config))[weight]
+        a = self.params.views[f"{weight}.lora_A"][layer]
+        b = self.params.views[f"{weight}.lora_B"][layer]
+        out, row = {}, 0
+        for j, (_, _, start, rows) in enumerate(parts):
+            out[start, rows] = np.float32(lora.scale) * (
+                b[row:row + rows].astype(np.float64) @ a[j * lora.r:(j + 1) * lora.r]
+            ).astype(np.float32)
+            row += rows
+        return out
+
+    def merged(self, params):
+        """A copy of the base ``params`` (a float32 ParamArena) with every adapter added
+        into its weight: the model the adapters make, for export and generation."""
+        from gpt2.params import ParamArena
+        out = ParamArena(params.config).copy_(params)
+        for weight, _ in self.lora.groups(self.config):
+            for layer in range(self.config.n_layer):
+                for (start, rows), d in self.delta(weight, layer).items():
+                    out.views[weight][layer, start:start + rows] += d
+        return out
+
+
+# -- the base held in bf16 --------------------------------------------------------------------
+
+def _widen(u16):
+    """float32 values of a bf16 (uint16) array (exact)."""
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+class Bf16Base:
+    """A frozen base model's parameters with its matrices in bf16: ``views[name]`` are
+    uint16 arrays for the weight matrices and embeddings, float32 for the norms and
+    biases (a few floats a block).  Built from a float32 ParamArena (``from_arena``) or
+    initialized as ``gpt2.params.init_params_`` would, then rounded (``random``), one
+    tensor at a time so that no float32 copy of the whole model exists."""
+
+    def __init__(self, config, views):
+        self.config, self.views = config, views
+
+    @staticmethod
+    def _is_matrix(config, name):
+        return len(config.param_shapes()[name]) >= (3 if name in config.per_layer else 2)
+
+    @classmethod
+    def from_arena(cls, arena):
+        from kernels import bf16
+        views = {}
+        for name, view in arena.views.items():
+            if cls._is_matrix(arena.config, name):
+                out = buffers.empty(view.shape, np.uint16)
+                bf16.to_bf16(out, np.ascontiguousarray(view))
+                views[name] = out
+            else:
+                views[name] = np.array(view, dtype=np.float32)
+        return cls(arena.config, views)
+
+    @classmethod
+    def random(cls, config, seed=0):
+        """``init_params_``'s values (same seed, same stream), rounded to bf16."""
+        from gpt2.params import INIT_STD
+        from kernels import bf16
+        rng = np.random.Generator(np.random.PCG64(seed))
+        residual_std = INIT_STD / math.sqrt(2 * config.n_layer)
+        views = {}
+        chunk = buffers.empty(1 << 22)
+        for name, shape in config.param_shapes().items():
+            matrix = cls._is_matrix(config, name)
+            out = buffers.zeros(shape, np.uint16) if matrix else buffers.zeros(shape)
+            views[name] = out
+            if name in config.norm_weights:
+                out.fill(1.0)
+                continue
+            if name in config.biases:
+                continue
+            std = np.float32(residual_std if name in config.residual_projections else INIT_STD)
+            target = out[:config.vocab_size] if name in ("wte", "lm_head") else out
+            flat = target.reshape(-1)
+            for start in range(0, flat.size, chunk.size):
+                piece = chunk[:min(chunk.size, flat.size - start)]
+                rng.standard_normal(out=piece, dtype=np.float32)
+                piece *= std
+                if matrix:
+                    bf16.to_bf16(flat[start:start + piece.size], piece)
+                else:
+                    flat[start:start + piece.size] = piece
+        return cls(config, views)
+
+    @property
+    def nbytes(self):
+        return sum(v.nbytes for v in self.views.values())
+
+    def to_arena(self):
+        """The float32 ParamArena of these values (exact)."""
+        from gpt2.params import ParamArena
+        arena = ParamArena(self.config)
+        for name, view in self.views.items():
+            arena.views[name][...] = _widen(view) if view.dtype == np.uint16 else view
+        return arena
+
+
+# -- the ops -----------------------------------------------------------------------------------
+
+class LoraWeight:
+    """A frozen base weight and its adapters, as a family's ops see ``w["qkvw"]``."""
+
+    __slots__ = ("base", "a", "b", "splits", "scale", "dropout", "rng")
+
+    def __init__(self, base, a, b, splits, scale, dropout, rng):
+        self.base, self.a, self.b, self.splits = base, a, b, splits
+        self.scale, self.dropout, self.rng = scale, dropout, rng
+
+
+class LoraRecorded(Recorded):
+    """The recorded operations with LoRA: a ``LoraWeight`` runs ``nn.lora_linear``; a
+    bf16 embedding table is read by a gather (frozen: nothing to record)."""
+
+    @staticmethod
+    def linear(x, weight, bias=None):
+        if type(weight) is LoraWeight:
+            # Dropout while training only (a recorded pass), as torch's module.train().
+            dropout = weight.dropout if _state.enabled else 0.0
+            return nn.lora_linear(x, weight.base, bias, weight.a, weight.b, weight.splits,
+                                  weight.scale, dropout, weight.rng)
+        return nn.linear(x, weight, bias)
+
+    @staticmethod
+    def swiglu_linear(gate_up, weight, bias=None):
+        if type(weight) is LoraWeight:
+            return LoraRecorded.linear(nn.swiglu(gate_up), weight, bias)
+        return nn.swiglu_linear(gate_up, weight, bias)
+
+    @staticmethod
+    def embed(ids, wte, wpe):
+        table = wte.data if type(wte) is Tensor else wte
+        if table.dtype != np.uint16:
+            return Recorded.embed(ids, wte, wpe)
+        x = _widen(table[np.asarray(ids)])
+        if wpe is not None:
+            pos = (wpe.data if type(wpe) is Tensor else wpe)[:ids.shape[1]]
+            x += _widen(pos) if pos.dtype == np.uint16 else pos
+        return Tensor(x)
+
+    @staticmethod
+    def logits(h, weight):
+        return nn.linear(h, weight, None)
+
+
+LORA_RECORDED = LoraRecorded()
+
+
+# -- peft's names -------------------------------------------------------------------------------
+
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_tensors(state):
+    """``{peft key: array}`` of every adapter, as peft's ``get_peft_model_state_dict``
+    names them (``base_model.model.<module>.lora_A.weight`` (r, in) and ``.lora_B.weight``
+    (out, r)): views into the adapter arena, no copies."""
+    lora, out = state.lora, {}
+    for weight, parts in lora.groups(state.config):
+        pa = state.params.views[f"{weight}.lora_A"]
+        pb = state.params.views[f"{weight}.lora_B"]
+        for layer in range(state.config.n_layer):
+            row = 0
+            for j, (_, module, _, rows) in enumerate(parts):
+                key = PEFT_PREFIX + module.format(layer=layer)
+                out[key + ".lora_A.weight"] = pa[layer, j * lora.r:(j + 1) * lora.r]
+                out[key + ".lora_B.weight"] = pb[layer, row:row + rows]
+                row += rows
+    return out
