@@ -336,3 +336,103 @@ def peft_tensors(state):
                 out[key + ".lora_B.weight"] = pb[layer, row:row + rows]
                 row += rows
     return out
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def save_adapter(directory, state, base_model=None):
+    """Write the adapters as peft writes them: ``adapter_config.json`` and
+    ``adapter_model.safetensors`` (float32) in ``directory``, so that
+    ``peft.PeftModel.from_pretrained(base, directory)`` loads them (no missing or
+    unexpected keys).  ``base_model``: ``base_model_name_or_path`` (the base's directory)."""
+    import json
+    import os
+
+    from gpt2.checkpoint import atomic_writer, write_safetensors
+    lora, config = state.lora, state.config
+    os.makedirs(directory, exist_ok=True)
+    modules = list(dict.fromkeys(m for _, parts in lora.groups(config) for m, *_ in parts))
+    fields = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+              "target_modules": modules, "use_rslora": lora.rslora, "bias": "none",
+              "fan_in_fan_out": config.family == "gpt2", "inference_mode": True,
+              "init_lora_weights": True, "use_dora": False, "modules_to_save": None,
+              "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+              "alpha_pattern": {}, "revision": None}
+    write_safetensors(os.path.join(directory, ADAPTER_WEIGHTS),
+                      {k: np.ascontiguousarray(v) for k, v in peft_tensors(state).items()},
+                      metadata={"format": "pt"})
+    with atomic_writer(os.path.join(directory, ADAPTER_CONFIG)) as f:
+        f.write(json.dumps(fields, indent=2).encode("utf-8"))
+
+
+def read_adapter_config(directory, config):
+    """The LoraConfig of a peft adapter directory for a model of ``config``; a ValueError
+    naming what we cannot read (another PEFT method, DoRA, per-layer ranks, ...)."""
+    import json
+    import os
+    path = os.path.join(directory, ADAPTER_CONFIG)
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{directory}: no {ADAPTER_CONFIG} (not a peft adapter directory)") \
+            from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(fields, dict) or fields.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type must be LORA, got "
+                         f"{fields.get('peft_type') if isinstance(fields, dict) else fields!r}")
+    for key, ok in (("use_dora", (False, None)), ("bias", ("none", None)),
+                    ("layers_to_transform", (None,)), ("rank_pattern", ({}, None)),
+                    ("alpha_pattern", ({}, None)), ("modules_to_save", (None, [])),
+                    ("lora_bias", (False, None))):
+        if fields.get(key) not in ok:
+            raise ValueError(f"{path}: {key} {fields[key]!r} is not supported (we read "
+                             f"{key} {ok[0]!r})")
+    targets = fields.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"{path}: target_modules must be a list of module names, got "
+                         f"{targets!r}")
+    try:
+        lora = LoraConfig(r=fields.get("r"), alpha=fields.get("lora_alpha"),
+                          dropout=fields.get("lora_dropout") or 0.0, targets=tuple(targets),
+                          rslora=bool(fields.get("use_rslora")))
+        lora.groups(config)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return lora
+
+
+def load_adapter(directory, state):
+    """Read a peft adapter directory's tensors into ``state`` (whose LoraConfig is the
+    directory's, ``read_adapter_config``); every key must be there with its shape."""
+    import os
+
+    from gpt2.checkpoint import SafetensorsFile
+    path = os.path.join(directory, ADAPTER_WEIGHTS)
+    if not os.path.exists(path):
+        raise ValueError(f"{directory}: no {ADAPTER_WEIGHTS}")
+    f = SafetensorsFile(path)
+    # peft writes no adapter name; a file saved from a model's state_dict has ".default".
+    names = {k.replace(".default.weight", ".weight"): k for k in f.entries}
+    wanted = peft_tensors(state)
+    missing = sorted(set(wanted) - set(names))
+    unexpected = sorted(set(names) - set(wanted))
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit this model's adapters (r {state.lora.r}): "
+                         + (f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}"
+                            if missing else "")
+                         + ("; " if missing and unexpected else "")
+                         + (f"unexpected {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}"
+                            if unexpected else ""))
+    for key, view in wanted.items():
+        shape = f.entries[names[key]].shape
+        if shape != view.shape:
+            raise ValueError(f"{path}: {key} has shape {list(shape)}, this model's is "
+                             f"{list(view.shape)}")
+        view[...] = f.read(names[key])

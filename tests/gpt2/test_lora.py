@@ -272,3 +272,48 @@ def test_lora_refuses_what_it_cannot_do():
         Model(config, lora=LoraConfig(), offload="moments")
     with pytest.raises(ValueError, match="base_dtype must be"):
         Model(config, lora=LoraConfig(), base_dtype="fp16")
+
+
+def test_our_adapter_directory_loads_in_peft_and_back(pair, tmp_path):
+    from gpt2.lora import load_adapter, read_adapter_config, save_adapter
+    ours, theirs, config = pair
+    save_adapter(tmp_path / "adapter", ours.adapter, base_model="base")
+    base = hf_model(config)     # the same random weights as the pair's base
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    x, y = batch(config, seed=3)
+    with torch.no_grad():
+        want = loaded(torch.from_numpy(x.astype(np.int64))).logits.numpy()
+    assert rel(ours.forward(x, y)[0][..., :config.vocab_size], want) < 1e-5
+    # The merged model, as --save-hf writes it, gives the same logits in transformers.
+    merged = ours.param_arena()
+    hf.save_dir(tmp_path / "merged", merged)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert rel(plain(torch.from_numpy(x.astype(np.int64))).logits.numpy(), want) < 1e-5
+    # And back: peft's own save_pretrained read into a fresh model.
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    lora = read_adapter_config(str(tmp_path / "theirs"), config)
+    assert (lora.r, lora.alpha) == (4, 8)
+    again = Model(config, lora=lora, base=hf.load_dir(tmp_path / "merged"))
+    load_adapter(str(tmp_path / "theirs"), again.adapter)
+    assert np.array_equal(again.adapter.params.flat, ours.adapter.params.flat) or rel(
+        again.adapter.params.flat, ours.adapter.params.flat) < 1e-6
+    again.close()
+
+
+def test_a_foreign_adapter_is_refused_by_name(tmp_path):
+    import json
+
+    from gpt2.lora import LoraState, load_adapter, read_adapter_config, save_adapter
+    config = CONFIGS["llama"]
+    state = LoraState(config, LoraConfig(r=2))
+    save_adapter(tmp_path, state)
+    with pytest.raises(ValueError, match="does not fit .* unexpected"):
+        load_adapter(str(tmp_path), LoraState(config, LoraConfig(r=2, targets=("q_proj",))))
+    fields = json.loads((tmp_path / "adapter_config.json").read_text())
+    fields["use_dora"] = True
+    (tmp_path / "adapter_config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="use_dora True is not supported"):
+        read_adapter_config(str(tmp_path), config)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        read_adapter_config(str(tmp_path / "nowhere"), config)
