@@ -168,6 +168,7 @@ class Checkpoint:
     adam_step: int = 0
     data_state: dict = None
     extra: dict = None
+    lora: object = None     # a LoRA run's: its LoraConfig; params and moments are adapters'
 
 
 def _align(n):
@@ -175,13 +176,21 @@ def _align(n):
 
 
 def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0,
-                    data_state=None, extra=None):
+                    data_state=None, extra=None, lora=None):
     """Write parameters, AdamW moments and step, training step and data position to ``path``.
 
     params: ParamArena. adam_m / adam_v: both or neither, each a ParamArena or a flat float32
     array of the same layout. data_state / extra: JSON-serializable dicts (e.g.
     ``DataLoader.state()``, hyperparameters). The write is atomic (see ``atomic_writer``).
+    lora: a LoRA run's LoraConfig, with ``params``, ``adam_m`` and ``adam_v`` its
+    ``gpt2.lora.AdapterArena``s (the frozen base is not in the file: the run's
+    --init-from, or its seed, gives it).
     """
+    if lora is not None:
+        return _save_sections(path, params.config, [("params", params.flat)]
+                              + ([("adam_m", adam_m.flat), ("adam_v", adam_v.flat)]
+                                 if adam_m is not None else []),
+                              step, adam_step, data_state, extra, lora.to_dict())
     if not isinstance(params, ParamArena) and not hasattr(params, "pieces"):
         raise TypeError(f"params must be a ParamArena, got {type(params).__name__}")
     config = params.config
@@ -194,6 +203,10 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
     if adam_m is not None:
         sections += [("adam_m", _as_flat(adam_m, config, "adam_m")),
                      ("adam_v", _as_flat(adam_v, config, "adam_v"))]
+    return _save_sections(path, config, sections, step, adam_step, data_state, extra, None)
+
+
+def _save_sections(path, config, sections, step, adam_step, data_state, extra, lora):
     table, offset = [], 0
     for name, flat in sections:
         # The CRC32s are computed as the sections are written (a streamed section is read
@@ -204,6 +217,8 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
     header = {"config": config.to_dict(), "family": config.family,
               "step": int(step), "adam_step": int(adam_step),
               "data_state": data_state, "extra": extra, "sections": table}
+    if lora is not None:
+        header["lora"] = lora
     try:
         widest = json.dumps(header).encode("utf-8")
     except (TypeError, ValueError) as e:
@@ -254,6 +269,10 @@ def _parse_checkpoint_header(f, path, file_size):
         missing = {"data_state", "extra"} - header.keys()
         if missing:
             raise KeyError(f"missing keys {sorted(missing)}")
+        if header.get("lora") is not None:
+            from gpt2.lora import LoraConfig
+            header["lora"] = LoraConfig.from_dict(header["lora"])
+            header["lora"].groups(config)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"checkpoint {path!r} has a corrupt header: {e!r}") from None
     return header, config, sections, _PREAMBLE.size + header_len
@@ -270,7 +289,7 @@ def read_checkpoint_header(path):
         header, config, _, _ = _parse_checkpoint_header(f, path, os.fstat(f.fileno()).st_size)
     return Checkpoint(config=config, params=None, step=header["step"],
                       adam_step=header["adam_step"], data_state=header["data_state"],
-                      extra=header["extra"])
+                      extra=header["extra"], lora=header.get("lora"))
 
 
 def is_checkpoint(path):
@@ -280,7 +299,7 @@ def is_checkpoint(path):
 
 
 def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
-                    optimizer=True):
+                    optimizer=True, lora=False):
     """Read a checkpoint written by ``save_checkpoint``.
 
     config: if given, the file's config must equal it. params / adam_m / adam_v: optional
@@ -289,6 +308,9 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
     Raises FileNotFoundError for a missing file and ValueError for a foreign, truncated,
     corrupt (CRC) or mismatching one.  Without ``optimizer`` only the parameters are read
     (the moments come back as None): to generate, export or start a new run.
+    ``lora``: read a LoRA run's checkpoint (its adapters, into ``gpt2.lora.AdapterArena``
+    destinations); without it such a file is refused with a ValueError that says where the
+    run's adapter and merged model are.
     """
     path = os.fspath(path)
     with open(path, "rb") as f:
@@ -297,7 +319,19 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
         if config is not None and file_config != config:
             raise ValueError(f"checkpoint {path!r} was saved for a different model: "
                              f"{_config_mismatch(config, file_config)}")
-        n_bytes = num_parameters(file_config) * 4
+        file_lora = header.get("lora")
+        if (file_lora is not None) != bool(lora):
+            raise ValueError(
+                f"checkpoint {path!r} is a LoRA run's (its adapters only, r "
+                f"{file_lora.r}): continue it with gpt2-train --resume; its adapter is in "
+                f"{os.path.join(os.path.dirname(path) or '.', 'adapter')}/ (peft's format) and "
+                f"gpt2-train --resume {path} --save-hf DIR writes the merged model"
+                if file_lora is not None else f"checkpoint {path!r} is not a LoRA run's")
+        if file_lora is not None:
+            from gpt2.lora import AdapterArena
+            n_bytes = AdapterArena(file_config, file_lora).nbytes
+        else:
+            n_bytes = num_parameters(file_config) * 4
         expected_names = ["params"] + (["adam_m", "adam_v"] if "adam_m" in sections else [])
         if sorted(sections) != sorted(expected_names):
             raise ValueError(f"checkpoint {path!r} has sections {sorted(sections)}, expected "
@@ -330,6 +364,21 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
                                      "its CRC32 check")
                 arenas[name] = dest
                 continue
+            if file_lora is not None:
+                from gpt2.lora import AdapterArena
+                if dest is None:
+                    dest = AdapterArena(file_config, file_lora)
+                elif dest.flat.nbytes != n_bytes:
+                    raise ValueError(f"{name} destination holds {dest.flat.nbytes} bytes, the "
+                                     f"file's adapters {n_bytes}")
+                entry = sections[name]
+                f.seek(data_start + entry["offset"])
+                _readinto_exact(f, dest.flat, path, f"section {name}")
+                if zlib.crc32(memoryview(dest.flat).cast("B")) != entry["crc32"]:
+                    raise ValueError(f"checkpoint {path!r} is corrupt: section {name} fails "
+                                     "its CRC32 check")
+                arenas[name] = dest
+                continue
             if dest is None:
                 dest = ParamArena(file_config)
             elif not isinstance(dest, ParamArena) or dest.config != file_config:
@@ -347,7 +396,7 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
     return Checkpoint(config=file_config, params=arenas["params"], step=header["step"],
                       adam_m=arenas.get("adam_m"), adam_v=arenas.get("adam_v"),
                       adam_step=header["adam_step"], data_state=header["data_state"],
-                      extra=header["extra"])
+                      extra=header["extra"], lora=file_lora)
 
 
 # --------------------------------------------------------------------------------------------

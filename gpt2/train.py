@@ -247,6 +247,7 @@ class RunInputs:
     # or None, "dtype": its weights' format (the default of --save-dtype)}.
     export_source: dict = dataclasses.field(default_factory=lambda: dict(NO_EXPORT_SOURCE))
     own_save_hf: bool = False   # --save-hf is the resumed run's own: its weights are replaced
+    lora: object = None         # the run's gpt2.lora.LoraConfig, or None: every weight trains
     precision: tuple = ("fp32", "")   # (the products' precision, why), set by _run
     stop_ids: tuple = ()    # the sample ends after one of these (end-of-sequence) ids
     from_bos: bool = False  # the sample starts from the tokenizer's BOS, not --prompt's text
@@ -387,6 +388,9 @@ def _prepare(args, explicit, comm=None):
                          "leave out " + ("--engine manual" if args.engine != "tape"
                                          else "--offload all"))
     config, params, model_name, export_source = _model_config(args, explicit, resumed)
+    lora = _lora_config(args, explicit, config, resumed, comm)
+    if lora is not None and resumed is not None:
+        params = _lora_base(args, resumed)
     if args.seq_len is None:
         args.seq_len = min(128, config.block_size)
     if args.seq_len > config.block_size:
@@ -478,7 +482,7 @@ def _prepare(args, explicit, comm=None):
                      history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
                      stop_ids=stop_ids, from_bos=from_bos, train=train, val=val, plan=plan,
                      memory_from_checkpoint=memory_from_checkpoint, export_source=export_source,
-                     own_save_hf=own_save_hf)
+                     own_save_hf=own_save_hf, lora=lora)
 
 
 RUN_OUTPUTS = ("checkpoint.bin", "log.csv", "summary.json", "loss.png")
@@ -546,7 +550,15 @@ def _export_checkpoint(args, resumed):
     from gpt2 import checkpoint as ckpt
     _check_save_hf(args)
     with blame("--resume"):
-        params = ckpt.load_checkpoint(args.resume, resumed.config, optimizer=False).params
+        if resumed.lora is None:
+            params = ckpt.load_checkpoint(args.resume, resumed.config, optimizer=False).params
+        else:   # the base and the checkpoint's adapters, merged
+            from gpt2.model import Model
+            model = Model(resumed.config, seed=args.seed, lora=resumed.lora,
+                          base_dtype=args.base_dtype, base=_lora_base(args, resumed))
+            ckpt.load_checkpoint(args.resume, resumed.config, params=model.adapter.params,
+                                 optimizer=False, lora=True)
+            params = model.param_arena()
     dtype = _save_hf(args, params, _export_source(resumed.extra))
     print(f"{args.resume} is at step {resumed.step} of --steps {args.steps}: nothing left to "
           f"train; wrote its model to {args.save_hf} ({dtype})", flush=True)
@@ -670,6 +682,84 @@ def _model_config(args, explicit, resumed):
     return config, params, config.preset_name() or source, export_source
 
 
+LORA_OPTIONS = ("lora", "lora_alpha", "lora_dropout", "lora_targets", "rslora", "lora_from")
+
+
+def _lora_config(args, explicit, config, resumed, comm):
+    """The run's LoraConfig from --lora and its options (or --lora-from, or the resumed
+    run's), or None; a UsageError for what LoRA cannot run with."""
+    from gpt2.lora import LoraConfig, read_adapter_config
+    given = [f"--{n.replace('_', '-')}" for n in LORA_OPTIONS + ("base_dtype",)
+             if n in explicit]
+    if resumed is not None:
+        if resumed.lora is None:
+            if given:
+                raise UsageError(f"{given[0]}: the run in {args.resume} trains every weight; "
+                                 f"start a LoRA run from its weights with --init-from "
+                                 f"{args.resume}")
+            return None
+        lora = resumed.lora
+        clash = [f"--{n.replace('_', '-')}" for n, v in (
+            ("lora", lora.r), ("lora_alpha", lora.alpha), ("lora_dropout", lora.dropout),
+            ("lora_targets", lora.targets), ("rslora", lora.rslora))
+            if n in explicit and getattr(args, n) not in (v, None)]
+        if clash or "lora_from" in explicit:
+            raise UsageError(f"{(clash or ['--lora-from'])[0]}: the run in {args.resume} has "
+                             f"its adapters (r {lora.r}, alpha {lora.alpha:g}); leave the "
+                             f"LoRA options out to continue it")
+    elif args.lora_from:
+        with blame("--lora-from"):
+            lora = read_adapter_config(args.lora_from, config)
+        if args.lora is not None and args.lora != lora.r:
+            raise UsageError(f"--lora {args.lora}: the adapter in --lora-from {args.lora_from} "
+                             f"has rank {lora.r}")
+        if args.lora_targets is not None and set(args.lora_targets) != set(lora.targets):
+            raise UsageError(f"--lora-targets: the adapter in --lora-from {args.lora_from} "
+                             f"adapts {','.join(lora.targets)}")
+        with blame("--lora-alpha"):
+            lora = LoraConfig(r=lora.r, targets=lora.targets,
+                              alpha=args.lora_alpha if args.lora_alpha else lora.alpha,
+                              dropout=args.lora_dropout if "lora_dropout" in explicit
+                              else lora.dropout,
+                              rslora=args.rslora or lora.rslora)
+    elif args.lora is not None:
+        with blame("--lora-targets"):
+            lora = LoraConfig(r=args.lora, alpha=args.lora_alpha or 2.0 * args.lora,
+                              dropout=args.lora_dropout, targets=args.lora_targets,
+                              rslora=args.rslora)
+            lora.groups(config)
+    else:
+        if given:
+            raise UsageError(f"{given[0]} is a LoRA option: add --lora R (the adapters' rank)")
+        return None
+    for problem, refused in (("--engine manual", args.engine != "tape"),
+                             (f"--offload {args.offload}", args.offload != "none"),
+                             ("--max-memory", args.max_memory is not None),
+                             ("mpiexec with several ranks",
+                              comm is not None and comm.Get_size() > 1)):
+        if refused:
+            raise UsageError(f"--lora runs without {problem} (the adapters' state is small; "
+                             f"--base-dtype bf16 halves the base, --checkpointing and "
+                             f"--tape-budget bound the activations)")
+    return lora
+
+
+def _lora_base(args, resumed):
+    """The frozen base of a resumed LoRA run: its --init-from read again, or None (the
+    run's seed made it)."""
+    saved = ((resumed.extra or {}).get("args") or {}).get("init_from")
+    if saved is None:
+        return None
+    if not os.path.exists(saved):
+        raise UsageError(f"--resume {args.resume}: the run's base model {saved} (its "
+                         f"--init-from) is gone; a LoRA checkpoint holds only the adapters")
+    args.init_from = saved
+    try:
+        return _model_config(args, set(), None)[1]
+    finally:
+        args.init_from = None
+
+
 def _is_checkpoint(path):
     """Whether ``path`` is our training checkpoint; a file that cannot be opened is
     reported by the reader of its kind."""
@@ -699,11 +789,20 @@ def _train(args, inputs, n_threads, comm=None):
         tape_kwargs["memory_budget"] = args.tape_budget
     if args.spill_dir is not None:
         tape_kwargs["spill_dir"] = args.spill_dir
+    lora = {}
+    if inputs.lora is not None:
+        # The base is the model's from the start (in bf16 without a float32 copy kept).
+        lora = dict(lora=inputs.lora, base_dtype=args.base_dtype, base=inputs.params)
+        inputs.params = None
     with blame("model"):
         model = Model(inputs.config, seed=args.seed, engine=args.engine, tape_kwargs=tape_kwargs,
                      checkpointing=args.checkpointing, snapshots=args.snapshots,
                      offload=None if args.offload == "none" else args.offload,
-                     offload_dir=args.spill_dir)
+                     offload_dir=args.spill_dir, **lora)
+    if inputs.lora is not None and args.lora_from and inputs.resumed is None:
+        from gpt2.lora import load_adapter
+        with blame("--lora-from"):
+            load_adapter(args.lora_from, model.adapter)
     try:
         return _train_model(args, inputs, model, n_threads, comm)
     except TapeCorruptionError as e:
@@ -727,6 +826,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     config, train, val = inputs.config, inputs.train, inputs.val
     if inputs.params is not None:
         model.set_params(inputs.params)
+    adapter_dir = os.path.join(args.out_dir, "adapter")
     # Over MPI: every rank trains its rows of the global batch; rank 0 alone writes.
     trainer = distributed.trainer_from_args(model, comm, args, inputs.tokens)
     writer = trainer is None or trainer.rank == 0
@@ -734,9 +834,15 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     if inputs.resumed is not None:
         with blame("--resume"):
             adam_m, adam_v = model.optimizer_moments()
-            state = (trainer.load_checkpoint(args.resume) if trainer else
-                     ckpt.load_checkpoint(args.resume, config, params=model.checkpoint_params(),
-                                          adam_m=adam_m, adam_v=adam_v))
+            if model.adapter is not None:
+                a = model.adapter
+                state = ckpt.load_checkpoint(args.resume, config, params=a.params,
+                                             adam_m=a.adam_m, adam_v=a.adam_v, lora=True)
+            else:
+                state = (trainer.load_checkpoint(args.resume) if trainer else
+                         ckpt.load_checkpoint(args.resume, config,
+                                              params=model.checkpoint_params(),
+                                              adam_m=adam_m, adam_v=adam_v))
         model.adam_step = state.adam_step
         start_step = state.step
     ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
@@ -751,8 +857,18 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         log = RunLog(os.path.join(args.out_dir, "log.csv") if writer else None, inputs.history)
 
     n_params = _num_parameters(config)
-    print(f"{config.family_name} {inputs.model_name}: {n_params / 1e6:.2f}M parameters, "
-          f"{config.describe()}; B={args.batch_size} "
+    lora_words = ""
+    if model.adapter is not None:
+        lo = model.lora
+        n_params = model.adapter.num_parameters      # what trains (and is checkpointed)
+        lora_words = (f", LoRA r={lo.r} alpha={lo.alpha:g}{' (rsLoRA)' if lo.rslora else ''}"
+                      f" on {','.join(m for _, ps in lo.groups(config) for m, *_ in ps)}: "
+                      f"{n_params / 1e6:.2f}M trained "
+                      f"({100 * n_params / _num_parameters(config):.2f}%), the base frozen in "
+                      f"{args.base_dtype}")
+    print(f"{config.family_name} {inputs.model_name}: "
+          f"{_num_parameters(config) / 1e6:.2f}M parameters, "
+          f"{config.describe()}{lora_words}; B={args.batch_size} "
           f"T={args.seq_len}"
           + (f" (--grad-accum {args.grad_accum}: micro-batches of "
              f"{args.batch_size // args.grad_accum})" if args.grad_accum > 1 else "")
@@ -771,7 +887,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         # The resumed run may start elsewhere: keep where the files are, not how they were named.
         if saved_args[name] not in (None, "bytes"):
             saved_args[name] = os.path.abspath(saved_args[name])
-    for name in ("spill_dir", "save_hf"):
+    for name in ("spill_dir", "save_hf", "init_from", "lora_from"):
         if saved_args[name] is not None:
             saved_args[name] = os.path.abspath(saved_args[name])
     # The source of the weights, for --save-hf of this run and of a run resuming it.
@@ -786,12 +902,22 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         if trainer:  # collective: rank 0 gathers the sharded state and writes
             trainer.save_checkpoint(ckpt_path, step=step, data_state=train.state(),
                                     extra=extra)
+        elif model.adapter is not None:
+            a = model.adapter
+            ckpt.save_checkpoint(ckpt_path, a.params, step=step, adam_m=a.adam_m,
+                                 adam_v=a.adam_v, adam_step=model.adam_step,
+                                 data_state=train.state(), extra=extra, lora=model.lora)
+            save_adapter()
         else:
             adam_m, adam_v = model.optimizer_moments()
             ckpt.save_checkpoint(ckpt_path, model.checkpoint_params(), step=step, adam_m=adam_m,
                                  adam_v=adam_v, adam_step=model.adam_step,
                                  data_state=train.state(), extra=extra)
         schedule.saved(time.perf_counter() - t0)
+
+    def save_adapter():
+        from gpt2.lora import save_adapter as write
+        write(adapter_dir, model.adapter, base_model=saved_args["init_from"])
 
     def interrupted(signum, step):
         name = signal.Signals(signum).name
@@ -864,6 +990,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                     save(step + 1)
             if not args.no_checkpoint:
                 save(args.steps)
+            elif model.adapter is not None and writer:
+                save_adapter()
             model.finish_update()
             if args.save_hf and writer:
                 _save_hf(args, model.param_arena(), inputs.export_source, inputs.own_save_hf)
@@ -889,6 +1017,8 @@ def _describe_outputs(args, all_rows):
     (summary.json is written after the sample)."""
     names = (["log.csv"] + (["loss.png"] if all_rows else [])
              + ([] if args.no_checkpoint else ["checkpoint.bin"]) + ["summary.json"])
+    if args.lora is not None or args.lora_from:
+        names.insert(-1, "adapter/")
     words = f"wrote {', '.join(names[:-1])} and {names[-1]} in {args.out_dir}/"
     if args.save_hf:
         words += f", and the Hugging Face model in {args.save_hf}/"
@@ -929,6 +1059,9 @@ def _finish(args, inputs, model, n_threads, all_rows, rows, start_step, trainer=
     summary.update(ranks=trainer.size if trainer else 1, global_batch=args.batch_size,
                    zero=args.zero if trainer else 0, tape=tape)
     summary["memory_policy"] = memory_policy(args, inputs.plan, inputs.memory_from_checkpoint)
+    summary["lora"] = None if model.adapter is None else dict(
+        model.lora.to_dict(), base_dtype=args.base_dtype,
+        trained_parameters=model.adapter.num_parameters)
     summary["checkpoints"] = checkpoints
     summary["offload"] = offload
     summary["sample_tokens_per_s"] = None

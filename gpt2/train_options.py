@@ -28,7 +28,8 @@ RESUMED_OPTIONS = ("data", "val_data", "tokenizer", "corpus_bytes", "val_fractio
                    "seq_len", "steps", "decay_steps", "lr", "min_lr", "warmup", "schedule",
                    "weight_decay", "grad_clip", "grad_accum",
                    "seed", "eval_interval", "eval_batches", "checkpoint_interval",
-                   "no_checkpoint", "sample_tokens", "temperature", "top_k", "prompt")
+                   "no_checkpoint", "sample_tokens", "temperature", "top_k", "prompt",
+                   "lora", "lora_alpha", "lora_dropout", "lora_targets", "rslora", "base_dtype")
 # --grad-accum changes only how a step is computed (its loss and update equal the
 # unaccumulated step's to float rounding), but it sizes the step's activations to B/N
 # rows: a resume keeps it, as it keeps the memory policy, unless given again.
@@ -119,6 +120,21 @@ def non_negative_float(text):
     return value
 
 
+def positive_float(text):
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def name_list(text):
+    """'q_proj,v_proj' -> ('q_proj', 'v_proj')."""
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"must be comma-separated names, got {text!r}")
+    return names
+
+
 def checkpoint_interval(text):
     """'auto' -> None, else a non-negative number of steps."""
     return None if text.strip().lower() == "auto" else non_negative_int(text)
@@ -159,6 +175,30 @@ def build_parser(prog=None):
                         "gradients and moments), fp32, or auto: bf16 where the CPU multiplies "
                         "it faster (AVX512_BF16, measured at start) (default: "
                         "$ADTAPE_PRECISION or auto)")
+    ft = p.add_argument_group(
+        "fine-tuning (LoRA)", "Train low-rank adapters on a frozen base (usually --init-from "
+        "a Hugging Face directory), as peft does: only the adapters have gradients and AdamW "
+        "moments. The adapter is written to OUT_DIR/adapter/ in peft's format at every "
+        "checkpoint and at the end; --save-hf writes the merged model.")
+    ft.add_argument("--lora", type=positive_int, metavar="R", default=None,
+                    help="the adapters' rank (default: no LoRA, every weight trains)")
+    ft.add_argument("--lora-alpha", type=positive_float, metavar="A", default=None,
+                    help="the adapters' scale is A / R (default: 2 R)")
+    ft.add_argument("--lora-dropout", type=fraction, metavar="P", default=0.0,
+                    help="dropout on the adapters' input while training (default: "
+                         "%(default)s)")
+    ft.add_argument("--lora-targets", type=name_list, metavar="NAMES", default=None,
+                    help="comma-separated projections to adapt, peft's target_modules (default: "
+                         "all: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj for "
+                         "Llama and Qwen2, c_attn,c_proj,c_fc for GPT-2)")
+    ft.add_argument("--rslora", action="store_true",
+                    help="rank-stabilized scale A / sqrt(R) (rsLoRA)")
+    ft.add_argument("--lora-from", default=None, metavar="DIR",
+                    help="start from a peft adapter directory (adapter_config.json and "
+                         "adapter_model.safetensors): its rank, alpha and targets, unless given")
+    ft.add_argument("--base-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="how the frozen base is held: bf16 halves its bytes, and its products "
+                         "then run in bf16 (default: %(default)s)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, metavar="FILE",
                    help="a text file, a JSONL file of {\"text\": ...} records (.jsonl) or an llm.c "

@@ -1,0 +1,114 @@
+"""gpt2-train --lora end to end on a random Llama that transformers saved: the adapter
+written to OUT_DIR/adapter/ loads in peft on transformers' own model and gives the logits
+of our merged --save-hf directory; a resumed run continues where the uninterrupted one
+is; --lora-from starts from a peft adapter; a bf16 base; what LoRA refuses, in one line."""
+import json
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+from gpt2 import checkpoint as ckpt
+from gpt2 import hf, train
+from gpt2.config import LlamaConfig
+from gpt2.train_options import UsageError
+
+CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96,
+                     vocab_size=256, block_size=64, tie_embeddings=False, qkv_bias=True)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A random Qwen2-style model (biases, untied head) saved by transformers."""
+    path = tmp_path_factory.mktemp("base")
+    hf_config = hf.hf_config_dict(CONFIG)
+    cls = getattr(transformers, hf_config["architectures"][0])
+    torch.manual_seed(0)
+    model = cls(transformers.AutoConfig.for_model(
+        **{k: v for k, v in hf_config.items() if k != "architectures"})).float().eval()
+    model.save_pretrained(path)
+    return path
+
+
+def common(base_dir, out, *extra):
+    return ["--init-from", str(base_dir), "--tokenizer", "bytes", "-B", "2", "-T", "16",
+            "--lr", "1e-2", "--warmup", "0", "--schedule", "constant", "--eval-interval", "0", "--sample-tokens", "0",
+            "--no-progress", "--out-dir", str(out), *extra]
+
+
+def test_the_adapter_loads_in_peft_and_equals_the_merged_model(base_dir, tmp_path):
+    summary = train.run(common(base_dir, tmp_path / "run", "--lora", "4", "--steps", "4",
+                               "--lora-targets", "q_proj,v_proj,down_proj",
+                               "--save-hf", str(tmp_path / "merged")))
+    assert summary["lora"]["r"] == 4 and summary["lora"]["alpha"] == 8.0
+    assert summary["lora"]["trained_parameters"] == 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4
+                                                         + 4 * 96 + 64 * 4)
+    adapter = tmp_path / "run" / "adapter"
+    fields = json.loads((adapter / "adapter_config.json").read_text())
+    assert fields["peft_type"] == "LORA" and sorted(fields["target_modules"]) == [
+        "down_proj", "q_proj", "v_proj"]
+    assert fields["base_model_name_or_path"] == str(base_dir)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir)).eval()
+    tuned = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(str(base_dir)), str(adapter)).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = tuned(ids).logits.numpy(), merged(ids).logits.numpy()
+        assert np.abs(want - base(ids).logits.numpy()).max() > 1e-3    # the adapter trained
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_resumed_run_continues_the_uninterrupted_one(base_dir, tmp_path):
+    straight = train.run(common(base_dir, tmp_path / "a", "--lora", "2", "--steps", "6"))
+    train.run(common(base_dir, tmp_path / "b", "--lora", "2", "--steps", "3"))
+    resumed = train.run(["--resume", str(tmp_path / "b" / "checkpoint.bin"), "--steps", "6",
+                         "--no-progress"])
+    assert resumed["final_loss"] == straight["final_loss"]
+    a = ckpt.load_checkpoint(tmp_path / "a" / "checkpoint.bin", lora=True)
+    b = ckpt.load_checkpoint(tmp_path / "b" / "checkpoint.bin", lora=True)
+    assert a.step == b.step == 6 and a.lora == b.lora
+    assert np.array_equal(a.params.flat, b.params.flat)
+    assert np.array_equal(a.adam_v.flat, b.adam_v.flat)
+    with pytest.raises(UsageError, match="--lora: the run in .* has its adapters"):
+        train.run(["--resume", str(tmp_path / "b" / "checkpoint.bin"), "--lora", "3",
+                   "--steps", "7"])
+
+
+def test_lora_from_a_peft_adapter_and_a_bf16_base(base_dir, tmp_path):
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir))
+    theirs = peft.get_peft_model(base, peft.LoraConfig(r=3, lora_alpha=6,
+                                                       target_modules=["k_proj", "o_proj"]))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    summary = train.run(common(base_dir, tmp_path / "run", "--lora-from",
+                               str(tmp_path / "theirs"), "--steps", "2", "--base-dtype", "bf16",
+                               "--lr", "0"))
+    assert summary["lora"]["r"] == 3 and sorted(summary["lora"]["targets"]) == ["k_proj", "o_proj"]
+    assert summary["lora"]["base_dtype"] == "bf16"
+    # At lr 0 the adapter written is the one read.
+    again = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(str(base_dir)),
+        str(tmp_path / "run" / "adapter"))
+    mine, its = dict(again.named_parameters()), dict(theirs.named_parameters())
+    for name, p in its.items():
+        if "lora_" in name:
+            assert torch.equal(mine[name], p), name
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--base-dtype", "bf16"], "--base-dtype is a LoRA option: add --lora R"),
+    (["--lora", "2", "--offload", "moments"], "--lora runs without --offload moments"),
+    (["--lora", "2", "--engine", "manual"], "--lora runs without --engine manual"),
+    (["--lora", "2", "--lora-targets", "q_proj,c_attn"], "'c_attn' are not projections"),
+    (["--lora-from", "nowhere"], "--lora-from: nowhere: no adapter_config.json"),
+])
+def test_what_lora_refuses(base_dir, tmp_path, argv, match):
+    with pytest.raises(UsageError, match=match):
+        train.run(common(base_dir, tmp_path / "x", "--steps", "1", *argv))
+    assert not (tmp_path / "x").exists()
