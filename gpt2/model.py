@@ -195,7 +195,8 @@ class Model:
         if self.adapter is not None:
             a = self.adapter
             return a.params.flat, a.grads.flat, a.adam_m.flat, a.adam_v.flat
-        return self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat
+        return tuple(None if x is None else x.flat
+                     for x in (self.params, self.grads, self.adam_m, self.adam_v))
 
     # -- inputs ---------------------------------------------------------------
 
