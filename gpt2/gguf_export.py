@@ -539,7 +539,12 @@ def save_gguf(path, config, params, dtype="f16", tokenizer_dir=None, name=None):
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
             for t in tensors:
-                writer.write_tensor_data(_encode(t.values(params), t.qtype))
+                data = _encode(t.values(params), t.qtype)
+                # GGUFWriter.write_tensor_data's padding, but f.write rather than numpy's
+                # tofile: a full disk is then ENOSPC, not "N requested and M written".
+                writer.write_padding(f, f.tell())
+                f.write(memoryview(data).cast("B"))
+                writer.write_padding(f, data.nbytes)
         finally:
             writer.fout = None      # atomic_writer closes (and on failure removes) the file
     return path
