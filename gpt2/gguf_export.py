@@ -104,7 +104,12 @@ def architecture(config):
         raise ValueError(f"the {family.title} family ({family.name!r}) has no GGUF "
                          f"architecture: GGUF export writes the {' and '.join(GGUF_FAMILIES)} "
                          f"families ({', '.join(ARCHITECTURES)})")
-    return ARCHITECTURES[hf_architecture]
+    arch = ARCHITECTURES[hf_architecture]
+    if arch == "qwen2" and config.rope_scaling is not None:
+        # The converter's Qwen2Model writes no rope_freqs: the scaling would be lost.
+        raise ValueError("a Qwen2 model (q/k/v biases) with Llama 3's rope scaling has no "
+                         "GGUF form: llama.cpp's qwen2 takes no rope_freqs")
+    return arch
 
 
 def _hf_names(config):
@@ -239,9 +244,15 @@ def _read_json(path, what):
 
 
 def _tokenizer_file(tokenizer, arch):
-    """The tokenizer file ``tokenizer`` names: itself, or in a directory the one the
-    converter reads (for llama and qwen2 tokenizer.model before tokenizer.json)."""
+    """The tokenizer file ``tokenizer`` names: itself, or in a directory (or beside a file
+    named tokenizer.json) the one the converter reads: for llama and qwen2 tokenizer.model
+    before tokenizer.json."""
     tokenizer = os.fspath(tokenizer)
+    if os.path.basename(tokenizer) == "tokenizer.json" and os.path.isfile(tokenizer):
+        # A model directory's own (a run's --init-from): its directory, where the converter
+        # prefers a SentencePiece tokenizer.model (TinyLlama's tokenizer.json is that
+        # model's pieces, not a byte-level BPE).
+        tokenizer = os.path.dirname(os.path.abspath(tokenizer))
     if not os.path.isdir(tokenizer):
         if not os.path.isfile(tokenizer):
             raise ValueError(f"tokenizer {tokenizer!r} does not exist")
@@ -398,18 +409,20 @@ class _Tokenizer:
         self.scores = self.pre = None
         if self.path is None:
             return
-        with open(self.path, "rb") as f:
-            head = f.read(64).lstrip()
-        if head.startswith(b"{"):
+        from gpt2.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
+        kind = type(load_tokenizer(self.path))
+        if kind is HFTokenizer:
             self.model = "gpt2"
             self.pre, self.tokens, self.types = _bpe_vocab(gguf, self.path, config.vocab_size)
-        elif arch == "gpt2":
-            raise ValueError(f"{self.path!r}: a GPT-2 GGUF file takes a byte-level BPE "
-                             f"tokenizer.json (llama.cpp's converter reads no other for it)")
-        else:
+        elif kind is SentencePieceTokenizer and arch != "gpt2":
             self.model, self.pre = "llama", "default"
             self.tokens, self.scores, self.types = _sentencepiece_vocab(gguf, self.path,
                                                                         config.vocab_size)
+        else:
+            takes = ("a byte-level BPE tokenizer.json" if arch == "gpt2" else
+                     "a byte-level BPE tokenizer.json or a SentencePiece tokenizer.model")
+            raise ValueError(f"{self.path!r}: a {arch} GGUF file takes {takes} (as llama.cpp's "
+                             f"converter), not a {kind.__name__}'s file")
         name = "tokenizer.json" if self.model == "gpt2" else "tokenizer.model"
         with _as_named(self.path, name) as directory:
             self.special = gguf.SpecialVocab(directory, load_merges=self.model == "gpt2",

@@ -363,21 +363,31 @@ def test_metadata_and_tokenizer_are_the_directorys(models, name, tmp_path):
         assert field(reader, "tokenizer.ggml.add_bos_token") is True
 
 
-def test_a_sentencepiece_tokenizer_is_llamas_with_scores(tmp_path):
+def write_sentencepiece(path):
+    """A SentencePiece BPE model of 312 pieces with byte fallback (as Llama 2's); its
+    processor."""
     sentencepiece = pytest.importorskip("sentencepiece")
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(TEXT.splitlines()), model_writer=model, vocab_size=312,
         model_type="bpe", byte_fallback=True, character_coverage=1.0, minloglevel=2)
-    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    path.write_bytes(model.getvalue())
+    return sentencepiece.SentencePieceProcessor(model_file=str(path))
+
+
+def test_a_sentencepiece_tokenizer_is_llamas_with_scores(tmp_path):
+    sp = write_sentencepiece(tmp_path / "tokenizer.model")
+    # As the converter, the directory's tokenizer.model before its tokenizer.json, also
+    # where the tokenizer.json is named (the tokenizer an --init-from run used).
+    write_tokenizer(tmp_path, "llama-bpe")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}))
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     # A model directory's config.json says the ids (SpecialVocab reads them there).
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": sp.bos_id(),
                                                       "eos_token_id": sp.eos_id()}))
     params = init_params_(ParamArena(LLAMA_UNTIED), 0)
-    path = save_gguf(tmp_path / "m.gguf", LLAMA_UNTIED, params, tokenizer_dir=tmp_path)
+    path = save_gguf(tmp_path / "m.gguf", LLAMA_UNTIED, params,
+                     tokenizer_dir=tmp_path / "tokenizer.json")
     reader = gguf.GGUFReader(path)
     assert field(reader, "tokenizer.ggml.model") == "llama"
     assert field(reader, "tokenizer.ggml.pre") == "default"
@@ -464,9 +474,14 @@ def test_tokenizers_llama_cpp_cannot_run_are_refused(tmp_path):
     with pytest.raises(ValueError, match="token id 30[0-9], beyond the model's vocabulary of "
                                          "200"):
         check_gguf_export(out / "m.gguf", wide, "f16", tmp_path / "wide")
-    (tmp_path / "sp.model").write_bytes(b"\x0a\x00")
-    with pytest.raises(ValueError, match="GPT-2 GGUF file takes a byte-level BPE"):
+    write_sentencepiece(tmp_path / "sp.model")
+    with pytest.raises(ValueError, match="a gpt2 GGUF file takes a byte-level BPE "
+                                         "tokenizer.json .* not a SentencePieceTokenizer's"):
         check_gguf_export(out / "m.gguf", GPT2_SMALL, "f16", tmp_path / "sp.model")
+    scaled = dataclasses.replace(QWEN2, rope_scaling=LLAMA3.rope_scaling)
+    with pytest.raises(ValueError, match="Qwen2 model .* with Llama 3's rope scaling has no "
+                                         "GGUF form"):
+        check_gguf_export(out / "m.gguf", scaled, "f16")
     assert os.listdir(out) == []
 
 
@@ -583,13 +598,7 @@ def test_llama_cpp_logits_match_transformers(models, name, dtype, tmp_path):
 @pytest.mark.llamacpp
 def test_llama_cpp_tokenizes_a_sentencepiece_vocabulary_as_sentencepiece(tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
-    sentencepiece = pytest.importorskip("sentencepiece")
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(TEXT.splitlines()), model_writer=model, vocab_size=312,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0, minloglevel=2)
-    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    sp = write_sentencepiece(tmp_path / "tokenizer.model")
     path = save_gguf(tmp_path / "m.gguf", LLAMA_UNTIED, init_params_(ParamArena(LLAMA_UNTIED), 0),
                      tokenizer_dir=tmp_path)
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
