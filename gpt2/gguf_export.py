@@ -18,7 +18,7 @@ Hugging Face directory ``gpt2.hf.save_dir`` would write for the same model:
   into Q8_0's 32-value blocks falls back to F16, as in the converter;
 * metadata: block count, context length, widths, head counts, rope base and dimensions,
   norm epsilon, vocabulary size, file type;
-* tokenizer (``tokenizer``, a Hugging Face model directory or tokenizer file):
+* tokenizer (``tokenizer_dir``, a Hugging Face model directory or tokenizer file):
   a byte-level BPE ``tokenizer.json`` as ``tokenizer.ggml.model`` "gpt2", with its tokens,
   token types, merges and pre-tokenizer name; a SentencePiece ``tokenizer.model`` as
   "llama" with scores (for llama and qwen2, a directory's ``tokenizer.model`` comes first,
@@ -69,7 +69,8 @@ QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N
 DIGITS_SPLIT = "\\p{N}"
 PRE_TOKENIZERS = {(GPT2_SPLIT,): "gpt-2", (DIGITS_SPLIT, GPT2_SPLIT): "smollm",
                   (LLAMA3_SPLIT,): "llama-bpe", (QWEN2_SPLIT,): "qwen2"}
-# Normalizers that change no text llama.cpp would see differently (Qwen2's NFC).
+# The normalizers accepted: none, or Qwen2's NFC, which llama.cpp leaves out as the
+# converter does (NFC text, the usual input, tokenizes the same).
 HARMLESS_NORMALIZERS = (None, "NFC")
 
 

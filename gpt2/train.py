@@ -540,6 +540,7 @@ def _check_save_gguf(args, config):
 
 
 def _save_gguf(args, params):
+    """Write --save-gguf: ``params`` in --gguf-type with the run's tokenizer."""
     from gpt2.gguf_export import save_gguf
     with blame(f"--save-gguf {args.save_gguf}", (OSError, ValueError, ImportError)):
         save_gguf(args.save_gguf, params.config, params, dtype=args.gguf_type,

@@ -16,21 +16,21 @@ import re
 import subprocess
 import sys
 
+import gguf
 import numpy as np
 import pytest
+import sentencepiece
+import tokenizers
 import torch
 import transformers
 
-gguf = pytest.importorskip("gguf")
-tokenizers = pytest.importorskip("tokenizers")
-
-from gpt2 import families, hf  # noqa: E402
-from gpt2.checkpoint import load_checkpoint  # noqa: E402
-from gpt2.config import GPT2Config, LlamaConfig  # noqa: E402
-from gpt2.families.llama import LlamaFamily  # noqa: E402
-from gpt2.gguf_export import check_gguf_export, save_gguf  # noqa: E402
-from gpt2.params import ParamArena, init_params_  # noqa: E402
-from gpt2.train import main as train_main  # noqa: E402
+from gpt2 import families, hf
+from gpt2.checkpoint import load_checkpoint
+from gpt2.config import GPT2Config, LlamaConfig
+from gpt2.families.llama import LlamaFamily
+from gpt2.gguf_export import check_gguf_export, save_gguf
+from gpt2.params import ParamArena, init_params_
+from gpt2.train import main as train_main
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
@@ -366,7 +366,6 @@ def test_metadata_and_tokenizer_are_the_directorys(models, name, tmp_path):
 def write_sentencepiece(path):
     """A SentencePiece BPE model of 312 pieces with byte fallback (as Llama 2's); its
     processor."""
-    sentencepiece = pytest.importorskip("sentencepiece")
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(TEXT.splitlines()), model_writer=model, vocab_size=312,
@@ -573,7 +572,7 @@ def test_the_converter_entry_point_reports_a_bad_source_in_one_line(tmp_path):
 @pytest.mark.parametrize("dtype", ["f32", "q8_0"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_llama_cpp_logits_match_transformers(models, name, dtype, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
     config, _, _ = MODELS[name]
     directory, model = models[name]
     path = save_gguf(tmp_path / "m.gguf", config, hf.load_dir(directory), dtype=dtype,
@@ -597,7 +596,7 @@ def test_llama_cpp_logits_match_transformers(models, name, dtype, tmp_path):
 
 @pytest.mark.llamacpp
 def test_llama_cpp_tokenizes_a_sentencepiece_vocabulary_as_sentencepiece(tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
     sp = write_sentencepiece(tmp_path / "tokenizer.model")
     path = save_gguf(tmp_path / "m.gguf", LLAMA_UNTIED, init_params_(ParamArena(LLAMA_UNTIED), 0),
                      tokenizer_dir=tmp_path)
