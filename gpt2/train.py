@@ -407,6 +407,8 @@ def _prepare(args, explicit, comm=None):
                              "--engine manual")
     _check_snapshots(args, explicit, config)
     tokens, tokenizer = load_tokens(args, config)
+    if args.save_gguf:
+        _check_save_gguf(args, config)
     if tokens.size and int(tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(tokens.max())}, outside the model's "
                          f"vocabulary of {config.vocab_size}; use a matching --tokenizer")
@@ -528,6 +530,27 @@ def _check_save_hf(args):
                          f"pass --overwrite to replace them, or choose another --save-hf")
 
 
+def _gguf_tokenizer(args):
+    """The tokenizer --save-gguf writes: the run's file, None for bytes."""
+    return None if args.tokenizer in (None, "bytes") else args.tokenizer
+
+
+def _check_save_gguf(args, config):
+    """A UsageError, before any training, if --save-gguf cannot be written: its path, the
+    model's family, the tokenizer."""
+    from gpt2.gguf_export import check_gguf_export
+    with blame(f"--save-gguf {args.save_gguf}", (OSError, ValueError, ImportError)):
+        check_gguf_export(args.save_gguf, config, args.gguf_type, _gguf_tokenizer(args))
+
+
+def _save_gguf(args, params):
+    """Write --save-gguf: ``params`` in --gguf-type with the run's tokenizer."""
+    from gpt2.gguf_export import save_gguf
+    with blame(f"--save-gguf {args.save_gguf}", (OSError, ValueError, ImportError)):
+        save_gguf(args.save_gguf, params.config, params, dtype=args.gguf_type,
+                  tokenizer_dir=_gguf_tokenizer(args))
+
+
 def _export_source(extra):
     """The export source a checkpoint's header (``extra``) records, or NO_EXPORT_SOURCE."""
     source = ((extra or {}).get("hf_export") or {}).get("source") or {}
@@ -573,6 +596,8 @@ def _resume_command(args, ckpt_path):
         words += ["--save-hf", args.save_hf]
     if args.save_dtype:
         words += ["--save-dtype", args.save_dtype]
+    if args.save_gguf:
+        words += ["--save-gguf", args.save_gguf, "--gguf-type", args.gguf_type]
     if args.max_memory is not None:     # it chose the others: plan again
         words += ["--max-memory", str(args.max_memory)]
     else:
@@ -925,7 +950,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
             return Interrupted(signum, "")   # rank 0 says it
         if step == args.steps:      # the run is complete: nothing to continue
             saved = (([] if args.no_checkpoint else [ckpt_path])
-                     + ([args.save_hf] if args.save_hf else []))
+                     + ([args.save_hf] if args.save_hf else [])
+                     + ([args.save_gguf] if args.save_gguf else []))
             return Interrupted(signum, f"interrupted by {name} at the end of the run (step "
                                        f"{step} of {args.steps}): "
                                        + (f"saved {' and '.join(saved)}" if saved
@@ -995,6 +1021,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
             model.finish_update()
             if args.save_hf and writer:
                 _save_hf(args, model.param_arena(), inputs.export_source, inputs.own_save_hf)
+            if args.save_gguf and writer:
+                _save_gguf(args, model.param_arena())
             # A first signal during the last step or the final saves: they are done, the
             # summary and the sample are not.
             signum = stop.signum or 0
@@ -1022,6 +1050,8 @@ def _describe_outputs(args, all_rows):
     words = f"wrote {', '.join(names[:-1])} and {names[-1]} in {args.out_dir}/"
     if args.save_hf:
         words += f", and the Hugging Face model in {args.save_hf}/"
+    if args.save_gguf:
+        words += f", and the GGUF file {args.save_gguf} ({args.gguf_type})"
     return words
 
 

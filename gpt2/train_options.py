@@ -307,6 +307,14 @@ def build_parser(prog=None):
     o.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="the format of the --save-hf weights (default: that of the "
                         "--init-from weights, fp32 from scratch)")
+    o.add_argument("--save-gguf", default=None, metavar="FILE",
+                   help="at the end of the run, also write the model as a GGUF file for "
+                        "llama.cpp (Llama, Qwen2 and GPT-2 models), with the tokenizer's "
+                        "vocabulary, merges, special tokens and chat template; a finished "
+                        "run's checkpoint converts with python -m gpt2.gguf_export")
+    o.add_argument("--gguf-type", choices=("f32", "f16", "bf16", "q8_0"), default="f16",
+                   help="the type of the --save-gguf weights; norms and biases stay f32 "
+                        "(default: %(default)s)")
     o.add_argument("--resume", default=None, metavar="FILE",
                    help="continue the run saved in this checkpoint (see below)")
     o.add_argument("--sample-tokens", type=non_negative_int, metavar="N", default=300,

@@ -27,19 +27,27 @@ for _name in ("torch_gpt2", "harness"):
         _spec.loader.exec_module(_module)
 
 
+# Opt-in markers: marker -> (the variable that selects its tests, what they are).
+OPT_IN = {"large": ("ADTAPE_LARGE", "real model sizes, minutes each"),
+          "llamacpp": ("ADTAPE_LLAMACPP", "runs GGUF files in llama.cpp (llama-cpp-python)")}
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "large: real model sizes, minutes each; run with "
-                                       "ADTAPE_LARGE=1 (deselected otherwise)")
+    for marker, (variable, what) in OPT_IN.items():
+        config.addinivalue_line("markers", f"{marker}: {what}; run with {variable}=1 "
+                                           f"(deselected otherwise)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Deselect (not skip: CI runs skip nothing) the large-size tests unless ADTAPE_LARGE=1."""
-    if os.environ.get("ADTAPE_LARGE") == "1":
-        return
-    large = [item for item in items if item.get_closest_marker("large")]
-    if large:
-        config.hook.pytest_deselected(items=large)
-        items[:] = [item for item in items if not item.get_closest_marker("large")]
+    """Deselect (not skip: CI runs skip nothing) each opt-in marker's tests unless its
+    variable is 1."""
+    for marker, (variable, _) in OPT_IN.items():
+        if os.environ.get(variable) == "1":
+            continue
+        chosen = [item for item in items if item.get_closest_marker(marker)]
+        if chosen:
+            config.hook.pytest_deselected(items=chosen)
+            items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
 @pytest.fixture(autouse=True, scope="session")
