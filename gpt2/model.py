@@ -340,9 +340,8 @@ class Model:
         ``grad_accum`` N > 1: the batch's B rows run as N micro-batches of B/N rows (the
         activations of one micro-batch at a time), their gradients summed in
         ``self.grads`` (the first backward writes them, the others add), then one
-        clipping and one AdamW on the sum scaled by 1/N: the mean of the micro-batch
-        gradients, which is the whole batch's.  The loss returned is the mean of the
-        micro-batch losses (the whole batch's mean: the micro-batches are equal-sized).
+        clipping and one AdamW on the sum scaled by 1/N: the whole batch's gradient, as
+        is the loss returned (see the last paragraph).
 
         The zeroing is deferred (``zero_grad(deferred=True)``): the backward kernels
         write the gradients instead of adding them into zeros, which saves two passes
@@ -354,9 +353,10 @@ class Model:
         Targets of IGNORE_INDEX take no loss, and the loss is the mean over the others
         of the whole batch: each micro-batch's loss sum divides by 1/N of the whole
         batch's count (``loss_and_grad(..., loss_denominator=)``), so micro-batches
-        with more counted targets weigh more, and the 1/N in AdamW makes the sum the
-        whole batch's mean (with nothing ignored, 1/N of the count is the micro-batch's
-        own size: the same bits as each micro-batch's plain mean)."""
+        with more counted targets weigh more, and the 1/N in AdamW (and over the
+        returned losses) makes the sum the whole batch's mean.  With nothing ignored,
+        1/N of the count is a micro-batch's own size: each is its plain mean, to the
+        bit."""
         micro = micro_batches(np.shape(inputs)[0] if np.ndim(inputs) else 0, grad_accum)
         if grad_accum > 1 and self.offload == "all":
             raise NotImplementedError("with offload='all' each backward pass writes the "

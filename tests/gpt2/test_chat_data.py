@@ -184,6 +184,9 @@ def test_tokens_as_apply_chat_template_and_the_assistant_mask(tokenizer_dirs, na
     assert template.marks_generation == (name == "generation")
     ids, trained = chat.conversation_tokens(template, load_tokenizer(path), messages)
     assert ids.tolist() == fast.apply_chat_template(messages, tokenize=True, return_dict=False)
+    for prompt in (False, True):
+        assert template.render(messages, add_generation_prompt=prompt) == \
+            fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
     # Each run of trained tokens is one assistant message's content and the end of its turn.
     tokenizer = load_tokenizer(path)
     replies = [m["content"].strip() if trims else m["content"] for m in messages
