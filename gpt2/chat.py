@@ -170,9 +170,10 @@ class ChatTemplate:
         def strftime_now(format):
             return datetime.datetime.now().strftime(format)
 
+        generation = _generation_extension(jinja2)
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True,
-            extensions=[jinja2.ext.loopcontrols, _generation_extension(jinja2)])
+            extensions=[jinja2.ext.loopcontrols, generation])
         env.filters["tojson"] = tojson
         env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
         try:
@@ -180,7 +181,7 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not parse: {e} (line {e.lineno})") from None
         self._errors = jinja2.exceptions.TemplateError
-        self._generation = next(e for e in env.extensions.values() if hasattr(e, "tracking"))
+        self._generation = env.extensions[generation.identifier]
         # Whether the template marks the assistant's text with {% generation %} blocks.
         self.marks_generation = _has_generation_blocks(env, source)
         self.special_tokens = dict(special_tokens or {})

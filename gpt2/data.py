@@ -195,14 +195,11 @@ class Examples:
 class _RecordReader:
     """Turns the records of one JSONL file into tokens: a record's form, its ids and which
     of them are trained (``read``); the chat template and the start and end tokens are
-    found on first use."""
+    found on first use (a file of texts reads neither)."""
 
     def __init__(self, tokenizer, tokenizer_dir):
         self.tokenizer = tokenizer
         self.tokenizer_dir = tokenizer_dir
-        self._template = None
-        self._opening = None
-        self._end = ()      # not looked up yet; then an id or None
 
     def read(self, record):
         """(form, ids, trained): trained None for a text (whose tokens all count)."""
@@ -228,52 +225,48 @@ class _RecordReader:
     def _encode(self, text):
         return np.asarray(self.tokenizer.encode(text), dtype=np.int32)
 
+    @functools.cached_property
     def opening(self):
         """The ids an example opens with (an int32 array): the tokenizer's beginning of
         sequence where it puts one before a text - what a Hugging Face tokenizer's
         post-processor adds (transformers' ``tokenizer(text)``: a Llama tokenizer's BOS),
         the others' own BOS (SentencePiece's <s>, GPT-2's <|endoftext|>); none for bytes."""
-        if self._opening is None:
-            if isinstance(self.tokenizer, HFTokenizer):
-                plain = self.tokenizer.encode("a").tolist()
-                full = self.tokenizer.encode("a", add_special_tokens=True).tolist()
-                cut = next((k for k in range(len(full) - len(plain) + 1)
-                            if full[k:k + len(plain)] == plain), 0)
-                opening = full[:cut]
-            else:
-                bos = special_ids(self.tokenizer).get("bos")
-                opening = [] if bos is None else [bos[1]]
-            self._opening = np.asarray(opening, dtype=np.int32)
-        return self._opening
+        if isinstance(self.tokenizer, HFTokenizer):
+            plain = self.tokenizer.encode("a").tolist()
+            full = self.tokenizer.encode("a", add_special_tokens=True).tolist()
+            cut = next((k for k in range(len(full) - len(plain) + 1)
+                        if full[k:k + len(plain)] == plain), 0)
+            return np.asarray(full[:cut], dtype=np.int32)
+        bos = special_ids(self.tokenizer).get("bos")
+        return np.asarray([] if bos is None else [bos[1]], dtype=np.int32)
 
-    def end(self):
-        """The end-of-sequence id that closes a completion or a text, or None: the
-        directory's eos_token (tokenizer_config.json), else the tokenizer's own."""
-        if self._end == ():
-            from gpt2 import chat
-            self._end = None
-            name = (chat.special_tokens(self.tokenizer_dir).get("eos_token")
-                    if self.tokenizer_dir else None)
-            if name is not None and hasattr(self.tokenizer, "token_id"):
-                self._end = self.tokenizer.token_id(name)
-            if self._end is None:
-                eos = special_ids(self.tokenizer).get("eos")
-                self._end = None if eos is None else eos[1]
-        return self._end
+    @functools.cached_property
+    def closing(self):
+        """The ids that close a completion or a text (an int32 array): the directory's
+        eos_token (tokenizer_config.json), else the tokenizer's own; none for bytes."""
+        from gpt2 import chat
+        name = (chat.special_tokens(self.tokenizer_dir).get("eos_token")
+                if self.tokenizer_dir else None)
+        end = (self.tokenizer.token_id(name)
+               if name is not None and hasattr(self.tokenizer, "token_id") else None)
+        if end is None:
+            end = special_ids(self.tokenizer).get("eos", (None, None))[1]
+        return np.asarray([] if end is None else [end], dtype=np.int32)
 
+    @functools.cached_property
     def template(self):
-        if self._template is None:
-            from gpt2 import chat
-            if not isinstance(self.tokenizer, HFTokenizer) or self.tokenizer_dir is None:
-                raise ValueError("a \"messages\" record is rendered by a chat template: pass "
-                                 "--tokenizer (or --init-from) with a Hugging Face directory "
-                                 "holding tokenizer.json and a chat template")
-            self._template = chat.ChatTemplate.from_directory(self.tokenizer_dir)
-            if self._template is None:
-                raise ValueError(f"a \"messages\" record is rendered by a chat template, and "
-                                 f"{self.tokenizer_dir} has none ({chat.TEMPLATE_FILE}, or "
-                                 f"chat_template in {chat.TOKENIZER_CONFIG})")
-        return self._template
+        """The chat template of the tokenizer's directory (a ``gpt2.chat.ChatTemplate``)."""
+        from gpt2 import chat
+        if not isinstance(self.tokenizer, HFTokenizer) or self.tokenizer_dir is None:
+            raise ValueError("a \"messages\" record is rendered by a chat template: pass "
+                             "--tokenizer (or --init-from) with a Hugging Face directory "
+                             "holding tokenizer.json and a chat template")
+        template = chat.ChatTemplate.from_directory(self.tokenizer_dir)
+        if template is None:
+            raise ValueError(f"a \"messages\" record is rendered by a chat template, and "
+                             f"{self.tokenizer_dir} has none ({chat.TEMPLATE_FILE}, or "
+                             f"chat_template in {chat.TOKENIZER_CONFIG})")
+        return template
 
     def _conversation(self, messages):
         from gpt2 import chat
@@ -294,26 +287,23 @@ class _RecordReader:
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError("no assistant message: the conversation has no token to train on "
                              "(the loss counts the assistant's tokens)")
-        ids, trained = chat.conversation_tokens(self.template(), self.tokenizer, messages)
-        return ids, trained
+        return chat.conversation_tokens(self.template, self.tokenizer, messages)
 
     def _prompt_completion(self, record):
+        for key, other in (("prompt", "completion"), ("completion", "prompt")):
+            if key not in record:
+                raise ValueError(f"a \"{other}\" without a \"{key}\": a record is one of "
+                                 f"{', '.join(RECORD_FORMS)}")
         prompt = self._encode(_string(record, "prompt"))
         completion = self._encode(_string(record, "completion"))
-        end = self.end()
-        closing = np.asarray([] if end is None else [end], dtype=np.int32)
-        opening = self.opening()
-        ids = np.concatenate([opening, prompt, completion, closing])
+        ids = np.concatenate([self.opening, prompt, completion, self.closing])
         trained = np.zeros(ids.size, dtype=bool)
-        trained[opening.size + prompt.size:] = True
+        trained[self.opening.size + prompt.size:] = True
         return ids, trained
 
 
 def _string(record, key):
-    if key not in record:
-        other = "completion" if key == "prompt" else "prompt"
-        raise ValueError(f"a \"{other}\" without a \"{key}\": a record is one of "
-                         f"{', '.join(RECORD_FORMS)}")
+    """``record[key]``, which must be a string."""
     if not isinstance(record[key], str):
         raise ValueError(f"\"{key}\" must be a string, got {_shown(record[key])}")
     return record[key]
@@ -378,9 +368,7 @@ def _examples(path, reader, records):
     kinds = {"messages": 0, "prompt/completion": 0, "text": 0}
     for number, form, record_ids, record_trained in records:
         if form == "text":
-            end = reader.end()
-            record_ids = np.concatenate([reader.opening(), record_ids,
-                                         np.asarray([] if end is None else [end], np.int32)])
+            record_ids = np.concatenate([reader.opening, record_ids, reader.closing])
             record_trained = np.ones(record_ids.size, dtype=bool)
         record_trained = record_trained.copy()
         record_trained[:1] = False          # nothing predicts the first token
