@@ -1,10 +1,16 @@
 """gpt2-train and gpt2-eval on chat and instruction JSONL: a tiny Llama directory saved by
 transformers, with a ChatML tokenizer and template, trains on conversations (validation,
 --grad-accum, the header's counts of padding); a prompt/completion run resumes on its
-curve; gpt2-eval's loss is the mean over the trained tokens; a bad line is one error line
-naming the file and line."""
+curve, and 2 ranks under mpiexec (each its rows, of uneven masks) train as one process;
+gpt2-eval's loss is the mean over the trained tokens; a bad line is one error line naming
+the file and line."""
 import csv
 import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +19,7 @@ import torch
 import transformers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+import gpt2
 from adtape import nn
 from gpt2 import data, evaluate
 from gpt2.hf import load_dir
@@ -117,6 +124,30 @@ def test_prompt_completion_resumes_on_its_curve(tmp_path):
          "--no-progress"])
     for key in ("loss", "val_loss"):
         assert log_losses(tmp_path / "half", key) == log_losses(tmp_path / "whole", key)
+
+
+def test_two_ranks_weigh_their_rows_by_the_global_count(tmp_path):
+    """Prompt/completion rows of very different trained lengths split over 2 ranks (with
+    2 micro-batches each): every rank's loss sum divides by the global batch's count, so
+    the losses are the one process's."""
+    records = [{"prompt": f"{a} plus {b} is", "completion": " " + "ab" * (a % 7) + "."}
+               for a in range(20) for b in range(3)]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", records)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(pathlib.Path(gpt2.__file__).parent.parent),
+                                           os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "gpt2.train", "--model", "tiny", "--data", str(pairs),
+               "-B", "8", "-T", "24", "--steps", "4", "--eval-interval", "0",
+               "--val-fraction", "0", "--sample-tokens", "0", "--no-progress"]
+    mpiexec = shutil.which("mpiexec")
+    assert mpiexec, "mpiexec not found: install the mpi extra (pip install '.[mpi]')"
+    for out, prefix in ((tmp_path / "one", []), (tmp_path / "two", [mpiexec, "-n", "2"])):
+        extra = ["--grad-accum", "2"] if prefix else []
+        proc = subprocess.run(prefix + command + extra + ["--out-dir", str(out)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    one, two = log_losses(tmp_path / "one"), log_losses(tmp_path / "two")
+    assert np.max(np.abs(np.subtract(two, one)) / np.abs(one)) < 1e-6, (one, two)
 
 
 def test_a_bad_line_is_one_error_line(model_dir, tmp_path, capsys):
