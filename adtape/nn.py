@@ -28,7 +28,8 @@ from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp,
 
 __all__ = ["set_precision", "get_precision", "weights_changed",
            "encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
-           "attention_linear", "softmax_cross_entropy", "rmsnorm", "rope", "swiglu",
+           "attention_linear", "softmax_cross_entropy", "IGNORE_INDEX", "loss_denominator",
+           "mean_cross_entropy", "rmsnorm", "rope", "swiglu",
            "swiglu_linear", "lora_linear", "softmax", "log_softmax"]
 
 ENCODER = Primitive("encoder", ("ids", "wte", "wpe"))
@@ -324,11 +325,17 @@ def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head, n_kv_hea
                                       overwrite=fresh[0])
 
 
+# The target of a position that takes no loss (padding, a prompt): PyTorch's ignore_index.
+IGNORE_INDEX = _loss.IGNORE_INDEX
+
+
 def softmax_cross_entropy(logits, targets, V=None):
     """Per-position loss ``logsumexp(logits[..., :V]) - logits[..., target]``.
 
     logits (B,T,Vp) or (N,Vp); columns from ``V`` (default Vp) on are padding and
-    get zero gradient; targets int32 in [0, V).  Returns losses of shape (B,T) or (N,).
+    get zero gradient; targets int32 in [0, V), or ``IGNORE_INDEX`` for a position
+    without loss (its loss 0, its logits' gradient 0).  Returns losses of shape (B,T)
+    or (N,).
     """
     ld = np.ascontiguousarray(_data(logits))
     targets = np.asarray(targets)
@@ -344,6 +351,33 @@ def softmax_cross_entropy(logits, targets, V=None):
         return _record(SOFTMAX_CROSS_ENTROPY, losses, (logits, None),
                        (ld, lse, targets, V), None)
     return _constant(losses)
+
+
+def loss_denominator(targets, denominator=None):
+    """What a mean loss over ``targets`` divides its sum by: ``denominator`` where given
+    (a positive number: gradient accumulation passes the whole batch's count, so that
+    its micro-batches' gradients add up to the whole batch's mean), else the number of
+    targets that are not ``IGNORE_INDEX``; ValueError where that is 0."""
+    if denominator is not None:
+        if isinstance(denominator, bool) or not denominator > 0:
+            raise ValueError(f"the loss denominator must be a positive number, got "
+                             f"{denominator!r}")
+        return denominator
+    counted = int(np.count_nonzero(np.asarray(targets) != IGNORE_INDEX))
+    if not counted:
+        raise ValueError(f"every target is IGNORE_INDEX ({IGNORE_INDEX}): no position to "
+                         f"take the loss of")
+    return counted
+
+
+def mean_cross_entropy(logits, targets, V=None, denominator=None):
+    """The mean of ``softmax_cross_entropy`` over the targets that count (those not
+    ``IGNORE_INDEX``; every one, it is the plain mean), or its sum over ``denominator``
+    (``loss_denominator``).  A 0-d Tensor, recorded where the logits need a gradient."""
+    losses = softmax_cross_entropy(logits, targets, V)
+    # sum * (1/n) is what mean() computes, forward and backward: with nothing ignored, the
+    # same bits as losses.mean().
+    return losses.sum() * (1.0 / loss_denominator(targets, denominator))
 
 
 def _softmax_cross_entropy_vjp(g, logits, lse, targets, V):

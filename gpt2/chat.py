@@ -10,11 +10,24 @@ template may name (``bos_token``, ``eos_token``, ...) in ``tokenizer_config.json
 in Jinja's immutable sandbox, with transformers' settings (trim_blocks, lstrip_blocks, loop
 controls) and globals (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps
 non-ASCII text).  Needs jinja2 (``pip install 'adtape[hf]'``).
+
+Training on a conversation (``conversation_tokens``) counts the loss of the assistant's
+tokens only.  A template with ``{% generation %}`` blocks marks them itself (as
+transformers' ``return_assistant_tokens_mask``); for the others, the conversation is
+rendered prefix by prefix, as TRL's assistant-only loss does: an assistant turn's tokens
+run from the end of its header (what ``add_generation_prompt`` adds after the messages
+before it) to the end of its turn (what rendering the conversation through it adds), less
+whatever the template writes after the turn's last special token (ChatML's newline after
+``<|im_end|>``): the content and the end-of-turn marker that closes it are trained, the
+headers, the other roles' messages and any default system prompt are not.
 """
+import contextlib
 import datetime
 import importlib
 import json
 import os
+
+import numpy as np
 
 TEMPLATE_FILE = "chat_template.jinja"
 PROCESSOR_TEMPLATE_FILE = "chat_template.json"
@@ -100,6 +113,45 @@ def _jinja2():
                           "pip install 'adtape[hf]'") from None
 
 
+def _generation_extension(jinja2):
+    """The ``{% generation %}...{% endgeneration %}`` tag of transformers' templates: it
+    renders its body as it is, and while ``tracking(spans)`` is on notes the characters
+    the body took in the whole text (found from what the template has yielded so far)."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            self.rendered = None    # the pieces the template has yielded, while tracking
+            self.spans = None
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [],
+                                          body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            text = caller()
+            if self.rendered is not None:
+                start = sum(map(len, self.rendered))
+                self.spans.append((start, start + len(text)))
+            return text
+
+        @contextlib.contextmanager
+        def tracking(self, rendered, spans):
+            self.rendered, self.spans = rendered, spans
+            try:
+                yield
+            finally:
+                self.rendered = self.spans = None
+
+    return Generation
+
+
 class ChatTemplate:
     """A compiled chat template and the special tokens it may name."""
 
@@ -118,8 +170,10 @@ class ChatTemplate:
         def strftime_now(format):
             return datetime.datetime.now().strftime(format)
 
+        generation = _generation_extension(jinja2)
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+            trim_blocks=True, lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, generation])
         env.filters["tojson"] = tojson
         env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
         try:
@@ -127,6 +181,9 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not parse: {e} (line {e.lineno})") from None
         self._errors = jinja2.exceptions.TemplateError
+        self._generation = env.extensions[generation.identifier]
+        # Whether the template marks the assistant's text with {% generation %} blocks.
+        self.marks_generation = _has_generation_blocks(env, source)
         self.special_tokens = dict(special_tokens or {})
 
     @classmethod
@@ -146,3 +203,69 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **values)
         except self._errors as e:
             raise ValueError(f"the chat template refused the conversation: {e}") from None
+
+    def assistant_spans(self, messages, **variables):
+        """(text, spans): the whole conversation ``messages`` rendered (no generation
+        prompt) and the [start, end) characters of each assistant turn in it to train on:
+        the template's {% generation %} blocks where it has them, else each assistant
+        message's turn found by rendering prefix by prefix (the module's docstring), from
+        the end of its header to the end of its turn.  ValueError where the template does
+        not render the conversation prefix by prefix (a template that rewrites earlier
+        turns, as one dropping past reasoning does) and has no {% generation %} blocks."""
+        if self.marks_generation:
+            rendered, spans = [], []
+            values = {"tools": None, "documents": None, **self.special_tokens, **variables}
+            try:
+                with self._generation.tracking(rendered, spans):
+                    for piece in self._template.generate(
+                            messages=[dict(m) for m in messages], add_generation_prompt=False,
+                            **values):
+                        rendered.append(piece)
+            except self._errors as e:
+                raise ValueError(f"the chat template refused the conversation: {e}") from None
+            return "".join(rendered), spans
+        text = self.render(messages, add_generation_prompt=False, **variables)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            head = self.render(messages[:i], add_generation_prompt=True, **variables)
+            through = self.render(messages[:i + 1], add_generation_prompt=False, **variables)
+            if not (through.startswith(head) and text.startswith(through)):
+                raise ValueError(f"the chat template renders message {i + 1} (the assistant's) "
+                                 f"differently in the whole conversation than after the "
+                                 f"messages before it, so its tokens cannot be told apart; a "
+                                 f"template with {{% generation %}} blocks marks them itself")
+            spans.append((len(head), len(through)))
+        return text, spans
+
+
+def _has_generation_blocks(env, source):
+    """Whether ``source`` opens a {% generation %} block (the lexer's view: the word in a
+    string or in text does not count)."""
+    tokens = [(kind, value) for _, kind, value in env.lex(source) if kind != "whitespace"]
+    return any(kind == "block_begin" and tokens[k + 1] == ("name", "generation")
+               for k, (kind, _) in enumerate(tokens[:-1]))
+
+
+def conversation_tokens(template, tokenizer, messages, **variables):
+    """(ids, trained) of a conversation for training: the int32 ids of its whole text as
+    transformers' ``apply_chat_template(messages, tokenize=True)`` gives them (the text
+    tokenized once, no special tokens added beyond the template's) and a bool per token,
+    True for the assistant's (``ChatTemplate.assistant_spans``; a token counts as the
+    assistant's when any of its characters lies in an assistant span).  Without
+    {% generation %} blocks, the tokens after a turn's last special token are not
+    trained.  ``tokenizer``: a ``gpt2.tokenizer.HFTokenizer`` (its offsets and special
+    tokens)."""
+    text, spans = template.assistant_spans(messages, **variables)
+    ids, offsets = tokenizer.encode_offsets(text)
+    trained = np.zeros(ids.size, dtype=bool)
+    special = None if template.marks_generation else tokenizer.special_token_ids()
+    for start, end in spans:
+        inside = np.flatnonzero((offsets[:, 0] < end) & (offsets[:, 1] > start))
+        if special is not None and inside.size:
+            markers = [k for k in inside if int(ids[k]) in special]
+            if markers:
+                inside = inside[inside <= markers[-1]]
+        trained[inside] = True
+    return ids, trained

@@ -57,7 +57,7 @@ import zlib
 
 import numpy as np
 
-from adtape import buffers
+from adtape import buffers, nn
 from gpt2 import checkpoint as ckpt
 from gpt2.offload import MomentOffload
 from gpt2.params import ParamArena, layer_major_offsets, num_parameters
@@ -515,7 +515,13 @@ class DataParallelTrainer:
         ``grad_accum`` N > 1: this rank's B/ranks rows run as N micro-batches, their
         gradients summed locally; only the last micro-batch's backward launches the
         bucket collectives (the hooks are off during the others), so the gradients
-        cross the network once per step, as without accumulation."""
+        cross the network once per step, as without accumulation.
+
+        Targets of IGNORE_INDEX take no loss: each micro-batch's loss sum divides by
+        1/(ranks x N) of the global batch's counted targets (every rank has the global
+        batch), so that the summed gradients, scaled by 1/(ranks x N) in AdamW, are the
+        global batch's mean; with nothing ignored that share is a micro-batch's size, the
+        plain mean of each."""
         MPI = self.MPI
         model = self.model
         inputs, targets = np.asarray(inputs), np.asarray(targets)
@@ -526,6 +532,7 @@ class DataParallelTrainer:
         # The rows of wte the encoder may write: of the global batch, so that every rank
         # reduces the same rows (see _wte_hook).
         batch_rows = np.unique(inputs)
+        share = nn.loss_denominator(targets) / (self.size * grad_accum)
         inputs, targets = inputs[rows], targets[rows]
         if self.moments is not None:
             self.moments.read_ahead()     # the shard's first units, while the step computes
@@ -539,7 +546,8 @@ class DataParallelTrainer:
                 if i == len(micro) - 1:
                     self._pending = list(self._initial_pending)
                     self._batch_rows = batch_rows
-                loss += model.loss_and_grad(inputs[part], targets[part])
+                loss += model.loss_and_grad(inputs[part], targets[part],
+                                            loss_denominator=share)
             if grad_accum > 1:
                 loss /= grad_accum
             # Buckets no hook launched (the manual engine has no hooks), in reverse

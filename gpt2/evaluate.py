@@ -8,6 +8,11 @@ tokens[k*T : k*T + T + 1], as gpt2.data.DataLoader), B windows per batch, the la
 with fewer rows where the windows run out, and the tokens left after the last whole window
 (fewer than T) make one shorter window at the end.  The loss is the mean cross-entropy over
 every predicted token (nats per token), as training computes it: no token is masked.
+
+A JSONL file of chat or prompt/completion examples (``gpt2.data.Examples``) is evaluated
+as training's validation reads it: every example in order, one a row of T positions (cut
+to T+1 tokens, padded), B a batch, and the loss is the mean over their trained tokens
+only (the assistant's, the completions').
 """
 import argparse
 import dataclasses
@@ -38,7 +43,11 @@ and model.safetensors: GPT-2, Llama, Qwen2) or an llm.c model file (gpt2_124M.bi
 EPILOG = """\
 The file is read as training reads --data: .bin an llm.c token file, .jsonl one {"text": ...}
 record a line (each tokenized on its own, after the tokenizer's end-of-text token where it
-has one; windows may cross records), anything else UTF-8 text.  It is cut into the windows
+has one; windows may cross records), anything else UTF-8 text.  A .jsonl file with
+{"messages": [...]} or {"prompt": ..., "completion": ...} lines is examples, as gpt2-train
+reads them (the chat template of the tokenizer's directory): one example a row of T
+positions, in order, and the loss counts their trained tokens only (the assistant's, the
+completions').  It is cut into the windows
 of training's DataLoader, in order: non-overlapping windows of T+1 tokens, B per batch; the
 tokens after the last whole window (fewer than T) are evaluated as one shorter window, so
 the whole file is every token but the first.  The loss is the mean cross-entropy in nats
@@ -119,6 +128,34 @@ class Batch:
         return np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
 
 
+@dataclasses.dataclass(frozen=True)
+class ExampleBatch:
+    """``rows`` examples of an ExampleLoader from its ``first``, one a row of ``length``
+    positions; ``predicted``: their trained targets."""
+
+    first: int
+    rows: int
+    length: int
+    predicted: int
+
+    def arrays(self, loader):
+        """(inputs, targets), int32 (rows, length), targets IGNORE_INDEX where untrained."""
+        return loader.rows(range(self.first, self.first + self.rows))
+
+
+def example_batches(loader, batch_size):
+    """The batches that cover every example ``loader`` (split "all", in order) keeps,
+    ``batch_size`` a batch (the last may have fewer)."""
+    from adtape.nn import IGNORE_INDEX
+    batches = []
+    for first in range(0, loader.num_windows, batch_size):
+        rows = min(batch_size, loader.num_windows - first)
+        _, targets = loader.rows(range(first, first + rows))
+        batches.append(ExampleBatch(first, rows, loader.seq_len,
+                                    int(np.count_nonzero(targets != IGNORE_INDEX))))
+    return batches
+
+
 def window_batches(n_tokens, batch_size, seq_len):
     """The batches that cover a file of ``n_tokens`` (at least 2), in order: DataLoader's
     windows, ``batch_size`` a batch (the last batch may have fewer), then the rest of the
@@ -145,8 +182,9 @@ class Evaluation:
 
 
 def evaluate(model, tokens, batches, progress=None):
-    """The mean loss of ``model`` over ``batches`` of ``tokens``, weighted by their tokens;
-    ``progress(batch)`` is called after each."""
+    """The mean loss of ``model`` over ``batches`` of ``tokens`` (or ``ExampleBatch``es of an
+    ExampleLoader), weighted by their predicted tokens; ``progress(batch)`` is called after
+    each."""
     total, count = 0.0, 0
     t0 = time.perf_counter()
     for batch in batches:
@@ -237,8 +275,14 @@ def run(args, progress_bar=True):
                          f"r50k_base.tiktoken for GPT-2, a tokenizer.json or tokenizer.model)")
     tokenizer, tokenizer_name = _load_tokenizer(args, source)
     from gpt2 import data
-    with blame("--data"):
-        tokens = data.file_tokens(args.data, tokenizer)
+    from gpt2.tokenizer import tokenizer_file
+    # Its chat template and special tokens, for examples.
+    tokenizer_dir = (os.path.dirname(os.path.abspath(tokenizer_file(tokenizer_name)))
+                     if tokenizer_name != "bytes" else None)
+    with blame("--data", INPUT_ERRORS + (ImportError,)):
+        found = data.read_data(args.data, tokenizer, tokenizer_dir)
+    examples = isinstance(found, data.Examples)
+    tokens = found.ids if examples else found
     if tokens.size < 2:
         raise UsageError(f"--data {args.data}: {tokens.size} token{'s' if tokens.size else ''}; "
                          f"evaluating needs at least 2 (one to predict from)")
@@ -250,7 +294,16 @@ def run(args, progress_bar=True):
     if seq_len > config.block_size:
         raise UsageError(f"-T {seq_len} exceeds the model's block_size {config.block_size}")
     batch_size = args.batch_size or max(1, TOKENS_PER_BATCH // seq_len)
-    batches = window_batches(tokens.size, batch_size, seq_len)
+    if examples:
+        with blame("--data"):
+            source_data = data.ExampleLoader(found, 1, seq_len, config.vocab_size, split="all",
+                                             shuffle=False)
+        batches = example_batches(source_data, batch_size)
+        predictable = sum(b.predicted for b in batches)
+    else:
+        source_data = tokens
+        batches = window_batches(tokens.size, batch_size, seq_len)
+        predictable = int(tokens.size) - 1
     chosen = batches[:args.max_batches] if args.max_batches else batches
 
     ftz_before = _openmp.flush_denormal_enabled()
@@ -270,8 +323,10 @@ def run(args, progress_bar=True):
                         f"{num_parameters(config) / 1e6:.2f}M parameters, {config.describe()}; "
                         f"-B {batch_size} -T {seq_len}, {n_threads} threads", flush=True)
                 print(f"data: {args.data}, {tokens.size:,} tokens (tokenizer {tokenizer_name}): "
-                      f"{_describe_batches(chosen, batches)}", flush=True)
-            result = _evaluate_with_bar(model, tokens, chosen,
+                      + (f"{found.describe_kinds()}, {source_data.describe()}; "
+                         if examples else "")
+                      + f"{_describe_batches(chosen, batches)}", flush=True)
+            result = _evaluate_with_bar(model, source_data, chosen,
                                         progress_bar and not args.no_progress)
         finally:
             model.close()
@@ -285,7 +340,7 @@ def run(args, progress_bar=True):
             "tokenizer": tokenizer_name, "B": batch_size, "T": seq_len, "threads": n_threads,
             "loss": result.loss, "perplexity": result.perplexity,
             "tokens": result.tokens, "file_tokens": int(tokens.size),
-            "predictable_tokens": int(tokens.size) - 1, "whole_file": whole,
+            "predictable_tokens": predictable, "whole_file": whole,
             "batches": result.batches, "file_batches": len(batches),
             "seconds": result.seconds,
             "tokens_per_s": result.tokens / result.seconds if result.seconds > 0 else None}

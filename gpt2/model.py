@@ -201,7 +201,8 @@ class Model:
     # -- inputs ---------------------------------------------------------------
 
     def check_batch(self, inputs, targets=None):
-        """Validate a batch: int32-convertible (B, T) ids in range, T <= block_size."""
+        """Validate a batch: int32-convertible (B, T) ids in range, T <= block_size; a
+        target may also be ``nn.IGNORE_INDEX`` (-100): a position without loss."""
         cfg = self.config
         inputs = np.asarray(inputs)
         if inputs.ndim != 2:
@@ -225,9 +226,11 @@ class Model:
             raise ValueError(f"targets shape {targets.shape} does not match inputs {inputs.shape}")
         if not np.issubdtype(targets.dtype, np.integer):
             raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
-        if targets.min() < 0 or targets.max() >= cfg.vocab_size:
-            raise ValueError(f"target token ids must lie in [0, {cfg.vocab_size}), got ids in "
-                             f"[{targets.min()}, {targets.max()}]")
+        bad = ((targets < 0) | (targets >= cfg.vocab_size)) & (targets != nn.IGNORE_INDEX)
+        if bad.any():
+            raise ValueError(f"target token ids must lie in [0, {cfg.vocab_size}) or be "
+                             f"IGNORE_INDEX ({nn.IGNORE_INDEX}: no loss), got "
+                             f"{int(targets[bad][0])}")
         return inputs, np.ascontiguousarray(targets, dtype=np.int32)
 
     def _activations(self, B, T):
@@ -239,7 +242,8 @@ class Model:
     # -- forward only -----------------------------------------------------------
 
     def forward(self, inputs, targets=None):
-        """Logits (B, T, Vp) - a view valid until the next call - and the mean loss if targets."""
+        """Logits (B, T, Vp) - a view valid until the next call - and the mean loss if
+        targets (over the targets that are not IGNORE_INDEX)."""
         inputs, targets = self.check_batch(inputs, targets)
         self.finish_update()
         # bf16 products run in the tape engine's ops only: the hand-sequenced forward
@@ -250,7 +254,8 @@ class Model:
         B, T = inputs.shape
         a = self._activations(B, T)
         self._forward_manual(a, inputs, targets)
-        return a.logits, (float(a.losses.mean()) if targets is not None else None)
+        return a.logits, (float(a.losses.sum() / nn.loss_denominator(targets))
+                          if targets is not None else None)
 
     def _forward_tape(self, inputs, targets):
         # The tape engine's ops with nothing recorded (the families without a
@@ -258,7 +263,7 @@ class Model:
         from adtape.tensor import no_grad
         with no_grad():
             logits = self._engine().forward_logits(inputs)
-            loss = (nn.softmax_cross_entropy(logits, targets, self.config.vocab_size).mean()
+            loss = (nn.mean_cross_entropy(logits, targets, self.config.vocab_size)
                     if targets is not None else None)
         return logits.data, (float(loss.data) if loss is not None else None)
 
@@ -271,9 +276,12 @@ class Model:
 
     # -- loss and gradient --------------------------------------------------------
 
-    def loss_and_grad(self, inputs, targets):
-        """Mean cross-entropy loss; its gradient is accumulated into ``self.grads``."""
+    def loss_and_grad(self, inputs, targets, loss_denominator=None):
+        """Mean cross-entropy loss over the targets that are not IGNORE_INDEX (or their
+        sum over ``loss_denominator``: ``nn.loss_denominator``); its gradient is
+        accumulated into ``self.grads``."""
         inputs, targets = self.check_batch(inputs, targets)
+        denominator = nn.loss_denominator(targets, loss_denominator)
         if self.engine == "manual" or self._tape_engine is None:
             # The tape engine applies a pending offloaded update block by block as its
             # forward pass reaches each; the other paths apply it whole first.
@@ -288,14 +296,14 @@ class Model:
             a = self._activations(B, T)
             self._forward_manual(a, inputs, targets)
             try:
-                self._backward_manual(a, inputs, targets, fresh)
+                self._backward_manual(a, inputs, targets, denominator, fresh)
             except BaseException:
                 if fresh:       # part-written: make them zeros plus what was added
                     self.zero_grad()
                     self._grads_fresh = False
                 raise
-            return float(a.losses.mean())
-        return self._engine().loss_and_grad(inputs, targets, fresh)
+            return float(a.losses.sum() / denominator)
+        return self._engine().loss_and_grad(inputs, targets, fresh, denominator)
 
     def zero_grad(self, deferred=False):
         """Zero the gradients; ``deferred=True`` only marks them as zero, and the next
@@ -395,16 +403,23 @@ class Model:
         ``grad_accum`` N > 1: the batch's B rows run as N micro-batches of B/N rows (the
         activations of one micro-batch at a time), their gradients summed in
         ``self.grads`` (the first backward writes them, the others add), then one
-        clipping and one AdamW on the sum scaled by 1/N: the mean of the micro-batch
-        gradients, which is the whole batch's.  The loss returned is the mean of the
-        micro-batch losses (the whole batch's mean: the micro-batches are equal-sized).
+        clipping and one AdamW on the sum scaled by 1/N: the whole batch's gradient, as
+        is the loss returned (see the last paragraph).
 
         The zeroing is deferred (``zero_grad(deferred=True)``): the backward kernels
         write the gradients instead of adding them into zeros, which saves two passes
         over the gradient arena.  Clipping (global norm at most ``grad_clip``) scales
         the gradients inside AdamW rather than rewriting them first, which saves two
         more; the update is the same to the bit.  After the step ``self.grads`` holds
-        the gradient as the backward left it, before clipping."""
+        the gradient as the backward left it, before clipping.
+
+        Targets of IGNORE_INDEX take no loss, and the loss is the mean over the others
+        of the whole batch: each micro-batch's loss sum divides by 1/N of the whole
+        batch's count (``loss_and_grad(..., loss_denominator=)``), so micro-batches
+        with more counted targets weigh more, and the 1/N in AdamW (and over the
+        returned losses) makes the sum the whole batch's mean.  With nothing ignored,
+        1/N of the count is a micro-batch's own size: each is its plain mean, to the
+        bit."""
         micro = micro_batches(np.shape(inputs)[0] if np.ndim(inputs) else 0, grad_accum)
         if grad_accum > 1 and self.offload == "all":
             raise NotImplementedError("with offload='all' each backward pass writes the "
@@ -415,7 +430,8 @@ class Model:
         if grad_accum == 1:
             loss = self.loss_and_grad(inputs, targets)
         else:
-            loss = sum(self.loss_and_grad(inputs[rows], targets[rows])
+            share = nn.loss_denominator(targets) / grad_accum
+            loss = sum(self.loss_and_grad(inputs[rows], targets[rows], loss_denominator=share)
                        for rows in micro) / grad_accum
         norm, scale = None, 1.0
         if grad_clip:
@@ -468,13 +484,13 @@ class Model:
             loss_kernels.softmax_crossentropy_forward(a.losses, a.lse, a.logits, targets,
                                                       cfg.vocab_size)
 
-    def _backward_manual(self, a, inputs, targets, fresh=False):
-        # fresh: the parameter gradients count as zero, so each one's first write
-        # overwrites it.  Activation gradients are always written first, then added to.
+    def _backward_manual(self, a, inputs, targets, denominator, fresh=False):
+        # The gradient of the losses' sum over ``denominator``; fresh: the parameter
+        # gradients count as zero, so each one's first write overwrites it.  Activation
+        # gradients are always written first, then added to.
         p, g, cfg = self.params, self.grads, self.config
-        B, T = inputs.shape
         NH = cfg.n_head
-        a.d_losses.fill(1.0 / (B * T))
+        a.d_losses.fill(1.0 / denominator)
         # dlogits overwrite the logits in place: they are not needed afterwards.
         loss_kernels.softmax_crossentropy_backward(a.logits, a.d_losses, a.logits, a.lse,
                                                    targets, cfg.vocab_size)

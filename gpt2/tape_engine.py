@@ -164,21 +164,23 @@ class TapeEngine:
         self._ready("head")
         return self.ops.head(x, self.globals)
 
-    def forward_loss(self, inputs, targets):
-        """The mean loss as a recorded Tensor (call inside ``with self.optape``)."""
+    def forward_loss(self, inputs, targets, denominator=None):
+        """The mean loss over the targets that are not IGNORE_INDEX (or their sum over
+        ``denominator``: ``nn.mean_cross_entropy``) as a recorded Tensor (call inside
+        ``with self.optape``)."""
         logits = self.forward_logits(inputs)
-        return nn.softmax_cross_entropy(logits, targets, self.config.vocab_size).mean()
+        return nn.mean_cross_entropy(logits, targets, self.config.vocab_size, denominator)
 
-    def loss_and_grad(self, inputs, targets, fresh=False):
-        """The mean loss; its gradient is added into the leaves' ``.grad`` (written over
-        them when ``fresh``: they count as zero)."""
+    def loss_and_grad(self, inputs, targets, fresh=False, denominator=None):
+        """The mean loss (``forward_loss``); its gradient is added into the leaves'
+        ``.grad`` (written over them when ``fresh``: they count as zero)."""
         leaves = self.leaves()
         if fresh:
             for leaf in leaves:
                 leaf.zero_grad(deferred=True)
         try:
             with self.optape:
-                loss = self.forward_loss(inputs, targets)
+                loss = self.forward_loss(inputs, targets, denominator)
             self.model.finish_update()     # the backward writes the gradients it reads
             if self.model.moments is not None:
                 self.model.moments.read_ahead()

@@ -343,6 +343,7 @@ class HFTokenizer:
             raise ValueError(f"{self.path!r} holds no tokens")
         # Ids may be sparse: the vocabulary spans up to the largest one.
         self.vocab_size = max(vocab.values()) + 1
+        self._offsets_tokenizer = None      # encode_offsets's copy, made on first use
 
     def encode(self, text, add_special_tokens=False):
         """Token ids of ``text``; ``add_special_tokens``: with what the tokenizer's
@@ -357,6 +358,27 @@ class HFTokenizer:
         """The id of the token whose text is ``token`` (an added token such as
         ``<|endoftext|>``), or None where the vocabulary lacks it."""
         return self._tokenizer.token_to_id(token)
+
+    def encode_offsets(self, text):
+        """(ids, offsets): ``encode(text)``'s ids and each token's span of characters in
+        ``text``, an int64 (n, 2) array of [start, end).  The spans are the pre-tokenizer's,
+        untrimmed (a ByteLevel post-processor's trim_offsets would shrink a space token to
+        nothing): the tokens tile the text."""
+        _check_text(text, "HFTokenizer")
+        if self._offsets_tokenizer is None:
+            # The post-processor adds no ids without special tokens; it only trims offsets.
+            tokenizers = _optional_import("tokenizers", f"the tokenizer file {self.path!r}")
+            self._offsets_tokenizer = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
+            self._offsets_tokenizer.post_processor = None
+        encoding = self._offsets_tokenizer.encode(text, add_special_tokens=False)
+        return (np.asarray(encoding.ids, dtype=np.int32),
+                np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2))
+
+    def special_token_ids(self):
+        """The ids of the tokenizer's special added tokens (``<|im_end|>``, ``<|eot_id|>``,
+        ...), as a frozenset."""
+        return frozenset(i for i, token in self._tokenizer.get_added_tokens_decoder().items()
+                         if token.special)
 
     def decode(self, ids):
         ids = _ids_array(ids, self.vocab_size, "HFTokenizer")

@@ -56,7 +56,9 @@ def learning_rate(step, args):
 
 
 def load_tokens(args, config=None):
-    """(tokens, tokenizer) for --data/--tokenizer, or the built-in corpus.
+    """(tokens, tokenizer) for --data/--tokenizer, or the built-in corpus; the tokens are
+    ``gpt2.data.Examples`` for a JSONL file of chat or prompt/completion records, whose
+    chat template is the tokenizer directory's.
 
     Without --tokenizer, an --init-from model directory's own tokenizer (tokenizer.json,
     else tokenizer.model) is used, and args.tokenizer names it so that --resume reads it too.
@@ -82,8 +84,15 @@ def load_tokens(args, config=None):
     if args.data is None:
         with blame("--corpus-bytes"):
             return data.default_corpus_tokens(tokenizer, max_bytes=args.corpus_bytes), tokenizer
-    with blame("--data"):
-        return data.file_tokens(args.data, tokenizer), tokenizer
+    with blame("--data", INPUT_ERRORS + (ImportError,)):
+        return data.read_data(args.data, tokenizer, _tokenizer_dir(args)), tokenizer
+
+
+def _tokenizer_dir(args):
+    """The directory of the run's tokenizer file (its tokenizer_config.json: special tokens,
+    chat template), or None for bytes."""
+    return (os.path.dirname(os.path.abspath(args.tokenizer))
+            if args.tokenizer not in (None, "bytes") else None)
 
 
 def sample(model, prompt_ids, n_tokens, temperature, top_k, rng, stop_ids=()):
@@ -108,8 +117,7 @@ def _sample_start(args, tokenizer):
     from gpt2 import chat
     from gpt2 import tokenizer as tok
     from gpt2.generate import sequence_ids
-    tokenizer_dir = (os.path.dirname(os.path.abspath(args.tokenizer))
-                     if args.tokenizer not in (None, "bytes") else None)
+    tokenizer_dir = _tokenizer_dir(args)
     model_dir = args.init_from if args.init_from and os.path.isdir(args.init_from) else None
     with blame("the tokenizer's special tokens"):
         special = chat.special_tokens(tokenizer_dir) if tokenizer_dir else {}
@@ -141,22 +149,34 @@ def _describe_tokenizer(args, tokenizer, config):
 
 
 def evaluate(model, loader, n_batches):
+    """The mean loss over the next ``n_batches`` of ``loader``: each batch's mean weighted
+    by its targets that count (all of them, but for examples' IGNORE_INDEX)."""
     import numpy as np
-    losses = []
+    from adtape.nn import loss_denominator
+    losses, counts = [], []
     for _ in range(n_batches):
         x, y = loader.next_batch()
         _, loss = model.forward(x, y)
         losses.append(loss)
-    return float(np.mean(losses))
+        counts.append(loss_denominator(y))
+    return float(np.average(losses, weights=counts))
 
 
 def _describe_validation(args, val):
     """The header's line on what each evaluation covers of the validation split."""
+    from gpt2.data import ExampleLoader
     from gpt2.evaluate import describe_coverage
     B, T, n_tokens = args.batch_size, args.seq_len, val.tokens.size
     n_batches = min(args.eval_batches, val.num_batches)
     split = (f"--val-data {args.val_data}" if args.val_data is not None
              else f"the last {100 * args.val_fraction:g}% of the data")
+    if isinstance(val, ExampleLoader):
+        n_examples = val.num_windows
+        return (f"validation: {n_batches:,} batch{'es' if n_batches != 1 else ''} of {B} "
+                f"examples = {n_batches * B:,} of {n_examples:,} "
+                f"({100 * n_batches * B / n_examples:.1f}%) of {split}, every "
+                f"{args.eval_interval} steps and at the end; the loss of their trained "
+                f"tokens")
     text = (f"validation: {describe_coverage(n_batches, B, T, n_tokens)} of {split}, every "
             f"{args.eval_interval} steps and at the end")
     if n_batches < val.num_batches:
@@ -304,7 +324,7 @@ def _choose_precision(args, n_threads):
 def _prepare(args, explicit, comm=None):
     """Check the options and read the inputs; None when a resumed run has nothing left to do."""
     from gpt2 import checkpoint as ckpt
-    from gpt2.data import DataLoader, split_sizes
+    from gpt2.data import Examples, make_loader, split_sizes
     resumed, memory_from_checkpoint, own_save_hf = None, (), False
     if args.resume:
         if args.init_from:
@@ -409,25 +429,25 @@ def _prepare(args, explicit, comm=None):
     tokens, tokenizer = load_tokens(args, config)
     if args.save_gguf:
         _check_save_gguf(args, config)
-    if tokens.size and int(tokens.max()) >= config.vocab_size:
-        raise UsageError(f"the data has token id {int(tokens.max())}, outside the model's "
-                         f"vocabulary of {config.vocab_size}; use a matching --tokenizer")
+    _check_ids(tokens, "the data", config)
     val_tokens = None
     if args.val_data is not None and args.eval_interval:
-        from gpt2.data import file_tokens
-        with blame("--val-data"):
-            val_tokens = file_tokens(args.val_data, tokenizer)
-        if val_tokens.size and int(val_tokens.max()) >= config.vocab_size:
-            raise UsageError(f"--val-data has token id {int(val_tokens.max())}, outside the "
-                             f"model's vocabulary of {config.vocab_size}; use a matching "
-                             f"--tokenizer")
+        from gpt2.data import read_data
+        with blame("--val-data", INPUT_ERRORS + (ImportError,)):
+            val_tokens = read_data(args.val_data, tokenizer, _tokenizer_dir(args))
+        _check_ids(val_tokens, "--val-data", config)
+    # The splits of text (ExampleLoader counts the examples a batch can take itself).
+    sizes = []
+    if not isinstance(tokens, Examples):
+        n_train, n_val = split_sizes(tokens.size, args.val_fraction)
+        sizes.append(("training", n_train))
+        if val_tokens is None and args.eval_interval:
+            sizes.append(("validation", n_val))
+    if val_tokens is not None and not isinstance(val_tokens, Examples):
+        sizes.append(("validation", val_tokens.size))
     needed = args.batch_size * args.seq_len + 1
-    n_train, n_val = split_sizes(tokens.size, args.val_fraction)
-    if val_tokens is not None:
-        n_val = val_tokens.size
-    for split, n, wanted in (("training", n_train, True),
-                             ("validation", n_val, bool(args.eval_interval))):
-        if wanted and n < needed:
+    for split, n in sizes:
+        if n < needed:
             raise UsageError(f"the {split} data has {n} tokens, too few for one batch of "
                              f"-B {args.batch_size} x -T {args.seq_len} (needs {needed}); use a "
                              f"smaller -B or -T, more data, or another --val-fraction")
@@ -438,18 +458,22 @@ def _prepare(args, explicit, comm=None):
         raise UsageError(f"--prompt {args.prompt!r} has token id {max(prompt_ids)}, outside "
                          f"the model's vocabulary of {config.vocab_size}; use a matching "
                          f"--tokenizer, or --sample-tokens 0")
-    train = DataLoader(tokens, args.batch_size, args.seq_len, config.vocab_size, split="train",
-                       val_fraction=args.val_fraction, seed=args.seed)
+    with blame("--data"):
+        train = make_loader(tokens, args.batch_size, args.seq_len, config.vocab_size,
+                            split="train", val_fraction=args.val_fraction, seed=args.seed)
     if resumed is not None and resumed.data_state:
         with blame("--resume"):
             train.load_state(resumed.data_state)
     val = None
     if val_tokens is not None:
-        val = DataLoader(val_tokens, args.batch_size, args.seq_len, config.vocab_size,
-                         split="all", shuffle=False, seed=args.seed)
+        with blame("--val-data"):
+            val = make_loader(val_tokens, args.batch_size, args.seq_len, config.vocab_size,
+                              split="all", shuffle=False, seed=args.seed)
     elif args.eval_interval:
-        val = DataLoader(tokens, args.batch_size, args.seq_len, config.vocab_size, split="val",
-                         val_fraction=args.val_fraction, shuffle=False, seed=args.seed)
+        with blame("--data"):
+            val = make_loader(tokens, args.batch_size, args.seq_len, config.vocab_size,
+                              split="val", val_fraction=args.val_fraction, shuffle=False,
+                              seed=args.seed)
     plan = None
     if args.max_memory is not None:
         import psutil
@@ -485,6 +509,15 @@ def _prepare(args, explicit, comm=None):
                      stop_ids=stop_ids, from_bos=from_bos, train=train, val=val, plan=plan,
                      memory_from_checkpoint=memory_from_checkpoint, export_source=export_source,
                      own_save_hf=own_save_hf, lora=lora)
+
+
+def _check_ids(tokens, what, config):
+    """A UsageError where the data (a token array or Examples) holds an id outside the
+    model's vocabulary."""
+    ids = getattr(tokens, "ids", tokens)
+    if ids.size and int(ids.max()) >= config.vocab_size:
+        raise UsageError(f"{what} has token id {int(ids.max())}, outside the model's "
+                         f"vocabulary of {config.vocab_size}; use a matching --tokenizer")
 
 
 RUN_OUTPUTS = ("checkpoint.bin", "log.csv", "summary.json", "loss.png")
@@ -844,6 +877,7 @@ def _train_model(args, inputs, model, n_threads, comm=None):
 
     from gpt2 import checkpoint as ckpt
     from gpt2 import distributed
+    from gpt2.data import Examples
     from gpt2.evaluate import perplexity
     from gpt2.params import num_parameters as _num_parameters
     from kernels import blas_dispatch
@@ -852,8 +886,10 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     if inputs.params is not None:
         model.set_params(inputs.params)
     adapter_dir = os.path.join(args.out_dir, "adapter")
+    examples = isinstance(inputs.tokens, Examples)
+    data_ids = inputs.tokens.ids if examples else inputs.tokens
     # Over MPI: every rank trains its rows of the global batch; rank 0 alone writes.
-    trainer = distributed.trainer_from_args(model, comm, args, inputs.tokens)
+    trainer = distributed.trainer_from_args(model, comm, args, data_ids)
     writer = trainer is None or trainer.rank == 0
     start_step = 0
     if inputs.resumed is not None:
@@ -901,8 +937,12 @@ def _train_model(args, inputs, model, n_threads, comm=None):
           f"engine={args.engine}, precision {inputs.precision[0]} ({inputs.precision[1]}), "
           f"memory: "
           f"{describe_memory_policy(args, inputs.plan, inputs.memory_from_checkpoint)}, "
-          f"corpus {inputs.tokens.size:,} tokens"
+          + (f"data {inputs.tokens.describe_kinds()} ({data_ids.size:,} tokens)" if examples
+             else f"corpus {data_ids.size:,} tokens")
           + (f"; resuming at step {start_step}" if start_step else ""), flush=True)
+    if examples:
+        print(f"training split: {train.describe()}; the loss counts the trained tokens only "
+              f"(the assistant's, the completions')", flush=True)
     for line in _describe_tokenizer(args, inputs.tokenizer, config):
         print(line, flush=True)
     if val is not None:

@@ -55,6 +55,21 @@ cosine ends at the saved run's --steps and stays at --min-lr after it, unless
 --decay-steps is given. --save-hf and --save-dtype are the saved run's too; with --resume of
 a run already at --steps, --save-hf writes the model directory without training.
 
+Chat and instruction data: a --data JSONL file with a {{"messages": [...]}} or {{"prompt": ...,
+"completion": ...}} line is read as examples, one a row of -T tokens (an example longer than
+T+1 tokens is cut, one with no trained token left is dropped; the header counts both and
+the share of padding), each padded after its end. "messages" (roles system, user,
+assistant, tool) are rendered by the chat template of the tokenizer's directory (--tokenizer
+DIR, or --init-from DIR: tokenizer_config.json's chat_template or chat_template.jinja), as
+transformers' apply_chat_template; the loss counts each assistant message's tokens and the
+end-of-turn token that closes it ({{% generation %}} blocks where the template has them), not
+the headers, the other messages or a default system prompt. A prompt/completion trains the
+completion and the tokenizer's end-of-sequence token after it. {{"text": ...}} lines in such a
+file are examples whose tokens all count; a file of {{"text": ...}} lines alone is one stream
+of tokens, as a text file. The loss is the mean over the counted tokens of the whole batch
+(--grad-accum weighs micro-batches by their counted tokens); validation reports it on the
+same masking.
+
 Ctrl-C (SIGINT) or SIGTERM finishes the current step, saves a checkpoint and exits with
 status 130 (143 for SIGTERM), saying how to resume; a second Ctrl-C stops at once and keeps
 the last checkpoint saved. One during the final save lets it finish and exits 130 without
@@ -201,8 +216,12 @@ def build_parser(prog=None):
                          "then run in bf16 (default: %(default)s)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, metavar="FILE",
-                   help="a text file, a JSONL file of {\"text\": ...} records (.jsonl) or an llm.c "
-                        "token file (.bin) (default: the built-in corpus)")
+                   help="a text file, a JSONL file (.jsonl) or an llm.c token file (.bin); a JSONL "
+                        "line is {\"text\": ...}, or a chat or instruction example "
+                        "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]} or "
+                        "{\"prompt\": ..., \"completion\": ...} whose loss counts only the "
+                        "assistant's or the completion's tokens (see below) (default: the "
+                        "built-in corpus)")
     d.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="'bytes', a tiktoken file (r50k_base.tiktoken) for GPT-2 BPE, or a "
                         "Hugging Face tokenizer.json or SentencePiece tokenizer.model (needs "

@@ -3,7 +3,9 @@
 The forward reads each row of logits once (an online max and sum of exponentials over
 L1-sized chunks) and saves the row's log-sum-exp; the backward turns it straight into
 the softmax gradient, optionally in place over the logits so the (B,T,Vp) buffer is not
-needed twice.  Columns V..Vp-1 (vocabulary padding) are ignored.  Rows run in sixteen-lane
+needed twice.  Columns V..Vp-1 (vocabulary padding) are ignored, and so is a row whose
+target is ``IGNORE_INDEX`` (-100, PyTorch's ``ignore_index`` default: padding and prompt
+positions of chat data): its loss is 0 and its gradient 0, whatever its ``dlosses``.  Rows run in sixteen-lane
 vectors where the CPU has AVX-512, else in eight (AVX2+FMA where the CPU has it; see
 kernels/loss_lanes.h and kernels.set_vector_lanes); the serial ``_naive`` twins use libm's
 exp and also accept float64, for the finite-difference tests.
@@ -11,14 +13,18 @@ exp and also accept float64, for the finite-difference tests.
 from cython.parallel cimport prange
 from libc.math cimport logf, exp, log, INFINITY
 from libc.stdint cimport int32_t
+from libc.string cimport memset
 
 cimport numpy as cnp
 from cython cimport floating
 
-from kernels._common cimport (check_disjoint, checked_data, float_type, int32_within, lanes_kind,
-                              leading_size, resolve_threads, serial_if_small)
+from kernels._common cimport (check_disjoint, checked_data, float_type, lanes_kind, leading_size,
+                              resolve_threads, serial_if_small)
 
 cnp.import_array()
+
+# The target of a row that takes no loss (the C contract's CE_IGNORE_INDEX, kernels/loss.pxd).
+IGNORE_INDEX = CE_IGNORE_INDEX
 
 cdef extern from "simd.h":
     pass
@@ -73,7 +79,10 @@ cdef void _rows_forward(int kind, float* loss, float* lse, const float* x, const
     ce_rows_logsumexp(kind, x, Vp, V, rows, m, log_sum)
     for r in range(rows):
         lse[r] = m[r] + log_sum[r]
-        loss[r] = (m[r] - x[r * Vp + target[r]]) + log_sum[r]
+        if target[r] == CE_IGNORE_INDEX:
+            loss[r] = 0
+        else:
+            loss[r] = (m[r] - x[r * Vp + target[r]]) + log_sum[r]
 
 
 cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const float* logits,
@@ -94,6 +103,19 @@ cdef void softmax_crossentropy_forward_core(float* losses, float* lse, const flo
                       2 if r + 1 < N else 1)
 
 
+cdef inline void _row_backward(int kind, float* d, const float* x, float lse, float g,
+                               int32_t target, Py_ssize_t V, Py_ssize_t Vp,
+                               int overwrite) noexcept nogil:
+    # one row: (softmax - onehot(target)) g into d, or nothing (0 where overwriting) for a
+    # row without loss
+    if target == CE_IGNORE_INDEX:
+        if overwrite:
+            memset(d, 0, Vp * sizeof(float))
+        return
+    ce_row_backward(kind, d, x, lse, g, V, Vp, overwrite)
+    d[target] -= g
+
+
 cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosses,
                                              const float* logits, const float* lse,
                                              const int32_t* targets, Py_ssize_t N, Py_ssize_t V,
@@ -102,13 +124,12 @@ cdef void softmax_crossentropy_backward_core(float* dlogits, const float* dlosse
     cdef int kind = lanes_kind()
     if n_threads == 1:      # no parallel region (kernels._common's SERIAL)
         for r in range(N):
-            ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp,
-                            0)
-            dlogits[r * Vp + targets[r]] -= dlosses[r]
+            _row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r],
+                          targets[r], V, Vp, 0)
         return
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 0)
-        dlogits[r * Vp + targets[r]] -= dlosses[r]
+        _row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], targets[r],
+                      V, Vp, 0)
 
 
 cdef void softmax_crossentropy_backward_overwrite_core(float* dlogits, const float* dlosses,
@@ -121,17 +142,27 @@ cdef void softmax_crossentropy_backward_overwrite_core(float* dlogits, const flo
     cdef int kind = lanes_kind()
     if n_threads == 1:      # no parallel region (kernels._common's SERIAL)
         for r in range(N):
-            ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp,
-                            1)
-            dlogits[r * Vp + targets[r]] -= dlosses[r]
+            _row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r],
+                          targets[r], V, Vp, 1)
         return
     for r in prange(N, schedule='static', nogil=True, num_threads=n_threads):
-        ce_row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], V, Vp, 1)
-        dlogits[r * Vp + targets[r]] -= dlosses[r]
+        _row_backward(kind, dlogits + r * Vp, logits + r * Vp, lse[r], dlosses[r], targets[r],
+                      V, Vp, 1)
+
+
+cdef bint _targets_within(object targets, Py_ssize_t V) noexcept:
+    # every target in [0, V) or IGNORE_INDEX
+    cdef cnp.ndarray a = <cnp.ndarray>targets
+    cdef const int32_t* p = <const int32_t*>cnp.PyArray_DATA(a)
+    cdef Py_ssize_t i, n = cnp.PyArray_SIZE(a)
+    for i in range(n):
+        if (p[i] < 0 or p[i] >= V) and p[i] != CE_IGNORE_INDEX:
+            return False
+    return True
 
 
 cdef tuple _check_logits(logits, targets, V, int ft):
-    # -> (N, Vp, leading shape); targets must lie in [0, V)
+    # -> (N, Vp, leading shape); targets must lie in [0, V) or be IGNORE_INDEX
     checked_data("logits", logits, ft, None, False)
     if logits.ndim not in (2, 3):
         raise ValueError(f"logits must have shape (B, T, Vp) or (N, Vp), got {logits.shape}")
@@ -140,9 +171,11 @@ cdef tuple _check_logits(logits, targets, V, int ft):
     if not isinstance(V, int) or isinstance(V, bool) or not 1 <= V <= Vp:
         raise ValueError(f"V must be an integer in [1, Vp={Vp}], got {V!r}")
     checked_data("targets", targets, cnp.NPY_INT32, lead, False)
-    if not int32_within(targets, V):
-        raise ValueError(f"targets must lie in [0, V={V}), got values in "
-                         f"[{targets.min()}, {targets.max()}]")
+    if not _targets_within(targets, V):
+        bad = targets[((targets < 0) | (targets >= V)) & (targets != CE_IGNORE_INDEX)]
+        raise ValueError(f"targets must lie in [0, V={V}) or be IGNORE_INDEX "
+                         f"({CE_IGNORE_INDEX}: no loss), got {bad.size} outside, such as "
+                         f"{int(bad[0])}")
     return leading_size(logits), Vp, lead
 
 
@@ -169,7 +202,8 @@ cdef tuple _check_backward(dlogits, dlosses, logits, lse, targets, V, int ft):
 
 def softmax_crossentropy_forward(losses, lse, logits, targets, V, *, n_threads=None):
     """losses[r] = logsumexp(logits[r, :V]) - logits[r, targets[r]]; lse[r] saved.
-    logits (B,T,Vp) or (N,Vp) with Vp >= V; targets int32 in [0, V)."""
+    logits (B,T,Vp) or (N,Vp) with Vp >= V; targets int32 in [0, V), or IGNORE_INDEX for
+    a row without loss (losses[r] = 0)."""
     cdef int nt = resolve_threads(n_threads)
     N, Vp = _check_forward(losses, lse, logits, targets, V, cnp.NPY_FLOAT32)
     nt = serial_if_small(nt, n_threads, N * Vp)
@@ -184,8 +218,8 @@ def softmax_crossentropy_forward(losses, lse, logits, targets, V, *, n_threads=N
 
 def softmax_crossentropy_backward(dlogits, dlosses, logits, lse, targets, V, *,
                                   bint overwrite=False, n_threads=None):
-    """dlogits += (softmax(logits[:, :V]) - onehot(targets)) * dlosses[:, None].
-    With ``overwrite``, or with dlogits being logits (the result then overwrites the
+    """dlogits += (softmax(logits[:, :V]) - onehot(targets)) * dlosses[:, None], nothing for
+    a row whose target is IGNORE_INDEX (0 where dlogits is set).  With ``overwrite``, or with dlogits being logits (the result then overwrites the
     logits), dlogits is set instead (its old contents never read) and its padded
     columns to 0; otherwise padded columns of dlogits are left unchanged."""
     cdef int nt = resolve_threads(n_threads)
@@ -218,7 +252,7 @@ def _forward_naive(floating[::1] losses, floating[::1] lse, const floating[:, ::
         for i in range(V):
             s += exp(logits[r, i] - m)
         lse[r] = m + log(s)
-        losses[r] = (m - logits[r, targets[r]]) + log(s)
+        losses[r] = 0 if targets[r] == CE_IGNORE_INDEX else (m - logits[r, targets[r]]) + log(s)
 
 
 def _backward_naive(floating[:, ::1] dlogits, const floating[::1] dlosses,
@@ -227,6 +261,11 @@ def _backward_naive(floating[:, ::1] dlogits, const floating[::1] dlosses,
     cdef Py_ssize_t r, i
     cdef double p
     for r in range(logits.shape[0]):
+        if targets[r] == CE_IGNORE_INDEX:
+            if overwrite:
+                for i in range(logits.shape[1]):
+                    dlogits[r, i] = 0
+            continue
         for i in range(V):
             p = exp(logits[r, i] - lse[r])
             if i == targets[r]:

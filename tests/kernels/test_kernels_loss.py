@@ -1,4 +1,5 @@
-"""kernels.loss against its naive twins, PyTorch and float64 finite differences."""
+"""kernels.loss against its naive twins, PyTorch and float64 finite differences; targets of
+IGNORE_INDEX (-100) as PyTorch's ignore_index."""
 import numpy as np
 import pytest
 import torch
@@ -82,6 +83,44 @@ def test_matches_naive_and_torch(B, T, V, Vp, vector_lanes):
         np.testing.assert_array_equal(fresh, in_place if fn is not loss.softmax_crossentropy_backward_naive
                                       else in_place_n)
         np.testing.assert_array_equal(logits, before)
+
+
+@pytest.mark.parametrize("B,T,V,Vp", [(1, 1, 5, 8), (2, 3, 13, 16), (3, 5, 1000, 1003)])
+def test_ignored_targets_as_torch_ignore_index(B, T, V, Vp, vector_lanes):
+    """A row whose target is IGNORE_INDEX has loss 0 and gradient 0 (whatever its dlosses),
+    the others are untouched by it: as F.cross_entropy(ignore_index=-100)."""
+    assert loss.IGNORE_INDEX == -100
+    rng = np.random.default_rng(11)
+    logits, targets = make_case(rng, B, T, V, Vp)
+    ignored = rng.random((B, T)) < 0.5
+    ignored.reshape(-1)[0] = True
+    targets[ignored] = loss.IGNORE_INDEX
+    tlogits = torch.tensor(logits[..., :V].reshape(-1, V), requires_grad=True)
+    tloss = F.cross_entropy(tlogits, torch.tensor(targets.reshape(-1), dtype=torch.long),
+                            reduction="none", ignore_index=-100)
+    dlosses = rng.uniform(0.1, 1.0, size=(B, T)).astype(np.float32)
+    tloss.backward(torch.tensor(dlosses.reshape(-1)))
+    expected = tlogits.grad.numpy().reshape(B, T, V)
+    for n_threads in (1, 2):
+        for fwd, bwd in ((loss.softmax_crossentropy_forward, loss.softmax_crossentropy_backward),
+                         (loss.softmax_crossentropy_forward_naive,
+                          loss.softmax_crossentropy_backward_naive)):
+            losses, lse = np.empty((B, T), np.float32), np.empty((B, T), np.float32)
+            fwd(losses, lse, logits, targets, V, n_threads=n_threads)
+            np.testing.assert_array_equal(losses[ignored], 0.0)
+            close(losses.reshape(-1), tloss.detach().numpy(), 1e-5)
+            # added into: the ignored rows untouched, padding too
+            dlogits0 = rng.standard_normal(logits.shape).astype(np.float32)
+            dlogits = dlogits0.copy()
+            bwd(dlogits, dlosses, logits, lse, targets, V, n_threads=n_threads)
+            np.testing.assert_array_equal(dlogits[ignored], dlogits0[ignored])
+            close((dlogits - dlogits0)[..., :V], expected, 1e-4, 1.0)
+            # written (in place over the logits): the ignored rows 0, padding 0
+            in_place = logits.copy()
+            bwd(in_place, dlosses, in_place, lse, targets, V, n_threads=n_threads)
+            np.testing.assert_array_equal(in_place[ignored], 0.0)
+            np.testing.assert_array_equal(in_place[..., V:], 0.0)
+            close(in_place[..., :V], expected, 1e-4, 1.0)
 
 
 def test_rows_layout_and_extreme_logits(vector_lanes):
@@ -234,7 +273,7 @@ def test_targets_checked_at_the_boundary():
     rng = np.random.default_rng(5)
     logits, targets = make_case(rng, 2, 3, 10, 16)
     losses, lse = run_forward(loss.softmax_crossentropy_forward, logits, targets, 10)
-    for bad, ok in ((10, 9), (-1, 0)):
+    for bad, ok in ((10, 9), (-1, 0), (-99, -100), (-101, -100)):
         targets[1, 1] = ok
         run_forward(loss.softmax_crossentropy_forward, logits, targets, 10)
         targets[1, 1] = bad
