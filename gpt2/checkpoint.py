@@ -593,18 +593,19 @@ def write_safetensors(path, tensors, metadata=None, dtype=None):
             f.write(memoryview(np.ascontiguousarray(out)).cast("B"))
 
 
-def check_fits_in_memory(config, source):
-    """A ValueError naming ``source`` where the float32 parameters of ``config`` need more
-    than the memory available (RAM and free swap): checked before they are allocated, so
-    that an impossible model is refused at once rather than by a MemoryError after the
-    allocation has filled the memory."""
+def check_fits_in_memory(config, source, bytes_per_parameter=4):
+    """A ValueError naming ``source`` where the parameters of ``config`` (float32, or
+    ``bytes_per_parameter`` 2: bf16) need more than the memory available (RAM and free
+    swap): checked before they are allocated, so that an impossible model is refused at
+    once rather than by a MemoryError after the allocation has filled the memory."""
     import psutil
     n = num_parameters(config)
     available = psutil.virtual_memory().available + psutil.swap_memory().free
-    if 4 * n > available:
+    if bytes_per_parameter * n > available:
+        kind = "float32" if bytes_per_parameter == 4 else "bf16"
         raise ValueError(f"{os.fspath(source)!r}: the model's {n:,} parameters take "
-                         f"{4 * n / 2**30:,.1f} GiB as float32, more than the "
-                         f"{available / 2**30:,.1f} GiB of memory available")
+                         f"{bytes_per_parameter * n / 2**30:,.1f} GiB as {kind}, more than "
+                         f"the {available / 2**30:,.1f} GiB of memory available")
 
 
 def hf_config_path(path):

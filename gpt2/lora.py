@@ -222,6 +222,27 @@ class Bf16Base:
         return cls(arena.config, views)
 
     @classmethod
+    def empty(cls, config):
+        """Zeros of ``config``'s layout (matrices uint16, the rest float32)."""
+        return cls(config, {name: buffers.zeros(shape, np.uint16 if cls._is_matrix(config, name)
+                                                 else np.float32)
+                            for name, shape in config.param_shapes().items()})
+
+    @classmethod
+    def load_hf(cls, directory):
+        """The base of a Hugging Face directory, rounded to bf16: read one tensor at a time
+        where the family can (Llama, Qwen2: no float32 copy of the model), else read whole
+        and rounded."""
+        from gpt2 import hf
+        config = hf.read_config(directory)
+        family = family_of(config)
+        if not family.loads_into_bf16:
+            return cls.from_arena(family.load_hf(directory, config))
+        base = cls.empty(config)
+        family.load_hf(directory, config, into=base)
+        return base
+
+    @classmethod
     def random(cls, config, seed=0):
         """``init_params_``'s values (same seed, same stream), rounded to bf16."""
         from gpt2.params import INIT_STD

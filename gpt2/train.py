@@ -701,7 +701,11 @@ def _model_config(args, explicit, resumed):
         from gpt2 import hf
         if os.path.isdir(args.init_from):
             with blame("--init-from"):
-                params = hf.load_dir(args.init_from)
+                if (args.lora or args.lora_from) and args.base_dtype == "bf16":
+                    from gpt2.lora import Bf16Base    # LoRA's frozen base, read as bf16
+                    params = Bf16Base.load_hf(args.init_from)
+                else:
+                    params = hf.load_dir(args.init_from)
                 export_source = {"directory": os.path.abspath(args.init_from),
                                  "dtype": hf.weights_dtype(args.init_from)}
         elif _is_checkpoint(args.init_from):

@@ -73,6 +73,7 @@ class Family:
     config = None           # the config class: a frozen dataclass with family, family_name, presets
     ops = None              # ops(config, f=RECORDED): embed(ids, leaves), block(w, x), head(x, leaves)
     hand_sequenced = False  # gpt2.model has llm.c's hand-written engine for it (engine="manual")
+    loads_into_bf16 = False  # load_hf(..., into=Bf16Base) fills a bf16 base tensor by tensor
     # config.json "architectures" entries and "model_type" values it reads -> the variant
     # passed to config_from_hf.
     hf_architectures = {}

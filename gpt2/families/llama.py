@@ -395,9 +395,11 @@ def hf_tensors(config):
     return expected
 
 
-def import_hf_llama(directory, config=None):
+def import_hf_llama(directory, config=None, into=None):
     """A ParamArena from a Hugging Face Llama or Qwen2 directory (``config`` defaults to
-    the one its config.json describes; the weights must match it exactly)."""
+    the one its config.json describes; the weights must match it exactly).  ``into``: a
+    ``gpt2.lora.Bf16Base`` of ``config`` filled instead, one tensor at a time (no float32
+    copy of the model)."""
     from gpt2.checkpoint import check_fits_in_memory
     from gpt2.hf import read_config, tensor_files
     from gpt2.params import ParamArena
@@ -414,19 +416,29 @@ def import_hf_llama(directory, config=None):
         raise ValueError(f"{directory!r} does not hold the weights its config describes: "
                          f"missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
                          f"unexpected {unknown[:6]}{'...' if len(unknown) > 6 else ''}")
-    check_fits_in_memory(config, directory)
-    arena = ParamArena(config)
+    check_fits_in_memory(config, directory, 4 if into is None else 2)
+    arena = ParamArena(config) if into is None else into
     for name, (ours, layer, piece, shape) in expected.items():
         found = files[name].entries[name].shape
         if tuple(found) != shape:
             raise ValueError(f"{files[name].path!r}: tensor {name!r} has shape {list(found)}, "
                              f"expected {list(shape)}")
         view = arena.views[ours] if layer is None else arena.views[ours][layer]
-        view[piece] = files[name].read(name)
+        if view.dtype == np.uint16:
+            from kernels.bf16 import to_bf16
+            to_bf16(view[piece], np.ascontiguousarray(files[name].read(name)))
+        else:
+            view[piece] = files[name].read(name)
     if tied_head:
         head = files[GLOBAL_KEYS["lm_head"]].read(GLOBAL_KEYS["lm_head"])
+        wte = arena.views["wte"][:config.vocab_size]
+        if into is not None and wte.dtype == np.uint16:
+            from kernels.bf16 import to_bf16
+            rounded = np.empty(head.shape, np.uint16)
+            to_bf16(rounded, np.ascontiguousarray(head))
+            head, wte = rounded, wte
         if head.shape != (config.vocab_size, config.n_embd) or not np.array_equal(
-                head, arena.wte[:config.vocab_size]):
+                head, wte):
             raise ValueError(f"{directory!r}: config.json ties the embeddings, but "
                              f"lm_head.weight differs from the token embedding")
     return arena
@@ -463,8 +475,10 @@ class LlamaFamily(Family):
     def hf_config_dict(self, config):
         return hf_config_dict(config)
 
-    def load_hf(self, directory, config):
-        return import_hf_llama(directory, config)
+    loads_into_bf16 = True
+
+    def load_hf(self, directory, config, into=None):
+        return import_hf_llama(directory, config, into)
 
     def save_hf(self, directory, params, dtype="F32", extra_config=None):
         export_hf_llama(directory, params, dtype=dtype, extra_config=extra_config)

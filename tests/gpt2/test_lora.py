@@ -319,3 +319,14 @@ def test_a_foreign_adapter_is_refused_by_name(tmp_path):
         read_adapter_config(str(tmp_path), config)
     with pytest.raises(ValueError, match="no adapter_config.json"):
         read_adapter_config(str(tmp_path / "nowhere"), config)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_bf16_base_reads_a_directory_tensor_by_tensor(family, tmp_path):
+    config = CONFIGS[family]
+    hf_model(config, seed=7).save_pretrained(tmp_path)
+    want = Bf16Base.from_arena(hf.load_dir(tmp_path))
+    got = Bf16Base.load_hf(tmp_path)
+    assert got.config == config
+    for name, view in want.views.items():
+        assert got.views[name].dtype == view.dtype and np.array_equal(got.views[name], view), name
