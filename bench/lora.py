@@ -73,12 +73,17 @@ def worker(args):
         _openmp.set_flush_denormal(True)
         n = threads.set_num_threads(args.threads)
         _openmp.set_flush_denormal(True, n)
-        base = hf.load_dir(args.weights) if args.weights else None
+        base_dtype = "bf16" if args.side == "ours-bf16" else args.base_dtype
+        base = None
+        if args.weights:
+            # A bf16 base is read tensor by tensor, as gpt2-train --base-dtype bf16 reads it.
+            from gpt2.lora import Bf16Base
+            base = (Bf16Base.load_hf(args.weights) if base_dtype == "bf16"
+                    and args.side != "full" else hf.load_dir(args.weights))
         kwargs = dict(checkpointing=args.checkpointing)
         if args.side != "full":
             kwargs.update(lora=LoraConfig(r=args.r, alpha=2.0 * args.r),
-                          base_dtype="bf16" if args.side == "ours-bf16" else args.base_dtype,
-                          base=base)
+                          base_dtype=base_dtype, base=base)
         model = Model(config if base is None else base.config, seed=0, **kwargs)
         if args.side == "full" and base is not None:
             model.set_params(base)
