@@ -385,10 +385,101 @@ cdef void from_bf16_c(float* out, const uint16_t* inp, Py_ssize_t n, int n_threa
          _threads(&conv, 1, NULL, 0, NULL, n_threads))
 
 
+# The emulated path widens the weight to float32 a block of rows at a time (at most
+# EMULATED_BLOCK floats of it): a whole LM head of Llama 3 (128256 x 4096) would take 2.1 GB
+# of scratch per product, past what a machine holding an 8B base in bf16 has left.
+cdef enum:
+    EMULATED_BLOCK = 1 << 23
+
+
+cdef Py_ssize_t _emulated_rows(Py_ssize_t C, Py_ssize_t OC) noexcept nogil:
+    return max(1, min(OC, EMULATED_BLOCK // max(C, 1)))
+
+
+cdef int _emulated_forward(float* out, const uint16_t* inp, const uint16_t* weight,
+                           const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
+                           int n_threads) except -1 nogil:
+    # out[:, o0:o0+ob] = widen(inp) @ widen(weight[o0:o0+ob]).T + bias, block by block
+    cdef Py_ssize_t rows = _emulated_rows(C, OC), o0, ob
+    cdef float* xf = <float*>_scratch(N * C, sizeof(float))
+    cdef float* wf = <float*>_scratch(rows * C, sizeof(float))
+    cdef Convert conv
+    cdef Product p
+    if xf == NULL or wf == NULL:
+        free(xf)
+        free(wf)
+        _out_of_memory("the operands in float32")
+    conv = Convert(CONVERT_WIDEN, inp, xf, N * C)
+    _run(PATH_EMULATED, &conv, 1, NULL, 0, NULL, NULL,
+         _threads(&conv, 1, NULL, 0, NULL, n_threads))
+    o0 = 0
+    while o0 < OC:
+        ob = min(rows, OC - o0)
+        conv = Convert(CONVERT_WIDEN, weight + o0 * C, wf, ob * C)
+        p = _product(PATH_EMULATED, False, True, N, ob, C, xf, C, wf, C, False, out + o0, OC,
+                     NULL if bias == NULL else bias + o0)
+        _run(PATH_EMULATED, &conv, 1, &p, 1, NULL, NULL,
+             _threads(&conv, 1, &p, 1, NULL, n_threads))
+        o0 += ob
+    free(xf)
+    free(wf)
+    return 0
+
+
+cdef int _emulated_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                            const uint16_t* inp, const uint16_t* weight, Py_ssize_t N,
+                            Py_ssize_t C, Py_ssize_t OC, int n_threads, bint ow_dinp,
+                            bint ow_dweight, bint ow_dbias) except -1 nogil:
+    # dout rounded to its bf16 values once; then per block of the weight's rows:
+    # dinp += d[:, blk] @ widen(weight[blk]), dweight[blk] = d[:, blk].T @ widen(inp)
+    cdef Py_ssize_t rows = _emulated_rows(C, OC), o0, ob
+    cdef float* d = <float*>_scratch(N * OC, sizeof(float))
+    cdef float* xf = <float*>_scratch(N * C if dweight != NULL else 0, sizeof(float))
+    cdef float* wf = <float*>_scratch(rows * C if dinp != NULL else 0, sizeof(float))
+    cdef Convert conv[2]
+    cdef Product prods[2]
+    cdef Dbias db = Dbias(dbias, dout, N, OC, ow_dbias)
+    cdef int nconv = 1, nprod
+    if d == NULL or xf == NULL or wf == NULL:
+        free(d)
+        free(xf)
+        free(wf)
+        _out_of_memory("dout and the operands in float32")
+    conv[0] = Convert(CONVERT_ROUND_F32, dout, d, N * OC)
+    if dweight != NULL:
+        conv[1] = Convert(CONVERT_WIDEN, inp, xf, N * C)
+        nconv = 2
+    _run(PATH_EMULATED, conv, nconv, NULL, 0, &db if dbias != NULL else NULL, NULL,
+         _threads(conv, nconv, NULL, 0, &db if dbias != NULL else NULL, n_threads))
+    o0 = 0
+    while o0 < OC:
+        ob = min(rows, OC - o0)
+        nconv = nprod = 0
+        if dinp != NULL:
+            conv[0] = Convert(CONVERT_WIDEN, weight + o0 * C, wf, ob * C)
+            nconv = 1
+            prods[0] = _product(PATH_EMULATED, False, False, N, C, ob, d + o0, OC, wf, C,
+                                not ow_dinp or o0 > 0, dinp, C, NULL)
+            nprod = 1
+        if dweight != NULL:
+            prods[nprod] = _product(PATH_EMULATED, True, False, ob, C, N, d + o0, OC, xf, C,
+                                    not ow_dweight, dweight + o0 * C, C, NULL)
+            nprod += 1
+        _run(PATH_EMULATED, conv, nconv, prods, nprod, NULL, NULL,
+             _threads(conv, nconv, prods, nprod, NULL, n_threads))
+        o0 += ob
+    free(d)
+    free(xf)
+    free(wf)
+    return 0
+
+
 cdef int matmul_forward_bf16_c(float* out, const uint16_t* inp, const uint16_t* weight,
                                const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
                                int n_threads) except -1 nogil:
     cdef int path = _path
+    if path == PATH_EMULATED:
+        return _emulated_forward(out, inp, weight, bias, N, C, OC, n_threads)
     cdef Product p = _product(path, False, True, N, OC, C, inp, C, weight, C, False, out, OC, bias)
     cdef Convert conv[2]
     cdef int nconv = 0, nt
@@ -423,6 +514,9 @@ cdef int matmul_backward_bf16_c(float* dinp, float* dweight, float* dbias, const
                                 const uint16_t* inp, const uint16_t* weight, Py_ssize_t N,
                                 Py_ssize_t C, Py_ssize_t OC, int n_threads, bint ow_dinp,
                                 bint ow_dweight, bint ow_dbias) except -1 nogil:
+    if _path == PATH_EMULATED:
+        return _emulated_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC,
+                                  n_threads, ow_dinp, ow_dweight, ow_dbias)
     # dout is rounded to bf16 once for both products (emulated: to its bf16 values in
     # float32, with the weight and inp widened beside it).  Everything is allocated
     # before anything is written.

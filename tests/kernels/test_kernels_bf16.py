@@ -477,3 +477,28 @@ def test_bad_inputs_raise_errors_naming_the_argument():
         bf16.from_bf16(np.empty((3, 2), np.float32).T, np.zeros((2, 3), np.uint16))
     with pytest.raises(TypeError, match="inp"):
         bf16.to_bf16_naive(np.empty(3, np.uint16), [1.0, 2.0, 3.0])
+
+
+def test_a_weight_wider_than_the_emulated_block():
+    # 2^23 floats of a weight are widened at a time: 131,080 rows of 64 take two blocks
+    # (the first of 131,072 rows), the head of a large vocabulary more.  Every path.
+    rng = np.random.default_rng(5)
+    xb, wb, bias, dout = operands(rng, (3,), 64, (1 << 23) // 64 + 8)
+    for p in paths():
+        old = bf16.set_bf16_path(p)
+        try:
+            forward_check(xb, wb, bias)
+            backward_check(xb, wb, dout, prefill=1.0)
+            backward_check(xb, wb, dout, prefill=0.0, overwrite=True, with_dbias=False)
+        finally:
+            bf16.set_bf16_path(old)
+
+
+def test_a_frozen_weight_has_no_weight_gradient(path):
+    # dweight None (LoRA's frozen base): dinp and dbias only, nothing else written
+    rng = np.random.default_rng(6)
+    xb, wb, _, dout = operands(rng, (2, 9), 33, 70)
+    want = backward_check(xb, wb, dout, prefill=0.0, overwrite=True)
+    dinp, dbias = np.full(xb.shape, np.nan, np.float32), np.full(70, np.nan, np.float32)
+    bf16.matmul_backward_bf16(dinp, None, dbias, dout, xb, wb, overwrite=True)
+    assert np.array_equal(dinp, want[0]) and np.array_equal(dbias, want[2])

@@ -435,3 +435,19 @@ def test_packed_gemm_buffers_are_freed_with_their_threads():
         gemm.set_packed_gemm(old_mode)
     assert len(errors) == 122 and max(errors) < 1e-3
     assert grown < 40 << 20, f"RSS grew by {grown >> 20} MiB"
+
+
+def test_a_frozen_weight_has_no_weight_gradient():
+    # dweight None (LoRA's frozen base): the same dinp and dbias, no weight product
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 9, 40)).astype(np.float32)
+    w = rng.standard_normal((70, 40)).astype(np.float32)
+    dout = rng.standard_normal((2, 9, 70)).astype(np.float32)
+    want = [np.zeros_like(x), np.zeros_like(w), np.zeros(70, np.float32)]
+    matmul_backward(*want, dout, x, w, overwrite=True)
+    dinp, dbias = np.full_like(x, np.nan), np.full(70, np.nan, np.float32)
+    matmul_backward(dinp, None, dbias, dout, x, w, overwrite=True)
+    assert np.array_equal(dinp, want[0])
+    # The bias gradient is then summed on its own (not as dout is packed): float rounding.
+    np.testing.assert_allclose(dbias, dout.reshape(-1, 70).astype(np.float64).sum(0), rtol=1e-5,
+                               atol=1e-5)
