@@ -215,7 +215,13 @@ class ModelSource:
 def open_model(path):
     """The ``ModelSource`` of a checkpoint, a Hugging Face directory or an llm.c model file."""
     from gpt2 import checkpoint as ckpt
-    from gpt2 import hf, tokenizer as tok
+    from gpt2 import hf, lora, tokenizer as tok
+    if lora.is_adapter_dir(path):     # a peft adapter: merged into its base
+        arena, base_dir = lora.merged_adapter(path)
+        found = tok.find_tokenizer(base_dir)
+        return ModelSource(path, f"peft adapter on {base_dir}", arena.config,
+                           lambda model: model.set_params(arena), tokenizer=found,
+                           tokenizer_known=found is not None)
     if os.path.isdir(path):
         arena = hf.load_dir(path)
         found = tok.find_tokenizer(path)
@@ -231,6 +237,12 @@ def open_model(path):
     if magic == ckpt.CHECKPOINT_MAGIC:
         header = ckpt.read_checkpoint_header(path)
         saved = (header.extra or {}).get("args") or {}
+        if header.lora is not None:     # a LoRA run: its base with the adapters merged
+            arena = lora.merged_checkpoint(path, header)
+            return ModelSource(path, f"LoRA checkpoint at step {header.step}", header.config,
+                               lambda model: model.set_params(arena),
+                               tokenizer=saved.get("tokenizer") or "bytes",
+                               seq_len=saved.get("seq_len"), tokenizer_known=True)
 
         def load_into(model):
             adam_m, adam_v = model.optimizer_moments()

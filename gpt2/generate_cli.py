@@ -180,14 +180,22 @@ def _read_weights(path):
     from gpt2 import checkpoint as ckpt
     from gpt2 import tokenizer as tok
     with blame(path):
+        from gpt2 import lora
+        if lora.is_adapter_dir(path):     # a peft adapter: merged into its base
+            params, base_dir = lora.merged_adapter(path)
+            return params, tok.find_tokenizer(base_dir), base_dir
         if os.path.isdir(path):
             from gpt2 import hf
             return hf.load_dir(path), tok.find_tokenizer(path), path
         with open(path, "rb") as f:
             head = f.read(len(ckpt.CHECKPOINT_MAGIC))
         if head == ckpt.CHECKPOINT_MAGIC:
+            header = ckpt.read_checkpoint_header(path)
+            tokenizer = ((header.extra or {}).get("args") or {}).get("tokenizer")
+            if header.lora is not None:     # a LoRA run: its base with the adapters merged
+                return lora.merged_checkpoint(path, header), tokenizer, None
             state = ckpt.load_checkpoint(path, optimizer=False)
-            return state.params, ((state.extra or {}).get("args") or {}).get("tokenizer"), None
+            return state.params, tokenizer, None
         if int.from_bytes(head[:4], "little") == ckpt.LLMC_MODEL_MAGIC:
             return ckpt.import_llmc(path), None, None
         if path.endswith(".safetensors"):

@@ -457,3 +457,68 @@ def load_adapter(directory, state):
             raise ValueError(f"{path}: {key} has shape {list(shape)}, this model's is "
                              f"{list(view.shape)}")
         view[...] = f.read(names[key])
+
+
+# -- using a LoRA run's output ------------------------------------------------------------------
+
+def load_base(source, config, seed=0):
+    """The float32 base a LoRA run started from: its --init-from ``source`` (a Hugging
+    Face directory, a checkpoint.bin, an llm.c file or a GPT-2 model.safetensors), or
+    with ``source`` None the random initialization of ``seed``."""
+    import os
+
+    from gpt2 import checkpoint as ckpt
+    from gpt2 import hf
+    from gpt2.params import ParamArena, init_params_
+    if source is None:
+        return init_params_(ParamArena(config), seed)
+    if not os.path.exists(source):
+        raise ValueError(f"the LoRA run's base model {source} (its --init-from) is gone; the "
+                         f"adapters alone are not the model")
+    if os.path.isdir(source):
+        arena = hf.load_dir(source)
+    elif ckpt.is_checkpoint(source):
+        arena = ckpt.load_checkpoint(source, optimizer=False).params
+    elif source.endswith(".bin"):
+        arena = ckpt.import_llmc(source)
+    else:
+        arena = ckpt.import_hf_gpt2(source)
+    if arena.config != config:
+        raise ValueError(f"the LoRA run's base {source} now holds another model than the "
+                         f"adapters were trained on")
+    return arena
+
+
+def merged_checkpoint(path, header=None):
+    """The model a LoRA run's checkpoint.bin stands for, as a float32 ParamArena: its
+    base (``load_base`` of the run's --init-from, or its seed) with the adapters merged."""
+    from gpt2 import checkpoint as ckpt
+    header = header or ckpt.read_checkpoint_header(path)
+    saved = (header.extra or {}).get("args") or {}
+    state = LoraState(header.config, header.lora)
+    ckpt.load_checkpoint(path, header.config, params=state.params, optimizer=False, lora=True)
+    return state.merged(load_base(saved.get("init_from"), header.config, saved.get("seed", 0)))
+
+
+def is_adapter_dir(path):
+    import os
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, ADAPTER_CONFIG))
+
+
+def merged_adapter(directory):
+    """(the merged float32 ParamArena, the base's directory) of a peft adapter directory
+    whose ``base_model_name_or_path`` is a local Hugging Face directory."""
+    import json
+    import os
+
+    from gpt2 import hf
+    with open(os.path.join(directory, ADAPTER_CONFIG), encoding="utf-8") as f:
+        base_dir = json.load(f).get("base_model_name_or_path")
+    if not base_dir or not os.path.isdir(base_dir):
+        raise ValueError(f"{directory}: its base_model_name_or_path {base_dir!r} is not a "
+                         f"local model directory; merge it with gpt2-train --init-from BASE "
+                         f"--lora-from {directory} --steps 1 --lr 0 --save-hf DIR")
+    base = hf.load_dir(base_dir)
+    state = LoraState(base.config, read_adapter_config(directory, base.config))
+    load_adapter(directory, state)
+    return state.merged(base), base_dir

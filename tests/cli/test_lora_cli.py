@@ -112,3 +112,26 @@ def test_what_lora_refuses(base_dir, tmp_path, argv, match):
     with pytest.raises(UsageError, match=match):
         train.run(common(base_dir, tmp_path / "x", "--steps", "1", *argv))
     assert not (tmp_path / "x").exists()
+
+
+def test_generate_and_eval_read_a_lora_run_as_its_merged_model(base_dir, tmp_path, capsys):
+    from gpt2 import evaluate, generate_cli
+    train.run(common(base_dir, tmp_path / "run", "--lora", "4", "--steps", "3",
+                     "--save-hf", str(tmp_path / "merged")))
+    capsys.readouterr()
+    text = tmp_path / "text.txt"
+    text.write_text("LoRA adapters merged into their base give the same model.\n" * 6)
+    losses = []
+    for model in (tmp_path / "run" / "checkpoint.bin", tmp_path / "run" / "adapter",
+                  tmp_path / "merged"):
+        assert evaluate.main([str(model), "--data", str(text), "--tokenizer", "bytes",
+                              "--json", "--no-progress", "-T", "16"]) == 0
+        losses.append(json.loads(capsys.readouterr().out)["loss"])
+    assert losses[0] == losses[1] == losses[2]
+    outs = []
+    for model in (tmp_path / "run" / "checkpoint.bin", tmp_path / "run" / "adapter",
+                  tmp_path / "merged"):
+        assert generate_cli.main([str(model), "--tokenizer", "bytes", "-p", "LoRA", "-n", "12",
+                                  "--temperature", "0", "--print-ids"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == outs[2] and outs[0].strip()
