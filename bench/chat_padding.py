@@ -5,8 +5,10 @@ sample with a real length distribution, at several T.
 The sample needs no download: every function of the Python standard library with a
 docstring becomes a {"prompt": its signature and docstring, "completion": its body}
 record, tokenized as bytes (so T counts bytes).  Prints, per T: the examples kept,
-truncated and dropped, the share of the (B, T) positions that are padding (computed for
-nothing) and the share whose target is trained.  Writes nothing.
+truncated and dropped, the share of the (B, T) positions that are padding and the share
+whose target is trained, then the share that is padding in training batches of B = 1, 4
+and 16 as the loader makes them (each as wide as its longest example, examples of like
+lengths grouped): what is computed for nothing.  Writes nothing.
 
     python bench/chat_padding.py [--max-examples 5000] [-T 256,512,1024,2048]
 """
@@ -49,6 +51,9 @@ def stdlib_functions(max_examples):
     return records
 
 
+BATCHES = (1, 4, 16)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-examples", type=int, default=5000)
@@ -64,11 +69,17 @@ def main(argv=None):
     print(f"{len(examples):,} stdlib functions as prompt/completion (bytes): median "
           f"{lengths[len(lengths) // 2]:,} tokens, 90th percentile "
           f"{lengths[9 * len(lengths) // 10]:,}")
-    print(f"{'T':>6} {'kept':>7} {'truncated':>10} {'dropped':>8} {'padding':>8} {'trained':>8}")
+    print(f"{'T':>6} {'kept':>7} {'truncated':>10} {'dropped':>8} {'padding':>8} {'trained':>8}"
+          + "".join(f" {'B=' + str(b) + ' batches':>12}" for b in BATCHES))
     for T in (int(t) for t in args.T.split(",")):
         loader = data.ExampleLoader(examples, 1, T, 256, split="all", shuffle=False)
+        # Training batches: as wide as their longest example, examples of like lengths
+        # grouped (shuffled order, epoch 0).
+        batched = [data.ExampleLoader(examples, b, T, 256, split="all").batch_padding_fraction()
+                   for b in BATCHES]
         print(f"{T:>6} {loader.num_windows:>7,} {loader.truncated:>10,} {loader.dropped:>8,} "
-              f"{100 * loader.padding_fraction:>7.1f}% {100 * loader.trained_fraction:>7.1f}%")
+              f"{100 * loader.padding_fraction:>7.1f}% {100 * loader.trained_fraction:>7.1f}%"
+              + "".join(f" {100 * f:>11.1f}%" for f in batched))
     return 0
 
 

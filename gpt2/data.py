@@ -570,7 +570,9 @@ class ExampleLoader(DataLoader):
     ``val_fraction`` of them are "val"); an epoch is ``num_batches`` batches of B examples
     in a seeded random order (or in order); ``state()`` / ``load_state()`` as DataLoader's.
     ``padding_fraction``: the share of the split's (B, T) positions that are padding;
-    ``trained_fraction``: the share whose target is trained.
+    ``trained_fraction``: the share whose target is trained.  A batch is only as wide as
+    its longest example (``width``), and training batches (``shuffle``) group examples of
+    like lengths, so that little of that padding is computed (``batch_padding_fraction``).
     """
 
     def __init__(self, examples, batch_size, seq_len, vocab_size, *, split="train",
@@ -621,7 +623,8 @@ class ExampleLoader(DataLoader):
         self._order = self._epoch_order(0)
 
     def next_batch(self):
-        """(inputs, targets), each a fresh C-contiguous int32 array of shape (B, T)."""
+        """(inputs, targets), each a fresh C-contiguous int32 array of shape (B, width): as
+        wide as the batch's longest example (``width``), at most T."""
         if self.batch_index == self.num_batches:
             self.epoch += 1
             self.batch_index = 0
@@ -631,17 +634,54 @@ class ExampleLoader(DataLoader):
         self.batch_index += 1
         return self.rows(chosen)
 
+    # A batch is as wide as its longest example, rounded up to this many positions (at
+    # most T): the padding past it would be computed for nothing.
+    WIDTH_MULTIPLE = 16
+    # Training batches group examples of like lengths (as transformers' group_by_length):
+    # the shuffled examples are cut into runs of this many batches, each run sorted by
+    # length and cut into batches, and the batches shuffled.
+    GROUP_BATCHES = 50
+
+    def _epoch_order(self, epoch):
+        order = super()._epoch_order(epoch)
+        if not self.shuffle:
+            return order
+        rng = np.random.default_rng([self.seed, epoch, 1])
+        B, run = self.batch_size, self.GROUP_BATCHES * self.batch_size
+        grouped = np.concatenate([chunk[np.argsort(-self._lengths[chunk], kind="stable")]
+                                  for chunk in np.split(order, range(run, order.size, run))])
+        n = self.num_batches * B
+        batches = grouped[:n].reshape(self.num_batches, B)[rng.permutation(self.num_batches)]
+        return np.concatenate([batches.reshape(-1), grouped[n:]])
+
+    def width(self, chosen):
+        """The width of the batch of examples ``chosen``: its longest example's inputs,
+        rounded up to WIDTH_MULTIPLE, at most T."""
+        longest = int(self._lengths[chosen].max()) - 1 if len(chosen) else 1
+        m = self.WIDTH_MULTIPLE
+        return min(self.seq_len, max(1, (longest + m - 1) // m * m))
+
     def rows(self, chosen):
-        """(inputs, targets) of the split's kept examples ``chosen`` (indices), one a row."""
+        """(inputs, targets) of the split's kept examples ``chosen`` (indices), one a row,
+        (B, ``width(chosen)``)."""
         ids, trained = self.examples.ids, self.examples.trained
-        inputs = np.zeros((len(chosen), self.seq_len), dtype=np.int32)
-        targets = np.full((len(chosen), self.seq_len), IGNORE_INDEX, dtype=np.int32)
+        width = self.width(chosen)
+        inputs = np.zeros((len(chosen), width), dtype=np.int32)
+        targets = np.full((len(chosen), width), IGNORE_INDEX, dtype=np.int32)
         for row, k in enumerate(chosen):
             start, n = int(self._starts[k]), int(self._lengths[k]) - 1
             inputs[row, :n] = ids[start:start + n]
             targets[row, :n] = np.where(trained[start + 1:start + n + 1],
                                         ids[start + 1:start + n + 1], IGNORE_INDEX)
         return inputs, targets
+
+    def batch_padding_fraction(self, epoch=0):
+        """The share of the positions of ``epoch``'s batches, each as wide as ``width``
+        says, that are padding."""
+        B, order = self.batch_size, self._epoch_order(epoch)
+        batches = order[:self.num_batches * B].reshape(self.num_batches, B)
+        positions = sum(self.width(b) * B for b in batches)
+        return 1.0 - float((self._lengths[batches] - 1).sum()) / max(positions, 1)
 
     def state(self):
         """JSON-serializable position (and the settings it is only valid for)."""
@@ -653,7 +693,8 @@ class ExampleLoader(DataLoader):
         return (f"{self.num_windows:,} examples of up to T+1={self.seq_len + 1} tokens: "
                 f"{self.truncated:,} truncated, {self.dropped:,} dropped (no trained token "
                 f"within them); {100 * self.padding_fraction:.1f}% of the positions padding, "
-                f"{100 * self.trained_fraction:.1f}% trained")
+                f"{100 * self.trained_fraction:.1f}% trained; batches as wide as their "
+                f"longest example: {100 * self.batch_padding_fraction():.1f}% padding")
 
 
 def make_loader(data, batch_size, seq_len, vocab_size, **kwargs):

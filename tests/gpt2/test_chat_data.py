@@ -523,3 +523,33 @@ def test_accumulation_weighs_micro_batches_by_their_counted_targets(name):
         model.loss_and_grad(inputs[rows], targets[rows])
     assert _max_rel(model.grads.flat / 2, grads1) > 1e-2
     model.close()
+
+
+def test_batches_are_as_wide_as_their_longest_example(tmp_path):
+    # Examples of lengths 3..60 bytes; T 64.  Each training batch is its longest example
+    # rounded up to 16 (at most T), every example comes once an epoch, examples of like
+    # lengths share batches, and the loss is that of the full-width padded batch.
+    path = tmp_path / "pc.jsonl"
+    rng = np.random.default_rng(0)
+    write_jsonl(path, [{"prompt": "p" * int(n), "completion": "c" * int(rng.integers(1, 9))}
+                       for n in rng.integers(1, 50, 96)])
+    examples = data.read_data(str(path))
+    loader = data.ExampleLoader(examples, 4, 64, 256, split="all", seed=3)
+    seen = []
+    for _ in range(loader.num_batches):
+        inputs, targets = loader.next_batch()
+        chosen = loader._order[(loader.batch_index - 1) * 4:loader.batch_index * 4]
+        longest = int(loader._lengths[chosen].max()) - 1
+        assert inputs.shape == targets.shape == (4, min(64, -(-longest // 16) * 16))
+        seen.extend(chosen.tolist())
+    assert sorted(seen) == list(range(loader.num_windows))
+    assert loader.batch_padding_fraction() < 0.5 * loader.padding_fraction
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=64)
+    model = Model(config, seed=1)
+    chosen = loader._order[:4]
+    narrow = loader.rows(chosen)
+    wide = [np.zeros((4, 64), np.int32), np.full((4, 64), nn.IGNORE_INDEX, np.int32)]
+    for a, w in zip(narrow, wide):
+        w[:, :a.shape[1]] = a
+    assert narrow[0].shape[1] < 64
+    np.testing.assert_allclose(model.forward(*narrow)[1], model.forward(*wide)[1], rtol=1e-6)
