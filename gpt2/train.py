@@ -282,7 +282,8 @@ def _run(args, explicit):
     from gpt2 import distributed
     with blame("--data-parallel", (ValueError, ImportError)):
         comm = distributed.world_from_args(args)
-    inputs = _prepare(args, explicit, comm)
+    with distributed.fail_together(comm, UsageError):   # one line from mpiexec's ranks
+        inputs = _prepare(args, explicit, comm)
     if inputs is None:
         return None
     from adtape import nn
@@ -408,7 +409,7 @@ def _prepare(args, explicit, comm=None):
                          "leave out " + ("--engine manual" if args.engine != "tape"
                                          else "--offload all"))
     config, params, model_name, export_source = _model_config(args, explicit, resumed)
-    lora = _lora_config(args, explicit, config, resumed, comm)
+    lora = _lora_config(args, explicit, config, resumed)
     if lora is not None and resumed is not None:
         params = _lora_base(args, resumed)
     if args.seq_len is None:
@@ -747,7 +748,7 @@ def _model_config(args, explicit, resumed):
 LORA_OPTIONS = ("lora", "lora_alpha", "lora_dropout", "lora_targets", "rslora", "lora_from")
 
 
-def _lora_config(args, explicit, config, resumed, comm):
+def _lora_config(args, explicit, config, resumed):
     """The run's LoraConfig from --lora and its options (or --lora-from, or the resumed
     run's), or None; a UsageError for what LoRA cannot run with."""
     from gpt2.lora import LoraConfig, read_adapter_config
@@ -796,9 +797,7 @@ def _lora_config(args, explicit, config, resumed, comm):
         return None
     for problem, refused in (("--engine manual", args.engine != "tape"),
                              (f"--offload {args.offload}", args.offload != "none"),
-                             ("--max-memory", args.max_memory is not None),
-                             ("mpiexec with several ranks",
-                              comm is not None and comm.Get_size() > 1)):
+                             ("--max-memory", args.max_memory is not None)):
         if refused:
             raise UsageError(f"--lora runs without {problem} (the adapters' state is small; "
                              f"--base-dtype bf16 halves the base, --checkpointing and "
@@ -899,15 +898,16 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     if inputs.resumed is not None:
         with blame("--resume"):
             adam_m, adam_v = model.optimizer_moments()
-            if model.adapter is not None:
+            if trainer:
+                state = trainer.load_checkpoint(args.resume)
+            elif model.adapter is not None:
                 a = model.adapter
                 state = ckpt.load_checkpoint(args.resume, config, params=a.params,
                                              adam_m=a.adam_m, adam_v=a.adam_v, lora=True)
             else:
-                state = (trainer.load_checkpoint(args.resume) if trainer else
-                         ckpt.load_checkpoint(args.resume, config,
-                                              params=model.checkpoint_params(),
-                                              adam_m=adam_m, adam_v=adam_v))
+                state = ckpt.load_checkpoint(args.resume, config,
+                                             params=model.checkpoint_params(),
+                                             adam_m=adam_m, adam_v=adam_v)
         model.adam_step = state.adam_step
         start_step = state.step
     ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
@@ -970,7 +970,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         model.finish_update()
         if trainer:  # collective: rank 0 gathers the sharded state and writes
             trainer.save_checkpoint(ckpt_path, step=step, data_state=train.state(),
-                                    extra=extra)
+                                    extra=extra,
+                                    after_write=save_adapter if model.adapter is not None else None)
         elif model.adapter is not None:
             a = model.adapter
             ckpt.save_checkpoint(ckpt_path, a.params, step=step, adam_m=a.adam_m,
