@@ -15,12 +15,18 @@ one warm-up step and then --steps timed steps (their median); peak RSS is the wo
 VmHWM (the kernel's high-water mark: everything it ever held, the model's construction
 included).  FTZ/DAZ on for every side.
 
+Ours beside the performance model: the worker's resident set just before it builds the
+model is the baseline given to ``gpt2.perfmodel.plan.predict_policy`` (with the base it
+read, which the model keeps), whose predicted peak and step time (from --hardware's
+profile) stand beside the measured ones.
+
 Sides: ``ours`` (gpt2-train's Model with --lora; --base-dtype bf16 holds the base in
 bf16), ``ours-bf16`` (the base in bf16 whatever --base-dtype: its products in bf16, the
 pair of autocast), ``peft`` (peft.get_peft_model on transformers' LlamaForCausalLM, float32),
 ``peft-autocast`` (the same under torch.autocast("cpu", torch.bfloat16)), ``full`` (ours,
 every weight trained, float32).  Results: a table, bench/results/lora.json (one record
-per model, (B, T) and side, with the CPU, its flags, the commit and the thread count).
+per model, (B, T) and side, with the CPU, its flags, the commit and the thread count; ours
+with the prediction).
 """
 import argparse
 import json
@@ -42,10 +48,12 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 LR = 1e-4
 
 
-def vm_hwm():
+def proc_status_bytes(field):
+    """``field`` of /proc/self/status (VmHWM: the peak resident set; VmRSS: the current one)
+    in bytes, or None."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return None
 
@@ -64,6 +72,7 @@ def worker(args):
     config = preset(args.model)
     x, y = batch(config, args.B, args.T)
     times, losses = [], []
+    baseline = base_read = None
     t_build = time.perf_counter()
     if args.side in ("ours", "ours-bf16", "full"):
         from kernels import _openmp, threads
@@ -84,10 +93,13 @@ def worker(args):
         if args.side != "full":
             kwargs.update(lora=LoraConfig(r=args.r, alpha=2.0 * args.r),
                           base_dtype=base_dtype, base=base)
+        baseline = proc_status_bytes("VmRSS")
+        base_read = base.nbytes if base is not None else 0
         model = Model(config if base is None else base.config, seed=0, **kwargs)
         if args.side == "full" and base is not None:
             model.set_params(base)
-        del base
+        # The kwargs hold the base too: a float32 one the model rounded to bf16 is freed.
+        del base, kwargs
         build_s = time.perf_counter() - t_build
 
         def step():
@@ -132,7 +144,21 @@ def worker(args):
             times.append(time.perf_counter() - t0)
     print(json.dumps({"side": args.side, "build_s": build_s, "step_s": times,
                       "median_s": statistics.median(times), "losses": losses,
-                      "peak_rss_bytes": vm_hwm()}), flush=True)
+                      "peak_rss_bytes": proc_status_bytes("VmHWM"),
+                      "baseline_rss_bytes": baseline, "base_read_bytes": base_read}), flush=True)
+
+
+def predict(args, side, rec):
+    """(predicted peak bytes, predicted step seconds) of an ``ours`` side's run."""
+    from gpt2.config import preset
+    from gpt2.lora import LoraConfig
+    from gpt2.perfmodel.plan import predict_policy
+    c = predict_policy(preset(args.model), args.B, args.T, checkpointing=args.checkpointing,
+                       hardware=args.hardware, threads=args.threads,
+                       baseline_bytes=rec["baseline_rss_bytes"], base_read_bytes=rec["base_read_bytes"],
+                       lora=LoraConfig(r=args.r, alpha=2.0 * args.r),
+                       base_dtype="bf16" if side == "ours-bf16" else args.base_dtype)
+    return c.predicted_peak_bytes, c.predicted_ms / 1e3
 
 
 def main():
@@ -147,6 +173,8 @@ def main():
     p.add_argument("--base-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--checkpointing", choices=("none", "layer"), default="none")
     p.add_argument("--limit", default=None, help="address-space limit of each worker, e.g. 20G")
+    p.add_argument("--hardware", default="this-machine",
+                   help="the profile ours is predicted with (default: this machine's, calibrated on first use)")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--no-shared-weights", action="store_true")
     p.add_argument("--out", default=os.path.join(RESULTS, "lora.json"))
@@ -200,9 +228,16 @@ def main():
             tokens = args.B * args.T
             rec["tokens_per_s"] = tokens / rec["median_s"]
             records.append(rec)
+            predicted = ""
+            if side in ("ours", "ours-bf16"):
+                rec["predicted_peak_bytes"], rec["predicted_s"] = predict(args, side, rec)
+                predicted = (f" (predicted {rec['predicted_peak_bytes'] / 2**30:.2f} GiB "
+                             f"{rec['peak_rss_bytes'] / rec['predicted_peak_bytes'] - 1:+.1%}, "
+                             f"{rec['predicted_s'] * 1e3:.0f} ms "
+                             f"{rec['median_s'] / rec['predicted_s'] - 1:+.0%})")
             print(f"{side:14s} {rec['median_s'] * 1e3:9.0f} ms/step  "
                   f"{rec['tokens_per_s']:8.1f} tok/s  peak RSS "
-                  f"{rec['peak_rss_bytes'] / 2**30:6.2f} GiB  (build {rec['build_s']:.0f} s, "
+                  f"{rec['peak_rss_bytes'] / 2**30:6.2f} GiB{predicted}  (build {rec['build_s']:.0f} s, "
                   f"first loss {rec['losses'][0]:.4f})", flush=True)
         by = {r["side"]: r for r in records if "median_s" in r}
         for mine in ("ours", "ours-bf16"):
@@ -221,7 +256,8 @@ def main():
         if os.path.exists(args.out):
             with open(args.out) as f:
                 old = json.load(f)
-        key = lambda e: (e["model"], e["B"], e["T"], e["base_dtype"], e["cpu"], e["threads"])
+        key = lambda e: (e["model"], e["B"], e["T"], e["base_dtype"], e.get("checkpointing"), e["cpu"],
+                         e["threads"])
         old = [e for e in old if key(e) != key(entry)] + [entry]
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:

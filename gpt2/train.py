@@ -498,7 +498,12 @@ def _prepare(args, explicit, comm=None):
                                spill_dir=args.spill_dir, threads=args.threads,
                                baseline_bytes=psutil.Process().memory_info().rss,
                                # auto's choice is made later: plan for fp32, the larger
-                               precision="bf16" if args.precision == "bf16" else "fp32")
+                               precision="bf16" if args.precision == "bf16" else "fp32",
+                               # LoRA's base, if read already, is in the baseline and becomes
+                               # the model's (no copy of it is made)
+                               **({} if lora is None else dict(
+                                   lora=lora, base_dtype=args.base_dtype,
+                                   base_read_bytes=params.nbytes if params is not None else 0)))
     history = []
     if resumed is not None:
         # The run's log lies beside its checkpoint; rows past the checkpoint will be redone.
@@ -796,8 +801,7 @@ def _lora_config(args, explicit, config, resumed):
             raise UsageError(f"{given[0]} is a LoRA option: add --lora R (the adapters' rank)")
         return None
     for problem, refused in (("--engine manual", args.engine != "tape"),
-                             (f"--offload {args.offload}", args.offload != "none"),
-                             ("--max-memory", args.max_memory is not None)):
+                             (f"--offload {args.offload}", args.offload != "none")):
         if refused:
             raise UsageError(f"--lora runs without {problem} (the adapters' state is small; "
                              f"--base-dtype bf16 halves the base, --checkpointing and "
@@ -860,6 +864,7 @@ def _train(args, inputs, n_threads, comm=None):
                      checkpointing=args.checkpointing, snapshots=args.snapshots,
                      offload=None if args.offload == "none" else args.offload,
                      offload_dir=args.spill_dir, **lora)
+    lora = None     # the model holds the base: a float32 one it rounded to bf16 is freed
     if inputs.lora is not None and args.lora_from and inputs.resumed is None:
         from gpt2.lora import load_adapter
         with blame("--lora-from"):

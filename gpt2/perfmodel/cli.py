@@ -10,6 +10,7 @@ Examples:
   python -m gpt2.perfmodel --model path/to/SmolLM2-360M --batch 1 --seq 1024   # its config.json
   python -m gpt2.perfmodel --model smollm2-135m --n-kv-head 9 --intermediate 2048 --seq 512
   python -m gpt2.perfmodel --plan --max-memory 8G --model gpt2 --batch 8 --seq 1024
+  python -m gpt2.perfmodel --model llama-3.1-8b --lora 16 --base-dtype bf16 --batch 1 --seq 512 --recompute per_layer
 """
 import argparse
 import json
@@ -69,6 +70,18 @@ def build_parser():
     w.add_argument("--layout", default="adtape", choices=["adtape", "megatron"],
                    help="which activations are saved (our tape's set, or Megatron's with dropout)")
     w.add_argument("--causal-flops", action="store_true", help="attention kernels skip the masked half")
+    ft = p.add_argument_group("LoRA fine-tuning (gpt2-train --lora)")
+    ft.add_argument("--lora", type=int, metavar="R",
+                    help="train rank-R adapters on a frozen base (gpt2.lora): no gradients, moments or weight-"
+                         "gradient products for the base; the adapters' products in float32")
+    ft.add_argument("--lora-targets", metavar="NAMES",
+                    help="comma-separated projections to adapt, peft's target_modules (default: every projection "
+                         "of the model's family)")
+    ft.add_argument("--lora-dropout", type=float, metavar="P",
+                    help="dropout on the adapters' input (it keeps the dropped input and its mask; default 0)")
+    ft.add_argument("--base-dtype", choices=("fp32", "bf16"),
+                    help="how the frozen base is held: bf16 halves its matrices, and its products run in bf16 "
+                         "(default fp32)")
     h = p.add_argument_group("hardware and parallelism")
     h.add_argument("--hardware", default=None,
                    help=f"profile path or name: {', '.join(available_profiles())}, or {THIS_MACHINE} (this "
@@ -176,8 +189,38 @@ def model_from_args(args):
         raise SystemExit(f"error: {exc}") from None
 
 
+def family_config(args, spec):
+    """The family config gpt2-train would train: --model's, or the size flags' GPT-2."""
+    if args.model:
+        return model_config(args)
+    if _shape_overrides(args):
+        raise ValueError("the size flags are a GPT-2, which has no --n-kv-head or --intermediate; give --model (a "
+                         "Llama preset or a model directory) with them")
+    from gpt2.families.gpt2 import GPT2Config
+    # The size flags describe ModelSpec's default layout, which is GPT-2's.
+    return GPT2Config(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size, spec.block_size)
+
+
+def lora_from_args(args):
+    """(gpt2.lora.LoraConfig, base dtype) of --lora and its options, or (None, "fp32")."""
+    given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-dropout", args.lora_dropout),
+                                      ("--base-dtype", args.base_dtype)) if value is not None]
+    if args.lora is None:
+        if given:
+            raise ValueError(f"{given[0]} is a LoRA option: add --lora R (the adapters' rank)")
+        return None, "fp32"
+    from gpt2.lora import LoraConfig
+    targets = tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets is not None else None
+    return (LoraConfig(r=args.lora, dropout=args.lora_dropout or 0.0, targets=targets),
+            args.base_dtype or "fp32")
+
+
 def setup_from_args(args):
     spec = model_from_args(args)
+    lora, base_dtype = lora_from_args(args)
+    if lora is not None:
+        from .spec import LoraSpec
+        lora = LoraSpec.from_config(family_config(args, spec), lora, base_dtype)
     engine_bf16 = args.layout == "adtape" and args.precision == "bf16"
     workload = Workload(args.batch, args.seq, args.micro_batch, "fp32" if engine_bf16 else args.precision)
     parallel = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp,
@@ -188,28 +231,24 @@ def setup_from_args(args):
                               dp_bucket_bytes=args.bucket_mb * (1 << 20),
                               tape_budget=args.tape_budget, overlap_spill_io=args.overlap_spill)
     options = GraphOptions(layout=args.layout, causal_attention_flops=args.causal_flops,
-                           precision="bf16" if engine_bf16 else "fp32")
+                           precision="bf16" if engine_bf16 else "fp32", lora=lora)
     return spec, workload, parallel, load_profile(args.hardware or "generic-cpu", args.threads), options
 
 
 def run_plan(args):
     """Print the memory planner's table for the model and (B, T) of ``args``."""
-    from gpt2.families.gpt2 import GPT2Config
     from .plan import plan_memory
     if args.max_memory is None:
         raise ValueError("--plan needs --max-memory SIZE (e.g. 8G)")
     spec = model_from_args(args)
-    if args.model:
-        config = model_config(args)
-    elif _shape_overrides(args):
-        raise ValueError("--plan plans a model gpt2-train can train: the size flags are a GPT-2, which has no "
-                         "--n-kv-head or --intermediate; give --model (a Llama preset or a model directory) "
-                         "with them")
-    else:
-        # The size flags describe ModelSpec's default layout, which is GPT-2's.
-        config = GPT2Config(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab_size, spec.block_size)
+    try:
+        config = family_config(args, spec)
+    except ValueError as exc:
+        raise ValueError(f"--plan plans a model gpt2-train can train: {exc}") from None
+    lora, base_dtype = lora_from_args(args)
     plan = plan_memory(config, args.batch, args.seq, args.max_memory, hardware=args.hardware or "this-machine",
-                       spill_dir=args.spill_dir, threads=args.threads, flash=args.flash, precision=args.precision)
+                       spill_dir=args.spill_dir, threads=args.threads, flash=args.flash, precision=args.precision,
+                       lora=lora, base_dtype=base_dtype)
     if args.json:
         print(json.dumps({"chosen": plan.describe(), "engine_kwargs": plan.engine_kwargs(),
                           "candidates": [asdict(c) for c in plan.candidates], "notes": plan.notes}, indent=2))

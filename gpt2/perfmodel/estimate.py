@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import collectives
-from .graph import GraphOptions, engine_bf16, model_flops_per_token, stage_parameters, step_graph
+from .graph import GraphOptions, engine_bf16, model_flops_per_token, step_graph, trainable_parameters
 from .memory import memory_breakdown
 
 
@@ -79,7 +79,7 @@ def op_time(op, hardware, precision):
     twice: 150-190 ms predicted on GPT-2 124M against 62 ms measured)."""
     curve = None
     if op.op_class == "matmul":
-        compute = hardware.matmul_time(op.flops, op.variant, precision)
+        compute = hardware.matmul_time(op.flops, op.variant, op.precision or precision)
     elif op.flops > 0:
         phase = "fwd" if op.phase == "recompute" else op.phase
         curve = hardware.kernel_efficiency.get(f"{op.op_class}.{phase}")
@@ -148,8 +148,9 @@ def _pipeline_p2p_time(spec, workload, parallel, hardware):
     return 2 * parallel.interleave * collectives.point_to_point(n, bw, lat)
 
 
-def _data_parallel_time(spec, workload, parallel, hardware, stage):
-    """(gradient reduction, parameter gathering) seconds per step: all-reduce (ZeRO 0),
+def _data_parallel_time(spec, workload, parallel, hardware, stage, options=GraphOptions()):
+    """(gradient reduction, parameter gathering) seconds per step of the trained parameters
+    (under LoRA the adapters): all-reduce (ZeRO 0),
     reduce-scatter then all-gather of the updated parameters (ZeRO 1, 2), and for ZeRO 3
     / FSDP parameter all-gathers in both forward and backward (1.5x the all-reduce
     volume).  With ``parallel.dp_bucket_bytes`` the gradients go in buckets of that size,
@@ -157,7 +158,7 @@ def _data_parallel_time(spec, workload, parallel, hardware, stage):
     dp = parallel.dp
     if dp == 1:
         return 0.0, 0.0
-    params = stage_parameters(spec, parallel, stage)
+    params = trainable_parameters(spec, parallel, stage, options)
     expert = 0.0
     if spec.n_experts:
         expert = (spec.n_layer // parallel.pp) * spec.mlp_params_per_expert * spec.n_experts / (
@@ -257,7 +258,9 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
     n_micro = workload.num_micro_batches(parallel)
     # The products' precision: our engine's bf16 mode keeps the values (activations,
     # gradients: what the ranks exchange) in the workload's float32.
-    precision = "bf16" if engine_bf16(workload, options) else workload.precision
+    # A bf16 LoRA base's products are bf16 too (the adapters' say fp32 themselves).
+    bf16_base = options.lora is not None and options.lora.base_dtype == "bf16"
+    precision = "bf16" if engine_bf16(workload, options) or bf16_base else workload.precision
     stages = sorted({0, parallel.pp - 1} | ({parallel.pp // 2} if parallel.pp > 2 else set()))
     per_stage_layers = spec.n_layer // parallel.pp
     tp_time = _tensor_parallel_time(spec, workload, parallel, hardware, per_stage_layers)
@@ -277,7 +280,7 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
                 compute[(op.phase, op.op_class)] += seconds
         micro = sum(compute.values()) + tp_time + moe_time
         flops = sum(op.flops for op in ops if op.phase != "optim")
-        reduce, gather = _data_parallel_time(spec, workload, parallel, hardware, stage)
+        reduce, gather = _data_parallel_time(spec, workload, parallel, hardware, stage, options)
         dp_time = reduce + gather
         key = micro + optimizer + dp_time / max(n_micro, 1)
         if best is None or key > best[0]:
@@ -314,10 +317,16 @@ def estimate(spec, workload, parallel, hardware, options=GraphOptions()):
         communication={"tensor_parallel": tp_time * n_micro, "expert_all_to_all": moe_time * n_micro,
                        "pipeline_p2p": p2p_time * n_micro, "data_parallel": dp_exposed},
         bubble=bubble, bubble_fraction=bubble_fraction, optimizer=optimizer, spill_io=spill_io,
-        memory=memory, model_flops=model_flops_per_token(spec, workload.seq_len) * tokens,
+        memory=memory, model_flops=model_flops_per_token(spec, workload.seq_len, options.lora) * tokens,
         hardware_flops=hardware_flops, tokens=tokens, world_size=devices,
         peak_flops=hardware.mfu_peak(precision), tape_copy=tape_copy,
         details={"stage": stage, "micro_batches": n_micro, "micro_batch_time": micro,
                  "data_parallel_unhidden": reduce + gather, "data_parallel_reduce": reduce,
                  "data_parallel_gather": gather, "ranks_per_node": ranks_per_node,
-                 "products": "bf16 products, fp32 values" if options.precision == "bf16" else workload.precision})
+                 "products": _products(workload, options)})
+
+
+def _products(workload, options):
+    """The step's products in words: "fp32", "bf16 products, fp32 values", with LoRA's base."""
+    words = "bf16 products, fp32 values" if options.precision == "bf16" else workload.precision
+    return words if options.lora is None else f"{words}, {options.lora.describe()}"

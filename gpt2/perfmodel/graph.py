@@ -22,13 +22,23 @@ Two layouts of what is saved:
   pass, its weight) before the product, and its backward converts the output's
   gradient; the fused down projection keeps gate|up in float32 and converts the
   recomputed swiglu output.
+  ``GraphOptions(lora=LoraSpec(...))`` is LoRA fine-tuning (gpt2.lora): the base's
+  products are frozen (their input's gradient only, no weight gradient), in bf16 where the
+  base is held in bf16 (``LoraSpec.base_dtype``); an adapted product (nn.lora_linear)
+  also runs its adapters' products in float32 (x A^T, then B) and keeps x A^T (k r floats
+  a row), and with a bf16 base the float32 input beside its bf16 copy (with dropout: the
+  dropped input and its mask instead); an adapted down projection runs unfused (swiglu
+  keeps gate|up, the projection its input); the embedding is frozen, so nothing of the
+  first block before its first adapted product is recorded; AdamW updates the adapters.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
   1-byte dropout masks after softmax, attention projection and MLP; attention split
   into QK^T, softmax, dropout, AV); this reproduces 34sbh + 5as^2b per layer.
 
 Sizes: b micro-batch, s sequence, h hidden, a heads, t tensor-parallel size.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from .spec import LoraSpec
 
 LAYOUTS = ("adtape", "megatron")
 ENGINE_PRECISIONS = ("fp32", "bf16")     # our engine's --precision (gpt2.precision), auto resolved
@@ -50,9 +60,11 @@ ADAMW_FLOPS = 14
 
 @dataclass(frozen=True)
 class Saved:
-    """A tensor a forward op keeps for its backward."""
+    """A tensor a forward op keeps for its backward (``shared``: the same array another op
+    keeps too, the attention's output as the projection's input: held by reference, once)."""
     name: str
     nbytes: float
+    shared: bool = False
 
 
 @dataclass
@@ -69,6 +81,7 @@ class Op:
     gemm_flops: float = 0.0      # FLOPs of its dense matrix products (what Megatron's formula counts)
     convert_bytes: float = 0.0   # bf16 products: bytes its operands' conversions move (float32 read, bf16
     weight_convert_bytes: float = 0.0   # written), of its inputs / of its weight (once per forward pass)
+    precision: str = ""          # matmul: the precision of its product ("": the step's)
 
     @property
     def saved_bytes(self):
@@ -80,6 +93,7 @@ class GraphOptions:
     layout: str = "adtape"
     causal_attention_flops: bool = False   # count only the causal half of T x T (kernels that skip it)
     precision: str = "fp32"                # our engine's products: "fp32", or "bf16" operands (adtape layout)
+    lora: LoraSpec = None                  # LoRA fine-tuning (adtape layout), or None: every weight trains
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -88,6 +102,10 @@ class GraphOptions:
         if self.precision == "bf16" and self.layout != "adtape":
             raise ValueError("GraphOptions.precision='bf16' is our engine's bf16 mode: it needs layout 'adtape' "
                              "(for 16-bit training in Megatron's accounting, give Workload(precision='bf16'))")
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise ValueError(f"GraphOptions.lora must be a LoraSpec or None, got {type(self.lora).__name__}")
+        if self.lora is not None and self.layout != "adtape":
+            raise ValueError("GraphOptions.lora is our engine's LoRA (nn.lora_linear): it needs layout 'adtape'")
 
 
 def check_engine_precision(precision, what="precision"):
@@ -136,7 +154,11 @@ class _Builder:
 
     def __init__(self, spec, b, s, e, tp, sp, flash, options, sram_bytes, bf16=False):
         self.spec, self.b, self.s, self.e = spec, b, s, e
-        self.bf16 = bf16
+        self.lora = options.lora
+        # A bf16 LoRA base runs its products in bf16 whatever the engine's precision.
+        self.base_bf16 = self.lora is not None and self.lora.base_dtype == "bf16"
+        self.bf16 = bf16 or self.base_bf16
+        self.adapted = {} if self.lora is None else {name: (k, rows) for name, k, rows in self.lora.adapted}
         self.tp, self.sp, self.flash, self.options = tp, sp, flash, options
         self.sram_bytes = sram_bytes
         self.N = b * s
@@ -146,16 +168,68 @@ class _Builder:
         self.megatron = options.layout == "megatron"
 
     # --- primitive ops: each returns (forward op, [backward ops]) ---------------
-    def matmul(self, name, layer, rows, fan_in, fan_out, bias=True, input_shard=1, saved=None):
+    def product(self, name, layer, rows, fan_in, fan_out, bias=True, input_shard=1, saved=None,
+                shares_input=False):
+        """A matrix product as a list of (forward op, [backward ops]) pairs: ``matmul``'s, and
+        under LoRA a frozen base's (no weight gradient), with its adapters' where ``name``
+        is adapted."""
+        fwd, bwd = self.matmul(name, layer, rows, fan_in, fan_out, bias, input_shard, saved, shares_input)
+        if self.lora is None:
+            return [(fwd, bwd)]
+        bwd = [op for op in bwd if op.variant != "bwd_weight"]
+        if name not in self.adapted or layer < 0:
+            return [(fwd, bwd)]
+        return [(fwd, bwd)] + self._adapters(name, layer, rows, fan_in, fwd, input_shard, shares_input)
+
+    def _adapters(self, name, layer, rows, fan_in, fwd, input_shard, shares_input):
+        """The adapters of an adapted product (nn.lora_linear), float32 whatever the base:
+        xa = x_l A^T (k r columns, scaled), each target's xa_j B_j^T added into its output
+        rows; backward dB_j = g_j^T xa_j, dxa_j = g_j B_j, dA = dxa^T x_l, dx_l = dxa A.
+        The base product's forward op records them all at once: it gains their saved
+        arrays (xa; a bf16 base's float32 input; with dropout the dropped input and its
+        mask, which stand in for the input)."""
+        k, n = self.adapted[name]
+        r, f = self.lora.r, 4.0
+        kr = k * r
+        x_bytes = f * rows * fan_in / input_shard
+        extra = [Saved(f"{name}.lora_xa", f * rows * kr)]
+        if self.lora.dropout:
+            extra += [Saved(f"{name}.lora_dropped", x_bytes), Saved(f"{name}.lora_mask", x_bytes)]
+        elif self.bf16:
+            extra.append(Saved(f"{name}.lora_input", x_bytes, shared=shares_input and not self.megatron))
+        fwd.saved = tuple(fwd.saved) + tuple(extra)
+        a = 2.0 * rows * fan_in * kr
+        b = 2.0 * rows * r * n
+        # x_l, A, xa (and its scaling: read and written again); xa_j, B_j, the delta, and its
+        # add into the output's rows (read both, write one).
+        a_fwd = Op(f"{name}.lora_a", "matmul", "fwd", layer, a, f * (rows * fan_in + kr * fan_in + 3 * rows * kr),
+                   "fwd", gemm_flops=a, precision="fp32")
+        b_fwd = Op(f"{name}.lora_b", "matmul", "fwd", layer, b, f * (rows * kr + n * r + 4 * rows * n), "fwd",
+                   gemm_flops=b, precision="fp32")
+        # dB and dxa read g's adapted rows (copied out where they are some of its columns).
+        b_bwd = [Op(f"{name}.lora_b", "matmul", "bwd", layer, b, f * (2 * rows * n + rows * kr + n * r),
+                    "bwd_weight", gemm_flops=b, precision="fp32"),
+                 Op(f"{name}.lora_b", "matmul", "bwd", layer, b, f * (rows * n + n * r + 3 * rows * kr),
+                    "bwd_input", gemm_flops=b, precision="fp32")]
+        a_bwd = [Op(f"{name}.lora_a", "matmul", "bwd", layer, a, f * (rows * kr + rows * fan_in + kr * fan_in),
+                    "bwd_weight", gemm_flops=a, precision="fp32"),
+                 Op(f"{name}.lora_a", "matmul", "bwd", layer, a, f * (rows * kr + kr * fan_in + 2 * rows * fan_in),
+                    "bwd_input", gemm_flops=a, precision="fp32")]
+        return [(a_fwd, a_bwd), (b_fwd, b_bwd)]
+
+    def matmul(self, name, layer, rows, fan_in, fan_out, bias=True, input_shard=1, saved=None,
+               shares_input=False):
         """input_shard: the saved input is split this many ways (sequence parallelism keeps the
         scattered input of a column-parallel matmul and all-gathers it again in backward);
-        saved: what the forward keeps instead of its input (a fused op's)."""
+        saved: what the forward keeps instead of its input (a fused op's); shares_input: the
+        input is an array another op saves too (the attention's output)."""
         e = self.e
         gemm = 2.0 * rows * fan_in * fan_out
         if self.bf16:
             return self._bf16_matmul(name, layer, rows, fan_in, fan_out, bias, input_shard, saved, gemm)
         if saved is None:
-            saved = (Saved(f"{name}.input", e * rows * fan_in / input_shard),)
+            saved = (Saved(f"{name}.input", e * rows * fan_in / input_shard,
+                           shared=shares_input and not self.megatron),)
         fwd = Op(name, "matmul", "fwd", layer, gemm,
                  e * (rows * fan_in + fan_in * fan_out + rows * fan_out + (fan_out if bias else 0)), "fwd",
                  tuple(saved), 1 if saved else 0, gemm)
@@ -169,19 +243,20 @@ class _Builder:
         """``matmul`` in the bf16 mode (adtape.nn._product_forward / _product_backward): the
         operands are read as bf16 (2 bytes), outputs and gradients written as float32;
         the forward converts its input and weight (the latter once per forward pass; a
-        re-run does not), the backward the output's gradient."""
+        re-run does not; a bf16 LoRA base's is bf16 already), the backward the output's
+        gradient."""
         e, h = self.e, 2.0
         if saved is None:
             saved = (Saved(f"{name}.input", h * rows * fan_in / input_shard),)
         b = fan_out if bias else 0
         fwd = Op(name, "matmul", "fwd", layer, gemm, h * (rows * fan_in + fan_in * fan_out) + e * (rows * fan_out + b),
                  "fwd", tuple(saved), 1 if saved else 0, gemm, convert_bytes=(e + h) * rows * fan_in,
-                 weight_convert_bytes=(e + h) * fan_in * fan_out)
+                 weight_convert_bytes=0.0 if self.base_bf16 else (e + h) * fan_in * fan_out, precision="bf16")
         bwd_in = Op(name, "matmul", "bwd", layer, gemm, h * (rows * fan_out + fan_in * fan_out) + 2 * e * rows * fan_in,
-                    "bwd_input", gemm_flops=gemm, convert_bytes=(e + h) * rows * fan_out)
+                    "bwd_input", gemm_flops=gemm, convert_bytes=(e + h) * rows * fan_out, precision="bf16")
         bwd_w = Op(name, "matmul", "bwd", layer, gemm + (rows * fan_out if bias else 0),
                    h * (rows * fan_out + rows * fan_in) + 2 * e * fan_in * fan_out + e * rows * fan_out * (1 if bias else 0),
-                   "bwd_weight", gemm_flops=gemm)
+                   "bwd_weight", gemm_flops=gemm, precision="bf16")
         return fwd, [bwd_in, bwd_w]
 
     def pointwise(self, name, op_class, layer, elems, fwd_flops, bwd_flops, fwd_rw, bwd_rw, saved=()):
@@ -309,7 +384,7 @@ class _Builder:
         if not spec.n_experts:
             groups = [(N, F / self.tp)]
         else:
-            pairs.append(self.matmul("router", layer, N / self.rep, C, spec.n_experts, bias=False))
+            pairs += self.product("router", layer, N / self.rep, C, spec.n_experts, bias=False)
             # Expert parallelism: each device holds n_experts/ep experts and receives its share
             # of every device's routed tokens, so per device it sees N*top_k*capacity rows.
             local_experts = spec.n_experts
@@ -320,45 +395,48 @@ class _Builder:
             if spec.gated_mlp:
                 pairs += self.swiglu_mlp(tag, layer, rows, hidden)
                 continue
-            pairs.append(self.matmul(f"{tag}fc", layer, rows, C, hidden, input_shard=self.rep))
+            pairs += self.product(f"{tag}fc", layer, rows, C, hidden, input_shard=self.rep)
             pairs.append(self.pointwise(f"{tag}gelu", "elementwise", layer, rows * hidden, GELU_FWD_FLOPS,
                                         GELU_BWD_FLOPS, 2, 4,
                                         [Saved(f"{tag}gelu.input", self.e * rows * hidden)]))
-            pairs.append(self.matmul(f"{tag}fcproj", layer, rows, hidden, C))
+            pairs += self.product(f"{tag}fcproj", layer, rows, hidden, C)
         return pairs
 
     def swiglu_mlp(self, tag, layer, rows, hidden):
         """gate|up matmul (2 x hidden columns), silu(gate) * up, down matmul.  Ours
         (nn.swiglu_linear) keeps only gate|up for both the swiglu and the down projection
-        and recomputes swiglu(gate|up) in the backward; Megatron's keeps both inputs."""
+        and recomputes swiglu(gate|up) in the backward; Megatron's keeps both inputs, and
+        so does ours where LoRA adapts the down projection (swiglu, then nn.lora_linear)."""
         C, e, bias = self.spec.n_embd, self.e, self.spec.linear_bias
         elems = rows * hidden
         gate_up = Saved(f"{tag}swiglu.gate_up", e * 2 * elems)
-        gateup = self.matmul(f"{tag}gateup", layer, rows, C, 2 * hidden, bias=bias, input_shard=self.rep)
+        gateup = self.product(f"{tag}gateup", layer, rows, C, 2 * hidden, bias=bias, input_shard=self.rep)
+        unfused = self.megatron or f"{tag}down" in self.adapted
         swiglu_fwd, swiglu_bwd = self.pointwise(f"{tag}swiglu", "elementwise", layer, elems, SWIGLU_FWD_FLOPS,
-                                                SWIGLU_BWD_FLOPS, 3, 5, [gate_up] if self.megatron else [])
-        if self.megatron:
-            return [gateup, (swiglu_fwd, swiglu_bwd), self.matmul(f"{tag}down", layer, rows, hidden, C, bias=bias)]
-        down = self.matmul(f"{tag}down", layer, rows, hidden, C, bias=bias, saved=[gate_up])
+                                                SWIGLU_BWD_FLOPS, 3, 5, [gate_up] if unfused else [])
+        if unfused:
+            return gateup + [(swiglu_fwd, swiglu_bwd)] + self.product(f"{tag}down", layer, rows, hidden, C, bias=bias)
+        down = self.product(f"{tag}down", layer, rows, hidden, C, bias=bias, saved=[gate_up])
         if self.bf16:
-            # Its backward converts the recomputed swiglu output for the weight's gradient.
-            down[1][1].convert_bytes += (e + 2.0) * elems
+            # Its backward converts the recomputed swiglu output for the weight's gradient (a
+            # frozen weight's backward converts it too).
+            down[0][1][-1].convert_bytes += (e + 2.0) * elems
         recompute = Op(f"{tag}swiglu.recompute", "elementwise", "bwd", layer, SWIGLU_FWD_FLOPS * elems, e * 3 * elems)
-        return [gateup, (swiglu_fwd, swiglu_bwd + [recompute]), down]
+        return gateup + [(swiglu_fwd, swiglu_bwd + [recompute])] + down
 
     def layer(self, layer):
         """Forward ops and backward ops (in backward order) of one transformer block."""
         spec, N = self.spec, self.N
         C = spec.n_embd
-        pairs = [self.norm("1", layer),
-                 self.matmul("qkv", layer, N, C, spec.qkv_width / self.tp, bias=spec.qkv_bias,
-                             input_shard=self.rep)]
+        pairs = [self.norm("1", layer)]
+        pairs += self.product("qkv", layer, N, C, spec.qkv_width / self.tp, bias=spec.qkv_bias, input_shard=self.rep)
         if spec.positions == "rope":
             pairs.append(self.rope(layer))
-        att_fwd, att_bwd = self.attention(layer)
-        fwd = [p[0] for p in pairs] + att_fwd
-        bwd = [op for p in pairs for op in p[1]] + att_bwd
-        pairs = [self.matmul("attproj", layer, N, spec.n_head * spec.head_dim / self.tp, C, bias=spec.linear_bias)]
+        # (forward ops, backward ops) in forward order; the attention core is several ops in
+        # Megatron's layout.
+        groups = [([f], b) for f, b in pairs] + [self.attention(layer)]
+        pairs = self.product("attproj", layer, N, spec.n_head * spec.head_dim / self.tp, C, bias=spec.linear_bias,
+                             shares_input=True)
         if self.megatron:
             pairs.append(self.dropout("attproj.dropout", layer, N * C / self.rep))
         pairs += [self.residual("residual1", layer), self.norm("2", layer)]
@@ -366,12 +444,35 @@ class _Builder:
         if self.megatron:
             pairs.append(self.dropout("mlp.dropout", layer, N * C / self.rep))
         pairs.append(self.residual("residual2", layer))
-        fwd += [p[0] for p in pairs]
-        bwd += [op for p in pairs for op in p[1]]
+        groups += [([f], b) for f, b in pairs]
+        if self.lora is not None and layer == 0:
+            self._from_constant_input(groups)
+        fwd = [op for f, _ in groups for op in f]
+        bwd = [op for _, b in groups for op in b]
         return fwd, bwd[::-1]
+
+    def _from_constant_input(self, groups):
+        """The first block under LoRA: its input, the frozen embedding's output, needs no
+        gradient, so the ops before its first adapted product record nothing and have no
+        backward, and that product computes no input gradient (its base's or its adapters')."""
+        for i, (fwd, bwd) in enumerate(groups):
+            if fwd[0].name in self.adapted:
+                # No op before it saves its input now (the attention's output, where the
+                # attention ran on constants).
+                fwd[0].saved = tuple(replace(t, shared=False) for t in fwd[0].saved)
+                bwd[:] = [op for op in bwd if op.variant != "bwd_input"]
+                adapters_bwd = groups[i + 1][1]          # x A^T's
+                adapters_bwd[:] = [op for op in adapters_bwd if op.variant != "bwd_input"]
+                return
+            for op in fwd:
+                op.saved, op.tape_records = (), 0
+            bwd.clear()
 
     def embedding(self):
         C, N, e = self.spec.n_embd, self.N, self.e
+        if self.lora is not None:
+            # A frozen table: its output is a constant, nothing is recorded.
+            return Op("encoder", "embedding", "fwd", -1, N * C, 4 * N + e * 3 * N * C), []
         # Our encoder keeps the int32 token ids for its backward scatter; with rotary
         # positions it adds a zero (T, C) float32 position row, which it keeps too.
         saved = () if self.megatron else (Saved("encoder.ids", 4.0 * N),)
@@ -386,7 +487,7 @@ class _Builder:
         spec, N, e = self.spec, self.N, self.e
         Vp = spec.padded_vocab / self.tp
         lnf = self.norm("f", -1)
-        logits = self.matmul("lm_head", -1, N, spec.n_embd, Vp, bias=False)
+        logits = self.product("lm_head", -1, N, spec.n_embd, Vp, bias=False)
         # The loss keeps the log-sum-exp; logits stay alive for the backward (dlogits are
         # written in place over them).
         loss_saved = (Saved("loss.logits", e * N * Vp), Saved("loss.lse", 4.0 * N))
@@ -394,7 +495,7 @@ class _Builder:
             loss_saved += (Saved("loss.targets", 4.0 * N),)      # int32 target ids
         loss = (Op("loss", "loss", "fwd", -1, SOFTMAX_FLOPS * N * Vp, e * N * Vp + 8 * N, "", loss_saved, 1),
                 [Op("loss", "loss", "bwd", -1, SOFTMAX_FLOPS * N * Vp, e * 2 * N * Vp + 8 * N)])
-        return [lnf, logits, loss]
+        return [lnf, *logits, loss]
 
 
 def binomial_recompute_steps(n_steps, slots):
@@ -443,6 +544,7 @@ def step_graph(spec, workload, parallel, options=GraphOptions(), stage=0, sram_b
         raise ValueError(f"n_layer ({spec.n_layer}) must be divisible by pp ({parallel.pp})")
     if spec.n_head % parallel.tp:
         raise ValueError(f"n_head ({spec.n_head}) must be divisible by tp ({parallel.tp})")
+    check_lora(spec, workload, parallel, options)
     b = workload.micro_batch_size(parallel)
     builder = _Builder(spec, b, workload.seq_len, value_bytes(workload, options), parallel.tp,
                        parallel.sequence_parallel, parallel.flash_attention, options, sram_bytes,
@@ -487,7 +589,29 @@ def step_graph(spec, workload, parallel, options=GraphOptions(), stage=0, sram_b
 def _as_recompute(op):
     """A forward op re-run: no records pushed, the weights' bf16 copies already made."""
     return Op(op.name, op.op_class, "recompute", op.layer, op.flops, op.nbytes, op.variant,
-              gemm_flops=op.gemm_flops, convert_bytes=op.convert_bytes)
+              gemm_flops=op.gemm_flops, convert_bytes=op.convert_bytes, precision=op.precision)
+
+
+def check_lora(spec, workload, parallel, options):
+    """ValueError where ``options.lora`` does not fit the rest: LoRA (gpt2.lora) trains a dense
+    model in float32 values on one process or data-parallel replicas."""
+    if options.lora is None:
+        return
+    options.lora.check(spec)
+    if workload.precision != "fp32":
+        raise ValueError(f"GraphOptions.lora keeps the values in float32: it needs Workload.precision 'fp32', "
+                         f"got {workload.precision!r}")
+    split = [f"{name}={getattr(parallel, name)}" for name in ("tp", "pp", "ep") if getattr(parallel, name) > 1]
+    if split:
+        raise ValueError(f"GraphOptions.lora runs on one process or data-parallel replicas, got {', '.join(split)}")
+
+
+def trainable_parameters(spec, parallel, stage, options=GraphOptions()):
+    """Parameters one device of ``stage`` trains before ZeRO sharding: its parameters
+    (``stage_parameters``), or under LoRA the adapters."""
+    if options.lora is None:
+        return stage_parameters(spec, parallel, stage)
+    return options.lora.adapter_params(spec)
 
 
 def stage_parameters(spec, parallel, stage):
@@ -509,11 +633,11 @@ def stage_parameters(spec, parallel, stage):
 
 
 def optimizer_ops(spec, parallel, stage, workload, options=GraphOptions()):
-    """AdamW over the parameters this device updates, and under the Megatron layout the
+    """AdamW over the parameters this device updates (under LoRA the adapters), and under the Megatron layout the
     zeroing of the gradients before the step.  Our engines make no zeroing pass: the
     zeroing is deferred (``Model.zero_grad(deferred=True)``), and the backward's first
     write to each gradient overwrites it instead of adding to zeros."""
-    params = stage_parameters(spec, parallel, stage)
+    params = trainable_parameters(spec, parallel, stage, options)
     updated = params / parallel.dp if parallel.sharding >= 1 else params
     grad_bytes = value_bytes(workload, options)
     # AdamW reads param, grad, m, v and writes param, m, v in fp32; with 16-bit training
@@ -532,13 +656,18 @@ def palm_flops_per_token(n_params, n_layer, n_head, head_dim, seq_len):
     return 6.0 * n_params + 12.0 * n_layer * n_head * head_dim * seq_len
 
 
-def model_flops_per_token(spec, seq_len):
+def model_flops_per_token(spec, seq_len, lora=None):
     """PaLM's definition for a ModelSpec: N counts the parameters a token uses, without the
     position embedding (it does no arithmetic; PaLM has none), nor the token embedding when
-    the LM head has its own weights (then it is only looked up)."""
+    the LM head has its own weights (then it is only looked up).  Under ``lora`` (a
+    LoraSpec) the frozen base's products run forward and for their input's gradient only,
+    4 N instead of 6 N, and the adapters' parameters train (6 FLOPs each)."""
     token_lookup = 0 if spec.tied_head else spec.padded_vocab * spec.n_embd
     n = spec.active_parameters() - spec.position_params() - token_lookup
-    return palm_flops_per_token(n, spec.n_layer, spec.n_head, spec.head_size, seq_len)
+    flops = palm_flops_per_token(n, spec.n_layer, spec.n_head, spec.head_size, seq_len)
+    if lora is None:
+        return flops
+    return flops - 2.0 * n + 6.0 * lora.adapter_params(spec)
 
 
 def megatron_flops(spec, batch, seq_len, full_recompute=True):

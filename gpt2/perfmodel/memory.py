@@ -145,10 +145,18 @@ def memory_breakdown(spec, workload, parallel, hardware, options=GraphOptions(),
     params = stage_parameters(spec, parallel, stage)
     bf16 = engine_bf16(workload, options)
     e = value_bytes(workload, options)
-    p_bytes, g_bytes, o_bytes = model_state_bytes(params, workload.precision, parallel.dp, parallel.sharding)
-    if bf16:
+    lora = options.lora
+    if lora is None:
+        p_bytes, g_bytes, o_bytes = model_state_bytes(params, workload.precision, parallel.dp, parallel.sharding)
+    else:
+        # The frozen base (no gradient, no moments) beside the adapters' four float32 arenas.
+        p_bytes, g_bytes, o_bytes = model_state_bytes(lora.adapter_params(spec), "fp32", parallel.dp,
+                                                      parallel.sharding)
+        p_bytes += lora.base_bytes(spec)
+    if bf16 and (lora is None or lora.base_dtype == "fp32"):
         # float32 master weights, gradients and moments, and the products' weights' bf16
-        # copies (adtape.nn keeps them from the forward pass until the weights change).
+        # copies (adtape.nn keeps them from the forward pass until the weights change; a
+        # bf16 LoRA base is its own).
         p_bytes += 2.0 * product_weight_params(spec, parallel, stage)
     reduced = g_bytes
     if options.layout == "adtape" and parallel.sharding == 1 and parallel.dp > 1:

@@ -16,6 +16,8 @@ Memory is counted the way the engine holds it:
   with ``precision="bf16"`` (``--precision bf16``: the linear layers' products take bf16
   operands) also the products' weights' bf16 copies, which adtape.nn keeps from the
   forward pass until the weights change;
+  under LoRA (``lora=``) the frozen base (4 bytes a parameter, or bf16 matrices) and the
+  adapters' four arenas, no offload;
 - saved activations, from the op graph: without a budget they are held by reference (an
   array two ops save counts once); with one they are copies on the byte tape, of which
   at most the budget, plus the slabs the tape keeps above it, stays resident;
@@ -24,9 +26,10 @@ Memory is counted the way the engine holds it:
   bytes), so the same policy holds less and a limit that made fp32 spill or
   checkpoint may hold everything in bf16;
 - the working set at the step's fullest moment, the loss's backward: the logits'
-  gradient (mapped) on top of the heap's high water, which the allocator keeps from
-  wherever in the step it was reached (a block's forward arrays, or its backward's
-  gradients and popped or recomputed activations);
+  gradient (mapped; with bf16 products also its bf16 copy, and where this machine
+  emulates them the operands widened to float32) on top of the heap's high water, which
+  the allocator keeps from wherever in the step it was reached (a block's forward arrays,
+  or its backward's gradients and popped or recomputed activations);
 - the process baseline (interpreter, libraries, thread pools, BLAS buffers) from the
   profile.
 A policy fits when its predicted peak plus a safety margin (``MARGIN_FRACTION`` of it and
@@ -36,13 +39,13 @@ the data loader's batches, the sample - stays below the limit too.
 """
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .estimate import estimate, tape_io_time
 from .graph import GraphOptions, check_engine_precision, product_weight_params, step_graph
 from .hardware import HardwareProfile, load_profile
 from .memory import loss_backward_bytes, saved_by_layer
-from .spec import ModelSpec, ParallelConfig, Workload
+from .spec import LoraSpec, ModelSpec, ParallelConfig, Workload
 from gpt2.units import UNIT_BYTES, WINDOW, format_size  # noqa: F401  (plan.format_size)
 
 FLOAT_BYTES = 4
@@ -66,8 +69,6 @@ MARGIN_BYTES = 16 << 20
 MMAP_THRESHOLD_BYTES = 256 << 20
 # Tape budgets listed beside the largest one that fits: these shares of the activations.
 BUDGET_SHARES = (2, 4, 8)
-# Saved arrays that are another op's saved array too (held once by reference).
-ALIASES = ("attn.out",)         # the attention's output is the projection's input (fp32: its bf16 copy is not)
 # Offloaded AdamW moments (gpt2.offload): the unit buffers in RAM, the largest unit, and
 # the disk tier's checksum rate on one core (adtape.checksum_bytes: 11 GB/s on the
 # 2-core Xeon), which the I/O thread spends on every byte read and written.
@@ -111,10 +112,13 @@ class MemoryPlan:
     notes: list = field(default_factory=list)
     offload: object = None          # None, or "moments"
     precision: str = "fp32"         # the products' precision it was planned for
+    lora: object = None             # the LoraSpec it was planned for, or None
 
     def describe(self):
         """One line: which policy, its predicted step time and peak against the limit."""
         products = " with bf16 products" if self.precision == "bf16" else ""
+        if self.lora is not None:
+            products += f" ({self.lora.describe()})"
         return (f"chose {self.policy}{products}: predicted {self.predicted_ms:.0f} ms/step, peak "
                 f"{format_size(self.predicted_peak_bytes)} of {format_size(self.max_memory)} "
                 f"(margin {describe_margin()} kept)")
@@ -153,6 +157,48 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+# kernels/bf16.pyx's emulated products widen the weight EMULATED_BLOCK floats of rows at
+# a time (whole rows, at least one).
+EMULATED_BLOCK = 1 << 23
+
+
+def _widened_weight(fan_in, fan_out):
+    """[bytes] of the emulated path's float32 block of a (fan_out x fan_in) weight."""
+    rows = max(1, min(fan_out, EMULATED_BLOCK // max(fan_in, 1)))
+    return 4.0 * rows * fan_in
+
+
+def bf16_backward_scratch(rows, fan_in, fan_out, emulated, weight_gradient=True):
+    """[bytes] of each scratch array kernels.bf16's backward of a (rows x fan_in) @ (fan_in x
+    fan_out) product allocates: the output's gradient rounded to bf16; where the products
+    are ``emulated`` that one in float32, the weight widened to float32 beside it, and for
+    the weight's gradient the input too."""
+    if not emulated:
+        return [2.0 * rows * fan_out]
+    return ([4.0 * rows * fan_out, _widened_weight(fan_in, fan_out)]
+            + ([4.0 * rows * fan_in] if weight_gradient else []))
+
+
+def bf16_forward_scratch(rows, fan_in, fan_out, emulated):
+    """[bytes] of each scratch array kernels.bf16's forward product allocates: where the
+    products are ``emulated``, both operands widened to float32 (the weight a block of rows
+    at a time); none otherwise."""
+    return [4.0 * rows * fan_in, _widened_weight(fan_in, fan_out)] if emulated else []
+
+
+def bf16_products_emulated(emulated=None):
+    """``emulated`` where given, else whether this machine's bf16 products are emulated
+    (kernels.bf16 without AVX512_BF16: the operands widened into float32 scratch); False
+    where the kernels are not built."""
+    if emulated is not None:
+        return bool(emulated)
+    try:
+        from kernels import bf16
+    except ImportError:
+        return False
+    return bf16.bf16_path() == "emulated"
+
+
 def required_memory(peak_bytes):
     """The least limit (bytes) a policy predicted to peak at ``peak_bytes`` fits within: the
     peak and the planner's margin (``MARGIN_FRACTION`` of it and ``MARGIN_BYTES``)."""
@@ -182,22 +228,31 @@ class _Accounting:
     GPT-2 124M at (4,1024) and (8,1024): within 0.5% without checkpointing, 1.6-3.3%
     above with it, bench/README.md)."""
 
-    def __init__(self, spec, B, T, flash, precision="fp32"):
-        ops = step_graph(spec, Workload(B, T), ParallelConfig(flash_attention=flash), GraphOptions(precision=precision))
+    def __init__(self, spec, B, T, flash, precision="fp32", lora=None, base_read=0.0, emulated=False):
+        ops = step_graph(spec, Workload(B, T), ParallelConfig(flash_attention=flash),
+                         GraphOptions(precision=precision, lora=lora))
         by_layer = saved_by_layer(ops)
         head = by_layer.pop(-1, {})
-        block = by_layer[0]
+        # A whole block's (under LoRA the first block saves less: its input is a constant).
+        last = spec.n_layer - 1
+        block = by_layer[last]
         e, N, C = FLOAT_BYTES, B * T, spec.n_embd
         self.n_layer = spec.n_layer
         self.spec = spec
-        self.flash, self.precision = flash, precision
+        self.flash, self.precision, self.lora = flash, precision, lora
         self.head_saved = sum(head.values())                       # lnf input, lm_head input, logits, lse
         self.block_saved = sum(block.values())                     # copies on the byte tape
-        aliases = ALIASES if precision == "fp32" else ()
-        self.block_referenced = self.block_saved - sum(v for k, v in block.items() if k in aliases)
+        # Held by reference, an array two ops save (the attention's output, the projection's
+        # float32 input) counts once.
+        shared = {}
+        for op in ops:
+            if op.phase == "fwd":
+                shared[op.layer] = shared.get(op.layer, 0.0) + sum(t.nbytes for t in op.saved if t.shared)
+        self.blocks_saved = sum(sum(by_layer[layer].values()) for layer in range(spec.n_layer))
+        self.blocks_referenced = self.blocks_saved - sum(shared.get(layer, 0.0) for layer in range(spec.n_layer))
         self.block_input = e * N * C
         # Popped off the byte tape one op at a time: the largest op's residuals.
-        ops_saved = [op.saved_bytes for op in ops if op.phase == "fwd" and op.layer == 0]
+        ops_saved = [op.saved_bytes for op in ops if op.phase == "fwd" and op.layer == last]
         self.largest_op_saved = max(ops_saved)
         # The largest record pushed at once (the loss's logits): what of it exceeds a tape
         # budget moves to and from the disk while the push, and then the pop, wait
@@ -228,10 +283,36 @@ class _Accounting:
         mlp = 4 * F if spec.gated_mlp else 2 * F
         attention = max(W + spec.n_head * spec.head_dim, 2 * W if rotary else 0)
         self.block_gradients = e * N * (3 * C + max(mlp, attention))
-        self.model_states = MODEL_STATE_ARENAS * FLOAT_BYTES * spec.num_parameters()
+        if precision == "bf16" or (lora is not None and lora.base_dtype == "bf16"):
+            # bf16 products: each backward's scratch beside its gradients, the lm_head's at the
+            # loss's backward.  Where this machine emulates them (``emulated``) the forward
+            # widens its operands too, and the heap keeps that scratch apart from the
+            # backward's (SmolLM2-135M with a bf16 base, (1,256): the second step peaked 108
+            # MiB, the lm_head's widened weight, above the first).
+            trains = lora is None
+
+            def scratch(fan_in, fan_out):
+                return (bf16_backward_scratch(N, fan_in, fan_out, emulated, trains)
+                        + bf16_forward_scratch(N, fan_in, fan_out, emulated))
+            for piece in scratch(C, spec.padded_vocab):
+                if piece >= MMAP_THRESHOLD_BYTES:
+                    self.head_mapped += piece
+                else:
+                    self.head_heap += piece
+            self.block_gradients += max(sum(scratch(*shape)) for shape in spec.product_shapes().values())
+        if lora is None:
+            self.model_states = MODEL_STATE_ARENAS * FLOAT_BYTES * spec.num_parameters()
+        else:
+            # The frozen base, and the adapters' parameters, gradients and moments.
+            self.model_states = lora.base_bytes(spec) + MODEL_STATE_ARENAS * FLOAT_BYTES * lora.adapter_params(spec)
         # bf16 products: each product's weight has a bf16 copy, all of them held through the
-        # step (an upper bound with everything offloaded, where only the blocks in RAM may).
-        self.weight_copies = 2.0 * product_weight_params(spec, ParallelConfig(), 0) if precision == "bf16" else 0.0
+        # step (an upper bound with everything offloaded, where only the blocks in RAM may);
+        # a bf16 LoRA base is its own.
+        copies = precision == "bf16" and (lora is None or lora.base_dtype == "fp32")
+        self.weight_copies = 2.0 * product_weight_params(spec, ParallelConfig(), 0) if copies else 0.0
+        # A LoRA base read before training (``base_read`` bytes, in the baseline) in float32
+        # and held in bf16: converting it holds both, before any activation exists.
+        self.base_conversion = float(base_read) if lora is not None and base_read != lora.base_bytes(spec) else 0.0
 
     def states(self, offload):
         """Model-state bytes in RAM: four arenas; with the moments on disk two and the
@@ -251,8 +332,7 @@ class _Accounting:
     def stored(self, checkpointing, snapshots, by_reference):
         """Saved activation bytes at the end of the forward pass."""
         if checkpointing == "none":
-            per_block = self.block_referenced if by_reference else self.block_saved
-            return self.head_saved + self.n_layer * per_block
+            return self.head_saved + (self.blocks_referenced if by_reference else self.blocks_saved)
         if checkpointing == "layer":
             return self.head_saved + self.n_layer * self.block_input
         # Revolve holds the loop's input and at most ``snapshots`` states at any time.
@@ -285,7 +365,8 @@ class _Accounting:
 
 
 def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=None, threads=None, flash=False,
-                baseline_bytes=None, precision="fp32"):
+                baseline_bytes=None, precision="fp32", lora=None, base_dtype="fp32", base_read_bytes=0,
+                bf16_emulated=None):
     """The fastest policy that trains ``config`` at (B, T) within ``max_memory`` bytes of RSS.
 
     ``hardware``: a profile name, path or ``HardwareProfile`` (its disk rates should be
@@ -299,24 +380,40 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     (interpreter, libraries, the data set), when it is larger than the profile's;
     ``precision``: the products' precision training runs with, "fp32" or "bf16" (bf16
     operands: the profile's bf16 product rate, fp32's where it has none; linear inputs
-    saved in half the bytes; the weights' bf16 copies).  Raises ValueError naming the
-    least memory needed when no policy fits.  Under fp32, when the chosen policy is not
-    everything in memory and bf16 would hold everything in memory within the limit, a
-    note says so.
+    saved in half the bytes; the weights' bf16 copies).
+    ``lora``: a ``gpt2.lora.LoraConfig``, LoRA fine-tuning (the adapters train, the base is
+    frozen and held in ``base_dtype``, "fp32" or "bf16"; nothing is offloaded);
+    ``base_read_bytes``: bytes of its base already read and counted in ``baseline_bytes``
+    (gpt2-train's --init-from), which the model keeps as its base instead of new ones (a
+    float32 base held in bf16: both at once while it is converted); ``bf16_emulated``:
+    whether the training machine's bf16 products are emulated (float32 scratch beside
+    them; None: this machine's, kernels.bf16).
+    Raises ValueError naming the
+    least memory needed when no policy fits.  When the chosen policy is not everything in
+    memory and bf16 would hold everything in memory within the limit (bf16 products, or
+    under LoRA a bf16 base), a note says so.
     """
     if not isinstance(max_memory, (int, float)) or isinstance(max_memory, bool) or not max_memory > 0:
         raise ValueError(f"max_memory must be a positive number of bytes, got {max_memory!r}")
     check_engine_precision(precision)
+    lora = _lora_spec(config, lora, base_dtype)
+    if not base_read_bytes >= 0 or (base_read_bytes and lora is None):
+        raise ValueError(f"base_read_bytes is a LoRA base's bytes (>= 0, with lora), got {base_read_bytes!r}")
+    if baseline_bytes is not None:
+        baseline_bytes -= base_read_bytes
     profile, notes = _prepare(config, B, T, hardware, threads, baseline_bytes)
     notes += _spill_dir_notes(profile, spill_dir)
     spec = ModelSpec.from_config(config)
-    acc = _Accounting(spec, B, T, flash, precision)
-    least_states = min(acc.states(offload) for offload in _offloads("none", precision))
+    emulated = bf16_products_emulated(bf16_emulated)
+    acc = _Accounting(spec, B, T, flash, precision, lora, base_read_bytes, emulated)
+    least_states = min(acc.states(offload) for offload in _offloads("none", precision, lora))
     least_fixed = required_memory(least_states + profile.baseline_rss + acc.weight_copies)
     if least_fixed > max_memory:
+        held = ("the frozen base and the adapters' state (LoRA offloads nothing)" if lora is not None else
+                f"the model states that stay in RAM with the rest on disk "
+                f"({'--offload all' if precision == 'fp32' else '--offload moments: bf16 runs without --offload all'})")
         raise ValueError(
-            f"max_memory {format_size(max_memory)} cannot be met: the model states that stay in RAM with the "
-            f"rest on disk ({'--offload all' if precision == 'fp32' else '--offload moments: bf16 runs without --offload all'}) "
+            f"max_memory {format_size(max_memory)} cannot be met: {held} "
             f"take {format_size(least_states)} and the process baseline "
             f"{format_size(profile.baseline_rss)}, so with the planner's margin ({describe_margin()}) at least "
             f"{format_size(least_fixed)} ({least_fixed} bytes) is needed before any activation")
@@ -324,8 +421,8 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
     candidates = []
     policies = _policies(spec)
     for checkpointing, snapshots in policies:
-        compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision)
-        for offload in _offloads(checkpointing, precision):
+        compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision, lora)
+        for offload in _offloads(checkpointing, precision, lora):
             # bf16: the weights' bf16 copies are resident beside the states
             fixed = acc.states(offload) + profile.baseline_rss + acc.weight_copies
             candidates.append(_candidate(acc, compute, profile, checkpointing, snapshots, None, max_memory,
@@ -354,26 +451,49 @@ def plan_memory(config, B, T, max_memory, hardware="this-machine", spill_dir=Non
             f"({describe_margin()}) {format_size(need)} ({need} bytes); that is the required minimum at "
             f"B={B}, T={T}")
     best = min(fitting, key=lambda c: (c.predicted_ms, c.predicted_peak_bytes))
-    if precision == "fp32" and best.policy != "in-memory":
-        notes += _bf16_note(spec, B, T, flash, profile, max_memory)
+    if best.policy != "in-memory":
+        notes += _bf16_note(spec, B, T, flash, profile, max_memory, precision, lora, emulated)
     return MemoryPlan(best.policy, best.tape_budget, best.checkpointing, best.snapshots, best.predicted_ms,
                       best.predicted_peak_bytes, int(max_memory), spill_dir, candidates, notes,
-                      best.offload, precision)
+                      best.offload, precision, lora)
 
 
-def _bf16_note(spec, B, T, flash, profile, max_memory):
-    """[a note] when bf16 products would hold everything in memory within ``max_memory``."""
-    acc = _Accounting(spec, B, T, flash, "bf16")
-    compute = _compute_estimate(spec, B, T, flash, "none", 0, profile, "bf16")
+def _lora_spec(config, lora, base_dtype):
+    """The ``LoraSpec`` of a ``gpt2.lora.LoraConfig`` (None: no LoRA, and then ``base_dtype``
+    must be "fp32")."""
+    if lora is None:
+        if base_dtype != "fp32":
+            raise ValueError(f"base_dtype={base_dtype!r} is LoRA's frozen base: give lora=LoraConfig(...)")
+        return None
+    if not hasattr(lora, "groups"):
+        raise ValueError(f"lora must be a gpt2.lora.LoraConfig or None, got {type(lora).__name__}")
+    return LoraSpec.from_config(config, lora, base_dtype)
+
+
+def _bf16_note(spec, B, T, flash, profile, max_memory, precision, lora, emulated):
+    """[a note] when bf16 would hold everything in memory within ``max_memory``: bf16
+    products (an fp32 run without LoRA), or a bf16 base (LoRA on an fp32 base)."""
+    if lora is None and precision == "fp32":
+        acc = _Accounting(spec, B, T, flash, "bf16", emulated=emulated)
+        how = "--precision bf16 (bf16 products; other numbers than fp32's)"
+        precision = "bf16"
+    elif lora is not None and lora.base_dtype == "fp32":
+        lora = replace(lora, base_dtype="bf16")
+        acc = _Accounting(spec, B, T, flash, precision, lora, emulated=emulated)
+        how = "--base-dtype bf16 (the frozen base rounded to bf16, its products in bf16)"
+    else:
+        return []
+    compute = _compute_estimate(spec, B, T, flash, "none", 0, profile, precision, lora)
     c = _candidate(acc, compute, profile, "none", 0, None, max_memory)
     if not c.fits:
         return []
-    return [f"with --precision bf16 (bf16 products; other numbers than fp32's) everything fits in memory: "
+    return [f"with {how} everything fits in memory: "
             f"predicted {c.predicted_ms:.0f} ms/step, peak {format_size(c.predicted_peak_bytes)}"]
 
 
 def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapshots=0, hardware="this-machine",
-                   threads=None, flash=False, baseline_bytes=None, offload=None, precision="fp32"):
+                   threads=None, flash=False, baseline_bytes=None, offload=None, precision="fp32", lora=None,
+                   base_dtype="fp32", base_read_bytes=0, bf16_emulated=None):
     """The predicted step time and peak memory (a ``Candidate``) of one policy, chosen or
     not: ``tape_budget`` bytes (None: everything in memory), ``checkpointing`` "none",
     "layer" or "binomial" with ``snapshots``, ``offload`` None or "moments"; the other
@@ -390,12 +510,19 @@ def predict_policy(config, B, T, tape_budget=None, checkpointing="none", snapsho
     if tape_budget is not None and not (isinstance(tape_budget, int) and tape_budget > 0):
         raise ValueError(f"tape_budget must be a positive int or None, got {tape_budget!r}")
     check_engine_precision(precision)
+    lora = _lora_spec(config, lora, base_dtype)
+    if offload is not None and lora is not None:
+        raise ValueError(f"offload={offload!r}: LoRA offloads nothing (gpt2-train refuses --offload with --lora)")
+    if not base_read_bytes >= 0 or (base_read_bytes and lora is None):
+        raise ValueError(f"base_read_bytes is a LoRA base's bytes (>= 0, with lora), got {base_read_bytes!r}")
+    if baseline_bytes is not None:
+        baseline_bytes -= base_read_bytes
     profile, _ = _prepare(config, B, T, hardware, threads, baseline_bytes)
     spec = ModelSpec.from_config(config)
     snapshots = snapshots if checkpointing == "binomial" else 0
-    compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision)
-    return _candidate(_Accounting(spec, B, T, flash, precision), compute, profile, checkpointing, snapshots,
-                      tape_budget, HUGE_BYTES, offload)
+    compute = _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision, lora)
+    acc = _Accounting(spec, B, T, flash, precision, lora, base_read_bytes, bf16_products_emulated(bf16_emulated))
+    return _candidate(acc, compute, profile, checkpointing, snapshots, tape_budget, HUGE_BYTES, offload)
 
 
 def _prepare(config, B, T, hardware, threads, baseline_bytes):
@@ -419,12 +546,12 @@ def _prepare(config, B, T, hardware, threads, baseline_bytes):
     return profile, notes
 
 
-def _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision="fp32"):
+def _compute_estimate(spec, B, T, flash, checkpointing, snapshots, profile, precision="fp32", lora=None):
     """The step's compute (recomputation included) and optimizer time, without a tape budget."""
     recompute = {"none": "none", "layer": "per_layer", "binomial": "binomial"}[checkpointing]
     return estimate(spec, Workload(B, T), ParallelConfig(recompute=recompute, checkpoints=snapshots,
                                                          flash_attention=flash), profile,
-                    GraphOptions(precision=precision))
+                    GraphOptions(precision=precision, lora=lora))
 
 
 def _least_memory(acc, profile, B, T, flash, policies, max_memory):
@@ -433,30 +560,35 @@ def _least_memory(acc, profile, B, T, flash, policies, max_memory):
     activations with it)."""
     least = []
     for checkpointing, snapshots in policies:
-        compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile, acc.precision)
+        compute = _compute_estimate(acc.spec, B, T, flash, checkpointing, snapshots, profile, acc.precision,
+                                    acc.lora)
         for budget in (None, int(acc.rerun(checkpointing)) or MIN_TAPE_BUDGET):
-            for offload in _offloads(checkpointing, acc.precision):
+            for offload in _offloads(checkpointing, acc.precision, acc.lora):
                 least.append(_candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memory,
                                         offload))
     return min(least, key=lambda c: c.predicted_peak_bytes)
 
 
-def minimum_memory(config, B, T, hardware="this-machine", flash=False, precision="fp32"):
+def minimum_memory(config, B, T, hardware="this-machine", flash=False, precision="fp32", lora=None,
+                   base_dtype="fp32", bf16_emulated=None):
     """The least ``max_memory`` (bytes) any policy can train ``config`` at (B, T) within:
-    the least predicted peak and the planner's margin (``hardware`` and ``precision`` as
+    the least predicted peak and the planner's margin (the other arguments as
     ``plan_memory``'s)."""
     check_engine_precision(precision)
+    lora = _lora_spec(config, lora, base_dtype)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     spec = ModelSpec.from_config(config)
-    least = _least_memory(_Accounting(spec, B, T, flash, precision), profile, B, T, flash, _policies(spec),
-                          HUGE_BYTES)
+    acc = _Accounting(spec, B, T, flash, precision, lora, emulated=bf16_products_emulated(bf16_emulated))
+    least = _least_memory(acc, profile, B, T, flash, _policies(spec), HUGE_BYTES)
     return required_memory(least.predicted_peak_bytes)
 
 
-def _offloads(checkpointing, precision="fp32"):
-    """The offload policies that run with ``checkpointing`` and ``precision``
+def _offloads(checkpointing, precision="fp32", lora=None):
+    """The offload policies that run with ``checkpointing``, ``precision`` and ``lora``
     (everything offloaded: without checkpointing, in fp32: gpt2-train refuses
-    --precision bf16 with --offload all)."""
+    --precision bf16 with --offload all; LoRA: none, its state is small)."""
+    if lora is not None:
+        return OFFLOAD_POLICIES[:1]
     return (OFFLOAD_POLICIES if checkpointing == "none" and precision == "fp32"
             else OFFLOAD_POLICIES[:2])
 
@@ -536,6 +668,10 @@ def _candidate(acc, compute, profile, checkpointing, snapshots, budget, max_memo
               "tape slack": slack, "baseline": profile.baseline_rss, "spilled": spilled}
     if acc.weight_copies:
         memory["bf16 weight copies"] = acc.weight_copies
+    if acc.base_conversion:
+        # The float32 base read and its bf16 copy, before any activation: what of the read
+        # base the step's activations do not outweigh.
+        memory["base conversion"] = max(0.0, acc.base_conversion - (resident + working + slack))
     peak = int(math.ceil(sum(v for k, v in memory.items() if k != "spilled")))
     if not rejected and peak > max_memory:
         rejected = f"over the limit by {format_size(peak - max_memory)}"

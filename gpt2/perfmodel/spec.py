@@ -7,7 +7,8 @@ optionally mixture-of-experts MLPs) by default; any family's config with
 rotary positions, grouped-query attention, SwiGLU MLP, no biases but Qwen2's on q/k/v, tied
 or untied head).  ``ParallelConfig`` holds every distributed-training
 feature; each one at its neutral value (size 1, stage 0, "none", False) switches its
-terms off exactly.
+terms off exactly.  ``LoraSpec`` is LoRA fine-tuning (gpt2.lora): adapters on some of the
+blocks' products, the base frozen.
 """
 from dataclasses import dataclass, replace
 
@@ -117,6 +118,21 @@ class ModelSpec:
         fan_out = 2 * F if self.gated_mlp else F
         return C * fan_out + F * C + (fan_out + C if self.linear_bias else 0)
 
+    def product_shapes(self):
+        """{name: (fan_in, fan_out)} of a block's dense products, as the op graph names them
+        (one expert's MLP): qkv, attproj, then fc and fcproj (GELU) or gateup and down (SwiGLU)."""
+        C, W, A, F = self.n_embd, self.qkv_width, self.n_head * self.head_dim, self.ffn_hidden
+        mlp = {"gateup": (C, 2 * F), "down": (F, C)} if self.gated_mlp else {"fc": (C, F), "fcproj": (F, C)}
+        return {"qkv": (C, W), "attproj": (A, C), **mlp}
+
+    def vector_params(self):
+        """Parameters that are no matrix: the norms' and the biases (what a bf16 LoRA base keeps
+        in float32, gpt2.lora.Bf16Base)."""
+        W, C = self.qkv_width, self.n_embd
+        fan_out = 2 * self.ffn_hidden if self.gated_mlp else self.ffn_hidden
+        biases = (W if self.qkv_bias else 0) + (C + max(self.n_experts, 1) * (fan_out + C) if self.linear_bias else 0)
+        return self.n_layer * (2 * self.norm_params + biases) + self.norm_params
+
     def layer_params(self):
         """Parameters of one transformer block (all experts counted)."""
         C, W, A = self.n_embd, self.qkv_width, self.n_head * self.head_dim
@@ -148,6 +164,88 @@ class ModelSpec:
             return self.num_parameters()
         inactive = (self.n_experts - self.top_k) * self.mlp_params_per_expert
         return self.num_parameters() - self.n_layer * inactive
+
+
+# The op graph's name of each weight LoRA adapts (gpt2.lora.LoraConfig.groups' names).
+LORA_PRODUCTS = {"qkvw": "qkv", "attprojw": "attproj", "fcw": "fc", "fcprojw": "fcproj", "gateupw": "gateup",
+                 "downw": "down"}
+BASE_DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA fine-tuning (gpt2.lora, adtape.nn.lora_linear): rank ``r`` adapters on some of each
+    block's products; the base is frozen (no gradient, no moments, no weight-gradient
+    products) and held in ``base_dtype`` (bf16: its matrices in 2 bytes and their products
+    in bf16).  ``adapted``: ``((product, k, rows), ...)``, a product of the graph
+    (``ModelSpec.product_shapes``), the k projections it packs that are adapted (an A of
+    r x fan_in each) and their output rows (B: rows x r); ``dropout``: the adapters' input
+    dropout (it keeps the dropped input and its mask for the backward)."""
+    r: int
+    adapted: tuple
+    base_dtype: str = "fp32"
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        _positive_int("LoraSpec", "r", self.r)
+        if self.base_dtype not in BASE_DTYPES:
+            raise ValueError(f"LoraSpec.base_dtype must be one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoraSpec.dropout must be in [0, 1), got {self.dropout!r}")
+        adapted = tuple(tuple(a) for a in self.adapted)
+        names = [a[0] for a in adapted if len(a) == 3]
+        if not adapted or len(names) != len(adapted) or len(set(names)) != len(names):
+            raise ValueError(f"LoraSpec.adapted must list each adapted product once as (product, k, rows), "
+                             f"got {self.adapted!r}")
+        for name, k, rows in adapted:
+            if name not in LORA_PRODUCTS.values():
+                raise ValueError(f"LoraSpec.adapted: {name!r} is not a product of the graph "
+                                 f"({', '.join(LORA_PRODUCTS.values())})")
+            _positive_int("LoraSpec", f"adapted[{name!r}] k", k)
+            _positive_int("LoraSpec", f"adapted[{name!r}] rows", rows)
+        object.__setattr__(self, "adapted", adapted)
+
+    @classmethod
+    def from_config(cls, config, lora, base_dtype="fp32"):
+        """From a family config and a ``gpt2.lora.LoraConfig`` (its ``groups``: which weights,
+        how many projections, which rows)."""
+        adapted = []
+        for weight, parts in lora.groups(config):
+            if weight not in LORA_PRODUCTS:
+                raise ValueError(f"LoRA adapts {weight!r}, which the performance model has no product for "
+                                 f"(it knows {', '.join(LORA_PRODUCTS)})")
+            adapted.append((LORA_PRODUCTS[weight], len(parts), sum(part[3] for part in parts)))
+        return cls(lora.r, tuple(adapted), base_dtype, float(lora.dropout))
+
+    def check(self, spec):
+        """ValueError where an adapted product is not ``spec``'s or has more rows than it."""
+        shapes = spec.product_shapes()
+        for name, _, rows in self.adapted:
+            if name not in shapes:
+                raise ValueError(f"LoraSpec adapts {name!r}, which this model has not (its products: "
+                                 f"{', '.join(shapes)})")
+            if rows > shapes[name][1]:
+                raise ValueError(f"LoraSpec adapts {rows} rows of {name!r}, which has {shapes[name][1]}")
+        if spec.n_experts:
+            raise ValueError("LoRA adapts dense models: the performance model has no LoRA on experts")
+
+    def adapter_params(self, spec):
+        """The adapters' parameters over the whole model (gpt2.lora.adapter_shapes)."""
+        self.check(spec)
+        shapes = spec.product_shapes()
+        return spec.n_layer * sum(k * self.r * shapes[name][0] + rows * self.r for name, k, rows in self.adapted)
+
+    def base_bytes(self, spec):
+        """Bytes of the frozen base: 4 a parameter, or in bf16 2 a matrix parameter and 4 a
+        norm or bias parameter."""
+        if self.base_dtype == "fp32":
+            return 4.0 * spec.num_parameters()
+        vectors = spec.vector_params()
+        return 2.0 * (spec.num_parameters() - vectors) + 4.0 * vectors
+
+    def describe(self):
+        """"LoRA r=16 on a bf16 base"."""
+        return f"LoRA r={self.r} on a{'n' if self.base_dtype == 'fp32' else ''} {self.base_dtype} base"
 
 
 @dataclass(frozen=True)

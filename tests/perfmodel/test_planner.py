@@ -17,6 +17,7 @@ from gpt2.perfmodel.plan import minimum_memory, plan_memory, predict_policy, req
 
 TINY = GPT2Config.preset("tiny")
 GPT2_124M = GPT2Config.preset("gpt2")
+GPT2_MEDIUM = GPT2Config.preset("gpt2-medium")
 HUGE = 1 << 50
 
 
@@ -204,30 +205,37 @@ def test_disk_probe_measures_both_directions_and_leaves_nothing(tmp_path):
 
 
 def test_bf16_fits_in_memory_where_fp32_must_spill_or_checkpoint(profile):
-    fp32 = predict_policy(GPT2_124M, 8, 1024, hardware=profile)
-    bf16 = predict_policy(GPT2_124M, 8, 1024, hardware=profile, precision="bf16")
+    # GPT-2 medium: the linear inputs bf16 halves outweigh the weights' bf16 copies and the
+    # logits' gradient rounded to bf16 at the loss's backward (at GPT-2 124M's size they do
+    # not); on a CPU that multiplies bf16 natively, as the profile's Zen 4 does (emulated,
+    # that gradient is held in float32 once more).
+    native = dict(bf16_emulated=False)
+    fp32 = predict_policy(GPT2_MEDIUM, 8, 1024, hardware=profile)
+    bf16 = predict_policy(GPT2_MEDIUM, 8, 1024, hardware=profile, precision="bf16", **native)
     assert bf16.predicted_peak_bytes < fp32.predicted_peak_bytes
     assert bf16.memory["activations"] < fp32.memory["activations"]
     assert bf16.memory["bf16 weight copies"] > 0 and "bf16 weight copies" not in fp32.memory
     # Midway between the two, each with the planner's margin.
     limit = (required_memory(fp32.predicted_peak_bytes) + required_memory(bf16.predicted_peak_bytes)) // 2
-    plan32 = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile)
-    plan16 = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile, precision="bf16")
+    plan32 = plan_memory(GPT2_MEDIUM, 8, 1024, limit, hardware=profile, **native)
+    plan16 = plan_memory(GPT2_MEDIUM, 8, 1024, limit, hardware=profile, precision="bf16", **native)
     assert plan32.policy != "in-memory" and plan16.policy == "in-memory"
     assert plan16.precision == "bf16" and "with bf16 products" in plan16.describe()
     assert plan16.predicted_peak_bytes == bf16.predicted_peak_bytes <= limit
     # The fp32 plan says what bf16 would do.
     assert any("--precision bf16" in n and "fits in memory" in n for n in plan32.notes)
     # At the least memory bf16 keeps the parameters and gradients in RAM (gpt2-train
-    # refuses --precision bf16 with --offload all) and the weights' bf16 copies beside.
-    least32 = minimum_memory(GPT2_124M, 8, 1024, hardware=profile)
-    least16 = minimum_memory(GPT2_124M, 8, 1024, hardware=profile, precision="bf16")
-    moments32 = min(predict_policy(GPT2_124M, 8, 1024, tape_budget=b, checkpointing=c,
+    # refuses --precision bf16 with --offload all), the weights' bf16 copies beside, and
+    # at the loss's backward the logits' gradient rounded to bf16.
+    least32 = minimum_memory(GPT2_MEDIUM, 8, 1024, hardware=profile)
+    least16 = minimum_memory(GPT2_MEDIUM, 8, 1024, hardware=profile, precision="bf16", **native)
+    moments32 = min(predict_policy(GPT2_MEDIUM, 8, 1024, tape_budget=b, checkpointing=c,
                                    hardware=profile, offload="moments").predicted_peak_bytes
                     for c in ("none", "layer") for b in (None, 1 << 20))
-    assert least32 < least16 <= required_memory(moments32 + bf16.memory["bf16 weight copies"])
+    rounded = 2 * 8 * 1024 * GPT2_MEDIUM.padded_vocab_size
+    assert least32 < least16 <= required_memory(moments32 + bf16.memory["bf16 weight copies"] + rounded)
     with pytest.raises(ValueError, match="offload='all' runs in fp32"):
-        predict_policy(GPT2_124M, 8, 1024, hardware=profile, offload="all", precision="bf16")
+        predict_policy(GPT2_MEDIUM, 8, 1024, hardware=profile, offload="all", precision="bf16")
 
 
 def test_planner_precision_errors_name_the_allowed_values(profile):
@@ -240,12 +248,12 @@ def test_planner_precision_errors_name_the_allowed_values(profile):
 
 def test_bf16_weighs_the_largest_tape_budget_that_fits(profile):
     # The headroom for the tape counts the weights' bf16 copies: the largest budget that
-    # fits is among the candidates and fits (it was rejected, over by the copies).
+    # fits is among the candidates, within 2 MiB of the limit (it was rejected, over by the
+    # copies, and the largest that fitted was a share of the activations far below).
     in_memory = predict_policy(GPT2_124M, 8, 1024, hardware=profile, precision="bf16")
     limit = int(in_memory.predicted_peak_bytes * 0.8)
     plan = plan_memory(GPT2_124M, 8, 1024, limit, hardware=profile, precision="bf16")
     spilling = [c for c in plan.candidates
-                if c.checkpointing == "none" and c.offload is None and c.tape_budget]
+                if c.checkpointing == "none" and c.offload is None and c.tape_budget and c.fits]
     largest = max(spilling, key=lambda c: c.tape_budget)
-    assert largest.fits, largest.rejected
     assert limit - required_memory(largest.predicted_peak_bytes) < 2 << 20
