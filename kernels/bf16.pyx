@@ -481,32 +481,12 @@ cdef int matmul_forward_bf16_c(float* out, const uint16_t* inp, const uint16_t* 
     if path == PATH_EMULATED:
         return _emulated_forward(out, inp, weight, bias, N, C, OC, n_threads)
     cdef Product p = _product(path, False, True, N, OC, C, inp, C, weight, C, False, out, OC, bias)
-    cdef Convert conv[2]
-    cdef int nconv = 0, nt
-    cdef uint32_t** bufs = NULL
-    cdef float* xf = NULL
-    cdef float* wf = NULL
-    if path == PATH_EMULATED:
-        # both operands widened to float32 scratch
-        xf = <float*>_scratch(N * C, sizeof(float))
-        wf = <float*>_scratch(OC * C, sizeof(float))
-        if xf == NULL or wf == NULL:
-            free(xf)
-            free(wf)
-            _out_of_memory("the operands in float32")
-        conv[0] = Convert(CONVERT_WIDEN, inp, xf, N * C)
-        conv[1] = Convert(CONVERT_WIDEN, weight, wf, OC * C)
-        nconv = 2
-        p.A, p.B = xf, wf
-    nt = _threads(conv, nconv, &p, 1, NULL, n_threads)
-    if path != PATH_EMULATED:
-        bufs = _buffers(nt, p.plan.pairs)
-        if bufs == NULL:
-            _out_of_memory("the packing buffers")
-    _run(path, conv, nconv, &p, 1, NULL, bufs, nt)
+    cdef int nt = _threads(NULL, 0, &p, 1, NULL, n_threads)
+    cdef uint32_t** bufs = _buffers(nt, p.plan.pairs)
+    if bufs == NULL:
+        _out_of_memory("the packing buffers")
+    _run(path, NULL, 0, &p, 1, NULL, bufs, nt)
     _free_buffers(bufs, nt)
-    free(xf)
-    free(wf)
     return 0
 
 
@@ -514,62 +494,38 @@ cdef int matmul_backward_bf16_c(float* dinp, float* dweight, float* dbias, const
                                 const uint16_t* inp, const uint16_t* weight, Py_ssize_t N,
                                 Py_ssize_t C, Py_ssize_t OC, int n_threads, bint ow_dinp,
                                 bint ow_dweight, bint ow_dbias) except -1 nogil:
-    if _path == PATH_EMULATED:
+    cdef int path = _path
+    if path == PATH_EMULATED:
         return _emulated_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC,
                                   n_threads, ow_dinp, ow_dweight, ow_dbias)
-    # dout is rounded to bf16 once for both products (emulated: to its bf16 values in
-    # float32, with the weight and inp widened beside it).  Everything is allocated
-    # before anything is written.
-    cdef int path = _path
+    # dout is rounded to bf16 once for both products.  Everything is allocated before
+    # anything is written.
     cdef Product prods[2]
-    cdef Convert conv[3]
+    cdef Convert conv
     cdef Dbias db = Dbias(dbias, dout, N, OC, ow_dbias)
-    cdef int nprod = 0, nconv = 0, nt
+    cdef int nprod = 0, nt
     cdef uint32_t** bufs = NULL
-    cdef void* d = NULL             # dout in bf16 (float32 when emulated)
-    cdef float* wf = NULL
-    cdef float* xf = NULL
-    cdef const void* w_op = weight
-    cdef const void* x_op = inp
-    cdef bint emulated = path == PATH_EMULATED
-    d = _scratch(N * OC, sizeof(float) if emulated else sizeof(uint16_t))
-    if emulated:
-        wf = <float*>_scratch(OC * C if dinp != NULL else 0, sizeof(float))
-        xf = <float*>_scratch(N * C if dweight != NULL else 0, sizeof(float))
-    if d == NULL or (emulated and (wf == NULL or xf == NULL)):
-        free(d)
-        free(wf)
-        free(xf)
-        _out_of_memory("dout in bf16 and the operands")
-    conv[0] = Convert(CONVERT_ROUND_F32 if emulated else CONVERT_ROUND, dout, d, N * OC)
-    nconv = 1
-    if emulated:
-        if dinp != NULL:
-            conv[nconv] = Convert(CONVERT_WIDEN, weight, wf, OC * C)
-            nconv += 1
-        if dweight != NULL:
-            conv[nconv] = Convert(CONVERT_WIDEN, inp, xf, N * C)
-            nconv += 1
-        w_op, x_op = wf, xf
+    cdef uint16_t* d = <uint16_t*>_scratch(N * OC, sizeof(uint16_t))
+    if d == NULL:
+        _out_of_memory("dout in bf16")
+    conv = Convert(CONVERT_ROUND, dout, d, N * OC)
     if dinp != NULL:
-        prods[nprod] = _product(path, False, False, N, C, OC, d, OC, w_op, C, not ow_dinp, dinp, C,
-                                NULL)
+        prods[nprod] = _product(path, False, False, N, C, OC, d, OC, weight, C, not ow_dinp,
+                                dinp, C, NULL)
         nprod += 1
     if dweight != NULL:     # NULL: a frozen weight (LoRA's base), no weight gradient
-        prods[nprod] = _product(path, True, False, OC, C, N, d, OC, x_op, C, not ow_dweight,
+        prods[nprod] = _product(path, True, False, OC, C, N, d, OC, inp, C, not ow_dweight,
                                 dweight, C, NULL)
         nprod += 1
-    nt = _threads(conv, nconv, prods, nprod, &db if dbias != NULL else NULL, n_threads)
-    if not emulated and nprod:
+    nt = _threads(&conv, 1, prods, nprod, &db if dbias != NULL else NULL, n_threads)
+    if nprod:
         bufs = _buffers(nt, max(prods[0].plan.pairs, prods[nprod - 1].plan.pairs))
         if bufs == NULL:
             free(d)
             _out_of_memory("the packing buffers")
-    _run(path, conv, nconv, prods, nprod, &db if dbias != NULL else NULL, bufs, nt)
+    _run(path, &conv, 1, prods, nprod, &db if dbias != NULL else NULL, bufs, nt)
     _free_buffers(bufs, nt)
     free(d)
-    free(wf)
-    free(xf)
     return 0
 
 
