@@ -1,5 +1,6 @@
-"""Test setup: the PyTorch oracle bench/torch_gpt2.py and the measuring harness
-bench/harness.py are importable as ``torch_gpt2`` and ``harness``.
+"""Test setup: the PyTorch oracle bench/torch_gpt2.py, the measuring harness
+bench/harness.py and the small Hugging Face models of tests/hf_models.py are importable
+as ``torch_gpt2``, ``harness`` and ``hf_models``.
 
 They are loaded by file path: nothing goes on sys.path, so neither the repo root nor
 bench/ (whose scripts, e.g. bench/kernels.py, would shadow packages) can hide the
@@ -19,9 +20,11 @@ os.environ.setdefault("ADTAPE_PRECISION", "fp32")
 
 _BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
-for _name in ("torch_gpt2", "harness"):
+for _path in (_BENCH / "torch_gpt2.py", _BENCH / "harness.py",
+              pathlib.Path(__file__).resolve().parent / "hf_models.py"):
+    _name = _path.stem
     if _name not in sys.modules:
-        _spec = importlib.util.spec_from_file_location(_name, _BENCH / f"{_name}.py")
+        _spec = importlib.util.spec_from_file_location(_name, _path)
         _module = importlib.util.module_from_spec(_spec)
         sys.modules[_name] = _module
         _spec.loader.exec_module(_module)

@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from gpt2 import checkpoint as ckpt
 from gpt2 import data, evaluate, hf, train
 from gpt2.config import GPT2Config, LlamaConfig
+from hf_models import saved_hf_model
 
 # Tighter than the 1e-4 asked for: these small models agree to about 1e-7, and windows
 # shifted by one token move the Llama loss by 1e-4.
@@ -23,26 +23,11 @@ TEXT = ("A model is evaluated on every token of its file, one window after anoth
         + "def f(x):\n    return x * 2  # the end, with a ragged tail\n")
 
 
-def hf_model_dir(config, path, seed=0):
-    """transformers' model for ``config`` with random weights (norms and biases too),
-    saved by its own save_pretrained into ``path``; returns the model.  The weights are
-    large enough that the predictions are peaked and depend on the position: at the usual
+def hf_model_dir(config, path):
+    """transformers' model for ``config`` saved into ``path``, random weights large enough
+    that the predictions are peaked and depend on the position: at the usual
     initialization the loss is ln(V) to five digits, whatever the windows."""
-    hf_config = hf.hf_config_dict(config)
-    cls = getattr(transformers, hf_config["architectures"][0])
-    torch.manual_seed(seed)
-    model = cls(transformers.AutoConfig.for_model(
-        **{k: v for k, v in hf_config.items() if k != "architectures"})).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or ".ln_" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.1)
-            else:
-                p.normal_(0, 0.3)
-    model.save_pretrained(path)
-    return model
+    return saved_hf_model(config, path, weight_std=0.3)
 
 
 def torch_loss(model, tokens, B, T, max_batches=None):

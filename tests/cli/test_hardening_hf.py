@@ -25,6 +25,7 @@ from gpt2 import hf
 from gpt2.config import LlamaConfig
 from gpt2.families.llama import hf_tensors
 from gpt2.train import main
+from hf_models import hf_model
 
 PACKAGE_ROOTS = os.pathsep.join({os.path.dirname(os.path.dirname(m.__file__))
                                  for m in (adtape, gpt2)})
@@ -35,13 +36,7 @@ LLAMA_TINY = LlamaConfig.preset("llama-tiny")
 
 def save_llama(directory, seed=0, **save_kwargs):
     """transformers' llama-tiny with random weights (norms too), saved by save_pretrained."""
-    hf_config = {k: v for k, v in hf.hf_config_dict(LLAMA_TINY).items() if k != "architectures"}
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(**hf_config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    model = hf_model(LLAMA_TINY, seed)
     model.save_pretrained(directory, **save_kwargs)
     return model
 

@@ -11,9 +11,10 @@ import torch
 import transformers
 
 from gpt2 import checkpoint as ckpt
-from gpt2 import hf, train
+from gpt2 import train
 from gpt2.config import LlamaConfig
 from gpt2.train_options import UsageError
+from hf_models import saved_hf_model
 
 CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96,
                      vocab_size=256, block_size=64, tie_embeddings=False, qkv_bias=True)
@@ -23,12 +24,7 @@ CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_s
 def base_dir(tmp_path_factory):
     """A random Qwen2-style model (biases, untied head) saved by transformers."""
     path = tmp_path_factory.mktemp("base")
-    hf_config = hf.hf_config_dict(CONFIG)
-    cls = getattr(transformers, hf_config["architectures"][0])
-    torch.manual_seed(0)
-    model = cls(transformers.AutoConfig.for_model(
-        **{k: v for k, v in hf_config.items() if k != "architectures"})).float().eval()
-    model.save_pretrained(path)
+    saved_hf_model(CONFIG, path, spread=False)
     return path
 
 

@@ -22,7 +22,6 @@ import pytest
 import sentencepiece
 import tokenizers
 import torch
-import transformers
 
 from gpt2 import families, hf
 from gpt2.checkpoint import load_checkpoint
@@ -31,6 +30,7 @@ from gpt2.families.llama import LlamaFamily
 from gpt2.gguf_export import check_gguf_export, save_gguf
 from gpt2.params import ParamArena, init_params_
 from gpt2.train import main as train_main
+from hf_models import hf_model
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
@@ -107,23 +107,6 @@ def write_tokenizer(directory, kind):
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(settings, f)
     return tok
-
-
-def hf_model(config, seed=0):
-    """transformers' model of ``config`` (our config.json), random weights with norms and
-    biases that matter."""
-    hf_config = hf.hf_config_dict(config)
-    cls = getattr(transformers, hf_config["architectures"][0])
-    torch.manual_seed(seed)
-    model = cls(transformers.AutoConfig.for_model(
-        **{k: v for k, v in hf_config.items() if k != "architectures"})).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.1)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ own save_pretrained.  Our logits, loss and every gradient match its model on the
 weights and tokens, both ways (its directory read by us, ours by it, no key missing or
 unexpected); half-precision and sharded directories load; a few AdamW steps track
 torch.optim.AdamW."""
-import dataclasses
 import json
 
 import numpy as np
@@ -18,33 +17,7 @@ from gpt2.config import GPT2Config, LLAMA_PRESETS, LlamaConfig
 from gpt2.families.llama import hf_tensors
 from gpt2.model import GPT2
 from gpt2.params import ParamArena, init_params_, num_parameters
-
-HEAD_DIM = 16
-
-
-def reduced(name):
-    """The preset with 2 blocks, head_dim 16 and a 384-token vocabulary."""
-    c = LlamaConfig.preset(name)
-    return dataclasses.replace(c, n_layer=2, n_embd=c.n_head * HEAD_DIM, head_dim=HEAD_DIM,
-                               intermediate_size=3 * c.n_head * HEAD_DIM + 8, vocab_size=384)
-
-
-def hf_model(config, seed=0):
-    """transformers' model for ``config`` (from our config.json), random weights."""
-    hf_config = hf.hf_config_dict(config)
-    cls = getattr(transformers, hf_config["architectures"][0])
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items()
-                                               if k != "architectures"})
-    torch.manual_seed(seed)
-    model = cls(cfg).float().eval()
-    with torch.no_grad():   # transformers initializes norm weights to 1: make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.1)
-    return model
-
+from hf_models import hf_model, reduced
 
 def batch(config, B=2, T=37, seed=0):
     rng = np.random.default_rng(seed)

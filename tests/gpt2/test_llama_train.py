@@ -11,6 +11,7 @@ from gpt2 import hf
 from gpt2.config import LlamaConfig
 from gpt2.model import GPT2
 from gpt2.train import run
+from hf_models import saved_hf_model
 
 
 def losses(config, steps=4, **kwargs):
@@ -44,9 +45,7 @@ def test_manual_engine_is_gpt2s():
 
 def test_train_from_a_hugging_face_directory_resume_and_write_one(tmp_path):
     config = LlamaConfig.preset("llama-tiny")
-    torch_model = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(
-        **{k: v for k, v in hf.hf_config_dict(config).items() if k != "architectures"}))
-    torch_model.save_pretrained(tmp_path / "start")
+    saved_hf_model(config, tmp_path / "start", spread=False)
     out = tmp_path / "run"
     args = ["--init-from", str(tmp_path / "start"), "-B", "2", "-T", "32", "--corpus-bytes",
             "50k", "--eval-interval", "0", "--sample-tokens", "5", "--no-progress",

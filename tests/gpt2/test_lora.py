@@ -5,7 +5,6 @@ every adapter gradient match, and so do five AdamW steps.  Then what peft does n
 check for us: the base stays frozen (no gradient, no moments), a bf16 base is the
 float32 base rounded, the memory policies and gradient accumulation give the same
 gradients, dropout only while training, and bad settings are refused by name."""
-import dataclasses
 
 import numpy as np
 import peft
@@ -15,20 +14,11 @@ import transformers
 
 from adtape import nn
 from gpt2 import hf
-from gpt2.config import GPT2Config, LlamaConfig
+from gpt2.config import GPT2Config
 from gpt2.lora import Bf16Base, LoraConfig, peft_tensors
 from gpt2.model import Model
 from gpt2.params import ParamArena, init_params_
-
-HEAD_DIM = 16
-
-
-def reduced(name):
-    """The Llama-family preset with 2 blocks, head_dim 16 and a 384-token vocabulary."""
-    c = LlamaConfig.preset(name)
-    return dataclasses.replace(c, n_layer=2, n_embd=c.n_head * HEAD_DIM, head_dim=HEAD_DIM,
-                               intermediate_size=3 * c.n_head * HEAD_DIM + 8, vocab_size=384)
-
+from hf_models import hf_model, reduced
 
 CONFIGS = {
     "llama": reduced("llama-3.2-1b"),
@@ -38,22 +28,6 @@ CONFIGS = {
 TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "gpt2": ["c_attn", "c_proj", "c_fc"]}
-
-
-def hf_model(config, seed=0):
-    hf_config = hf.hf_config_dict(config)
-    cls = getattr(transformers, hf_config["architectures"][0])
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items()
-                                               if k != "architectures"})
-    torch.manual_seed(seed)
-    model = cls(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or ".ln_" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.1)
-    return model
 
 
 def batch(config, B=2, T=19, seed=0):

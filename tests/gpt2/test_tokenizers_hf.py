@@ -12,16 +12,15 @@ import numpy as np
 import pytest
 import sentencepiece
 import tokenizers
-import transformers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from gpt2 import hf
 from gpt2.checkpoint import read_checkpoint_header
 from gpt2.config import LlamaConfig
 from gpt2.data import stdlib_corpus_bytes
 from gpt2.tokenizer import (GPT2BPETokenizer, HFTokenizer, SentencePieceTokenizer,
                             find_tokenizer, load_tokenizer, write_tiktoken_ranks)
 from gpt2.train import main, run
+from hf_models import saved_hf_model
 
 CORPUS_BYTES = 50_000
 # The run's corpus: what gpt2-train --corpus-bytes 50k reads, so every character is known.
@@ -153,10 +152,7 @@ def llama_directory(path, vocab_size):
     transformers saves it."""
     config = LlamaConfig(**{**LlamaConfig.preset("llama-tiny").to_dict(),
                             "vocab_size": vocab_size})
-    hf_config = {k: v for k, v in hf.hf_config_dict(config).items() if k != "architectures"}
-    transformers.set_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(**hf_config))
-    model.save_pretrained(path)
+    saved_hf_model(config, path, spread=False)
     return path
 
 
