@@ -20,7 +20,6 @@ import os
 import pathlib
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
-from _runinfo import compute_limit, physical_peak  # noqa: E402
+from _runinfo import LimitProbe, compute_limit  # noqa: E402
 
 from adtape import buffers  # noqa: E402
 from kernels import attention, blas_dispatch, layers, loss, matmul, optim, peak, threads  # noqa: E402
@@ -91,82 +90,12 @@ def quartiles(xs):
     return q[0], q[1], q[2]
 
 
-def limit_buffers(quick):
-    """The operands of the limit probes, allocated once: a square product's (n x n)
-    and three float32 streams of 256 MB (64 MB with ``quick``), far past the caches."""
-    n = 1024 if quick else 2048
-    rng = np.random.default_rng(0)
-    a = aligned(rng.standard_normal((n, n), dtype=np.float32))
-    b = aligned(rng.standard_normal((n, n), dtype=np.float32))
-    c = buffers.empty((n, n))
-    size = (16 if quick else 64) * 2 ** 20
-    return {"n": n, "mm": (a, b, c, t(a), t(b), t(c)), "size": size,
-            "streams": tuple(torch.rand(size) for _ in range(3))}
-
-
-def sgemm_peak(bufs, reps):
-    """(peak, ours, PyTorch's) GFLOP/s of an n x n x n product: the best of ``reps``
-    through our path and through PyTorch's, the faster library counting.  A peak is
-    what the machine reaches, and on a shared VM a median can land in a slow spell
-    (one run here put it at 118 GFLOP/s where both reach 185)."""
-    n = bufs["n"]
-    a, b, c, ta, tb, tc = bufs["mm"]
-    ours, theirs = [], []
-    for rep in range(reps + 1):
-        t0 = time.perf_counter()
-        matmul.matmul_forward(c, a, b, None)
-        t1 = time.perf_counter()
-        torch.mm(ta, tb.t(), out=tc)
-        t2 = time.perf_counter()
-        if rep:
-            ours.append(t1 - t0)
-            theirs.append(t2 - t1)
-    ours_peak, torch_peak = (2 * n ** 3 / min(ts) / 1e9 for ts in (ours, theirs))
-    return max(ours_peak, torch_peak), ours_peak, torch_peak
-
-
-def bandwidth(bufs, reps):
-    """Memory bandwidth (GB/s): the fastest of four probes over the large streams,
-    each the median of ``reps``.  The triad (z = x + 1.5 y) writes a third array,
-    whose write-allocate read is traffic it does not count; the NumPy copy runs on
-    one thread; the in-place update (x += 1.5 y, as AdamW updates its state) reads
-    and writes the same array, so all of its three streams are real traffic; the
-    read (a sum) moves one stream, which on this VM's two cores is bound by the
-    misses each core can keep in flight rather than by the memory."""
-    size = bufs["size"]
-    x, y, z = bufs["streams"]
-    xn, yn = x.numpy(), y.numpy()
-    triad, copy, update, read = [], [], [], []
-    for rep in range(reps + 1):
-        t0 = time.perf_counter()
-        torch.add(x, y, alpha=1.5, out=z)
-        t1 = time.perf_counter()
-        np.copyto(yn, xn)
-        t2 = time.perf_counter()
-        x.add_(y, alpha=1.5)
-        t3 = time.perf_counter()
-        torch.sum(z)
-        t4 = time.perf_counter()
-        if rep:
-            triad.append(t1 - t0)
-            copy.append(t2 - t1)
-            update.append(t3 - t2)
-            read.append(t4 - t3)
-    out = {"triad_gbps": 3 * 4 * size / statistics.median(triad) / 1e9,
-           "copy_gbps": 2 * 4 * size / statistics.median(copy) / 1e9,
-           "update_gbps": 3 * 4 * size / statistics.median(update) / 1e9,
-           "read_gbps": 4 * size / statistics.median(read) / 1e9}
-    out["bandwidth_gbps"] = max(out.values())
-    return out
-
-
-def measure_limits(bufs, reps, n):
-    """The run's physical peaks and sgemm peak (GFLOP/s) and memory bandwidth (GB/s) on
-    ``n`` threads, probed once at its start with ``reps`` repetitions."""
-    sgemm, ours_sgemm, torch_sgemm = sgemm_peak(bufs, reps)
-    return {**physical_peak(n), "sgemm_peak_gflops": sgemm, "sgemm_n": bufs["n"],
-            "ours_sgemm_gflops": ours_sgemm, "torch_sgemm_gflops": torch_sgemm, **bandwidth(bufs, reps),
-            "stream_floats": bufs["size"]}
+def limit_probe(quick, n):
+    """The limit probes' operands, allocated once (_runinfo.LimitProbe): an n x n
+    product (1024 with ``quick``, else 2048) and three float32 streams of 256 MB (64
+    MB with ``quick``), far past the caches."""
+    return LimitProbe(n, sgemm_n=1024 if quick else 2048,
+                      stream_floats=(16 if quick else 64) << 20)
 
 
 # Each case's share is taken against its limit probed right before and right after
@@ -180,15 +109,16 @@ def measure_limits(bufs, reps, n):
 LOCAL_REPS = 3
 
 
-def local_probe(kind, bufs, n, fp32_isa):
+def local_probe(kind, probe, fp32_isa):
     """{probe: rate} of ``kind``'s limit, LOCAL_REPS repetitions: the physical peak of
-    loop ``fp32_isa`` (None: none) on ``n`` threads and the sgemm peak, or the four
-    bandwidth probes and their best."""
+    loop ``fp32_isa`` (None: none) and the sgemm peak, or the four bandwidth probes and
+    their best."""
     if kind != "flops":
-        return bandwidth(bufs, LOCAL_REPS)
-    probes = {"sgemm_peak_gflops": sgemm_peak(bufs, LOCAL_REPS)[0]}
+        return probe.bandwidth(LOCAL_REPS)
+    probes = {"sgemm_gflops": probe.sgemm(LOCAL_REPS)["sgemm_gflops"]}
     if fp32_isa:
-        probes["fp32_peak_gflops"] = peak.fma_peak(fp32_isa, n, seconds=0.02, repeats=LOCAL_REPS)
+        probes["fp32_peak_gflops"] = peak.fma_peak(fp32_isa, probe.n_threads, seconds=0.02,
+                                                   repeats=LOCAL_REPS)
     return probes
 
 
@@ -395,15 +325,16 @@ def run(args):
     n = args.threads or threads.available_cores()
     torch.set_num_threads(n)
     threads.set_num_threads(n)
-    bufs = limit_buffers(args.quick)
-    limits = measure_limits(bufs, args.reps, n)
+    probe = limit_probe(args.quick, n)
+    limits = probe.measure(args.reps)
     print(f"threads {n}; physical peak "
           + ", ".join(f"{isa} {rate:.1f}" for isa, rate in limits["peak_gflops_by_isa"].items())
-          + f" GFLOP/s (register-only FMA); sgemm peak {limits['sgemm_peak_gflops']:.1f} GFLOP/s "
-          f"(n={limits['sgemm_n']}, best rep: ours {limits['ours_sgemm_gflops']:.1f}, "
-          f"PyTorch {limits['torch_sgemm_gflops']:.1f}); memory bandwidth {limits['bandwidth_gbps']:.1f} GB/s "
-          f"(triad {limits['triad_gbps']:.1f}, copy {limits['copy_gbps']:.1f}, "
-          f"in-place update {limits['update_gbps']:.1f}, read {limits['read_gbps']:.1f}); "
+          + f" GFLOP/s (register-only FMA); sgemm peak {limits['sgemm_gflops']:.1f} GFLOP/s "
+          f"(n={limits['sgemm_n']}, best rep: ours {limits['ours_sgemm_gflops']:.1f}, SciPy "
+          f"{limits['scipy_sgemm_gflops']:.1f}, PyTorch {limits['torch_sgemm_gflops']:.1f}); "
+          f"memory bandwidth {limits['bandwidth_gbs']:.1f} GB/s "
+          f"(add {limits['add_gbs']:.1f}, copy {limits['copy_gbs']:.1f}, "
+          f"in-place update {limits['update_gbs']:.1f}, read {limits['read_gbs']:.1f}); "
           f"each case's share is of its limit probed beside it (column 'limit': the "
           f"{compute_limit(limits)[1]} or the bandwidth; column 'sgemm': the sgemm peak beside it)")
     configs = [(4, 64)] if args.quick else [(4, 64), (8, 1024)]
@@ -414,16 +345,16 @@ def run(args):
     print("-" * len(header))
 
     def record(name, shape, kind, amount, setup, ours, theirs):
-        before = local_probe(kind, bufs, n, limits["fp32_peak_isa"])
+        before = local_probe(kind, probe, limits["fp32_peak_isa"])
         ours_ms, torch_ms, ratios = race(ours, theirs, args.reps, setup)
-        after = local_probe(kind, bufs, n, limits["fp32_peak_isa"])
+        after = local_probe(kind, probe, limits["fp32_peak_isa"])
         probes = {k: max(before[k], after[k]) for k in before}
         unit_key = "gflops" if kind == "flops" else "gbps"
         if kind == "flops":
             limit, run_limit = compute_limit(probes)[0], compute_limit(limits)[0]
         else:
-            limit, run_limit = probes["bandwidth_gbps"], limits["bandwidth_gbps"]
-        sgemm = probes.get("sgemm_peak_gflops")
+            limit, run_limit = probes["bandwidth_gbs"], limits["bandwidth_gbs"]
+        sgemm = probes.get("sgemm_gflops")
         rate = amount / (ours_ms * 1e-3) / 1e9
         q1, ratio, q3 = quartiles(ratios)
         rec = {"kernel": name, "shape": shape, "threads": n, "ours_ms": ours_ms,

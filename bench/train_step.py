@@ -71,7 +71,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
-from _runinfo import compute_limit, cpu_flags, cpu_name, git_commit, physical_peak  # noqa: E402
+from _runinfo import LimitProbe, compute_limit, cpu_flags, cpu_name, git_commit  # noqa: E402
 from harness import RssSampler, interleave  # noqa: E402
 from kernels import blas_dispatch  # noqa: E402
 
@@ -219,80 +219,10 @@ def step_bytes(config, B, T):
 # -- worker: machine limits --------------------------------------------------------
 
 def measure_limits(n_threads, repeats=5):
-    """The physical FMA peaks of n cores (_runinfo.physical_peak), best sgemm GFLOP/s
-    (scipy's OpenBLAS and PyTorch's MKL, the faster counts) and best copy/add/in-place
-    update GB/s (n NumPy threads)."""
-    import threading
-
-    import numpy as np
-    from scipy.linalg import blas
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=n_threads, user_api="blas"):
-        size = 2048
-        rng = np.random.default_rng(0)
-        a = np.asfortranarray(rng.standard_normal((size, size), dtype=np.float32))
-        b = np.asfortranarray(rng.standard_normal((size, size), dtype=np.float32))
-        c = np.asfortranarray(np.zeros((size, size), dtype=np.float32))
-        blas.sgemm(1.0, a, b, c=c, overwrite_c=1)
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            blas.sgemm(1.0, a, b, c=c, overwrite_c=1)
-            best = min(best, time.perf_counter() - t0)
-        scipy_gflops = 2 * size ** 3 / best / 1e9
-
-    # PyTorch's MKL sgemm beats OpenBLAS here; the machine's limit is the faster library's.
-    import torch
-    torch.set_num_threads(n_threads)
-    ta, tb = torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(np.ascontiguousarray(b))
-    tc = torch.mm(ta, tb)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(ta, tb, out=tc)
-        best = min(best, time.perf_counter() - t0)
-    torch_gflops = 2 * size ** 3 / best / 1e9
-
-    # 256 MiB per array: far beyond any cache.  NumPy ufuncs and copyto release the GIL,
-    # so n Python threads each streaming their own slice use n cores.
-    count = 64 << 20
-    src, other, dst = (np.ones(count, dtype=np.float32) for _ in range(3))
-    chunks = np.array_split(np.arange(count), n_threads)
-    bounds = [(int(ch[0]), int(ch[-1]) + 1) for ch in chunks if ch.size]
-
-    def run_threads(body):
-        workers = [threading.Thread(target=body, args=bound) for bound in bounds]
-        t0 = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        return time.perf_counter() - t0
-
-    def copy(lo, hi):
-        np.copyto(dst[lo:hi], src[lo:hi])
-
-    def add(lo, hi):
-        np.add(src[lo:hi], other[lo:hi], out=dst[lo:hi])
-
-    def update(lo, hi):
-        # In place, as AdamW updates its state: all three streams are real traffic
-        # (copy and add write a third array, whose write-allocate read they do not count).
-        np.add(dst[lo:hi], other[lo:hi], out=dst[lo:hi])
-
-    for body in (copy, add, update):
-        run_threads(body)
-    copy_best = min(run_threads(copy) for _ in range(repeats))
-    add_best = min(run_threads(add) for _ in range(repeats))
-    update_best = min(run_threads(update) for _ in range(repeats))
-    copy_gbs = 2 * 4 * count / copy_best / 1e9
-    add_gbs = 3 * 4 * count / add_best / 1e9
-    update_gbs = 3 * 4 * count / update_best / 1e9
-    return {"sgemm_gflops": max(scipy_gflops, torch_gflops), "scipy_sgemm_gflops": scipy_gflops,
-            "torch_sgemm_gflops": torch_gflops, "copy_gbs": copy_gbs, "add_gbs": add_gbs,
-            "update_gbs": update_gbs, "bandwidth_gbs": max(copy_gbs, add_gbs, update_gbs),
-            "sgemm_size": size, "stream_bytes_per_array": 4 * count, **physical_peak(n_threads)}
+    """The machine's limits on n cores (_runinfo.LimitProbe): the physical FMA peaks,
+    the best sgemm GFLOP/s of ours, SciPy's OpenBLAS and PyTorch's (the fastest counts)
+    and the best copy/add/in-place update/read GB/s over 256 MiB streams."""
+    return LimitProbe(n_threads).measure(repeats)
 
 
 def best_limits(runs):
