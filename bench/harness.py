@@ -6,6 +6,8 @@ import time
 
 import psutil
 
+from gpt2.units import peak_rss_bytes, reset_peak_rss
+
 
 class RssSampler:
     """The largest RSS of this process (or of process ``pid``) while the ``with`` block
@@ -54,18 +56,12 @@ class RssSampler:
 
 def vm_hwm():
     """The kernel's peak RSS of this process (VmHWM of /proc/self/status), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
+    return peak_rss_bytes()
 
 
 def reset_vm_hwm():
-    """Set VmHWM to the current RSS (Linux's clear_refs 5), so that a later ``vm_hwm``
-    is the peak from now on."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    """Set VmHWM to the current RSS, so that a later ``vm_hwm`` is the peak from now on."""
+    reset_peak_rss()
 
 
 def interleave(calls, rounds, warmup=0):

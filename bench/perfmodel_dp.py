@@ -30,7 +30,7 @@ import data_parallel
 from _runinfo import cpu_name, git_commit, model_configs
 
 from gpt2.perfmodel import GraphOptions, ModelSpec, ParallelConfig, Workload, estimate, load_profile
-from gpt2.perfmodel.linkprobe import peak_rss, reset_peak_rss
+from gpt2.units import peak_rss_bytes, reset_peak_rss
 
 RESULTS = data_parallel.RESULTS
 CONFIGS = (("gpt2", 4, 64), ("gpt2", 4, 256))
@@ -68,7 +68,7 @@ def worker(args):
     step()
     reset_peak_rss()
     times, _, extras = data_parallel._timed(step, args.steps)
-    mine = {"step_ms": times, "peak_rss": peak_rss(), "extras": extras}
+    mine = {"step_ms": times, "peak_rss": peak_rss_bytes(), "extras": extras}
     everyone = comm.gather(mine, root=0) if comm is not None else [mine]
     if comm is None or comm.Get_rank() == 0:
         with open(args.result_file, "w") as f:

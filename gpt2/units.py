@@ -70,3 +70,10 @@ def peak_rss_bytes(children=False):
         scale = 1 if sys.platform == "darwin" else 1024
         peak += resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
     return peak
+
+
+def reset_peak_rss():
+    """Set this process's peak resident memory (VmHWM) to its current RSS (Linux's
+    clear_refs 5), so that ``peak_rss_bytes()`` then reads the peak from now on."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from gpt2.units import peak_rss_bytes, reset_peak_rss
+
 
 def _rss():
     with open("/proc/self/statm") as f:
@@ -156,21 +158,6 @@ def measure_rank_rates(comm, threads, repeats):
             "copy_bytes": src.nbytes, "copy_bandwidth": 2.0 * src.nbytes / copy}
 
 
-def reset_peak_rss():
-    """Reset this process's peak resident set (VmHWM) to its current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_rss():
-    """This process's peak resident bytes since start or the last reset_peak_rss()."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
-
-
 def measure_buffers(comm, bucket_bytes, buckets, repeats):
     """{collective: resident bytes the library allocates per byte in flight}: ``buckets``
     requests launched back to back (none progressing before the wait, the most a step
@@ -184,9 +171,9 @@ def measure_buffers(comm, bucket_bytes, buckets, repeats):
         for _ in range(repeats):
             comm.Barrier()
             reset_peak_rss()
-            before = peak_rss()
+            before = peak_rss_bytes()
             MPI.Request.Waitall([fn(v, w) for v, w in views])
-            grown.append(comm.allreduce(peak_rss() - before, op=MPI.MAX))
+            grown.append(comm.allreduce(peak_rss_bytes() - before, op=MPI.MAX))
         out[name] = float(np.median(grown)) / (total)
     return out
 
