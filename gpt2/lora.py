@@ -24,6 +24,7 @@ from adtape import buffers, nn
 from adtape.tensor import Tensor, _state
 from gpt2.families import family_of
 from gpt2.families.base import Recorded
+from gpt2.params import FlatArena
 
 
 @dataclass(frozen=True)
@@ -102,33 +103,13 @@ def adapter_shapes(config, lora):
     return shapes
 
 
-class AdapterArena:
-    """Every adapter matrix (or their gradients, or a moment) in one float32 buffer:
-    ``flat``, and ``views[name]`` shaped as ``adapter_shapes`` says."""
+class AdapterArena(FlatArena):
+    """Every adapter matrix (or their gradients, or a moment) in one ``FlatArena`` whose
+    views are shaped as ``adapter_shapes`` says."""
 
     def __init__(self, config, lora, flat=None):
         self.config, self.lora = config, lora
-        shapes = adapter_shapes(config, lora)
-        n = sum(math.prod(s) for s in shapes.values())
-        if flat is None:
-            flat = buffers.zeros(n)
-        elif flat.dtype != np.float32 or flat.shape != (n,):
-            raise ValueError(f"an adapter arena needs {n} float32, got {flat.dtype} "
-                             f"{flat.shape}")
-        self.flat = flat
-        self.views, start = {}, 0
-        for name, shape in shapes.items():
-            stop = start + math.prod(shape)
-            self.views[name] = flat[start:stop].reshape(shape)
-            start = stop
-
-    @property
-    def nbytes(self):
-        return self.flat.nbytes
-
-    def zero_(self):
-        self.flat.fill(0.0)
-        return self
+        super().__init__(adapter_shapes(config, lora), flat)
 
 
 def init_adapters_(arena, seed):
