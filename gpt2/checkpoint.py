@@ -399,6 +399,33 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
                       extra=header["extra"], lora=file_lora)
 
 
+def save_state(path, state, *, step, data_state=None, extra=None, sections=None):
+    """``save_checkpoint`` of a training state (``gpt2.state``): its parameters, moments
+    and AdamW step, wherever they live; a LoRA state's adapters.  ``sections``: the
+    state's ``sections()`` where the caller has them already (data parallelism: every
+    rank runs that collective, rank 0 writes)."""
+    params, adam_m, adam_v = state.sections() if sections is None else sections
+    return save_checkpoint(path, params, step=step, adam_m=adam_m, adam_v=adam_v,
+                           adam_step=state.step, data_state=data_state, extra=extra,
+                           lora=state.lora)
+
+
+def load_state(path, state, config, sections=None):
+    """``load_checkpoint`` into a training state in place (``gpt2.state``): its
+    parameters, moments (where the file has them) and AdamW step; a LoRA state reads a
+    LoRA run's checkpoint of the same adapters.  ``sections``: other destinations than
+    the state's ``sections()`` (the data-parallel trainer's whole moments before it
+    shares them out).  Returns the ``Checkpoint``."""
+    params, adam_m, adam_v = state.sections() if sections is None else sections
+    loaded = load_checkpoint(path, config, params=params, adam_m=adam_m, adam_v=adam_v,
+                             lora=state.lora is not None)
+    if loaded.lora != state.lora:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} holds adapters of {loaded.lora}, "
+                         f"this model's are {state.lora}")
+    state.step = loaded.adam_step
+    return loaded
+
+
 # --------------------------------------------------------------------------------------------
 # llm.c model files (gpt2_124M.bin)
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from adtape.tensor import Tensor, _state
 from gpt2.families import family_of
 from gpt2.families.base import Recorded
 from gpt2.params import FlatArena
+from gpt2.state import ArenaState
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,10 @@ class AdapterArena(FlatArena):
         self.config, self.lora = config, lora
         super().__init__(adapter_shapes(config, lora), flat)
 
+    def in_sweep_order(self, flat):
+        # Weight by weight, each A of every block then its B: the sweep's order already.
+        return AdapterArena(self.config, self.lora, flat=flat)
+
 
 def init_adapters_(arena, seed):
     """peft's initialization: each A uniform in +-1/sqrt(in) (kaiming_uniform with
@@ -125,16 +130,16 @@ def init_adapters_(arena, seed):
     return arena
 
 
-class LoraState:
-    """The trainable state of a LoRA run: the adapters, their gradients and AdamW
-    moments (each an ``AdapterArena``)."""
+class LoraState(ArenaState):
+    """The trainable state of a LoRA run (a ``gpt2.state.ArenaState``): the adapters,
+    their gradients and AdamW moments, each an ``AdapterArena``; the frozen base is the
+    model's.  ``sections()`` are the adapters' (a checkpoint holds no base)."""
 
     def __init__(self, config, lora, seed=0):
+        super().__init__(init_adapters_(AdapterArena(config, lora), seed),
+                         AdapterArena(config, lora), AdapterArena(config, lora),
+                         AdapterArena(config, lora))
         self.config, self.lora = config, lora
-        self.params = init_adapters_(AdapterArena(config, lora), seed)
-        self.grads = AdapterArena(config, lora)
-        self.adam_m = AdapterArena(config, lora)
-        self.adam_v = AdapterArena(config, lora)
         self.rng = np.random.Generator(np.random.PCG64([seed, 1]))   # dropout masks
 
     @property

@@ -107,6 +107,19 @@ class FlatArena:
         self.flat.fill(0.0)
         return self
 
+    def copy_(self, other):
+        """Copy another arena of the same layout into this one."""
+        if type(other) is not type(self) or other.views.keys() != self.views.keys():
+            raise ValueError(f"copy_ needs a {type(self).__name__} of the same layout")
+        np.copyto(self.flat, other.flat)
+        return self
+
+    def in_sweep_order(self, flat):
+        """An arena of this layout over ``flat``, in the order the reverse sweep makes
+        its gradients final (the data-parallel trainer's: each gradient bucket is
+        reduced as soon as the sweep leaves it)."""
+        return FlatArena({name: view.shape for name, view in self.views.items()}, flat)
+
 
 class ParamArena(FlatArena):
     """All parameters of a model (or gradients, or optimizer moments) in one
@@ -155,6 +168,9 @@ class ParamArena(FlatArena):
             for name, view in self.views.items():
                 np.copyto(view, other.views[name])
         return self
+
+    def in_sweep_order(self, flat):
+        return ParamArena(self.config, flat=flat, layer_major=True)
 
     def in_llmc_order(self):
         """This arena if it is in llm.c order, else a copy in llm.c order."""
