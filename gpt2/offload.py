@@ -602,8 +602,8 @@ class FullOffload:
 
 class StreamedState:
     """One piece of offloaded state as a checkpoint section, streamed in its saved order
-    (what ``gpt2.checkpoint`` reads and writes instead of an arena): a ``MomentOffload``'s
-    moment 0 or 1, or a ``FullOffload``'s "p" (parameters), "m" or "v"."""
+    (``pieces()`` and ``load(read_into)``, as an arena's): a ``MomentOffload``'s moment 0
+    or 1, or a ``FullOffload``'s "p" (parameters), "m" or "v"."""
 
     def __init__(self, offload, kind):
         self.offload = offload

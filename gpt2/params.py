@@ -114,6 +114,16 @@ class FlatArena:
         np.copyto(self.flat, other.flat)
         return self
 
+    def pieces(self):
+        """(start, float32 array) of the arena in its saved order: what ``gpt2.checkpoint``
+        writes of it (as of a section streamed from disk, ``gpt2.offload.StreamedState``)."""
+        yield 0, self.flat
+
+    def load(self, read_into):
+        """Fill the arena in its saved order from ``read_into(array)`` (a checkpoint's
+        section read sequentially)."""
+        read_into(self.flat)
+
     def in_sweep_order(self, flat):
         """An arena of this layout over ``flat``, in the order the reverse sweep makes
         its gradients final (the data-parallel trainer's: each gradient bucket is
@@ -171,6 +181,16 @@ class ParamArena(FlatArena):
 
     def in_sweep_order(self, flat):
         return ParamArena(self.config, flat=flat, layer_major=True)
+
+    def pieces(self):
+        yield 0, self.in_llmc_order().flat      # saved in llm.c order
+
+    def load(self, read_into):
+        # Saved in llm.c order: a layer-major arena is filled from a copy.
+        saved = self if not self.layer_major else ParamArena(self.config)
+        read_into(saved.flat)
+        if saved is not self:
+            self.copy_(saved)
 
     def in_llmc_order(self):
         """This arena if it is in llm.c order, else a copy in llm.c order."""
