@@ -317,11 +317,12 @@ class ZeroShardState(TrainingState):
     """ZeRO-1's training state: a replicated state's parameters and gradients (in the
     sweep's order, over the trainer's padded buffers) with this rank's share of the
     moments only, ``shard_m`` and ``shard_v`` (each bucket's part ``layout`` gives this
-    rank), or with ``offloaded`` their ``MomentOffload`` on disk.  The reduce-scatter
-    leaves this rank's part of the summed gradient in ``shard_grad``; ``adamw`` updates
-    this rank's part of every bucket and all-gathers the parameters, bucket by bucket.
-    Anything else is the replicated state's (a LoRA state's adapters, dropout stream and
-    merge)."""
+    rank), or with ``offloaded`` their ``MomentOffload`` on disk (``shard_offload``: its
+    file moves on its own I/O thread, not the tape engine's, so ``offload`` is None).
+    The reduce-scatter leaves this rank's part of the summed gradient in ``shard_grad``;
+    ``adamw`` updates this rank's part of every bucket and all-gathers the parameters,
+    bucket by bucket.  Anything else is the replicated state's (a LoRA state's adapters,
+    dropout stream and merge)."""
 
     def __init__(self, replica, layout, comm, params_padded, offloaded=False, spill_dir=None):
         super().__init__()
@@ -402,12 +403,12 @@ class ZeroShardState(TrainingState):
         flat = None if flat is None else self.layout.full_to_shards(flat)[self.rank]
         self._set_shard(which, flat)
 
-    def scatter_moment(self, which, flat):
-        """Collective: each rank's share of moment ``which`` from rank 0's whole ``flat``
-        (the others pass None)."""
+    def share_moment(self, which, flat, comm):
+        """Collective: each rank's share of moment ``which`` scattered from rank 0's whole
+        ``flat`` (the others pass None)."""
         mine = buffers.empty(self.layout.shard_size)
-        self.comm.Scatter(self.layout.full_to_shards(flat) if self.rank == 0 else None, mine,
-                          root=0)
+        comm.Scatter(self.layout.full_to_shards(flat) if self.rank == 0 else None, mine,
+                     root=0)
         self._set_shard(which, mine)
 
     def _set_shard(self, which, shard):
@@ -874,14 +875,9 @@ class DataParallelTrainer:
         for which, name in enumerate(("adam_m", "adam_v")):
             if not header["has_moments"]:
                 state.load_moment(which, None)
-                continue
-            full = getattr(loaded["state"], name).flat if self.rank == 0 else None
-            if self.zero:
-                state.scatter_moment(which, full)
             else:
-                full = full if self.rank == 0 else buffers.empty(n)
-                self.comm.Bcast(full, root=0)
-                state.load_moment(which, full)
+                state.share_moment(which, getattr(loaded["state"], name).flat
+                                   if self.rank == 0 else None, self.comm)
         return ckpt.Checkpoint(config=self.model.config, params=state.params,
                                step=header["step"], adam_m=None, adam_v=None,
                                adam_step=header["adam_step"], data_state=header["data_state"],

@@ -113,6 +113,14 @@ class TrainingState:
         else:
             np.copyto(mine.flat, flat)
 
+    def share_moment(self, which, flat, comm):
+        """Collective over ``comm``: moment ``which`` from rank 0's whole ``flat`` in this
+        state's order (the other ranks pass None), each rank keeping what it holds."""
+        if comm.Get_rank() != 0:
+            flat = np.empty(self.params.flat.size, np.float32)
+        comm.Bcast(flat, root=0)
+        self.load_moment(which, flat)
+
     # -- memory ------------------------------------------------------------------------
 
     @property
