@@ -69,8 +69,6 @@ class ActivationArena:
             start += padded[name]
 
 
-
-
 def micro_batches(batch_size, grad_accum):
     """The row slices of a batch of ``batch_size`` rows cut into ``grad_accum`` equal
     micro-batches; ValueError if they cannot be equal."""
