@@ -25,7 +25,7 @@ from gpt2.families.gpt2 import LLMC_HEADER, GPT2Config
 # Hugging Face GPT-2 files, the GPT-2 family's (gpt2.families.gpt2), by the names they have
 # always had here.
 from gpt2.families.gpt2 import export_hf_gpt2, hf_config_dict, import_hf_gpt2  # noqa: F401
-from gpt2.params import ParamArena, num_parameters
+from gpt2.params import FlatArena, ParamArena, num_parameters
 
 
 _TEMP_NAME = re.compile(r"\.(?P<target>.+)\.(?P<pid>[0-9]+)-[0-9a-f]{8}\.tmp")
@@ -121,18 +121,19 @@ def _config_mismatch(expected, found):
                      for k, v in expected.to_dict().items() if found.to_dict()[k] != v)
 
 
-def _as_flat(arr, config, name):
-    """Flat float32 buffer of a ParamArena or of a 1-D float32 array of the layout's size,
-    or a streamed section (``pieces()``: flat order; ``gpt2.offload.StreamedState``)."""
+def _as_section(arr, config, name):
+    """A section to write (``pieces()`` in saved order, or one flat array): a ParamArena,
+    a section streamed from disk (``gpt2.offload.StreamedState``) or a 1-D float32 array
+    of the layout's size, checked against ``config``."""
+    if isinstance(arr, ParamArena):
+        if arr.config != config:
+            raise ValueError(f"{name} has config {arr.config}, the parameters have {config}")
+        return arr
     if hasattr(arr, "pieces"):
         if arr.nbytes != 4 * num_parameters(config):
             raise ValueError(f"{name} holds {arr.nbytes} bytes, the layout needs "
                              f"{4 * num_parameters(config)}")
         return arr
-    if isinstance(arr, ParamArena):
-        if arr.config != config:
-            raise ValueError(f"{name} has config {arr.config}, the parameters have {config}")
-        return arr.in_llmc_order().flat
     n = num_parameters(config)
     if (not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.shape != (n,)
             or not arr.flags.c_contiguous):
@@ -187,8 +188,8 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
     --init-from, or its seed, gives it).
     """
     if lora is not None:
-        return _save_sections(path, params.config, [("params", params.flat)]
-                              + ([("adam_m", adam_m.flat), ("adam_v", adam_v.flat)]
+        return _save_sections(path, params.config, [("params", params)]
+                              + ([("adam_m", adam_m), ("adam_v", adam_v)]
                                  if adam_m is not None else []),
                               step, adam_step, data_state, extra, lora.to_dict())
     if not isinstance(params, ParamArena) and not hasattr(params, "pieces"):
@@ -199,10 +200,10 @@ def save_checkpoint(path, params, *, step, adam_m=None, adam_v=None, adam_step=0
     for name, value in (("step", step), ("adam_step", adam_step)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    sections = [("params", params if hasattr(params, "pieces") else params.in_llmc_order().flat)]
+    sections = [("params", params)]
     if adam_m is not None:
-        sections += [("adam_m", _as_flat(adam_m, config, "adam_m")),
-                     ("adam_v", _as_flat(adam_v, config, "adam_v"))]
+        sections += [("adam_m", _as_section(adam_m, config, "adam_m")),
+                     ("adam_v", _as_section(adam_v, config, "adam_v"))]
     return _save_sections(path, config, sections, step, adam_step, data_state, extra, None)
 
 
@@ -298,6 +299,26 @@ def is_checkpoint(path):
         return f.read(len(CHECKPOINT_MAGIC)) == CHECKPOINT_MAGIC
 
 
+def _destination(dest, name, config, lora, n_bytes):
+    """What a section is read into (``load(read_into)`` in saved order): ``dest`` checked
+    against the file's ``config`` and ``lora`` (an arena; a section streamed to disk is
+    the caller's to match), or with ``dest`` None a new arena."""
+    if dest is None and lora is not None:
+        from gpt2.lora import AdapterArena
+        return AdapterArena(config, lora)
+    if dest is None:
+        return ParamArena(config)
+    if not isinstance(dest, FlatArena) and hasattr(dest, "load"):
+        return dest
+    if lora is None and (not isinstance(dest, ParamArena) or dest.config != config):
+        raise ValueError(f"{name} destination must be a ParamArena with the file's config "
+                         f"{config}")
+    if dest.nbytes != n_bytes:
+        raise ValueError(f"{name} destination holds {dest.nbytes} bytes, the file's adapters "
+                         f"{n_bytes}")
+    return dest
+
+
 def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
                     optimizer=True, lora=False):
     """Read a checkpoint written by ``save_checkpoint``.
@@ -349,54 +370,50 @@ def load_checkpoint(path, config=None, *, params=None, adam_m=None, adam_v=None,
         destinations = {"params": params, "adam_m": adam_m, "adam_v": adam_v}
         arenas = {}
         for name in expected_names if optimizer else ["params"]:
-            dest = destinations[name]
-            if hasattr(dest, "load"):       # a streamed section (gpt2.offload.StreamedState)
-                entry = sections[name]
-                f.seek(data_start + entry["offset"])
-                crc = [0]
-
-                def read_into(piece, name=name):
-                    _readinto_exact(f, piece, path, f"section {name}")
-                    crc[0] = zlib.crc32(memoryview(piece).cast("B"), crc[0])
-                dest.load(read_into)
-                if crc[0] != entry["crc32"]:
-                    raise ValueError(f"checkpoint {path!r} is corrupt: section {name} fails "
-                                     "its CRC32 check")
-                arenas[name] = dest
-                continue
-            if file_lora is not None:
-                from gpt2.lora import AdapterArena
-                if dest is None:
-                    dest = AdapterArena(file_config, file_lora)
-                elif dest.flat.nbytes != n_bytes:
-                    raise ValueError(f"{name} destination holds {dest.flat.nbytes} bytes, the "
-                                     f"file's adapters {n_bytes}")
-                entry = sections[name]
-                f.seek(data_start + entry["offset"])
-                _readinto_exact(f, dest.flat, path, f"section {name}")
-                if zlib.crc32(memoryview(dest.flat).cast("B")) != entry["crc32"]:
-                    raise ValueError(f"checkpoint {path!r} is corrupt: section {name} fails "
-                                     "its CRC32 check")
-                arenas[name] = dest
-                continue
-            if dest is None:
-                dest = ParamArena(file_config)
-            elif not isinstance(dest, ParamArena) or dest.config != file_config:
-                raise ValueError(f"{name} destination must be a ParamArena with the file's "
-                                 f"config {file_config}")
+            dest = _destination(destinations[name], name, file_config, file_lora, n_bytes)
             entry = sections[name]
             f.seek(data_start + entry["offset"])
-            # The file is in llm.c order: a layer-major arena is filled from a copy.
-            read = dest if not dest.layer_major else ParamArena(file_config)
-            _readinto_exact(f, read.flat, path, f"section {name}")
-            if zlib.crc32(memoryview(read.flat).cast("B")) != entry["crc32"]:
+            crc = [0]
+
+            def read_into(piece, name=name):
+                _readinto_exact(f, piece, path, f"section {name}")
+                crc[0] = zlib.crc32(memoryview(piece).cast("B"), crc[0])
+            dest.load(read_into)
+            if crc[0] != entry["crc32"]:
                 raise ValueError(f"checkpoint {path!r} is corrupt: section {name} fails its "
                                  "CRC32 check")
-            arenas[name] = dest if read is dest else dest.copy_(read)
+            arenas[name] = dest
     return Checkpoint(config=file_config, params=arenas["params"], step=header["step"],
                       adam_m=arenas.get("adam_m"), adam_v=arenas.get("adam_v"),
                       adam_step=header["adam_step"], data_state=header["data_state"],
                       extra=header["extra"], lora=file_lora)
+
+
+def save_state(path, state, *, step, data_state=None, extra=None, sections=None):
+    """``save_checkpoint`` of a training state (``gpt2.state``): its parameters, moments
+    and AdamW step, wherever they live; a LoRA state's adapters.  ``sections``: the
+    state's ``sections()`` where the caller has them already (data parallelism: every
+    rank runs that collective, rank 0 writes)."""
+    params, adam_m, adam_v = state.sections() if sections is None else sections
+    return save_checkpoint(path, params, step=step, adam_m=adam_m, adam_v=adam_v,
+                           adam_step=state.step, data_state=data_state, extra=extra,
+                           lora=state.lora)
+
+
+def load_state(path, state, config, sections=None):
+    """``load_checkpoint`` into a training state in place (``gpt2.state``): its
+    parameters, moments (where the file has them) and AdamW step; a LoRA state reads a
+    LoRA run's checkpoint of the same adapters.  ``sections``: other destinations than
+    the state's ``sections()`` (the data-parallel trainer's whole moments before it
+    shares them out).  Returns the ``Checkpoint``."""
+    params, adam_m, adam_v = state.sections() if sections is None else sections
+    loaded = load_checkpoint(path, config, params=params, adam_m=adam_m, adam_v=adam_v,
+                             lora=state.lora is not None)
+    if loaded.lora != state.lora:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} holds adapters of {loaded.lora}, "
+                         f"this model's are {state.lora}")
+    state.step = loaded.adam_step
+    return loaded
 
 
 # --------------------------------------------------------------------------------------------

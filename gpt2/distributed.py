@@ -71,9 +71,9 @@ import numpy as np
 
 from adtape import buffers, nn
 from gpt2 import checkpoint as ckpt
-from gpt2.lora import AdapterArena
 from gpt2.offload import MomentOffload
 from gpt2.params import ParamArena, layer_major_offsets, num_parameters
+from gpt2.state import TrainingState
 from kernels import optim
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -313,6 +313,124 @@ class BucketLayout:
         return shards
 
 
+class ZeroShardState(TrainingState):
+    """ZeRO-1's training state: a replicated state's parameters and gradients (in the
+    sweep's order, over the trainer's padded buffers) with this rank's share of the
+    moments only, ``shard_m`` and ``shard_v`` (each bucket's part ``layout`` gives this
+    rank), or with ``offloaded`` their ``MomentOffload`` on disk (``shard_offload``: its
+    file moves on its own I/O thread, not the tape engine's, so ``offload`` is None).
+    The reduce-scatter leaves this rank's part of the summed gradient in ``shard_grad``;
+    ``adamw`` updates this rank's part of every bucket and all-gathers the parameters,
+    bucket by bucket.  Anything else is the replicated state's (a LoRA state's adapters,
+    dropout stream and merge)."""
+
+    def __init__(self, replica, layout, comm, params_padded, offloaded=False, spill_dir=None):
+        super().__init__()
+        self.replica, self.layout, self.comm = replica, layout, comm
+        self.MPI = import_mpi()
+        self.rank = comm.Get_rank()
+        self.params, self.grads, self.lora = replica.params, replica.grads, replica.lora
+        self.step = replica.step
+        self.params_padded = params_padded
+        self.shard_grad = buffers.zeros(layout.shard_size)
+        self.shard_offload = self.shard_m = self.shard_v = None
+        if offloaded:
+            r = self.rank
+            self.shard_offload = MomentOffload.for_shard(
+                [(start + r * part, off, part) for (start, _), part, off
+                 in zip(layout.bounds, layout.parts, layout.shard_offsets)],
+                spill_dir=spill_dir)
+        else:
+            self.shard_m = buffers.zeros(layout.shard_size)
+            self.shard_v = buffers.zeros(layout.shard_size)
+
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails.
+        if name == "replica":
+            raise AttributeError(name)
+        return getattr(self.replica, name)
+
+    def begin_step(self):
+        if self.shard_offload is not None:
+            self.shard_offload.read_ahead()     # the first units, while the step computes
+
+    def grad_norm(self):
+        """The norm of this rank's part of the summed gradient."""
+        return optim.grad_norm(self.shard_grad)
+
+    def clip_grad_norm(self, max_norm):
+        raise NotImplementedError("under ZeRO-1 each rank holds a part of the gradient: clip "
+                                  "through DataParallelTrainer.train_step(..., grad_clip=)")
+
+    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+        self.step += 1
+        layout, r, offload = self.layout, self.rank, self.shard_offload
+        requests = []
+        if offload is not None:
+            offload.begin(self.params_padded, self.shard_grad, self.step, lr, beta1, beta2,
+                          eps, weight_decay, grad_scale)
+        for b, ((start, stop), part, off) in enumerate(zip(layout.bounds, layout.parts,
+                                                          layout.shard_offsets)):
+            if offload is not None:
+                offload.ready(b)          # this bucket's share, streamed from disk
+            else:
+                mine = slice(start + r * part, start + (r + 1) * part)
+                shard = slice(off, off + part)
+                optim.adamw_step(self.params_padded[mine], self.shard_grad[shard],
+                                 self.shard_m[shard], self.shard_v[shard], self.step, lr,
+                                 beta1, beta2, eps, weight_decay, grad_scale=grad_scale)
+            requests.append(self.comm.Iallgather(self.MPI.IN_PLACE,
+                                                 self.params_padded[start:stop]))
+        self.MPI.Request.Waitall(requests)
+
+    def sections(self):
+        """Collective: the moments gathered from the shards into whole arenas on rank 0
+        (None on the others)."""
+        moments = []
+        shards_of = ((self.shard_m, self.shard_v) if self.shard_offload is None
+                     else (self.shard_offload.read_flat(0), self.shard_offload.read_flat(1)))
+        for moment in shards_of:
+            shards = (np.empty((self.comm.Get_size(), self.layout.shard_size), np.float32)
+                      if self.rank == 0 else None)
+            self.comm.Gather(moment, shards, root=0)
+            moments.append(self.params.in_sweep_order(self.layout.shard_to_full(shards))
+                           if self.rank == 0 else None)
+        return (self.params, *moments)
+
+    def load_moment(self, which, flat):
+        """Set this rank's share of moment ``which`` from the whole ``flat`` (None:
+        zeros)."""
+        flat = None if flat is None else self.layout.full_to_shards(flat)[self.rank]
+        self._set_shard(which, flat)
+
+    def share_moment(self, which, flat, comm):
+        """Collective: each rank's share of moment ``which`` scattered from rank 0's whole
+        ``flat`` (the others pass None)."""
+        mine = buffers.empty(self.layout.shard_size)
+        comm.Scatter(self.layout.full_to_shards(flat) if self.rank == 0 else None, mine,
+                     root=0)
+        self._set_shard(which, mine)
+
+    def _set_shard(self, which, shard):
+        if self.shard_offload is not None:
+            self.shard_offload.write_flat(which, np.zeros(self.shard_offload.n, np.float32)
+                                          if shard is None else shard)
+        elif shard is None:
+            (self.shard_m, self.shard_v)[which].fill(0.0)
+        else:
+            (self.shard_m, self.shard_v)[which][...] = shard
+
+    @property
+    def nbytes(self):
+        shards = (self.shard_offload.window_bytes if self.shard_offload is not None
+                  else self.shard_m.nbytes + self.shard_v.nbytes)
+        return self.params.nbytes + self.grads.nbytes + self.shard_grad.nbytes + shards
+
+    def close(self):
+        if self.shard_offload is not None:
+            self.shard_offload.close()
+
+
 class DataParallelTrainer:
     """Trains a ``Model`` with the ranks of ``comm`` sharing each global batch.
 
@@ -358,56 +476,40 @@ class DataParallelTrainer:
         self.layout = BucketLayout(n, self.size, bucket_bytes, cuts=cuts)
         if model._tape_engine is not None:
             raise ValueError("build the DataParallelTrainer before the model's first step")
-        # Parameters, gradients and moments move into arenas (layer-major, or the
-        # adapters') padded to the layout, so every bucket divides evenly among the
+        state = model.state
+        if state.params is None:
+            raise ValueError(f"data parallel training offloads the AdamW moments only, not "
+                             f"offload={model.offload!r}")
+        # Parameters and gradients move into arenas in the sweep's order (layer-major, or
+        # the adapters') padded to the layout, so every bucket divides evenly among the
         # ranks; the padding stays zero.
         self.params_padded = buffers.zeros(self.layout.padded)
         self.grads_padded = buffers.zeros(self.layout.padded)
+        state.params = state.params.in_sweep_order(self.params_padded[:n]).copy_(state.params)
+        state.grads = state.grads.in_sweep_order(self.grads_padded[:n])
         if adapter is not None:
-            self.params_padded[:n] = adapter.params.flat
-            adapter.params = self._arena(self.params_padded[:n])
-            adapter.grads = self._arena(self.grads_padded[:n])
             adapter.rng = np.random.Generator(adapter.rng.bit_generator.jumped(self.rank))
             self._broadcast_base()
-        else:
-            model.params = self._arena(self.params_padded[:n]).copy_(model.params)
-            model.grads = self._arena(self.grads_padded[:n])
         comm.Bcast(self.params_padded, root=0)
-        # Offloaded moments (--offload moments): the trainer's layout replaces the model's.
-        self.moments = None
-        offload_dir = model.moments.spill_dir if model.moments is not None else None
-        if model.offload not in (None, "moments"):
-            raise ValueError(f"data parallel training offloads the AdamW moments only, not "
-                             f"offload={model.offload!r}")
-        if model.moments is not None:
-            model.moments.close()
-            model.moments = None
+        # The moments: in the sweep's order too (on disk where they were), or under
+        # ZeRO-1 this rank's share only (ZeroShardState, around the state's parameters
+        # and gradients).
+        offload = state.offload
+        if offload is not None:
+            offload.close()
+            state.offload = None
         if zero:
-            # The trainer owns the moments: this rank's shard only.
-            model.adam_m = model.adam_v = None
-            if adapter is not None:
-                adapter.adam_m = adapter.adam_v = None
-            self.shard_grad = buffers.zeros(self.layout.shard_size)
-            if model.offload == "moments":
-                r = self.rank
-                self.moments = MomentOffload.for_shard(
-                    [(start + r * part, off, part) for (start, _), part, off
-                     in zip(self.layout.bounds, self.layout.parts, self.layout.shard_offsets)],
-                    spill_dir=offload_dir)
-                self.adam_m = self.adam_v = None
-            else:
-                self.adam_m = buffers.zeros(self.layout.shard_size)
-                self.adam_v = buffers.zeros(self.layout.shard_size)
-        elif model.offload == "moments":
-            model.moments = MomentOffload.for_model(config, spill_dir=offload_dir,
+            state.adam_m = state.adam_v = None
+            state = ZeroShardState(state, self.layout, comm, self.params_padded,
+                                   offload is not None,
+                                   offload.spill_dir if offload is not None else None)
+        elif offload is not None:
+            state.offload = MomentOffload.for_model(config, spill_dir=offload.spill_dir,
                                                     layer_major=True)
-            self.adam_m = self.adam_v = None
-        elif adapter is not None:
-            self.adam_m, self.adam_v = adapter.adam_m.flat, adapter.adam_v.flat
         else:
-            model.adam_m = self._arena(buffers.empty(n)).copy_(model.adam_m)
-            model.adam_v = self._arena(buffers.empty(n)).copy_(model.adam_v)
-            self.adam_m, self.adam_v = model.adam_m.flat, model.adam_v.flat
+            state.adam_m, state.adam_v = (m.in_sweep_order(buffers.empty(n)).copy_(m)
+                                          for m in (state.adam_m, state.adam_v))
+        self.state = model.state = state
         self._requests = []
         self._pending = None
         self._initial_pending = [0] * len(self.layout.bounds)
@@ -425,12 +527,28 @@ class DataParallelTrainer:
         # buckets the sweep's hooks launched before the backward ended.
         self.last_step = {}
 
-    def _arena(self, flat):
-        """An arena over ``flat`` (n floats) in the trainer's order: a layer-major
-        ParamArena, or with LoRA an AdapterArena."""
-        if self.model.adapter is not None:
-            return AdapterArena(self.model.config, self.model.lora, flat=flat)
-        return ParamArena(self.model.config, flat=flat, layer_major=True)
+    # This rank's moments and its part of the reduced gradient, by the names they have
+    # always had here.
+
+    @property
+    def adam_m(self):
+        """This rank's first moment as a flat array: ZeRO-1's shard, else the whole
+        arena's; None on disk."""
+        return self._moment(0)
+
+    @property
+    def adam_v(self):
+        return self._moment(1)
+
+    def _moment(self, which):
+        if self.zero:
+            return (self.state.shard_m, self.state.shard_v)[which]
+        arena = (self.state.adam_m, self.state.adam_v)[which]
+        return None if arena is None else arena.flat
+
+    @property
+    def shard_grad(self):
+        return self.state.shard_grad
 
     def _broadcast_base(self):
         """Give every rank rank 0's frozen base (a LoRA model's), in pieces of at most
@@ -606,8 +724,7 @@ class DataParallelTrainer:
         batch_rows = np.unique(inputs)
         share = nn.loss_denominator(targets) / (self.size * grad_accum)
         inputs, targets = inputs[rows], targets[rows]
-        if self.moments is not None:
-            self.moments.read_ahead()     # the shard's first units, while the step computes
+        self.state.begin_step()
         t0 = time.perf_counter()
         model.zero_grad(deferred=True)
         self._requests = []
@@ -638,51 +755,26 @@ class DataParallelTrainer:
         if self._encoder_rows is not None:
             self._add_encoder_rows()
         t2 = time.perf_counter()
-        if self.zero:
-            local_sq = optim.grad_norm(self.shard_grad) ** 2
-            gathered = self.comm.allgather((loss, local_sq))
+        local = self.state.grad_norm()
+        if self.zero:       # each rank holds a part of the summed gradient
+            gathered = self.comm.allgather((loss, local ** 2))
             sq = sum(g[1] for g in gathered)    # rank order: the same bits everywhere
             norm = float(np.sqrt(sq)) / self.size
         else:
             gathered = self.comm.allgather((loss, 0.0))
-            norm = optim.grad_norm(self.grads_padded[:self.layout.n]) / self.size
+            norm = local / self.size
         loss = sum(g[0] for g in gathered) / self.size
         if grad_accum > 1:
             norm /= grad_accum          # the local sums were over grad_accum micro-batches
         scale = optim.clip_coefficient(norm, grad_clip) if grad_clip else 1.0
         # The collectives summed the gradients: 1/N makes them the mean (and 1/grad_accum
         # the mean over the micro-batches).
-        self._adamw(lr, weight_decay, scale / self.size / grad_accum)
+        self.state.adamw(lr, weight_decay=weight_decay, grad_scale=scale / self.size / grad_accum)
         t3 = time.perf_counter()
         self.last_step = {"backward_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3,
                           "update_ms": (t3 - t2) * 1e3,
                           "buckets_in_backward": len(self.layout.bounds) - len(late)}
         return loss, (norm if grad_clip else None)
-
-    def _adamw(self, lr, weight_decay, grad_scale):
-        model = self.model
-        if not self.zero:
-            model.adamw_step(lr, weight_decay=weight_decay, grad_scale=grad_scale)
-            return
-        model.adam_step += 1
-        layout, r = self.layout, self.rank
-        requests = []
-        if self.moments is not None:
-            self.moments.begin(self.params_padded, self.shard_grad, model.adam_step, lr, 0.9,
-                               0.999, 1e-8, weight_decay, grad_scale)
-        for b, ((start, stop), part, off) in enumerate(zip(layout.bounds, layout.parts,
-                                                          layout.shard_offsets)):
-            if self.moments is not None:
-                self.moments.ready(b)          # this bucket's share, streamed from disk
-            else:
-                mine = slice(start + r * part, start + (r + 1) * part)
-                shard = slice(off, off + part)
-                optim.adamw_step(self.params_padded[mine], self.shard_grad[shard],
-                                 self.adam_m[shard], self.adam_v[shard], model.adam_step, lr,
-                                 weight_decay=weight_decay, grad_scale=grad_scale)
-            requests.append(self.comm.Iallgather(self.MPI.IN_PLACE,
-                                                 self.params_padded[start:stop]))
-        self.MPI.Request.Waitall(requests)
 
     def communication_ms(self, repeats=5):
         """This step's collectives run alone, blocking, bucket by bucket, on scratch
@@ -715,25 +807,10 @@ class DataParallelTrainer:
     # -- checkpoints --------------------------------------------------------------------
 
     def optimizer_state(self):
-        """(adam_m, adam_v) as whole arenas in the trainer's order (``_arena``) on rank 0
-        (gathered from the shards under ZeRO-1); (None, None) on the other ranks."""
-        if not self.zero:
-            if self.rank != 0:
-                return None, None
-            adapter = self.model.adapter
-            return ((adapter.adam_m, adapter.adam_v) if adapter is not None
-                    else self.model.optimizer_moments())
-        out = []
-        if self.moments is not None:       # each rank's shard read back from its disk
-            shards_of = (self.moments.read_flat(0), self.moments.read_flat(1))
-        else:
-            shards_of = (self.adam_m, self.adam_v)
-        for moment in shards_of:
-            shards = (np.empty((self.size, self.layout.shard_size), np.float32)
-                      if self.rank == 0 else None)
-            self.comm.Gather(moment, shards, root=0)
-            out.append(self._arena(self.layout.shard_to_full(shards)) if self.rank == 0 else None)
-        return tuple(out)
+        """(adam_m, adam_v) as whole arenas in the trainer's order on rank 0 (gathered
+        from the shards under ZeRO-1), None on the other ranks; collective."""
+        _, adam_m, adam_v = self.state.sections()
+        return (adam_m, adam_v) if self.rank == 0 else (None, None)
 
     def _agree(self, fn):
         """Run ``fn`` on rank 0 and share its outcome: its result on every rank, or the
@@ -758,23 +835,16 @@ class DataParallelTrainer:
         return tuple(int(v) for v in result)
 
     def save_checkpoint(self, path, *, step, data_state=None, extra=None, after_write=None):
-        """Write the ordinary checkpoint (``gpt2.checkpoint.save_checkpoint``; a LoRA
-        model's: its adapters) from rank 0, then call ``after_write()`` there if given (a
-        LoRA run's peft adapter directory); every rank calls it.  A failure to write
-        fails every rank alike."""
-        adam_m, adam_v = self.optimizer_state()
-        model = self.model
+        """Write the ordinary checkpoint (``gpt2.checkpoint.save_state``; a LoRA model's:
+        its adapters) from rank 0, then call ``after_write()`` there if given (a LoRA
+        run's peft adapter directory); every rank calls it.  A failure to write fails
+        every rank alike."""
+        sections = self.state.sections()       # collective: ZeRO-1 gathers the moments
         extra = {**(extra or {}), "ranks": self.size, "zero": self.zero}
 
         def write():
-            if model.adapter is not None:
-                ckpt.save_checkpoint(path, model.adapter.params, step=step, adam_m=adam_m,
-                                     adam_v=adam_v, adam_step=model.adam_step,
-                                     data_state=data_state, extra=extra, lora=model.lora)
-            else:
-                ckpt.save_checkpoint(path, model.params, step=step, adam_m=adam_m,
-                                     adam_v=adam_v, adam_step=model.adam_step,
-                                     data_state=data_state, extra=extra)
+            ckpt.save_state(path, self.state, step=step, data_state=data_state, extra=extra,
+                            sections=sections)
             if after_write is not None:
                 after_write()
 
@@ -783,70 +853,35 @@ class DataParallelTrainer:
     def load_checkpoint(self, path):
         """Read a checkpoint written at any number of ranks (or by one process) on rank 0,
         broadcast the parameters and hand each rank its moments (its shard under
-        ZeRO-1).  Returns the ``Checkpoint`` with the model's arenas as ``params`` and
-        no moments (they are in the trainer).  A LoRA model reads a LoRA run's checkpoint
+        ZeRO-1).  Returns the ``Checkpoint`` with the state's parameters as ``params`` and
+        no moments (they are in the state).  A LoRA model reads a LoRA run's checkpoint
         of the same adapters (its base is the model's own)."""
-        model = self.model
-        adapter = model.adapter
-        state = {}
+        state, n = self.state, self.layout.n
+        loaded = {}
 
         def read():
-            if adapter is None:
-                loaded = ckpt.load_checkpoint(path, model.config, params=model.params)
-            else:
-                loaded = ckpt.load_checkpoint(path, model.config, params=adapter.params,
-                                              lora=True)
-                if loaded.lora != model.lora:
-                    raise ValueError(f"checkpoint {path!r} holds adapters of {loaded.lora}, "
-                                     f"this model's are {model.lora}")
-            state["loaded"] = loaded
-            return {"step": loaded.step, "adam_step": loaded.adam_step,
-                    "data_state": loaded.data_state, "extra": loaded.extra,
-                    "has_moments": loaded.adam_m is not None}
+            # The moments into whole arenas in the trainer's order (the file's are in
+            # llm.c order; an adapter arena's order is the same in both).
+            moments = [state.params.in_sweep_order(buffers.empty(n)) for _ in range(2)]
+            loaded["state"] = ckpt.load_state(path, state, self.model.config,
+                                              sections=(state.params, *moments))
+            return {"step": loaded["state"].step, "adam_step": loaded["state"].adam_step,
+                    "data_state": loaded["state"].data_state, "extra": loaded["state"].extra,
+                    "has_moments": loaded["state"].adam_m is not None}
 
         header = self._agree(read)
         self.comm.Bcast(self.params_padded, root=0)
-        model.adam_step = header["adam_step"]
-        offload = self.moments if self.zero else model.moments
-        if header["has_moments"]:
-            loaded = state.get("loaded")
-            n = self.layout.n
-            for which, name in enumerate(("adam_m", "adam_v")):
-                if offload is not None and not self.zero:
-                    # Offloaded: each rank writes the moment (llm.c order) to its own disk.
-                    moment = getattr(loaded, name).flat if self.rank == 0 else buffers.empty(n)
-                    self.comm.Bcast(moment, root=0)
-                    offload.write_flat(which, moment)
-                    continue
-                # The checkpoint's moments are in llm.c order, the trainer's layer-major
-                # (an adapter arena's order is the same in both).
-                full = None
-                if self.rank == 0:
-                    full = (getattr(loaded, name).flat if adapter is not None else
-                            self._arena(buffers.empty(n)).copy_(getattr(loaded, name)).flat)
-                if self.zero:
-                    moment = (getattr(self, name) if offload is None
-                              else buffers.empty(self.layout.shard_size))
-                    shards = self.layout.full_to_shards(full) if self.rank == 0 else None
-                    self.comm.Scatter(shards, moment, root=0)
-                    if offload is not None:
-                        offload.write_flat(which, moment)
-                else:
-                    moment = getattr(self, name)
-                    if self.rank == 0:
-                        moment[...] = full
-                    self.comm.Bcast(moment, root=0)
-        elif offload is None:
-            self.adam_m.fill(0.0)
-            self.adam_v.fill(0.0)
-        else:
-            for which in (0, 1):
-                offload.write_flat(which, np.zeros(offload.n, np.float32))
-        return ckpt.Checkpoint(config=model.config,
-                               params=model.params if adapter is None else adapter.params,
+        state.step = header["adam_step"]
+        for which, name in enumerate(("adam_m", "adam_v")):
+            if not header["has_moments"]:
+                state.load_moment(which, None)
+            else:
+                state.share_moment(which, getattr(loaded["state"], name).flat
+                                   if self.rank == 0 else None, self.comm)
+        return ckpt.Checkpoint(config=self.model.config, params=state.params,
                                step=header["step"], adam_m=None, adam_v=None,
                                adam_step=header["adam_step"], data_state=header["data_state"],
-                               extra=header["extra"], lora=model.lora)
+                               extra=header["extra"], lora=state.lora)
 
 
 def tokens_checksum(tokens):

@@ -245,9 +245,7 @@ def open_model(path):
                                seq_len=saved.get("seq_len"), tokenizer_known=True)
 
         def load_into(model):
-            adam_m, adam_v = model.optimizer_moments()
-            ckpt.load_checkpoint(path, header.config, params=model.params, adam_m=adam_m,
-                                 adam_v=adam_v)
+            ckpt.load_state(path, model.state, header.config)
         return ModelSource(path, f"checkpoint at step {header.step}", header.config, load_into,
                            tokenizer=saved.get("tokenizer") or "bytes",
                            seq_len=saved.get("seq_len"), tokenizer_known=True)

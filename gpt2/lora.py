@@ -24,6 +24,8 @@ from adtape import buffers, nn
 from adtape.tensor import Tensor, _state
 from gpt2.families import family_of
 from gpt2.families.base import Recorded
+from gpt2.params import FlatArena
+from gpt2.state import ArenaState
 
 
 @dataclass(frozen=True)
@@ -102,33 +104,17 @@ def adapter_shapes(config, lora):
     return shapes
 
 
-class AdapterArena:
-    """Every adapter matrix (or their gradients, or a moment) in one float32 buffer:
-    ``flat``, and ``views[name]`` shaped as ``adapter_shapes`` says."""
+class AdapterArena(FlatArena):
+    """Every adapter matrix (or their gradients, or a moment) in one ``FlatArena`` whose
+    views are shaped as ``adapter_shapes`` says."""
 
     def __init__(self, config, lora, flat=None):
         self.config, self.lora = config, lora
-        shapes = adapter_shapes(config, lora)
-        n = sum(math.prod(s) for s in shapes.values())
-        if flat is None:
-            flat = buffers.zeros(n)
-        elif flat.dtype != np.float32 or flat.shape != (n,):
-            raise ValueError(f"an adapter arena needs {n} float32, got {flat.dtype} "
-                             f"{flat.shape}")
-        self.flat = flat
-        self.views, start = {}, 0
-        for name, shape in shapes.items():
-            stop = start + math.prod(shape)
-            self.views[name] = flat[start:stop].reshape(shape)
-            start = stop
+        super().__init__(adapter_shapes(config, lora), flat)
 
-    @property
-    def nbytes(self):
-        return self.flat.nbytes
-
-    def zero_(self):
-        self.flat.fill(0.0)
-        return self
+    def in_sweep_order(self, flat):
+        # Weight by weight, each A of every block then its B: the sweep's order already.
+        return AdapterArena(self.config, self.lora, flat=flat)
 
 
 def init_adapters_(arena, seed):
@@ -144,16 +130,16 @@ def init_adapters_(arena, seed):
     return arena
 
 
-class LoraState:
-    """The trainable state of a LoRA run: the adapters, their gradients and AdamW
-    moments (each an ``AdapterArena``)."""
+class LoraState(ArenaState):
+    """The trainable state of a LoRA run (a ``gpt2.state.ArenaState``): the adapters,
+    their gradients and AdamW moments, each an ``AdapterArena``; the frozen base is the
+    model's.  ``sections()`` are the adapters' (a checkpoint holds no base)."""
 
     def __init__(self, config, lora, seed=0):
+        super().__init__(init_adapters_(AdapterArena(config, lora), seed),
+                         AdapterArena(config, lora), AdapterArena(config, lora),
+                         AdapterArena(config, lora))
         self.config, self.lora = config, lora
-        self.params = init_adapters_(AdapterArena(config, lora), seed)
-        self.grads = AdapterArena(config, lora)
-        self.adam_m = AdapterArena(config, lora)
-        self.adam_v = AdapterArena(config, lora)
         self.rng = np.random.Generator(np.random.PCG64([seed, 1]))   # dropout masks
 
     @property

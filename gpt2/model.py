@@ -1,8 +1,9 @@
 """The model of any family over the OpenMP kernels: parameters, AdamW state and two
 backward paths.
 
-``Model`` owns three arenas of its family's parameter layout (parameters, gradients and
-the two AdamW moments), each one allocation.  A training step is
+``Model.state`` holds what trains (``gpt2.state``: parameters, gradients, the two AdamW
+moments and the step, as arenas of the family's layout in RAM, on disk, or a LoRA run's
+adapters beside the frozen ``Model.base``).  A training step is
 ``loss = model.loss_and_grad(inputs, targets)`` followed by ``model.adamw_step``.
 
 Two engines compute the loss and its gradient with the same kernels:
@@ -21,6 +22,7 @@ import numpy as np
 from adtape import buffers, nn
 from gpt2 import families
 from gpt2.params import ParamArena, init_params_
+from gpt2.state import OFFLOAD_POLICIES, training_state
 from kernels import attention, layers, loss as loss_kernels, matmul, optim, threads
 
 
@@ -67,9 +69,6 @@ class ActivationArena:
             start += padded[name]
 
 
-OFFLOAD_POLICIES = (None, "moments", "all")
-
-
 def micro_batches(batch_size, grad_accum):
     """The row slices of a batch of ``batch_size`` rows cut into ``grad_accum`` equal
     micro-batches; ValueError if they cannot be equal."""
@@ -84,8 +83,8 @@ def micro_batches(batch_size, grad_accum):
 
 class Model:
     """A model of any family (its config: ``GPT2Config``, ``LlamaConfig``, ...) with its
-    gradients and AdamW state, each one arena.  Only the families with ``hand_sequenced``
-    (GPT-2) have the hand-sequenced engine."""
+    training state (``self.state``, a ``gpt2.state.TrainingState``).  Only the families
+    with ``hand_sequenced`` (GPT-2) have the hand-sequenced engine."""
 
     def __init__(self, config, seed=0, engine="tape", tape_kwargs=None, checkpointing="none",
                  snapshots=2, offload=None, offload_dir=None, lora=None, base_dtype="fp32",
@@ -111,52 +110,27 @@ class Model:
         self.config = config
         self.family = family
         self.lora = lora
-        self.adapter = None
-        if lora is not None or base is not None or base_dtype != "fp32":
-            self._init_lora(lora, base_dtype, base, engine, offload, seed)
-            self.offload, self.moments, self.adam_step = None, None, 0
-            self.engine, self.tape_kwargs = engine, dict(tape_kwargs or {})
-            self.checkpointing, self.snapshots = checkpointing, snapshots
-            self._acts = self._tape_engine = None
-            self._grads_fresh = True
-            return
-        self.params = ParamArena(config)
-        init_params_(self.params, seed)
-        self.grads = None if offload == "all" else ParamArena(config)
-        if self.grads is not None:
-            self.grads.zero_()
-        # False: self.grads holds gradients the next backward adds to.  True: they
-        # count as zero (zero_grad, or a train_step's deferred zeroing) and the next
-        # backward writes over them instead - no pass over memory to zero them.
-        self._grads_fresh = True
-        # offload="moments": the AdamW moments live on disk (gpt2.offload), adam_m and
-        # adam_v are None, and each update runs during the next forward pass.
         self.offload = offload
-        # offload="all": the blocks' parameters and gradients too (gpt2.offload.FullOffload):
-        # params and grads are None, the engine's leaves are views of the offload's slots.
-        self.moments = None
-        if offload == "moments":
-            from gpt2.offload import MomentOffload
-            self.moments = MomentOffload.for_model(config, spill_dir=offload_dir)
-            self.adam_m = self.adam_v = None
-        elif offload == "all":
-            from gpt2.offload import FullOffload
-            self.moments = FullOffload(config, spill_dir=offload_dir)
-            self.set_params(self.params)
-            self.params = None
-            self.adam_m = self.adam_v = None
-        else:
-            self.adam_m = ParamArena(config)
-            self.adam_m.zero_()
-            self.adam_v = ParamArena(config)
-            self.adam_v.zero_()
-        self.adam_step = 0
         self.engine = engine
         self.tape_kwargs = dict(tape_kwargs or {})
         self.checkpointing = checkpointing
         self.snapshots = snapshots
         self._acts = None
         self._tape_engine = None
+        # False: the gradients hold what the next backward adds to.  True: they count
+        # as zero (zero_grad, or a train_step's deferred zeroing) and the next backward
+        # writes over them instead - no pass over memory to zero them.
+        self._grads_fresh = True
+        # The frozen base of a LoRA model (its parameters that do not train), else None.
+        self.base = None
+        if lora is not None or base is not None or base_dtype != "fp32":
+            self._init_lora(lora, base_dtype, base, engine, offload, seed)
+        else:
+            # What trains, wherever it lives (gpt2.state): arenas in RAM, or with
+            # offload="moments" the moments on disk, updated during the next forward
+            # pass; offload="all" the blocks' parameters and gradients too, the engine's
+            # leaves views of the offload's slots.
+            self.state = training_state(config, seed, offload, offload_dir)
 
     def _init_lora(self, lora, base_dtype, base, engine, offload, seed):
         # A frozen base (float32 ParamArena or bf16 Bf16Base) and the adapters' state.
@@ -185,18 +159,50 @@ class Model:
             raise TypeError(f"base must be a ParamArena (or a Bf16Base with base_dtype='bf16'), "
                             f"got {type(base).__name__}")
         self.base_dtype = base_dtype
-        self.params = base
-        self.grads = self.adam_m = self.adam_v = None
-        self.adapter = LoraState(self.config, lora, seed)
+        self.base = base
+        self.state = LoraState(self.config, lora, seed)
 
-    def _state_arrays(self):
-        """(parameters, gradients, first moment, second moment) of what trains, each one
-        flat float32 array: the model's arenas, or with LoRA the adapters'."""
-        if self.adapter is not None:
-            a = self.adapter
-            return a.params.flat, a.grads.flat, a.adam_m.flat, a.adam_v.flat
-        return tuple(None if x is None else x.flat
-                     for x in (self.params, self.grads, self.adam_m, self.adam_v))
+    # -- the training state (gpt2.state), by the names it has always had here --------
+
+    @property
+    def params(self):
+        """The parameters: the state's arena (None with offload="all"), or with LoRA the
+        frozen base."""
+        return self.state.params if self.base is None else self.base
+
+    @property
+    def grads(self):
+        return self.state.grads if self.base is None else None
+
+    @property
+    def adam_m(self):
+        return self.state.adam_m if self.base is None else None
+
+    @property
+    def adam_v(self):
+        return self.state.adam_v if self.base is None else None
+
+    @property
+    def adapter(self):
+        """A LoRA model's state (``gpt2.lora.LoraState``: the adapters), else None."""
+        return self.state if self.base is not None else None
+
+    @property
+    def moments(self):
+        """The offload moving the state to and from disk (``gpt2.offload``), or None."""
+        return self.state.offload
+
+    @moments.setter
+    def moments(self, offload):
+        self.state.offload = offload
+
+    @property
+    def adam_step(self):
+        return self.state.step
+
+    @adam_step.setter
+    def adam_step(self, step):
+        self.state.step = step
 
     # -- inputs ---------------------------------------------------------------
 
@@ -287,7 +293,7 @@ class Model:
             # forward pass reaches each; the other paths apply it whole first.
             self.finish_update()
         fresh, self._grads_fresh = self._grads_fresh, False
-        if self.offload == "all" and not fresh:
+        if not self.state.accumulates and not fresh:
             raise NotImplementedError("with offload='all' each backward pass writes the "
                                       "gradients anew: call zero_grad() before loss_and_grad "
                                       "(no accumulation over several backward passes)")
@@ -309,93 +315,58 @@ class Model:
         """Zero the gradients; ``deferred=True`` only marks them as zero, and the next
         backward writes over them instead of adding to them (no pass over memory;
         ``self.grads`` keeps its old values until then)."""
-        if not deferred and (self.grads is not None or self.adapter is not None):
-            optim.zero_grad(self._state_arrays()[1])
+        if not deferred:
+            self.state.zero_grad()
         self._grads_fresh = True
 
     def clip_grad_norm(self, max_norm):
         """Scale gradients to global norm ``max_norm`` at most; returns the norm before."""
-        if self.offload == "all":
-            raise NotImplementedError("with offload='all' the gradients are on disk: clip "
-                                      "through train_step(..., grad_clip=)")
-        return optim.clip_grad_norm(self._state_arrays()[1], max_norm)
+        return self.state.clip_grad_norm(max_norm)
 
     def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                    grad_scale=1.0):
         """One AdamW update of every parameter (PyTorch semantics, decay on all of them),
         with the gradients multiplied by ``grad_scale`` as they are read."""
-        self.adam_step += 1
-        if self.offload == "all":
-            self.moments.begin(self.adam_step, lr, beta1, beta2, eps, weight_decay, grad_scale)
-            return
-        if self.moments is not None:
-            # Deferred: the moments stream in while the next forward pass computes.
-            self.moments.begin(self.params.flat, self.grads.flat, self.adam_step, lr, beta1,
-                               beta2, eps, weight_decay, grad_scale)
-            return
-        optim.adamw_step(*self._state_arrays(), self.adam_step, lr, beta1, beta2, eps,
-                         weight_decay, grad_scale=grad_scale)
+        self.state.adamw(lr, beta1, beta2, eps, weight_decay, grad_scale)
 
     def finish_update(self):
         """Complete an offloaded AdamW update still pending (nothing otherwise): before
         anything but the next training step reads the parameters."""
-        if self.moments is not None:
-            self.moments.finish()
+        self.state.finish()
 
     def optimizer_moments(self):
         """(adam_m, adam_v) for ``gpt2.checkpoint``: the arenas, or with offloaded moments
-        sections streamed from and to disk."""
-        if self.offload == "all":
-            from gpt2.offload import StreamedState
-            return StreamedState(self.moments, "m"), StreamedState(self.moments, "v")
-        if self.moments is not None:
-            return self.moments.moment(0), self.moments.moment(1)
-        return self.adam_m, self.adam_v
+        sections streamed from and to disk (``TrainingState.sections``)."""
+        return self.state.sections()[1:]
 
     def checkpoint_params(self):
         """The parameters for ``gpt2.checkpoint`` (save and load): the arena, or with
         offload="all" a section streamed from and to disk."""
-        if self.offload == "all":
-            from gpt2.offload import StreamedState
-            return StreamedState(self.moments, "p")
-        return self.params
+        return self.state.sections()[0]
 
     def param_arena(self):
         """Every parameter as a ParamArena: the model's own, or with offload="all" a copy
-        read from disk (for sampling and exports)."""
-        if self.adapter is not None:
-            base = self.params
-            return self.adapter.merged(base if isinstance(base, ParamArena) else base.to_arena())
-        if self.offload != "all":
-            self.finish_update()
-            return self.params
-        arena = ParamArena(self.config)
-        for start, piece in self.moments.pieces("p"):
-            arena.flat[start:start + piece.size] = piece
-        return arena
+        read from disk, or with LoRA the base with the adapters merged (for sampling and
+        exports)."""
+        if self.base is None:
+            return self.state.param_arena()
+        base = self.base
+        return self.state.merged(base if isinstance(base, ParamArena) else base.to_arena())
 
     def set_params(self, arena):
         """Copy a ParamArena's values into the model's parameters (with LoRA: its base)."""
-        if self.adapter is not None and not isinstance(self.params, ParamArena):
+        if self.base is None:
+            self.state.set_params(arena)
+        elif isinstance(self.base, ParamArena):
+            self.base.copy_(arena)
+        else:
             from kernels import bf16
-            for name, view in self.params.views.items():
+            for name, view in self.base.views.items():
                 src = np.ascontiguousarray(arena.views[name])
                 if view.dtype == np.uint16:
                     bf16.to_bf16(view, src)
                 else:
                     view[...] = src
-            return
-        if self.offload != "all":
-            self.finish_update()
-            self.params.copy_(arena)
-            return
-        flat = arena.in_llmc_order().flat
-        position = [0]
-
-        def read_into(piece):
-            piece[...] = flat[position[0]:position[0] + piece.size]
-            position[0] += piece.size
-        self.moments.load("p", read_into)
 
     def train_step(self, inputs, targets, lr, weight_decay=0.0, grad_clip=None, grad_accum=1):
         """Zero grads, forward, backward, (clip), AdamW. Returns (loss, grad norm or None).
@@ -421,12 +392,11 @@ class Model:
         1/N of the count is a micro-batch's own size: each is its plain mean, to the
         bit."""
         micro = micro_batches(np.shape(inputs)[0] if np.ndim(inputs) else 0, grad_accum)
-        if grad_accum > 1 and self.offload == "all":
+        if grad_accum > 1 and not self.state.accumulates:
             raise NotImplementedError("with offload='all' each backward pass writes the "
                                       "gradients anew: no gradient accumulation")
         self.zero_grad(deferred=True)
-        if self.offload == "all":
-            self.moments.reset_norm()
+        self.state.begin_step()
         if grad_accum == 1:
             loss = self.loss_and_grad(inputs, targets)
         else:
@@ -435,8 +405,7 @@ class Model:
                        for rows in micro) / grad_accum
         norm, scale = None, 1.0
         if grad_clip:
-            norm = (self.moments.grad_norm() if self.offload == "all"
-                    else optim.grad_norm(self._state_arrays()[1]))
+            norm = self.state.grad_norm()
             if grad_accum > 1:
                 norm /= grad_accum      # the norm of the mean gradient
             scale = optim.clip_coefficient(norm, grad_clip)
@@ -454,8 +423,7 @@ class Model:
         if self._tape_engine is not None:
             self._tape_engine.close()
             self._tape_engine = None
-        if self.moments is not None:
-            self.moments.close()
+        self.state.close()
 
     # -- the hand-sequenced baseline (llm.c) ----------------------------------------
 

@@ -21,7 +21,9 @@ evaluation, a sample).
 import numpy as np
 
 from adtape.statefile import StateFile, aligned_buffer
-from gpt2.params import layer_major_offsets, num_parameters, param_offsets
+from gpt2.params import (ParamArena, init_params_, layer_major_offsets, num_parameters,
+                         param_offsets)
+from gpt2.state import TrainingState
 from gpt2.units import FULL_WINDOW, SEGMENT_FLOATS, UNIT_BYTES, WINDOW  # noqa: F401
 from kernels import optim
 
@@ -206,12 +208,7 @@ class MomentOffload:
 
     def write_flat(self, which, flat):
         """Set one moment from a whole flat array in saved order."""
-        position = [0]
-
-        def read_into(piece):
-            piece[...] = flat[position[0]:position[0] + piece.size]
-            position[0] += piece.size
-        self.moment(which).load(read_into)
+        self.moment(which).load(_reader(flat))
 
     def stats(self):
         return dict(self.file.stats, file_bytes=self.file.file_bytes,
@@ -220,6 +217,52 @@ class MomentOffload:
     def close(self):
         self.pending = None
         self.file.close()
+
+
+class MomentState(TrainingState):
+    """``--offload moments``: parameters and gradients as arenas in RAM, the moments on
+    disk (``offload``, a ``MomentOffload``), each update deferred into the next forward
+    pass."""
+
+    def __init__(self, params, grads, offload):
+        super().__init__()
+        self.params, self.grads, self.offload = params, grads, offload
+
+    @classmethod
+    def for_model(cls, config, seed=0, spill_dir=None, layer_major=False):
+        params = init_params_(ParamArena(config, layer_major=layer_major), seed)
+        return cls(params, ParamArena(config, layer_major=layer_major),
+                   MomentOffload.for_model(config, spill_dir=spill_dir, layer_major=layer_major))
+
+    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+        self.step += 1
+        # Deferred: the moments stream in while the next forward pass computes.
+        self.offload.begin(self.params.flat, self.grads.flat, self.step, lr, beta1, beta2, eps,
+                           weight_decay, grad_scale)
+
+    def ready(self, stage):
+        self.offload.ready(stage)
+
+    def read_ahead(self):
+        self.offload.read_ahead()
+
+    def finish(self):
+        self.offload.finish()
+
+    def sections(self):
+        self.finish()
+        return self.params, self.offload.moment(0), self.offload.moment(1)
+
+    def load_moment(self, which, flat):
+        self.offload.write_flat(which, np.zeros(self.offload.n, np.float32)
+                                if flat is None else flat)
+
+    @property
+    def nbytes(self):
+        return self.params.nbytes + self.grads.nbytes + self.offload.window_bytes
+
+    def close(self):
+        self.offload.close()
 
 
 # -- everything offloaded ------------------------------------------------------------------
@@ -559,8 +602,8 @@ class FullOffload:
 
 class StreamedState:
     """One piece of offloaded state as a checkpoint section, streamed in its saved order
-    (what ``gpt2.checkpoint`` reads and writes instead of an arena): a ``MomentOffload``'s
-    moment 0 or 1, or a ``FullOffload``'s "p" (parameters), "m" or "v"."""
+    (``pieces()`` and ``load(read_into)``, as an arena's): a ``MomentOffload``'s moment 0
+    or 1, or a ``FullOffload``'s "p" (parameters), "m" or "v"."""
 
     def __init__(self, offload, kind):
         self.offload = offload
@@ -573,3 +616,93 @@ class StreamedState:
 
     def load(self, read_into):
         self.offload.load(self.kind, read_into)
+
+
+class FullOffloadState(TrainingState):
+    """``--offload all``: parameters, gradients and moments in a ``FullOffload``
+    (``offload``); RAM holds the parameters outside the blocks, two blocks' slots and
+    the unit buffers.  Each backward pass writes the gradients anew (no accumulation),
+    and their norm is summed as the sweep finishes each block."""
+
+    accumulates = False
+    streams_blocks = True
+
+    def __init__(self, offload):
+        super().__init__()
+        self.offload = offload
+
+    @classmethod
+    def for_model(cls, config, seed=0, spill_dir=None):
+        state = cls(FullOffload(config, spill_dir=spill_dir))
+        state.set_params(init_params_(ParamArena(config), seed))
+        return state
+
+    def zero_grad(self):
+        """Nothing to zero: each backward pass writes the gradients anew."""
+
+    def begin_step(self):
+        self.offload.reset_norm()
+
+    def grad_norm(self):
+        return self.offload.grad_norm()
+
+    def clip_grad_norm(self, max_norm):
+        raise NotImplementedError("with offload='all' the gradients are on disk: clip "
+                                  "through train_step(..., grad_clip=)")
+
+    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+        self.step += 1
+        self.offload.begin(self.step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+
+    def ready(self, stage):
+        self.offload.ready(stage)
+
+    def read_ahead(self):
+        self.offload.read_ahead()
+
+    def finish(self):
+        self.offload.finish()
+
+    def backward_begin(self, l):
+        self.offload.backward_begin(l)
+
+    def backward_done(self, l):
+        self.offload.backward_done(l)
+
+    def layer_arrays(self, l):
+        return self.offload.layer_arrays(l)
+
+    def sections(self):
+        self.finish()
+        return tuple(StreamedState(self.offload, kind) for kind in "pmv")
+
+    def param_arena(self):
+        arena = ParamArena(self.offload.config)
+        for start, piece in self.offload.pieces("p"):
+            arena.flat[start:start + piece.size] = piece
+        return arena
+
+    def set_params(self, arena):
+        self.offload.load("p", _reader(arena.in_llmc_order().flat))
+
+    def load_moment(self, which, flat):
+        self.offload.load("mv"[which], _reader(np.zeros(self.offload.n, np.float32)
+                                               if flat is None else flat))
+
+    @property
+    def nbytes(self):
+        return (sum(2 * p.nbytes for p in self.offload.global_params.values())
+                + self.offload.stats()["window_bytes"])
+
+    def close(self):
+        self.offload.close()
+
+
+def _reader(flat):
+    """A ``read_into(piece)`` that fills consecutive pieces from ``flat``."""
+    position = [0]
+
+    def read_into(piece):
+        piece[...] = flat[position[0]:position[0] + piece.size]
+        position[0] += piece.size
+    return read_into

@@ -61,12 +61,79 @@ def layer_major_offsets(config):
     return offsets
 
 
-class ParamArena:
-    """All parameters of a model (or gradients, or optimizer moments) in ONE float32 buffer.
+class FlatArena:
+    """Named float32 arrays in ONE buffer: ``flat`` is the 1-D buffer, ``views[name]``
+    (also ``arena.name``) shaped views into it, in the order of ``shapes``, so zeroing,
+    copying or an optimizer update over all of them is one operation on ``flat``.  Pass
+    ``flat`` to wrap an existing buffer (a checkpoint read in place, a padded
+    data-parallel arena) instead of allocating."""
 
-    ``flat`` is the 1-D buffer; ``views[name]`` (also ``arena.name``) are shaped views into it,
-    so zeroing, copying or an optimizer update over everything is one operation on ``flat``.
-    Pass ``flat`` to wrap an existing buffer (e.g. a checkpoint read in place) instead of allocating.
+    def __init__(self, shapes, flat=None):
+        self.flat = self._checked_flat(flat, sum(math.prod(s) for s in shapes.values()))
+        self.views, start = {}, 0
+        for name, shape in shapes.items():
+            stop = start + math.prod(shape)
+            self.views[name] = self.flat[start:stop].reshape(shape)
+            start = stop
+
+    def _checked_flat(self, flat, n):
+        kind = type(self).__name__
+        if flat is None:
+            return buffers.zeros(n)
+        if not isinstance(flat, np.ndarray):
+            raise TypeError(f"{kind} flat must be a numpy array, got {type(flat).__name__}")
+        if flat.dtype != np.float32 or flat.ndim != 1 or flat.size != n:
+            raise ValueError(f"{kind} flat must be 1-D float32 of {n} elements for this "
+                             f"layout, got {flat.dtype} with shape {flat.shape}")
+        if not flat.flags.c_contiguous:
+            raise ValueError(f"{kind} flat must be C-contiguous")
+        return flat
+
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails: the names resolve to their views.
+        views = self.__dict__.get("views")
+        if views is not None and name in views:
+            return views[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or parameter {name!r}")
+
+    def __len__(self):
+        return self.flat.size
+
+    @property
+    def nbytes(self):
+        return self.flat.nbytes
+
+    def zero_(self):
+        self.flat.fill(0.0)
+        return self
+
+    def copy_(self, other):
+        """Copy another arena of the same layout into this one."""
+        if type(other) is not type(self) or other.views.keys() != self.views.keys():
+            raise ValueError(f"copy_ needs a {type(self).__name__} of the same layout")
+        np.copyto(self.flat, other.flat)
+        return self
+
+    def pieces(self):
+        """(start, float32 array) of the arena in its saved order: what ``gpt2.checkpoint``
+        writes of it (as of a section streamed from disk, ``gpt2.offload.StreamedState``)."""
+        yield 0, self.flat
+
+    def load(self, read_into):
+        """Fill the arena in its saved order from ``read_into(array)`` (a checkpoint's
+        section read sequentially)."""
+        read_into(self.flat)
+
+    def in_sweep_order(self, flat):
+        """An arena of this layout over ``flat``, in the order the reverse sweep makes
+        its gradients final (the data-parallel trainer's: each gradient bucket is
+        reduced as soon as the sweep leaves it)."""
+        return FlatArena({name: view.shape for name, view in self.views.items()}, flat)
+
+
+class ParamArena(FlatArena):
+    """All parameters of a model (or gradients, or optimizer moments) in one
+    ``FlatArena`` of the config's layout.
 
     ``layer_major``: ``flat`` holds the parameters in ``layer_major_offsets`` order instead of
     llm.c's (the data-parallel trainer's arenas, whose gradient buckets then become final
@@ -78,26 +145,13 @@ class ParamArena:
 
     def __init__(self, config, flat=None, layer_major=False):
         _check_config(config)
-        n = num_parameters(config)
-        if flat is None:
-            flat = buffers.zeros(n)
-        else:
-            if not isinstance(flat, np.ndarray):
-                raise TypeError(f"ParamArena flat must be a numpy array, got {type(flat).__name__}")
-            if flat.dtype != np.float32 or flat.ndim != 1 or flat.size != n:
-                raise ValueError(f"ParamArena flat must be 1-D float32 of {n} elements for this "
-                                 f"config, got {flat.dtype} with shape {flat.shape}")
-            if not flat.flags.c_contiguous:
-                raise ValueError("ParamArena flat must be C-contiguous")
         self.config = config
-        self.flat = flat
         self.layer_major = bool(layer_major)
         shapes = param_shapes(config)
         if not self.layer_major:
-            self.views = {name: flat[start:stop].reshape(shape)
-                          for (name, (start, stop)), shape
-                          in zip(param_offsets(config).items(), shapes.values())}
+            super().__init__(shapes, flat)
             return
+        flat = self.flat = self._checked_flat(flat, num_parameters(config))
         offsets = layer_major_offsets(config)
         L, per_layer = config.n_layer, config.per_layer
         blocks_start = offsets[per_layer[0], 0][0]
@@ -114,24 +168,6 @@ class ParamArena:
                 view = flat[start:stop].reshape(shape)
             self.views[name] = view
 
-    def __getattr__(self, name):
-        # Only reached when normal lookup fails: parameter names resolve to their views.
-        views = self.__dict__.get("views")
-        if views is not None and name in views:
-            return views[name]
-        raise AttributeError(f"ParamArena has no attribute or parameter {name!r}")
-
-    def __len__(self):
-        return self.flat.size
-
-    @property
-    def nbytes(self):
-        return self.flat.nbytes
-
-    def zero_(self):
-        self.flat.fill(0.0)
-        return self
-
     def copy_(self, other):
         """Copy another arena of the same config into this one (in either order)."""
         if not isinstance(other, ParamArena) or other.config != self.config:
@@ -142,6 +178,19 @@ class ParamArena:
             for name, view in self.views.items():
                 np.copyto(view, other.views[name])
         return self
+
+    def in_sweep_order(self, flat):
+        return ParamArena(self.config, flat=flat, layer_major=True)
+
+    def pieces(self):
+        yield 0, self.in_llmc_order().flat      # saved in llm.c order
+
+    def load(self, read_into):
+        # Saved in llm.c order: a layer-major arena is filled from a copy.
+        saved = self if not self.layer_major else ParamArena(self.config)
+        read_into(saved.flat)
+        if saved is not self:
+            self.copy_(saved)
 
     def in_llmc_order(self):
         """This arena if it is in llm.c order, else a copy in llm.c order."""

@@ -80,14 +80,14 @@ class TapeEngine:
         # of the step at B=4, T=64).  Process-wide, as gpt2.train sets it too.
         _openmp.set_malloc_retention()
         per_layer = self.config.per_layer
-        self.full_offload = model.offload == "all"
+        state = self.state = model.state
         if model.lora is not None:
             self._lora_leaves(model)
-        elif self.full_offload:
+        elif state.streams_blocks:
             # Block l's leaves are views of its slot in the offload (gpt2.offload.FullOffload).
-            state = model.moments
-            self.globals = {name: _leaf(p, state.global_grads[name])
-                            for name, p in state.global_params.items()}
+            offload = state.offload
+            self.globals = {name: _leaf(p, offload.global_grads[name])
+                            for name, p in offload.global_params.items()}
             self.layers = [{name: _leaf(p, g) for name, (p, g) in state.layer_arrays(l).items()}
                            for l in range(self.config.n_layer)]
             self.trainable = None
@@ -103,10 +103,10 @@ class TapeEngine:
         self.ops = family_of(self.config).ops(
             self.config, *(() if model.lora is None else (LORA_RECORDED,)))
         self.last_forward_bytes = 0    # residual bytes saved by the last forward pass
-        if model.moments is not None:
+        if state.offload is not None:
             # One disk queue: the offloaded state moves through this tape's I/O thread,
             # beside the activations it spills (its stats count both).
-            model.moments.file.attach(self.optape.tape)
+            state.offload.file.attach(self.optape.tape)
 
     def _lora_leaves(self, model):
         # The base's parameters are constants (no gradient); each adapted weight becomes
@@ -131,18 +131,17 @@ class TapeEngine:
     def _ready(self, stage):
         # An offloaded AdamW update still pending updates each stage's parameters as the
         # forward pass reaches it (gpt2.offload).
-        if self.model.moments is not None:
-            self.model.moments.ready(stage)
+        self.state.ready(stage)
 
     def block(self, l, x):
         """Transformer block ``l`` of the model's family."""
         self._ready(l)
-        if not self.full_offload:
+        if not self.state.streams_blocks:
             return self.ops.block(self.layers[l], x)
         # Markers the sweep passes on its way: at the block's output before the block's
         # backward (its parameters are read back), at its input after it (its gradients
         # are final and written).
-        state = self.model.moments
+        state = self.state
         x = _marker(x, on_backward=functools.partial(state.backward_done, l))
         y = self.ops.block(self.layers[l], x)
         return _marker(y, on_backward=functools.partial(state.backward_begin, l))
@@ -181,9 +180,8 @@ class TapeEngine:
         try:
             with self.optape:
                 loss = self.forward_loss(inputs, targets, denominator)
-            self.model.finish_update()     # the backward writes the gradients it reads
-            if self.model.moments is not None:
-                self.model.moments.read_ahead()
+            self.state.finish()     # the backward writes the gradients it reads
+            self.state.read_ahead()
             self.last_forward_bytes = self.optape.saved_bytes
             loss.backward()
         finally:
@@ -202,6 +200,6 @@ class TapeEngine:
         return out
 
     def close(self):
-        if self.model.moments is not None and not self.optape.closed:
-            self.model.moments.file.detach()
+        if self.state.offload is not None and not self.optape.closed:
+            self.state.offload.file.detach()
         self.optape.close()

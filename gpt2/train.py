@@ -902,18 +902,8 @@ def _train_model(args, inputs, model, n_threads, comm=None):
     start_step = 0
     if inputs.resumed is not None:
         with blame("--resume"):
-            adam_m, adam_v = model.optimizer_moments()
-            if trainer:
-                state = trainer.load_checkpoint(args.resume)
-            elif model.adapter is not None:
-                a = model.adapter
-                state = ckpt.load_checkpoint(args.resume, config, params=a.params,
-                                             adam_m=a.adam_m, adam_v=a.adam_v, lora=True)
-            else:
-                state = ckpt.load_checkpoint(args.resume, config,
-                                             params=model.checkpoint_params(),
-                                             adam_m=adam_m, adam_v=adam_v)
-        model.adam_step = state.adam_step
+            state = (trainer.load_checkpoint(args.resume) if trainer
+                     else ckpt.load_state(args.resume, model.state, config))
         start_step = state.step
     ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
     with blame("--out-dir"):
@@ -972,22 +962,15 @@ def _train_model(args, inputs, model, n_threads, comm=None):
 
     def save(step):
         t0 = time.perf_counter()
-        model.finish_update()
+        after_write = save_adapter if model.adapter is not None else None
         if trainer:  # collective: rank 0 gathers the sharded state and writes
             trainer.save_checkpoint(ckpt_path, step=step, data_state=train.state(),
-                                    extra=extra,
-                                    after_write=save_adapter if model.adapter is not None else None)
-        elif model.adapter is not None:
-            a = model.adapter
-            ckpt.save_checkpoint(ckpt_path, a.params, step=step, adam_m=a.adam_m,
-                                 adam_v=a.adam_v, adam_step=model.adam_step,
-                                 data_state=train.state(), extra=extra, lora=model.lora)
-            save_adapter()
+                                    extra=extra, after_write=after_write)
         else:
-            adam_m, adam_v = model.optimizer_moments()
-            ckpt.save_checkpoint(ckpt_path, model.checkpoint_params(), step=step, adam_m=adam_m,
-                                 adam_v=adam_v, adam_step=model.adam_step,
-                                 data_state=train.state(), extra=extra)
+            ckpt.save_state(ckpt_path, model.state, step=step, data_state=train.state(),
+                            extra=extra)
+            if after_write is not None:
+                after_write()
         schedule.saved(time.perf_counter() - t0)
 
     def save_adapter():

@@ -318,7 +318,8 @@ class _Accounting:
         """Model-state bytes in RAM: four arenas; with the moments on disk two and the
         offload's unit buffers; with everything offloaded, the parameters and gradients
         outside the blocks, two blocks' and the unit buffers (a block's gradients or a
-        unit of moments)."""
+        unit of moments).  The model's ``gpt2.state.TrainingState.nbytes`` counts the
+        same (tests/gpt2/test_state.py; less for a model whose stages cannot fill a unit)."""
         if offload == "moments":
             moments = self.model_states / 2
             return moments + WINDOW * min(UNIT_BYTES, moments)

@@ -39,7 +39,7 @@ def test_lora_bytes_are_the_engines(profile, name, lora, base):
         ids, targets = np.random.default_rng(0).integers(0, config.vocab_size, (2, B, T)).astype(np.int32)
         model.loss_and_grad(ids, targets)
         # The base (float32, or bf16 matrices beside float32 norms) and four adapter arenas.
-        states = model.params.nbytes + sum(a.nbytes for a in model._state_arrays())
+        states = model.params.nbytes + model.state.nbytes
         assert c.memory["model states"] == states
         assert 4 * 4 * model.adapter.num_parameters == states - model.params.nbytes
         # Held by reference, what the forward pass saved; but the first block's first adapted

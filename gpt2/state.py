@@ -1,0 +1,166 @@
+"""One training state: what trains (parameters, their gradients, the AdamW moments and
+step), wherever it lives, behind the one interface that the model, its tape engine,
+checkpoints and the data-parallel trainer use.
+
+``TrainingState`` is the interface; the implementations:
+
+* ``ArenaState``: four arenas in RAM (``gpt2.params.ParamArena``; a LoRA run's adapters,
+  ``gpt2.lora.LoraState``, are four ``AdapterArena``s);
+* ``gpt2.offload.MomentState``: parameters and gradients in RAM, the moments on disk
+  (``--offload moments``), updated during the next forward pass;
+* ``gpt2.offload.FullOffloadState``: the blocks' parameters and gradients on disk too,
+  streamed a block at a time (``--offload all``);
+* ``gpt2.distributed.ZeroShardState``: ZeRO-1's, this rank's share of the moments, the
+  parameters all-gathered after each update.
+
+``training_state`` builds the state a ``Model``'s options ask for.  A caller never asks
+which one it holds: it zeroes, measures and clips the gradients, runs AdamW, hands
+``sections()`` to ``gpt2.checkpoint`` and closes through this interface.
+"""
+import numpy as np
+
+from gpt2.params import ParamArena, init_params_
+from kernels import optim
+
+OFFLOAD_POLICIES = (None, "moments", "all")
+
+
+class TrainingState:
+    """Parameters, gradients, AdamW moments and step of what trains.
+
+    ``params``, ``grads``, ``adam_m``, ``adam_v``: the arrays held in RAM as arenas
+    (``gpt2.params.FlatArena``), None where they are elsewhere.  ``step``: the AdamW
+    updates taken.  ``lora``: a LoRA run's ``LoraConfig`` (the state is its adapters'),
+    else None.  ``offload``: the object that moves state to and from disk (its
+    ``stats()``, its ``file``), or None.  ``accumulates``: whether a backward pass may
+    add into gradients a previous one left (False where each writes them anew).
+    ``streams_blocks``: whether the blocks' parameters come and go during the pass
+    (``backward_begin(l)`` / ``backward_done(l)`` as the sweep reaches and leaves block l).
+    """
+
+    params = grads = adam_m = adam_v = None
+    lora = None
+    offload = None
+    accumulates = True
+    streams_blocks = False
+
+    def __init__(self):
+        self.step = 0
+
+    # -- gradients -----------------------------------------------------------------------
+
+    def zero_grad(self):
+        """Zero the gradients now."""
+        optim.zero_grad(self.grads.flat)
+
+    def begin_step(self):
+        """A training step starts (its backward passes will make the gradients)."""
+
+    def grad_norm(self):
+        """The global norm of the gradients."""
+        return optim.grad_norm(self.grads.flat)
+
+    def clip_grad_norm(self, max_norm):
+        """Scale the gradients to global norm ``max_norm`` at most; returns the norm before."""
+        return optim.clip_grad_norm(self.grads.flat, max_norm)
+
+    # -- the update ----------------------------------------------------------------------
+
+    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+        """One AdamW update of every parameter (PyTorch semantics, decay on all of them),
+        the gradients multiplied by ``grad_scale`` as they are read; ``step`` counts it.
+        An implementation may defer it into the next forward pass (``ready``)."""
+        raise NotImplementedError
+
+    def ready(self, stage):
+        """The forward pass is about to run ``stage`` ("embed", a block's index, "head"):
+        the parameters it reads are there and updated."""
+
+    def read_ahead(self):
+        """The forward pass is over: start moving in what the next update reads."""
+
+    def finish(self):
+        """Complete a deferred update: before anything but the next training step reads
+        the parameters (a checkpoint, an evaluation, a sample)."""
+
+    # -- whole arrays: checkpoints, sampling, exports ------------------------------------
+
+    def sections(self):
+        """(parameters, first moment, second moment) as ``gpt2.checkpoint`` saves and
+        loads them: arenas, or sections streamed from and to disk (``pieces()``,
+        ``load()``).  Collective under data parallelism (None on the ranks that do not
+        write)."""
+        self.finish()
+        return self.params, self.adam_m, self.adam_v
+
+    def param_arena(self):
+        """Every parameter as a ParamArena in llm.c order (a copy where they are not one
+        arena in RAM)."""
+        self.finish()
+        return self.params
+
+    def set_params(self, arena):
+        """Copy a ParamArena's values into the parameters."""
+        self.finish()
+        self.params.copy_(arena)
+
+    def load_moment(self, which, flat):
+        """Set moment ``which`` (0: m, 1: v) from a flat float32 array in this state's
+        order (None: zeros)."""
+        mine = (self.adam_m, self.adam_v)[which]
+        if flat is None:
+            mine.zero_()
+        else:
+            np.copyto(mine.flat, flat)
+
+    def share_moment(self, which, flat, comm):
+        """Collective over ``comm``: moment ``which`` from rank 0's whole ``flat`` in this
+        state's order (the other ranks pass None), each rank keeping what it holds."""
+        if comm.Get_rank() != 0:
+            flat = np.empty(self.params.flat.size, np.float32)
+        comm.Bcast(flat, root=0)
+        self.load_moment(which, flat)
+
+    # -- memory ------------------------------------------------------------------------
+
+    @property
+    def nbytes(self):
+        """Bytes of the state held in RAM (arenas, slots and unit buffers)."""
+        return sum(a.nbytes for a in (self.params, self.grads, self.adam_m, self.adam_v)
+                   if a is not None)
+
+    def close(self):
+        """Release what the state holds outside the process's memory (its files)."""
+
+
+class ArenaState(TrainingState):
+    """Parameters, gradients and both moments as four arenas in RAM."""
+
+    def __init__(self, params, grads, adam_m, adam_v):
+        super().__init__()
+        self.params, self.grads, self.adam_m, self.adam_v = params, grads, adam_m, adam_v
+
+    @classmethod
+    def for_model(cls, config, seed=0):
+        """A model of ``config`` initialized from ``seed``, zero gradients and moments."""
+        return cls(init_params_(ParamArena(config), seed), ParamArena(config),
+                   ParamArena(config), ParamArena(config))
+
+    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+        self.step += 1
+        optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat,
+                         self.step, lr, beta1, beta2, eps, weight_decay, grad_scale=grad_scale)
+
+
+def training_state(config, seed=0, offload=None, offload_dir=None):
+    """The training state of a model of ``config`` initialized from ``seed``, its
+    ``offload`` policy: None (in RAM), "moments" or "all" (on disk in ``offload_dir``)."""
+    if offload not in OFFLOAD_POLICIES:
+        raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOAD_POLICIES))}, "
+                         f"got {offload!r}")
+    if offload is None:
+        return ArenaState.for_model(config, seed)
+    from gpt2.offload import FullOffloadState, MomentState
+    if offload == "moments":
+        return MomentState.for_model(config, seed, offload_dir)
+    return FullOffloadState.for_model(config, seed, offload_dir)
