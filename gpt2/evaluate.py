@@ -200,13 +200,13 @@ def evaluate(model, tokens, batches, progress=None):
 
 @dataclasses.dataclass
 class ModelSource:
-    """What MODEL holds: its config, how to fill a model's parameters, and what it says of
-    the tokenizer and T it was trained with."""
+    """What MODEL holds: its config, how to read its parameters, and what it says of the
+    tokenizer and T it was trained with."""
 
     path: str
     kind: str
     config: object
-    load_into: object           # load_into(model)
+    params: object              # params(): the parameters, a ParamArena
     tokenizer: str = None       # a path, "bytes", or None where it says nothing
     seq_len: int = None         # the training -T of a checkpoint
     tokenizer_known: bool = False  # a checkpoint knows; a directory without one, a file do not
@@ -220,13 +220,13 @@ def open_model(path):
         arena, base_dir = lora.merged_adapter(path)
         found = tok.find_tokenizer(base_dir)
         return ModelSource(path, f"peft adapter on {base_dir}", arena.config,
-                           lambda model: model.set_params(arena), tokenizer=found,
+                           lambda: arena, tokenizer=found,
                            tokenizer_known=found is not None)
     if os.path.isdir(path):
         arena = hf.load_dir(path)
         found = tok.find_tokenizer(path)
         return ModelSource(path, "Hugging Face directory", arena.config,
-                           lambda model: model.set_params(arena), tokenizer=found,
+                           lambda: arena, tokenizer=found,
                            tokenizer_known=found is not None)
     with open(path, "rb") as f:
         magic = f.read(len(ckpt.CHECKPOINT_MAGIC))
@@ -240,18 +240,17 @@ def open_model(path):
         if header.lora is not None:     # a LoRA run: its base with the adapters merged
             arena = lora.merged_checkpoint(path, header)
             return ModelSource(path, f"LoRA checkpoint at step {header.step}", header.config,
-                               lambda model: model.set_params(arena),
+                               lambda: arena,
                                tokenizer=saved.get("tokenizer") or "bytes",
                                seq_len=saved.get("seq_len"), tokenizer_known=True)
 
-        def load_into(model):
-            ckpt.load_state(path, model.state, header.config)
-        return ModelSource(path, f"checkpoint at step {header.step}", header.config, load_into,
+        def params():       # not the moments
+            return ckpt.load_checkpoint(path, header.config, optimizer=False).params
+        return ModelSource(path, f"checkpoint at step {header.step}", header.config, params,
                            tokenizer=saved.get("tokenizer") or "bytes",
                            seq_len=saved.get("seq_len"), tokenizer_known=True)
     arena = ckpt.import_llmc(path)
-    return ModelSource(path, "llm.c model file", arena.config,
-                       lambda model: model.set_params(arena))
+    return ModelSource(path, "llm.c model file", arena.config, lambda: arena)
 
 
 def _load_tokenizer(args, source):
@@ -323,10 +322,9 @@ def run(args, progress_bar=True):
         with blame("--threads"):
             n_threads = threads.set_num_threads(args.threads)
         _openmp.set_flush_denormal(True, n_threads)
-        model = Model(config)
+        with blame("MODEL " + args.model):
+            model = Model.for_inference(source.params())
         try:
-            with blame("MODEL " + args.model):
-                source.load_into(model)
             if not args.json:
                 print(f"{config.family_name} {config.preset_name() or ''}".rstrip()
                       + f" ({source.kind} {args.model}): "

@@ -22,7 +22,7 @@ import numpy as np
 from adtape import buffers, nn
 from gpt2 import families
 from gpt2.params import ParamArena, init_params_
-from gpt2.state import OFFLOAD_POLICIES, training_state
+from gpt2.state import OFFLOAD_POLICIES, FrozenState, training_state
 from kernels import attention, layers, loss as loss_kernels, matmul, optim, threads
 
 
@@ -88,7 +88,7 @@ class Model:
 
     def __init__(self, config, seed=0, engine="tape", tape_kwargs=None, checkpointing="none",
                  snapshots=2, offload=None, offload_dir=None, lora=None, base_dtype="fp32",
-                 base=None):
+                 base=None, state=None):
         family = families.family_of(config)
         if engine not in ("tape", "manual"):
             raise ValueError(f"engine must be 'tape' or 'manual', got {engine!r}")
@@ -123,7 +123,12 @@ class Model:
         self._grads_fresh = True
         # The frozen base of a LoRA model (its parameters that do not train), else None.
         self.base = None
-        if lora is not None or base is not None or base_dtype != "fp32":
+        if state is not None:           # for_inference's (or a caller's own state)
+            if lora is not None or base is not None or offload is not None:
+                raise ValueError("state: a model built on a given state takes no lora, base "
+                                 "or offload")
+            self.state = state
+        elif lora is not None or base is not None or base_dtype != "fp32":
             self._init_lora(lora, base_dtype, base, engine, offload, seed)
         else:
             # What trains, wherever it lives (gpt2.state): arenas in RAM, or with
@@ -131,6 +136,16 @@ class Model:
             # pass; offload="all" the blocks' parameters and gradients too, the engine's
             # leaves views of the offload's slots.
             self.state = training_state(config, seed, offload, offload_dir)
+
+    @classmethod
+    def for_inference(cls, params, **kwargs):
+        """A model that only runs forward passes (``forward``: logits and loss) over
+        ``params``, a ParamArena used in place, not copied: no gradients, no optimizer
+        state (``gpt2.state.FrozenState``), 4 bytes per parameter where a training model
+        holds 16.  ``kwargs``: ``engine``, ``tape_kwargs``, ``checkpointing``."""
+        if not isinstance(params, ParamArena):
+            raise TypeError(f"params must be a ParamArena, got {type(params).__name__}")
+        return cls(params.config, state=FrozenState(params), **kwargs)
 
     def _init_lora(self, lora, base_dtype, base, engine, offload, seed):
         # A frozen base (float32 ParamArena or bf16 Bf16Base) and the adapters' state.
@@ -286,6 +301,8 @@ class Model:
         """Mean cross-entropy loss over the targets that are not IGNORE_INDEX (or their
         sum over ``loss_denominator``: ``nn.loss_denominator``); its gradient is
         accumulated into ``self.grads``."""
+        if not self.state.trains:
+            self.state.zero_grad()          # raises: this model is for inference
         inputs, targets = self.check_batch(inputs, targets)
         denominator = nn.loss_denominator(targets, loss_denominator)
         if self.engine == "manual" or self._tape_engine is None:

@@ -36,6 +36,7 @@ class TrainingState:
     add into gradients a previous one left (False where each writes them anew).
     ``streams_blocks``: whether the blocks' parameters come and go during the pass
     (``backward_begin(l)`` / ``backward_done(l)`` as the sweep reaches and leaves block l).
+    ``trains``: False for ``FrozenState``, a model that only runs forward passes.
     """
 
     params = grads = adam_m = adam_v = None
@@ -43,6 +44,7 @@ class TrainingState:
     offload = None
     accumulates = True
     streams_blocks = False
+    trains = True
 
     def __init__(self):
         self.step = 0
@@ -150,6 +152,27 @@ class ArenaState(TrainingState):
         self.step += 1
         optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat,
                          self.step, lr, beta1, beta2, eps, weight_decay, grad_scale=grad_scale)
+
+
+class FrozenState(TrainingState):
+    """Parameters alone, for a model that only runs forward passes (``Model.for_inference``:
+    gpt2-eval's): 4 bytes per parameter where training holds 16.  Everything that
+    trains raises."""
+
+    trains = False
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = params
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError("this model is for inference (Model.for_inference): it holds no "
+                           "gradients and no optimizer state; build a Model to train")
+
+    zero_grad = grad_norm = clip_grad_norm = adamw = load_moment = share_moment = _refuse
+
+    def sections(self):
+        return self.params, None, None
 
 
 def training_state(config, seed=0, offload=None, offload_dir=None):

@@ -93,11 +93,15 @@ class TapeEngine:
             self.trainable = None
         else:
             p, g = model.params, model.grads
+
+            def leaf(name, l=None):
+                value = p.views[name] if l is None else p.views[name][l]
+                if g is None:           # Model.for_inference: no gradients, constants
+                    return _frozen(value)
+                return _leaf(value, g.views[name] if l is None else g.views[name][l])
             # The parameters outside the blocks (GPT-2: wte, wpe, lnfw, lnfb), by name.
-            self.globals = {name: _leaf(p.views[name], g.views[name]) for name in p.views
-                            if name not in per_layer}
-            self.layers = [{name: _leaf(p.views[name][l], g.views[name][l])
-                            for name in per_layer}
+            self.globals = {name: leaf(name) for name in p.views if name not in per_layer}
+            self.layers = [{name: leaf(name, l) for name in per_layer}
                            for l in range(self.config.n_layer)]
             self.trainable = None
         self.ops = family_of(self.config).ops(

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from gpt2 import checkpoint as ckpt
-from gpt2.config import GPT2Config
+from gpt2.config import GPT2Config, LlamaConfig
 from gpt2.lora import AdapterArena, LoraConfig
 from gpt2.model import Model
 from gpt2.offload import FullOffloadState, MomentState
 from gpt2.params import FlatArena, ParamArena, layer_major_offsets
 from gpt2.perfmodel import load_profile
 from gpt2.perfmodel.plan import predict_policy
-from gpt2.state import ArenaState, TrainingState
+from gpt2.state import ArenaState, FrozenState, TrainingState
 
 TINY = GPT2Config.preset("tiny")
 
@@ -92,3 +92,31 @@ def test_the_planners_model_state_bytes_are_the_states(offload, tmp_path):
         assert model.state.nbytes == pytest.approx(predicted, rel=0 if offload != "all" else 1e-4)
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("config, engine", [(TINY, "tape"), (TINY, "manual"),
+                                            (LlamaConfig.preset("llama-tiny"), "tape")],
+                         ids=["gpt2-tape", "gpt2-manual", "llama"])
+def test_an_inference_model_holds_the_parameters_alone_and_gives_the_same_logits(config,
+                                                                                  engine):
+    trained = Model(config, seed=3, engine=engine)
+    train(trained, 2)
+    params = trained.param_arena()
+    frozen = Model.for_inference(params, engine=engine)
+    assert frozen.params is params                      # used in place, not copied
+    assert type(frozen.state) is FrozenState and not frozen.state.trains
+    assert frozen.state.nbytes == params.nbytes == trained.state.nbytes // 4
+    x, y = next(batches(config, 1, seed=9))
+    logits, loss = trained.forward(x, y)
+    logits = logits.copy()
+    got_logits, got_loss = frozen.forward(x, y)
+    assert got_loss == loss
+    np.testing.assert_array_equal(got_logits, logits)
+    for call in (lambda: frozen.loss_and_grad(x, y), lambda: frozen.train_step(x, y, 1e-3),
+                 lambda: frozen.adamw_step(1e-3), lambda: frozen.clip_grad_norm(1.0)):
+        with pytest.raises(RuntimeError, match="for inference"):
+            call()
+    with pytest.raises(TypeError, match="ParamArena"):
+        Model.for_inference(params.flat)
+    frozen.close()
+    trained.close()
