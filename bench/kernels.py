@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
-from _runinfo import LimitProbe, compute_limit  # noqa: E402
+from _runinfo import compute_limit  # noqa: E402
+from harness import LimitProbe  # noqa: E402
 
 from adtape import buffers  # noqa: E402
 from kernels import attention, blas_dispatch, layers, loss, matmul, optim, peak, threads  # noqa: E402
@@ -91,7 +92,7 @@ def quartiles(xs):
 
 
 def limit_probe(quick, n):
-    """The limit probes' operands, allocated once (_runinfo.LimitProbe): an n x n
+    """The limit probes' operands, allocated once (harness.LimitProbe): an n x n
     product (1024 with ``quick``, else 2048) and three float32 streams of 256 MB (64
     MB with ``quick``), far past the caches."""
     return LimitProbe(n, sgemm_n=1024 if quick else 2048,

@@ -71,8 +71,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import _paths  # noqa: E402,F401  (import order: source if built in place, installed, bench/)
-from _runinfo import LimitProbe, compute_limit, cpu_flags, cpu_name, git_commit  # noqa: E402
-from harness import RssSampler, interleave  # noqa: E402
+from _runinfo import compute_limit, cpu_flags, cpu_name, git_commit  # noqa: E402
+from harness import LimitProbe, RssSampler, interleave  # noqa: E402
 from kernels import blas_dispatch  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -219,7 +219,7 @@ def step_bytes(config, B, T):
 # -- worker: machine limits --------------------------------------------------------
 
 def measure_limits(n_threads, repeats=5):
-    """The machine's limits on n cores (_runinfo.LimitProbe): the physical FMA peaks,
+    """The machine's limits on n cores (harness.LimitProbe): the physical FMA peaks,
     the best sgemm GFLOP/s of ours, SciPy's OpenBLAS and PyTorch's (the fastest counts)
     and the best copy/add/in-place update/read GB/s over 256 MiB streams."""
     return LimitProbe(n_threads).measure(repeats)
