@@ -20,6 +20,7 @@ from kernels import bf16 as _bf16
 from kernels import layers as _layers
 from kernels import llama as _llama
 from kernels import loss as _loss
+from kernels import lora as _lora
 from kernels import matmul as _matmul
 
 from adtape import buffers as _buffers
@@ -481,9 +482,11 @@ def lora_linear(x, weight, bias, a, b, splits, scale, dropout=0.0, rng=None):
     matrices stacked, b (sum of n, r) their B matrices stacked in ``splits`` order (as
     peft's lora_A and lora_B).  ``dropout`` p drops elements of the adapters' input
     (scaled by 1/(1-p), as torch.nn.Dropout), ``rng`` a numpy Generator.  The adapters'
-    products run in float32 whatever the precision (they are r wide); the base product
-    in the current precision (bf16 for a bf16 weight).  Saved: the base product's input
-    and ``x @ a.T`` (k*r floats a row), and with dropout the dropped input."""
+    products run in float32 whatever the precision (they are r wide), each target's
+    added straight into its columns of the output (``kernels.lora``); the base product
+    in the current precision (bf16 for a bf16 weight).  Saved: ``x`` (the adapters'
+    input; the frozen base's backward needs none, so a bf16 base keeps no bf16 copy),
+    ``x @ a.T`` (k*r floats a row), and with dropout its mask (a byte an element)."""
     xd = np.ascontiguousarray(_data(x))
     wd, ad, bd = _data(weight), _data(a), _data(b)
     k = len(splits)
@@ -494,68 +497,63 @@ def lora_linear(x, weight, bias, a, b, splits, scale, dropout=0.0, rng=None):
                          f"targets of rank {r} over inputs of width {xd.shape[-1]} "
                          f"(splits {splits})")
     out = _buffers.empty(xd.shape[:-1] + (wd.shape[0],))
-    saved = _product_forward(out, xd, wd, None if bias is None else _data(bias))
+    # The base's bf16 copy of x (if any) is dropped here: its backward needs only dY, W.
+    bf16_base = _product_forward(out, xd, wd, None if bias is None else _data(bias)) is not xd
     x2 = xd.reshape(-1, xd.shape[-1])
-    o2 = out.reshape(-1, out.shape[-1])
-    mask = None
+    keep = None
     xl = x2
     if dropout:
         rng = rng if rng is not None else np.random.default_rng()
-        mask = (rng.random(x2.shape, dtype=np.float32) >= dropout).astype(np.float32)
-        mask *= np.float32(1.0 / (1.0 - dropout))
-        xl = x2 * mask
+        u = rng.random(x2.shape, dtype=np.float32)
+        keep = _buffers.empty(x2.shape, np.uint8)
+        xl = _buffers.empty(x2.shape)
+        _lora.dropout_forward(xl, keep, x2, u, dropout)
+        del u
     xa = _buffers.empty((x2.shape[0], k * r))
     _matmul.matmul_forward(xa, xl, ad, None)
     xa *= np.float32(scale)
-    rows = 0
-    for j, (start, n) in enumerate(splits):
-        delta = _buffers.empty((x2.shape[0], n))
-        _matmul.matmul_forward(delta, np.ascontiguousarray(xa[:, j * r:(j + 1) * r]),
-                               bd[rows:rows + n], None)
-        o2[:, start:start + n] += delta
-        rows += n
+    del xl
+    _lora.lora_forward(out.reshape(-1, out.shape[-1]), xa, bd, splits)
     if _needs_grad(x, a, b):
-        # The adapters' input: None where it is the base product's (float32, no dropout).
-        lora_in = xl if mask is not None else (None if saved is xd else x)
         return _record(LORA_LINEAR, out, (x, weight, bias, a, b),
-                       (x if saved is xd else saved, lora_in, mask, xa, weight, a, b,
-                        splits, scale), None)
+                       (x if xd is _data(x) else xd, keep, xa, weight, a, b, splits, scale,
+                        dropout, bf16_base), None)
     return _constant(out)
 
 
-def _lora_linear_bwd(g, dests, fresh, x, xl, mask, xa, weight, a, b, splits, scale):
-    # x: the base product's input as its forward kept it; xl: the adapters' (None: x)
+def _lora_linear_bwd(g, dests, fresh, x, keep, xa, weight, a, b, splits, scale, dropout,
+                     bf16_base):
+    # x: the adapters' input before dropout; keep: dropout's mask (uint8) or None
     g = _contiguous(g)
     g2 = g.reshape(-1, g.shape[-1])
-    k = len(splits)
-    r = a.shape[0] // k
     N = g2.shape[0]
-    # The base: dx only (the weight and bias are frozen).
-    _product_backward(dests[0], None, None, g, x, weight, (fresh[0], False, False))
+    dx = None if dests[0] is None else dests[0].reshape(N, -1)
+    # The base: dx only (the weight and bias are frozen), no input needed.
+    if dx is not None:
+        if bf16_base:
+            _bf16.matmul_backward_bf16(dx, None, None, g2, None, _bf16_weight(weight),
+                                       overwrite=(fresh[0], False, False))
+        else:
+            _matmul.matmul_backward(dx, None, None, g2, None, weight,
+                                    overwrite=(fresh[0], False, False))
     # The adapters: with xa = scale * x_l @ A.T and out_j += xa_j @ B_j.T,
-    # dB_j = g_j.T @ xa_j, dxa_j = scale * g_j @ B_j, dA = dxa.T @ x_l, dx_l = dxa @ A.
-    dxa = _buffers.empty((N, k * r))
-    rows = 0
-    for j, (start, n) in enumerate(splits):
-        gj = g2 if (start, n) == (0, g2.shape[1]) else np.ascontiguousarray(
-            g2[:, start:start + n])
-        xaj = np.ascontiguousarray(xa[:, j * r:(j + 1) * r])
-        dxaj = _buffers.empty((N, r))
-        db = None if dests[4] is None else dests[4][rows:rows + n]
-        _matmul.matmul_backward(dxaj, db, None, gj, xaj, b[rows:rows + n],
-                                overwrite=(True, bool(fresh[4]), False))
-        dxa[:, j * r:(j + 1) * r] = dxaj
-        rows += n
+    # dB_j = g_j.T @ xa_j, dxa_j = scale * g_j @ B_j, dA = dxa.T @ x_l, dx_l = dxa @ A;
+    # g_j are g's columns of target j, read in place.
+    dxa = _buffers.empty(xa.shape)
+    _lora.lora_backward(dxa, dests[4], g2, xa, b, splits, overwrite=bool(fresh[4]))
     dxa *= np.float32(scale)
-    x_l = (x if xl is None else xl).reshape(N, -1)
-    dx_l = None
-    if dests[0] is not None:
-        dx_l = dests[0].reshape(N, -1) if mask is None else _buffers.empty(x_l.shape)
+    if dx is None and dests[3] is None:
+        return
+    x2 = x.reshape(N, -1)
+    x_l = x2
+    if keep is not None and dests[3] is not None:
+        x_l = _buffers.empty(x2.shape)
+        _lora.dropout_apply(x_l, x2, keep, dropout)
+    dx_l = dx if keep is None or dx is None else _buffers.empty(x2.shape)
     _matmul.matmul_backward(dx_l, dests[3], None, dxa, x_l, a,
-                            overwrite=(mask is not None, bool(fresh[3]), False))
-    if mask is not None and dests[0] is not None:
-        d0 = dests[0].reshape(N, -1)
-        d0 += dx_l * mask
+                            overwrite=(keep is not None, bool(fresh[3]), False))
+    if keep is not None and dx is not None:
+        _lora.dropout_backward(dx, dx_l, keep, dropout)
 
 
 defvjp_accumulate(ENCODER, _encoder_bwd, overwrite=True)

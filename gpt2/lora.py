@@ -176,8 +176,13 @@ class LoraState(ArenaState):
 # -- the base held in bf16 --------------------------------------------------------------------
 
 def _widen(u16):
-    """float32 values of a bf16 (uint16) array (exact)."""
-    return (u16.astype(np.uint32) << 16).view(np.float32)
+    """float32 values of a bf16 (uint16) array (exact; kernels.bf16.from_bf16 on our
+    threads)."""
+    from kernels import bf16
+    u16 = np.ascontiguousarray(u16)
+    out = buffers.empty(u16.shape)
+    bf16.from_bf16(out, u16)
+    return out
 
 
 class Bf16Base:

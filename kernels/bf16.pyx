@@ -42,7 +42,7 @@ from kernels._common cimport check_disjoint, checked_data, overwrite_flags, reso
 
 import numpy as np
 
-from kernels.matmul import _matmul_shapes
+from kernels.matmul import _backward_shapes, _matmul_shapes
 
 cnp.import_array()
 
@@ -587,14 +587,18 @@ def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, *, overwrite=F
     """Accumulate the gradients of ``out = inp @ weight.T + bias`` with bf16 operands:
     dinp += bf16(dout) @ weight (skipped when dinp is None), dweight += bf16(dout).T @
     inp (skipped when dweight is None: a frozen weight), dbias += dout summed over rows
-    (float32 dout, float64 sums; skipped when dbias is None).  dout, dinp, dweight, dbias float32; inp and weight uint16 (bf16), as
-    given to the forward.  ``overwrite`` (a bool, or one each for dinp, dweight,
-    dbias): that gradient is set instead, its old contents never read."""
+    (float32 dout, float64 sums; skipped when dbias is None).  dout, dinp, dweight, dbias
+    float32; inp and weight uint16 (bf16), as given to the forward; inp may be None where
+    dweight is (a frozen weight: dinp needs dout and the weight alone).  ``overwrite`` (a
+    bool, or one each for dinp, dweight, dbias): that gradient is set instead, its old
+    contents never read."""
     cdef Py_ssize_t N, C, OC
     cdef bint ow_i, ow_w, ow_b
     ow_i, ow_w, ow_b = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
-    lead, N, C, OC = _matmul_shapes(inp, weight)
-    cdef uint16_t* inp_p = <uint16_t*>_bf16_data("inp", inp, lead + (C,), False)
+    lead, N, C, OC = _backward_shapes(dout, inp, weight, dweight)
+    cdef uint16_t* inp_p = NULL
+    if inp is not None:
+        inp_p = <uint16_t*>_bf16_data("inp", inp, lead + (C,), False)
     cdef uint16_t* w_p = <uint16_t*>_bf16_data("weight", weight, (OC, C), False)
     cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, lead + (OC,), False)
     cdef float* dw_p = NULL

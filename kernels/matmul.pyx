@@ -142,6 +142,7 @@ cdef _check_forward_overlap(out, inp, weight, bias):
 
 
 cdef _check_backward_overlap(dinp, dweight, dbias, dout, inp, weight, tuple flags):
+    # inp may be None (a frozen weight: check_disjoint skips None).
     # dinp may be dweight itself (an input that is also the weight, in the AD runtime):
     # dinp's product is finished before dweight's reads or adds, so overwrite may be
     # set for dinp only.
@@ -170,20 +171,44 @@ def matmul_forward(out, inp, weight, bias, *, n_threads=None):
         matmul_forward_c(out_p, inp_p, w_p, b_p, N, C, OC, nt)
 
 
+def _backward_shapes(dout, inp, weight, dweight):
+    """(lead, N, C, OC) of a backward: from inp, or where inp is None (allowed only
+    without dweight: a frozen weight's dinp needs dout and the weight alone) from dout."""
+    if inp is not None:
+        return _matmul_shapes(inp, weight)
+    if dweight is not None:
+        raise ValueError("inp is None but dweight is not: the weight gradient needs inp")
+    if not isinstance(dout, np.ndarray) or dout.ndim not in (2, 3):
+        raise ValueError(f"dout must be a 2-D (N, OC) or 3-D (B, T, OC) array, got "
+                         f"{getattr(dout, 'shape', type(dout).__name__)}")
+    if not isinstance(weight, np.ndarray) or weight.ndim != 2:
+        raise ValueError(f"weight must be a 2-D (OC, C) array, got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    lead = tuple(dout.shape[:dout.ndim - 1])
+    N = 1
+    for d in lead:
+        N *= d
+    return lead, N, weight.shape[1], weight.shape[0]
+
+
 def matmul_backward(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,
                     n_threads=None):
     """Accumulate the gradients of ``out = inp @ weight.T + bias``:
     dinp += dout @ weight (skipped when dinp is None), dweight += dout.T @ inp (skipped
     when dweight is None: a frozen weight),
     dbias += dout summed over rows (skipped when dbias is None).
+    ``inp`` may be None where dweight is: a frozen weight's gradients need only dout and
+    the weight (so a frozen layer need not keep its input for the backward).
     ``overwrite`` (a bool, or one each for dinp, dweight, dbias): that gradient is
     set instead, its old contents never read."""
     cdef Py_ssize_t N, C, OC
     cdef bint ow_i, ow_w, ow_b
     flags = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
     ow_i, ow_w, ow_b = flags
-    lead, N, C, OC = _matmul_shapes(inp, weight)
-    cdef float* inp_p = <float*>checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
+    lead, N, C, OC = _backward_shapes(dout, inp, weight, dweight)
+    cdef float* inp_p = NULL
+    if inp is not None:
+        inp_p = <float*>checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
     cdef float* w_p = <float*>checked_data("weight", weight, cnp.NPY_FLOAT32, (OC, C), False)
     cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, lead + (OC,), False)
     cdef float* dw_p = NULL
@@ -256,12 +281,14 @@ def matmul_backward_naive(dinp, dweight, dbias, dout, inp, weight, *, overwrite=
                           n_threads=None):
     """Plain-loop twin of ``matmul_backward`` (serial; float32 or float64)."""
     flags = overwrite_flags(overwrite, ("dinp", "dweight", "dbias"))
-    lead, N, C, OC = _matmul_shapes(inp, weight)
-    cdef int ft = float_type(inp)
-    checked_data("inp", inp, ft, lead + (C,), False)
+    lead, N, C, OC = _backward_shapes(dout, inp, weight, dweight)
+    cdef int ft = float_type(inp if inp is not None else dout)
+    if inp is not None:
+        checked_data("inp", inp, ft, lead + (C,), False)
     checked_data("weight", weight, ft, (OC, C), False)
     checked_data("dout", dout, ft, lead + (OC,), False)
-    checked_data("dweight", dweight, ft, (OC, C), True)
+    if dweight is not None:
+        checked_data("dweight", dweight, ft, (OC, C), True)
     if dinp is not None:
         checked_data("dinp", dinp, ft, lead + (C,), True)
     if dbias is not None:
@@ -271,12 +298,17 @@ def matmul_backward_naive(dinp, dweight, dbias, dout, inp, weight, *, overwrite=
     for arr, flag in zip((dinp, dweight, dbias), flags):
         if flag and arr is not None:
             arr[...] = 0
-    dummy = np.zeros(1, inp.dtype)
-    dinp2 = dinp.reshape(N, C) if dinp is not None else np.zeros((1, 1), inp.dtype)
+    dt = dout.dtype
+    dummy = np.zeros(1, dt)
+    dinp2 = dinp.reshape(N, C) if dinp is not None else np.zeros((1, 1), dt)
     dbias1 = dbias if dbias is not None else dummy
+    # A frozen weight (dweight None): its gradient is taken into a throwaway buffer, and
+    # inp (which may then be None) read as zeros.
+    dweight2 = dweight if dweight is not None else np.zeros((OC, C), dt)
+    inp2 = inp.reshape(N, C) if inp is not None else np.zeros((N, C), dt)
     if ft == cnp.NPY_FLOAT32:
-        _backward_naive[float](dinp2, dweight, dbias1, dout.reshape(N, OC), inp.reshape(N, C),
+        _backward_naive[float](dinp2, dweight2, dbias1, dout.reshape(N, OC), inp2,
                                weight, dinp is not None, dbias is not None)
     else:
-        _backward_naive[double](dinp2, dweight, dbias1, dout.reshape(N, OC), inp.reshape(N, C),
+        _backward_naive[double](dinp2, dweight2, dbias1, dout.reshape(N, OC), inp2,
                                 weight, dinp is not None, dbias is not None)

@@ -25,9 +25,9 @@ Two layouts of what is saved:
   ``GraphOptions(lora=LoraSpec(...))`` is LoRA fine-tuning (gpt2.lora): the base's
   products are frozen (their input's gradient only, no weight gradient), in bf16 where the
   base is held in bf16 (``LoraSpec.base_dtype``); an adapted product (nn.lora_linear)
-  also runs its adapters' products in float32 (x A^T, then B) and keeps x A^T (k r floats
-  a row), and with a bf16 base the float32 input beside its bf16 copy (with dropout: the
-  dropped input and its mask instead); an adapted down projection runs unfused (swiglu
+  also runs its adapters' products in float32 (x A^T, then B) and keeps its float32 input
+  and x A^T (k r floats a row), with dropout also the mask (a byte an element), never the
+  base's bf16 copy of the input; an adapted down projection runs unfused (swiglu
   keeps gate|up, the projection its input); the embedding is frozen, so nothing of the
   first block before its first adapted product is recorded; AdamW updates the adapters.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
@@ -185,29 +185,29 @@ class _Builder:
         """The adapters of an adapted product (nn.lora_linear), float32 whatever the base:
         xa = x_l A^T (k r columns, scaled), each target's xa_j B_j^T added into its output
         rows; backward dB_j = g_j^T xa_j, dxa_j = g_j B_j, dA = dxa^T x_l, dx_l = dxa A.
-        The base product's forward op records them all at once: it gains their saved
-        arrays (xa; a bf16 base's float32 input; with dropout the dropped input and its
-        mask, which stand in for the input)."""
+        The base product's forward op records them all at once and keeps only what the
+        adapters need: the frozen base's input gradient reads dY and W alone, so its input
+        (or a bf16 base's bf16 copy of it) is not kept; the float32 input x (the adapters',
+        before dropout), xa, and with dropout its mask (a byte an element)."""
         k, n = self.adapted[name]
         r, f = self.lora.r, 4.0
         kr = k * r
         x_bytes = f * rows * fan_in / input_shard
-        extra = [Saved(f"{name}.lora_xa", f * rows * kr)]
+        saved = [Saved(f"{name}.lora_input", x_bytes, shared=shares_input and not self.megatron),
+                 Saved(f"{name}.lora_xa", f * rows * kr)]
         if self.lora.dropout:
-            extra += [Saved(f"{name}.lora_dropped", x_bytes), Saved(f"{name}.lora_mask", x_bytes)]
-        elif self.bf16:
-            extra.append(Saved(f"{name}.lora_input", x_bytes, shared=shares_input and not self.megatron))
-        fwd.saved = tuple(fwd.saved) + tuple(extra)
+            saved.append(Saved(f"{name}.lora_mask", x_bytes / f))
+        fwd.saved = tuple(saved)
         a = 2.0 * rows * fan_in * kr
         b = 2.0 * rows * r * n
-        # x_l, A, xa (and its scaling: read and written again); xa_j, B_j, the delta, and its
-        # add into the output's rows (read both, write one).
+        # x_l, A, xa (and its scaling: read and written again); xa_j, B_j, and the output's
+        # columns of target j, read and written once (kernels.lora: added in by the product).
         a_fwd = Op(f"{name}.lora_a", "matmul", "fwd", layer, a, f * (rows * fan_in + kr * fan_in + 3 * rows * kr),
                    "fwd", gemm_flops=a, precision="fp32")
-        b_fwd = Op(f"{name}.lora_b", "matmul", "fwd", layer, b, f * (rows * kr + n * r + 4 * rows * n), "fwd",
+        b_fwd = Op(f"{name}.lora_b", "matmul", "fwd", layer, b, f * (rows * kr + n * r + 2 * rows * n), "fwd",
                    gemm_flops=b, precision="fp32")
-        # dB and dxa read g's adapted rows (copied out where they are some of its columns).
-        b_bwd = [Op(f"{name}.lora_b", "matmul", "bwd", layer, b, f * (2 * rows * n + rows * kr + n * r),
+        # dB and dxa read g's adapted columns where they lie (no copy).
+        b_bwd = [Op(f"{name}.lora_b", "matmul", "bwd", layer, b, f * (rows * n + rows * kr + n * r),
                     "bwd_weight", gemm_flops=b, precision="fp32"),
                  Op(f"{name}.lora_b", "matmul", "bwd", layer, b, f * (rows * n + n * r + 3 * rows * kr),
                     "bwd_input", gemm_flops=b, precision="fp32")]

@@ -502,3 +502,17 @@ def test_a_frozen_weight_has_no_weight_gradient(path):
     dinp, dbias = np.full(xb.shape, np.nan, np.float32), np.full(70, np.nan, np.float32)
     bf16.matmul_backward_bf16(dinp, None, dbias, dout, xb, wb, overwrite=True)
     assert np.array_equal(dinp, want[0]) and np.array_equal(dbias, want[2])
+
+
+def test_a_frozen_weight_needs_no_input(path):
+    # inp None with dweight None: the same dinp and dbias bits as with the input given
+    rng = np.random.default_rng(7)
+    for lead, C, OC in (((2, 9), 33, 70), ((64,), 96, 40), ((1,), 5, 3)):
+        xb, wb, _, dout = operands(rng, lead, C, OC)
+        want = [np.full(xb.shape, 0.5, np.float32), np.full(OC, 0.5, np.float32)]
+        bf16.matmul_backward_bf16(want[0], None, want[1], dout, xb, wb)
+        got = [np.full(xb.shape, 0.5, np.float32), np.full(OC, 0.5, np.float32)]
+        bf16.matmul_backward_bf16(got[0], None, got[1], dout, None, wb)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="dweight"):
+        bf16.matmul_backward_bf16(got[0], np.zeros((OC, C), np.float32), None, dout, None, wb)

@@ -44,9 +44,8 @@ def test_lora_bytes_are_the_engines(profile, name, lora, base):
         assert 4 * 4 * model.adapter.num_parameters == states - model.params.nbytes
         # Held by reference, what the forward pass saved; but the first block's first adapted
         # product keeps its float32 input, a constant (the embedding is frozen), which the
-        # tape holds as a leaf and does not count (with dropout on a bf16 base it keeps the
-        # dropped input and the input's bf16 copy instead).
-        leaf = 0 if base == "bf16" and lora.dropout else 4 * B * T * config.n_embd
+        # tape holds as a leaf and does not count.
+        leaf = 4 * B * T * config.n_embd
         assert c.memory["activations"] == model._tape_engine.last_forward_bytes + leaf
     finally:
         model._tape_engine.close()
