@@ -23,7 +23,7 @@ import numpy as np
 from adtape.statefile import StateFile, aligned_buffer
 from gpt2.params import (ParamArena, init_params_, layer_major_offsets, num_parameters,
                          param_offsets)
-from gpt2.state import TrainingState
+from gpt2.state import FULL_OFFLOAD_SLOTS, TrainingState
 from gpt2.units import FULL_WINDOW, SEGMENT_FLOATS, UNIT_BYTES, WINDOW  # noqa: F401
 from kernels import optim
 
@@ -356,8 +356,8 @@ class FullOffload:
     next block's parameters into the other slot while a block computes.
     """
 
-    def __init__(self, config, spill_dir=None, slots=2, window=FULL_WINDOW, unit_bytes=UNIT_BYTES,
-                 segment_floats=SEGMENT_FLOATS):
+    def __init__(self, config, spill_dir=None, slots=FULL_OFFLOAD_SLOTS, window=FULL_WINDOW,
+                 unit_bytes=UNIT_BYTES, segment_floats=SEGMENT_FLOATS):
         if slots < 2:
             raise ValueError(f"slots must be >= 2, got {slots}")
         self.config = config

@@ -13,16 +13,26 @@ checkpoints and the data-parallel trainer use.
 * ``gpt2.distributed.ZeroShardState``: ZeRO-1's, this rank's share of the moments, the
   parameters all-gathered after each update.
 
-``training_state`` builds the state a ``Model``'s options ask for.  A caller never asks
+``training_state`` builds the state a ``Model``'s options ask for; ``planned_nbytes`` is
+what it will hold in RAM, from sizes alone, the figure the memory planner
+(``gpt2.perfmodel.plan``) weighs.  This module imports nothing compiled until a state is
+built, so the planner can import it.  A caller never asks
 which one it holds: it zeroes, measures and clips the gradients, runs AdamW, hands
 ``sections()`` to ``gpt2.checkpoint`` and closes through this interface.
 """
 import numpy as np
 
-from gpt2.params import ParamArena, init_params_
-from kernels import optim
+from gpt2.units import FULL_WINDOW, UNIT_BYTES, WINDOW
 
 OFFLOAD_POLICIES = (None, "moments", "all")
+# offload="all" (gpt2.offload.FullOffload): the blocks whose parameters and gradients are
+# in RAM at once.
+FULL_OFFLOAD_SLOTS = 2
+
+
+def _optim():
+    from kernels import optim
+    return optim
 
 
 class TrainingState:
@@ -53,18 +63,18 @@ class TrainingState:
 
     def zero_grad(self):
         """Zero the gradients now."""
-        optim.zero_grad(self.grads.flat)
+        _optim().zero_grad(self.grads.flat)
 
     def begin_step(self):
         """A training step starts (its backward passes will make the gradients)."""
 
     def grad_norm(self):
         """The global norm of the gradients."""
-        return optim.grad_norm(self.grads.flat)
+        return _optim().grad_norm(self.grads.flat)
 
     def clip_grad_norm(self, max_norm):
         """Scale the gradients to global norm ``max_norm`` at most; returns the norm before."""
-        return optim.clip_grad_norm(self.grads.flat, max_norm)
+        return _optim().clip_grad_norm(self.grads.flat, max_norm)
 
     # -- the update ----------------------------------------------------------------------
 
@@ -145,12 +155,13 @@ class ArenaState(TrainingState):
     @classmethod
     def for_model(cls, config, seed=0):
         """A model of ``config`` initialized from ``seed``, zero gradients and moments."""
+        from gpt2.params import ParamArena, init_params_
         return cls(init_params_(ParamArena(config), seed), ParamArena(config),
                    ParamArena(config), ParamArena(config))
 
     def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
         self.step += 1
-        optim.adamw_step(self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat,
+        _optim().adamw_step(self.params.flat, self.grads.flat, self.adam_m.flat, self.adam_v.flat,
                          self.step, lr, beta1, beta2, eps, weight_decay, grad_scale=grad_scale)
 
 
@@ -173,6 +184,29 @@ class FrozenState(TrainingState):
 
     def sections(self):
         return self.params, None, None
+
+
+def planned_nbytes(offload, arena_bytes, outside_params, block_params, float_bytes=4):
+    """The model-state bytes in RAM of ``training_state(config, offload=offload)`` from
+    sizes alone: ``arena_bytes`` of the four arenas (parameters, gradients, two moments;
+    a LoRA model's frozen base and adapters' four), ``outside_params`` the parameters
+    outside the blocks, ``block_params`` one block's.  In RAM: the arenas; with the
+    moments on disk half of them and the offload's unit buffers; with everything
+    offloaded the parameters and gradients outside the blocks, FULL_OFFLOAD_SLOTS
+    blocks' and the unit buffers (a block's gradients or a unit of moments).  The
+    states' ``nbytes`` count the same (tests/gpt2/test_state.py; less where a model's
+    stages cannot fill a unit)."""
+    if offload not in OFFLOAD_POLICIES:
+        raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOAD_POLICIES))}, "
+                         f"got {offload!r}")
+    if offload == "moments":
+        moments = arena_bytes / 2
+        return moments + WINDOW * min(UNIT_BYTES, moments)
+    if offload == "all":
+        block = float_bytes * block_params
+        return (2 * float_bytes * outside_params + FULL_OFFLOAD_SLOTS * 2 * block
+                + FULL_WINDOW * max(block, min(UNIT_BYTES, arena_bytes / 2)))
+    return arena_bytes
 
 
 def training_state(config, seed=0, offload=None, offload_dir=None):

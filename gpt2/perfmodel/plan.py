@@ -46,7 +46,8 @@ from .graph import GraphOptions, check_engine_precision, product_weight_params, 
 from .hardware import HardwareProfile, load_profile
 from .memory import loss_backward_bytes, saved_by_layer
 from .spec import LoraSpec, ModelSpec, ParallelConfig, Workload
-from gpt2.units import UNIT_BYTES, WINDOW, format_size  # noqa: F401  (plan.format_size)
+from gpt2.state import OFFLOAD_POLICIES, planned_nbytes
+from gpt2.units import UNIT_BYTES, format_size  # noqa: F401  (plan.format_size)
 
 FLOAT_BYTES = 4
 MODEL_STATE_ARENAS = 4          # parameters, gradients, AdamW m and v
@@ -69,12 +70,9 @@ MARGIN_BYTES = 16 << 20
 MMAP_THRESHOLD_BYTES = 256 << 20
 # Tape budgets listed beside the largest one that fits: these shares of the activations.
 BUDGET_SHARES = (2, 4, 8)
-# Offloaded AdamW moments (gpt2.offload): the unit buffers in RAM, the largest unit, and
-# the disk tier's checksum rate on one core (adtape.checksum_bytes: 11 GB/s on the
-# 2-core Xeon), which the I/O thread spends on every byte read and written.
-OFFLOAD_POLICIES = (None, "moments", "all")
-FULL_OFFLOAD_SLOTS = 2          # gpt2.offload.FullOffload: blocks held in RAM
-FULL_OFFLOAD_WINDOW = 8         # its unit buffers
+# Offloaded AdamW moments (gpt2.offload; what they hold in RAM: gpt2.state.planned_nbytes):
+# the disk tier's checksum rate on one core (adtape.checksum_bytes: 11 GB/s on the 2-core
+# Xeon), which the I/O thread spends on every byte read and written.
 CHECKSUM_BYTES_PER_S = 11e9
 
 
@@ -315,20 +313,12 @@ class _Accounting:
         self.base_conversion = float(base_read) if lora is not None and base_read != lora.base_bytes(spec) else 0.0
 
     def states(self, offload):
-        """Model-state bytes in RAM: four arenas; with the moments on disk two and the
-        offload's unit buffers; with everything offloaded, the parameters and gradients
-        outside the blocks, two blocks' and the unit buffers (a block's gradients or a
-        unit of moments).  The model's ``gpt2.state.TrainingState.nbytes`` counts the
-        same (tests/gpt2/test_state.py; less for a model whose stages cannot fill a unit)."""
-        if offload == "moments":
-            moments = self.model_states / 2
-            return moments + WINDOW * min(UNIT_BYTES, moments)
-        if offload == "all":
-            block = FLOAT_BYTES * self.spec.layer_params()
-            outside = self.spec.num_parameters() - self.n_layer * self.spec.layer_params()
-            return (2 * FLOAT_BYTES * outside + FULL_OFFLOAD_SLOTS * 2 * block
-                    + FULL_OFFLOAD_WINDOW * max(block, min(UNIT_BYTES, self.model_states / 2)))
-        return self.model_states
+        """Model-state bytes in RAM with ``offload``: what the training state will hold
+        (``gpt2.state.planned_nbytes``)."""
+        block = self.spec.layer_params()
+        return planned_nbytes(offload, self.model_states,
+                              self.spec.num_parameters() - self.n_layer * block, block,
+                              FLOAT_BYTES)
 
     def stored(self, checkpointing, snapshots, by_reference):
         """Saved activation bytes at the end of the forward pass."""
