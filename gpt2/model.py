@@ -302,7 +302,7 @@ class Model:
         sum over ``loss_denominator``: ``nn.loss_denominator``); its gradient is
         accumulated into ``self.grads``."""
         if not self.state.trains:
-            self.state.zero_grad()          # raises: this model is for inference
+            self.state.refuse()
         inputs, targets = self.check_batch(inputs, targets)
         denominator = nn.loss_denominator(targets, loss_denominator)
         if self.engine == "manual" or self._tape_engine is None:

@@ -219,7 +219,23 @@ class MomentOffload:
         self.file.close()
 
 
-class MomentState(TrainingState):
+class _OffloadedState(TrainingState):
+    """A state whose ``offload`` runs the deferred update and holds the files."""
+
+    def ready(self, stage):
+        self.offload.ready(stage)
+
+    def read_ahead(self):
+        self.offload.read_ahead()
+
+    def finish(self):
+        self.offload.finish()
+
+    def close(self):
+        self.offload.close()
+
+
+class MomentState(_OffloadedState):
     """``--offload moments``: parameters and gradients as arenas in RAM, the moments on
     disk (``offload``, a ``MomentOffload``), each update deferred into the next forward
     pass."""
@@ -240,15 +256,6 @@ class MomentState(TrainingState):
         self.offload.begin(self.params.flat, self.grads.flat, self.step, lr, beta1, beta2, eps,
                            weight_decay, grad_scale)
 
-    def ready(self, stage):
-        self.offload.ready(stage)
-
-    def read_ahead(self):
-        self.offload.read_ahead()
-
-    def finish(self):
-        self.offload.finish()
-
     def sections(self):
         self.finish()
         return self.params, self.offload.moment(0), self.offload.moment(1)
@@ -260,9 +267,6 @@ class MomentState(TrainingState):
     @property
     def nbytes(self):
         return self.params.nbytes + self.grads.nbytes + self.offload.window_bytes
-
-    def close(self):
-        self.offload.close()
 
 
 # -- everything offloaded ------------------------------------------------------------------
@@ -618,7 +622,7 @@ class StreamedState:
         self.offload.load(self.kind, read_into)
 
 
-class FullOffloadState(TrainingState):
+class FullOffloadState(_OffloadedState):
     """``--offload all``: parameters, gradients and moments in a ``FullOffload``
     (``offload``); RAM holds the parameters outside the blocks, two blocks' slots and
     the unit buffers.  Each backward pass writes the gradients anew (no accumulation),
@@ -654,15 +658,6 @@ class FullOffloadState(TrainingState):
         self.step += 1
         self.offload.begin(self.step, lr, beta1, beta2, eps, weight_decay, grad_scale)
 
-    def ready(self, stage):
-        self.offload.ready(stage)
-
-    def read_ahead(self):
-        self.offload.read_ahead()
-
-    def finish(self):
-        self.offload.finish()
-
     def backward_begin(self, l):
         self.offload.backward_begin(l)
 
@@ -693,9 +688,6 @@ class FullOffloadState(TrainingState):
     def nbytes(self):
         return (sum(2 * p.nbytes for p in self.offload.global_params.values())
                 + self.offload.stats()["window_bytes"])
-
-    def close(self):
-        self.offload.close()
 
 
 def _reader(flat):

@@ -176,11 +176,12 @@ class FrozenState(TrainingState):
         super().__init__()
         self.params = params
 
-    def _refuse(self, *args, **kwargs):
+    def refuse(self, *args, **kwargs):
+        """Raise: what trains needs gradients and moments this state does not hold."""
         raise RuntimeError("this model is for inference (Model.for_inference): it holds no "
                            "gradients and no optimizer state; build a Model to train")
 
-    zero_grad = grad_norm = clip_grad_norm = adamw = load_moment = share_moment = _refuse
+    zero_grad = grad_norm = clip_grad_norm = adamw = load_moment = share_moment = refuse
 
     def sections(self):
         return self.params, None, None

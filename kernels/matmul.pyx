@@ -117,14 +117,18 @@ cdef void matmul_backward_c(float* dinp, float* dweight, float* dbias,
 
 # ---------------------------------------------------------------- Python boundary
 
+def _check_weight(weight):
+    if not isinstance(weight, np.ndarray) or weight.ndim != 2:
+        raise ValueError(f"weight must be a 2-D (OC, C) array, got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+
+
 def _matmul_shapes(inp, weight):
     """(lead, N, C, OC) from inp (N, C) or (B, T, C) and weight (OC, C)."""
     if not isinstance(inp, np.ndarray) or inp.ndim not in (2, 3):
         raise ValueError(f"inp must be a 2-D (N, C) or 3-D (B, T, C) array, got "
                          f"{getattr(inp, 'shape', type(inp).__name__)}")
-    if not isinstance(weight, np.ndarray) or weight.ndim != 2:
-        raise ValueError(f"weight must be a 2-D (OC, C) array, got "
-                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    _check_weight(weight)
     lead = tuple(inp.shape[:inp.ndim - 1])
     C = inp.shape[inp.ndim - 1]
     OC = weight.shape[0]
@@ -181,9 +185,7 @@ def _backward_shapes(dout, inp, weight, dweight):
     if not isinstance(dout, np.ndarray) or dout.ndim not in (2, 3):
         raise ValueError(f"dout must be a 2-D (N, OC) or 3-D (B, T, OC) array, got "
                          f"{getattr(dout, 'shape', type(dout).__name__)}")
-    if not isinstance(weight, np.ndarray) or weight.ndim != 2:
-        raise ValueError(f"weight must be a 2-D (OC, C) array, got "
-                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    _check_weight(weight)
     lead = tuple(dout.shape[:dout.ndim - 1])
     N = 1
     for d in lead:
