@@ -2,11 +2,14 @@
 
   python bench/precision_loss.py [--models gpt2,llama-tiny] [--steps 300] [-B 4] [-T 64]
                                  [--sides fp32,bf16,autocast] [--lr 6e-4] [--threads N]
+                                 [--warmup 30] [--schedule cosine] [--grad-clip 1.0]
 
 Every side starts from the same weights (our initialization, seed --seed, copied into
 the PyTorch model) and takes the same batches of the built-in corpus (byte tokens, the
-shuffled train split), AdamW with lr --lr, betas 0.9/0.999, eps 1e-8, weight decay 0.1,
-no clipping:
+shuffled train split), AdamW with betas 0.9/0.999, eps 1e-8, weight decay 0.1, the
+learning rate of gpt2-train's schedule (linear warmup over --warmup steps to --lr, then
+cosine decay to --lr / 10 at --steps; ``--schedule constant`` keeps --lr) and the
+gradient's global norm clipped to --grad-clip (0: no clipping), as gpt2-train trains:
   fp32      ours, float32 products (``--precision fp32``);
   bf16      ours, bf16 products (``--precision bf16``: kernels.bf16 on this CPU's path);
   autocast  PyTorch eager (bench/torch_gpt2.py, torch_llama.py) with the forward and
@@ -26,6 +29,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import _paths  # noqa: F401  (import order: source if built in place, installed, bench/)
 from _runinfo import cpu_flags, cpu_name, git_commit
@@ -55,6 +59,9 @@ def build_parser():
     p.add_argument("-B", type=int, default=4)
     p.add_argument("-T", type=int, default=64)
     p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--sides", type=parse_list(SIDES), default=SIDES)
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
@@ -69,10 +76,11 @@ def build_parser():
 class Ours:
     """Our model in one precision: its steps and its validation loss run in it."""
 
-    def __init__(self, config, seed, precision):
+    def __init__(self, config, seed, precision, grad_clip):
         from gpt2.model import GPT2
         self.model = GPT2(config, seed=seed)
         self.precision = precision
+        self.grad_clip = grad_clip or None
 
     def _in_precision(self, fn):
         from adtape import nn
@@ -84,7 +92,7 @@ class Ours:
 
     def step(self, x, y, lr):
         return self._in_precision(lambda: self.model.train_step(
-            x, y, lr, weight_decay=WEIGHT_DECAY, grad_clip=None)[0])
+            x, y, lr, weight_decay=WEIGHT_DECAY, grad_clip=self.grad_clip)[0])
 
     def loss(self, x, y):
         return self._in_precision(lambda: float(self.model.forward(x, y)[1]))
@@ -96,7 +104,7 @@ class Ours:
 class Autocast:
     """PyTorch eager from our weights, forward and loss under bf16 autocast."""
 
-    def __init__(self, config, params, lr):
+    def __init__(self, config, params, lr, grad_clip):
         import torch
         import torch_gpt2
         import torch_llama
@@ -107,12 +115,13 @@ class Autocast:
                                                weight_decay=WEIGHT_DECAY)
         self.as_index = torch_gpt2.as_index_tensor
         self.train_step = torch_gpt2.train_step
+        self.grad_clip = grad_clip or None
 
     def step(self, x, y, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return self.train_step(self.model, self.optimizer, self.as_index(x), self.as_index(y),
-                               autocast=self.torch.bfloat16)
+                               autocast=self.torch.bfloat16, grad_clip=self.grad_clip)
 
     def loss(self, x, y):
         torch = self.torch
@@ -128,6 +137,7 @@ def run_model(name, args):
     import numpy as np
     from gpt2 import data
     from gpt2.config import preset
+    from gpt2.train import learning_rate
     config = preset(name)
     tokens = data.default_corpus_tokens(max_bytes=args.corpus_bytes)
     train, val = data.train_val_loaders(tokens, args.B, args.T, config.vocab_size,
@@ -136,12 +146,12 @@ def run_model(name, args):
     sides = {}
     for s in args.sides:
         if s == "autocast":
-            reference = sides.get("fp32") or Ours(config, args.seed, "fp32")
-            sides[s] = Autocast(config, reference.model.params, args.lr)
+            reference = sides.get("fp32") or Ours(config, args.seed, "fp32", args.grad_clip)
+            sides[s] = Autocast(config, reference.model.params, args.lr, args.grad_clip)
             if "fp32" not in sides:
                 reference.close()
         else:
-            sides[s] = Ours(config, args.seed, s)
+            sides[s] = Ours(config, args.seed, s, args.grad_clip)
     curves = {s: {"step": [], "train_loss": [], "val_step": [], "val_loss": [], "seconds": 0.0}
               for s in sides}
 
@@ -151,12 +161,15 @@ def run_model(name, args):
             curves[s]["val_loss"].append(float(np.mean([side.loss(x, y)
                                                         for x, y in val_batches])))
 
+    schedule = SimpleNamespace(lr=args.lr, min_lr=None, warmup=args.warmup,
+                               schedule=args.schedule, decay_steps=args.steps)
     evaluate(0)
     for step in range(1, args.steps + 1):
         x, y = train.next_batch()
+        lr = learning_rate(step - 1, schedule)
         for s, side in sides.items():
             t0 = time.perf_counter()
-            loss = side.step(x, y, args.lr)
+            loss = side.step(x, y, lr)
             curves[s]["seconds"] += time.perf_counter() - t0
             curves[s]["step"].append(step)
             curves[s]["train_loss"].append(float(loss))
@@ -175,7 +188,8 @@ def run_model(name, args):
                 checks[f"bf16_vs_{ref}"] = {"relative_difference": rel,
                                              "within": rel <= args.tolerance}
     return {"model": name, "config": config.describe(), "B": args.B, "T": args.T,
-            "steps": args.steps, "lr": args.lr, "seed": args.seed,
+            "steps": args.steps, "lr": args.lr, "warmup": args.warmup,
+            "schedule": args.schedule, "grad_clip": args.grad_clip, "seed": args.seed,
             "final_val_loss": final, "checks": checks, "curves": curves}
 
 
@@ -192,7 +206,7 @@ def main(argv=None):
         torch.set_num_threads(n)
         torch.set_flush_denormal(True)
     print(f"precision check: {', '.join(args.models)}, {args.steps} steps of ({args.B}, "
-          f"{args.T}), lr {args.lr}, sides {', '.join(args.sides)}; {n} threads, "
+          f"{args.T}), lr {args.lr} ({args.schedule}, warmup {args.warmup}), clip {args.grad_clip}, sides {', '.join(args.sides)}; {n} threads, "
           f"{cpu_name()}, bf16 path {bf16.bf16_path()}", flush=True)
     records, failed = [], []
     for name in args.models:

@@ -170,13 +170,14 @@ def make_adamw(model, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
                              weight_decay=weight_decay)
 
 
-def train_step(model, optimizer, inputs, targets, autocast=None):
+def train_step(model, optimizer, inputs, targets, autocast=None, grad_clip=None):
     """One timed training step: zero grads, forward, backward, AdamW update; returns the loss.
 
     inputs/targets: int64 torch tensors (B, T) from ``as_index_tensor``, converted once
     outside the timed loop.  ``autocast=torch.bfloat16``: PyTorch's mixed precision, the
     forward and loss under ``torch.autocast("cpu", dtype)`` (float32 weights, gradients
-    and AdamW; the backward outside it, as PyTorch's recipe has it).
+    and AdamW; the backward outside it, as PyTorch's recipe has it).  ``grad_clip``:
+    ``clip_grad_norm_`` to that global norm before the update.
     """
     optimizer.zero_grad(set_to_none=True)
     if autocast is None:
@@ -185,6 +186,8 @@ def train_step(model, optimizer, inputs, targets, autocast=None):
         with torch.autocast("cpu", dtype=autocast):
             _, loss = model(inputs, targets)
     loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     return loss.item()
 

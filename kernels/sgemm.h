@@ -36,17 +36,27 @@
 /* The blocks, the same in both widths (on the Zen 3 machine, 512 KiB of L2 per
    core, 256 or 384 columns per block made no measurable difference): SG_NC columns
    by SG_KC depths of B, SG_MC rows of A (a multiple of either width's tile). */
+#ifndef SG_KC
 #define SG_KC 256
+#endif
+#ifndef SG_NC
 #define SG_NC 512
+#endif
 /* Tall products (more than SG_TALL_M rows, e.g. a weight gradient dout^T x split by
    rows) take blocks of up to SG_NC_TALL columns: op(A) is then packed once per
    SG_KC depths instead of once per 512 columns, whose second read from memory cost
    the eight-lane weight gradient at 8192 tokens 4-7% (single products, 2 threads on
    the Zen 3 VM: 3072 x 768 x 8192 from 231 to 217 ms, 2304 x 768 x 8192 from 186 to
    158; the B block then lives in L3, as in BLIS). */
+#ifndef SG_NC_TALL
 #define SG_NC_TALL 1024
+#endif
+#ifndef SG_TALL_M
 #define SG_TALL_M 512
+#endif
+#ifndef SG_MC
 #define SG_MC 96
+#endif
 /* Depths ahead whose row of a transposed A sg_pack_a fetches. */
 #define SG_PACK_AHEAD 8
 

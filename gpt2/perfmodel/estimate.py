@@ -72,8 +72,9 @@ MEASURED_WHOLE = ("optimizer",)
 
 
 def op_time(op, hardware, precision):
-    """Seconds one op takes on one device: its FLOPs at the efficiency its size reaches,
-    or its bytes at the bandwidth, whichever is slower; where the profile measured the
+    """Seconds one op takes on one device: its FLOPs at the efficiency its size reaches
+    (an op the profile did not measure: its dense-product FLOPs at the product rate of
+    ``precision``, the rest at the fp32 rate), or its bytes at the bandwidth, whichever is slower; where the profile measured the
     op itself (``MEASURED_WHOLE``), that measured time alone, which already includes its
     memory traffic (taking the larger of it and a bandwidth time charged AdamW's bytes
     twice: 150-190 ms predicted on GPT-2 124M against 62 ms measured)."""
@@ -83,8 +84,16 @@ def op_time(op, hardware, precision):
     elif op.flops > 0:
         phase = "fwd" if op.phase == "recompute" else op.phase
         curve = hardware.kernel_efficiency.get(f"{op.op_class}.{phase}")
-        eff = curve(op.flops) if curve is not None else hardware.matmul_efficiency["fwd"].max_efficiency
-        compute = op.flops / (hardware.peak("fp32") * eff)
+        if curve is not None:
+            compute = op.flops / (hardware.peak("fp32") * curve(op.flops))
+        else:
+            # Not measured: the op's dense products (an unfused attention's batched
+            # Q K^T and P V) run on the product units in the step's precision (a GPU's
+            # tensor cores), the rest at the fp32 rate.
+            products = min(op.gemm_flops, op.flops)
+            compute = (hardware.matmul_time(products, "fwd", precision)
+                       + (op.flops - products) / (hardware.peak("fp32")
+                                                  * hardware.matmul_efficiency["fwd"].max_efficiency))
     else:
         compute = 0.0
     tape = hardware.tape_overhead * op.tape_records if op.phase == "fwd" else 0.0
