@@ -128,11 +128,24 @@ def _product_forward(out, x, w, bias):
 
 
 def _product_backward(dx, dw, db, g, x, w, overwrite):
-    """The gradients of ``_product_forward``; ``x`` as it returned (bf16: uint16)."""
-    if x.dtype == np.uint16:
+    """The gradients of ``_product_forward``; ``x`` as it returned (bf16: uint16), or
+    for a frozen weight (``dw`` None) only its dtype: dx = g W reads no input."""
+    if isinstance(x, np.dtype):
+        dtype, x = x, None
+    else:
+        dtype = x.dtype
+    if dtype == np.uint16:
         _bf16.matmul_backward_bf16(dx, dw, db, g, x, _bf16_weight(w), overwrite=overwrite)
     else:
         _matmul.matmul_backward(dx, dw, db, g, x, w, overwrite=overwrite)
+
+
+def _product_dtype(x, w=None):
+    """The dtype ``_product_input(x, w)`` gives: what a frozen weight's backward keeps
+    of its input (``_product_backward`` takes it for the input)."""
+    if _precision == "fp32" and (w is None or w.dtype != np.uint16):
+        return x.dtype
+    return np.dtype(np.uint16)
 
 
 def _product_input(x, w=None):
@@ -229,8 +242,11 @@ def linear(x, weight, bias=None):
     out = _buffers.empty(xd.shape[:-1] + (wd.shape[0],))
     saved = _product_forward(out, xd, wd, None if bias is None else _data(bias))
     if _needs_grad(x, weight, bias):
-        return _record(LINEAR, out, (x, weight, bias),
-                       (x if saved is _data(x) else saved, weight), None)
+        # A frozen weight (the LM head or a projection LoRA leaves alone) has no weight
+        # gradient, and its input gradient reads no input: only the input's dtype (the
+        # product's path) is kept, on the node.
+        kept = (x if saved is _data(x) else saved) if _needs_grad(weight) else saved.dtype
+        return _record(LINEAR, out, (x, weight, bias), (kept, weight), None)
     return _constant(out)
 
 
@@ -258,11 +274,14 @@ def gelu_linear(x, weight, bias=None):
 
 
 def _gelu_linear_bwd(g, dests, fresh, x, weight):
-    h = _buffers.empty_like(x)
-    _layers.gelu_forward(h, x)
     dh = None if dests[0] is None else _buffers.empty_like(x)
     dw, ow_w = dests[1], fresh[1]
-    h = _product_input(h, weight)
+    if dw is None:          # a frozen weight: dh = g W, no GELU to recompute
+        h = _product_dtype(x, weight)
+    else:
+        h = _buffers.empty_like(x)
+        _layers.gelu_forward(h, x)
+        h = _product_input(h, weight)
     _product_backward(dh, dw, dests[2], _contiguous(g), h, weight, (True, ow_w, fresh[2]))
     del h          # freed before the GELU's gradient is allocated: 3 hidden-width arrays live, as unfused
     if dh is not None:
@@ -319,8 +338,9 @@ def attention_linear(qkv, n_head, weight, bias=None, n_kv_head=None):
 def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head, n_kv_head):
     da = None if dests[0] is None else _buffers.empty_like(a)
     dw, ow_w = dests[1], fresh[1]
-    _product_backward(da, dw, dests[2], _contiguous(g), _product_input(a, weight), weight,
-                      (True, ow_w, fresh[2]))
+    _product_backward(da, dw, dests[2], _contiguous(g),
+                      _product_dtype(a, weight) if dw is None else _product_input(a, weight),
+                      weight, (True, ow_w, fresh[2]))
     if da is not None:
         _attention.attention_backward(dests[0], da, qkv, a, lse, n_head, n_kv_head=n_kv_head,
                                       overwrite=fresh[0])
@@ -460,11 +480,15 @@ def swiglu_linear(gate_up, weight, bias=None):
 
 
 def _swiglu_linear_bwd(g, dests, fresh, gate_up, weight):
-    h = _buffers.empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,))
-    _llama.swiglu_forward(h, gate_up)
-    dh = None if dests[0] is None else _buffers.empty_like(h)
+    shape = gate_up.shape[:-1] + (gate_up.shape[-1] // 2,)
+    dh = None if dests[0] is None else _buffers.empty(shape)
     dw, ow_w = dests[1], fresh[1]
-    h = _product_input(h, weight)
+    if dw is None:          # a frozen weight: dh = g W, no SwiGLU to recompute
+        h = _product_dtype(gate_up, weight)
+    else:
+        h = _buffers.empty(shape)
+        _llama.swiglu_forward(h, gate_up)
+        h = _product_input(h, weight)
     _product_backward(dh, dw, dests[2], _contiguous(g), h, weight, (True, ow_w, fresh[2]))
     del h
     if dh is not None:

@@ -28,7 +28,9 @@ Two layouts of what is saved:
   also runs its adapters' products in float32 (x A^T, then B) and keeps its float32 input
   and x A^T (k r floats a row), with dropout also the mask (a byte an element), never the
   base's bf16 copy of the input; an adapted down projection runs unfused (swiglu
-  keeps gate|up, the projection its input); the embedding is frozen, so nothing of the
+  keeps gate|up, the projection its input); a product left without adapters keeps
+  nothing of its input (a frozen down projection recomputes no swiglu output in its
+  backward); the embedding is frozen, so nothing of the
   first block before its first adapted product is recorded; AdamW updates the adapters.
 - ``"megatron"``: the accounting of Korthikanti et al. 2022 (16-bit activations,
   1-byte dropout masks after softmax, attention projection and MLP; attention split
@@ -178,6 +180,9 @@ class _Builder:
             return [(fwd, bwd)]
         bwd = [op for op in bwd if op.variant != "bwd_weight"]
         if name not in self.adapted or layer < 0:
+            if saved is None and not self.megatron:
+                # A frozen plain product (nn.linear) keeps no input: dx = g W reads none.
+                fwd.saved, fwd.tape_records = (), 0
             return [(fwd, bwd)]
         return [(fwd, bwd)] + self._adapters(name, layer, rows, fan_in, fwd, input_shard, shares_input)
 
@@ -417,9 +422,11 @@ class _Builder:
         if unfused:
             return gateup + [(swiglu_fwd, swiglu_bwd)] + self.product(f"{tag}down", layer, rows, hidden, C, bias=bias)
         down = self.product(f"{tag}down", layer, rows, hidden, C, bias=bias, saved=[gate_up])
+        if self.lora is not None:
+            # A frozen down projection's backward (dh = g W) recomputes nothing.
+            return gateup + [(swiglu_fwd, swiglu_bwd)] + down
         if self.bf16:
-            # Its backward converts the recomputed swiglu output for the weight's gradient (a
-            # frozen weight's backward converts it too).
+            # Its backward converts the recomputed swiglu output for the weight's gradient.
             down[0][1][-1].convert_bytes += (e + 2.0) * elems
         recompute = Op(f"{tag}swiglu.recompute", "elementwise", "bwd", layer, SWIGLU_FWD_FLOPS * elems, e * 3 * elems)
         return gateup + [(swiglu_fwd, swiglu_bwd + [recompute])] + down

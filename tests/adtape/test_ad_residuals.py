@@ -157,3 +157,42 @@ def test_attention_linear_is_bitwise_linear_of_attention_and_saves_its_output_on
         assert s1 - s2 >= out_bytes
     else:                               # held once either way
         assert s1 == s2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("op", ["linear", "gelu_linear", "swiglu_linear", "attention_linear"])
+def test_a_frozen_weight_keeps_no_input_for_itself(op, precision):
+    # A frozen weight (the LM head under LoRA, a projection LoRA leaves alone) has no
+    # weight gradient and dx = g W reads no input: the plain product keeps none of it
+    # (the fused ones keep what their activation's gradient reads, and recompute
+    # nothing), and the input's gradient is the same bits as with a trainable weight.
+    rng = np.random.default_rng(7)
+    B, T, C, NH = 2, 5, 12, 3
+    width = {"linear": C, "gelu_linear": C, "swiglu_linear": 2 * C, "attention_linear": 3 * C}[op]
+    x0 = rng.standard_normal((B, T, width)).astype(np.float32)
+    w0 = (0.3 * rng.standard_normal((7, width // (2 if op == "swiglu_linear" else 1)
+                                     if op != "attention_linear" else C))).astype(np.float32)
+    b0 = rng.standard_normal(7).astype(np.float32)
+    seed = rng.standard_normal((B, T, 7)).astype(np.float32)
+    call = {"linear": nn.linear, "gelu_linear": nn.gelu_linear, "swiglu_linear": nn.swiglu_linear,
+            "attention_linear": lambda u, w, b: nn.attention_linear(u, NH, w, b)}[op]
+    previous = nn.set_precision(precision)
+    try:
+        results = []
+        for frozen in (False, True):
+            x, b = Tensor(x0.copy(), requires_grad=True), Tensor(b0.copy(), requires_grad=True)
+            w = Tensor(w0.copy(), requires_grad=not frozen)     # a leaf: held, not copied
+            with ad.OpTape(residuals="tape") as tape:
+                out = call(nn.residual(x, x), w, b)    # an intermediate input: saved, not held
+                saved = tape.saved_bytes
+                out.backward(seed=seed)
+            results.append((out.data, x.grad, b.grad, saved))
+    finally:
+        nn.set_precision(previous)
+    (o1, dx1, db1, s1), (o2, dx2, db2, s2) = results
+    for a, b_ in ((o1, o2), (dx1, dx2), (db1, db2)):
+        np.testing.assert_array_equal(a, b_)
+    if op == "linear":
+        assert s2 == 0 and s1 >= x0.nbytes // (2 if precision == "bf16" else 1)
+    else:
+        assert s2 == s1
