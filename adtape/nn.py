@@ -528,7 +528,9 @@ def lora_linear(x, weight, bias, a, b, splits, scale, dropout=0.0, rng=None):
     xl = x2
     if dropout:
         rng = rng if rng is not None else np.random.default_rng()
-        u = rng.random(x2.shape, dtype=np.float32)
+        # One key from the Generator, the draws filled in parallel from it.
+        u = _buffers.empty(x2.shape)
+        _lora.uniforms(u, rng.integers(0, 1 << 64, dtype=np.uint64))
         keep = _buffers.empty(x2.shape, np.uint8)
         xl = _buffers.empty(x2.shape)
         _lora.dropout_forward(xl, keep, x2, u, dropout)

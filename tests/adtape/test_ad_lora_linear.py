@@ -9,6 +9,7 @@ import adtape as ad
 from adtape import nn
 from adtape.tensor import Tensor
 from kernels import bf16 as kbf16
+from kernels import lora as lora_kernels
 
 SPLITS = [(0, 24), (40, 8), (48, 8)]        # q|k|v-like, columns 24:40 not adapted
 B, T, C, OC, R = 2, 9, 20, 56, 4
@@ -73,7 +74,9 @@ def test_lora_linear_is_the_unfused_formula_and_keeps_only_the_adapters_inputs(
     wf = _widen(w) if base == "bf16" else w0
     mask = None
     if dropout:
-        u = np.random.default_rng(3).random((B * T, C), dtype=np.float32)
+        # One key from the Generator, the draws from it (kernels.lora.uniforms).
+        u = np.empty((B * T, C), np.float32)
+        lora_kernels.uniforms(u, np.random.default_rng(3).integers(0, 1 << 64, dtype=np.uint64))
         mask = (u >= dropout).astype(np.float32) * np.float32(1 / (1 - dropout))
     x, a, b = (Tensor(v.copy(), requires_grad=True) for v in (x0, a0, b0))
     with ad.OpTape(residuals=residuals) as tape:

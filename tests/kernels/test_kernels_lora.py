@@ -146,6 +146,41 @@ def test_three_dimensional_rows_and_bad_arguments():
         lora.lora_backward(xa, None, out, xa, b, [(0, 10), (20, 10)])
 
 
+def _splitmix_uniforms(key, n):
+    """SplitMix64's outputs for counters 0..n-1 from ``key``, top 24 bits over 2^24."""
+    z = np.arange(1, n + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = np.uint64(key) + z * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def test_uniforms_are_splitmix64_on_any_thread_count():
+    # SplitMix64 from state 0 first gives 0xE220A8397B1DCDAF (Vigna's splitmix64.c).
+    u = np.empty(1, np.float32)
+    lora.uniforms(u, 0)
+    assert u[0] == np.float32(0xE220A8 / 2 ** 24)
+    for key in (0, 12345, (1 << 64) - 1):
+        want = _splitmix_uniforms(key, 97 * 1031)
+        for nt in (1, 2, 3):
+            u = np.full((97, 1031), 7.0, np.float32)
+            lora.uniforms(u, key, n_threads=nt)
+            assert np.array_equal(u.ravel(), want)
+    # Uniform enough for dropout: a million draws keep 1 - p of the elements within 10
+    # standard deviations, and the halves of [0, 1) hold half each.
+    u = np.empty(1_000_000, np.float32)
+    lora.uniforms(u, 42)
+    assert 0.0 <= u.min() and u.max() < 1.0
+    for p in (0.05, 0.1, 0.5):
+        assert abs(np.mean(u >= p) - (1 - p)) < 10 * np.sqrt(p * (1 - p) / u.size)
+    with pytest.raises(ValueError, match="key"):
+        lora.uniforms(u, 1 << 64)
+    with pytest.raises(ValueError, match="key"):
+        lora.uniforms(u, -1)
+
+
 @pytest.mark.parametrize("shape", [(7, 5), (3, 300, 129), (1,)])
 def test_dropout_is_the_float32_masks(shape):
     rng = np.random.default_rng(5)
