@@ -12,9 +12,8 @@ calibrate.FULL_CONFIGS):
   our kernels the op graph lists, interleaved across configurations, median of runs;
 - bytes of the block's saved activations: the arrays our kernels produce that their
   backward needs, pushed on an adtape.Tape (its byte counter) and the process RSS growth;
-- the full training step, once gpt2.model exposes ``time_training_step(config, B, T,
-  repeats)`` returning {"seconds", "peak_rss", "tape_bytes"}; until then its records
-  are listed under "pending".
+- the full training step through ``gpt2.model.time_training_step`` (time, peak RSS,
+  tape bytes), each (B, T) in a fresh process.
 """
 import argparse
 import json
@@ -172,22 +171,34 @@ def block_memory_checks(b, t):
                    "mmap threshold 64 KiB)", "arrays two ops save counted once")]
 
 
+def step_child(b, t, repeats):
+    """One training step's measurement in this (fresh) process, as JSON on stdout."""
+    from gpt2.config import GPT2Config
+    from gpt2.model import time_training_step
+    print(json.dumps(time_training_step(GPT2Config.preset("gpt2"), b, t, repeats)))
+
+
 def training_step_checks(profile, repeats):
-    """Whole-step checks through gpt2.model.time_training_step, when it exists."""
+    """Whole-step checks through gpt2.model.time_training_step, each (B, T) in a fresh
+    process: the peak RSS is that of a run of this step alone, as gpt2-train's would be
+    (in this process the block checks' arrays set it first)."""
     try:
-        from gpt2.model import time_training_step
+        from gpt2.model import time_training_step  # noqa: F401
     except ImportError as exc:
         return [], [f"training step (time within 10%, memory within 5%): needs gpt2.model.time_training_step ({exc})"]
-    from gpt2.config import GPT2Config
     out = []
     for b, t in HELD_OUT:
-        m = time_training_step(GPT2Config.preset("gpt2"), b, t, repeats)
+        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--step-child", f"{b},{t}",
+                                "--repeats", str(repeats)], capture_output=True, text=True, check=True)
+        m = json.loads(child.stdout.splitlines()[-1])
         est = estimate(GPT2, Workload(b, t), ParallelConfig(), profile, GraphOptions())
-        out.append(record(f"step_time_B{b}_T{t}", est.step_time, m["seconds"], "s", "gpt2.model training step"))
-        out.append(record(f"step_peak_rss_B{b}_T{t}", est.memory.total, m["peak_rss"], "B", "process peak RSS"))
+        out.append(record(f"step_time_B{b}_T{t}", est.step_time, m["seconds"], "s",
+                          "gpt2.model training step (fresh process, median)"))
+        out.append(record(f"step_peak_rss_B{b}_T{t}", est.memory.total, m["peak_rss"], "B",
+                          "process peak RSS (fresh process)"))
         if m.get("tape_bytes"):
             out.append(record(f"step_tape_bytes_B{b}_T{t}", est.memory.activations, m["tape_bytes"], "B",
-                              "adtape byte counter"))
+                              "adtape byte counter (held by reference: an array two ops save counts once)"))
     return out, []
 
 
@@ -212,9 +223,15 @@ def main(argv=None):
     p.add_argument("--profile", default="this-machine")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rss-child", metavar="B,T", help=argparse.SUPPRESS)
+    p.add_argument("--step-child", metavar="B,T", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rss_child:
         print(block_rss_growth(*map(int, args.rss_child.split(","))))
+        return 0
+    if args.step_child:
+        from kernels import threads
+        threads.set_num_threads(load_profile(args.profile).threads or None)
+        step_child(*map(int, args.step_child.split(",")), args.repeats)
         return 0
     profile = load_profile(args.profile)
     from kernels import threads

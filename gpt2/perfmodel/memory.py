@@ -70,13 +70,17 @@ def korthikanti_activations_per_layer(s, b, h, a, t=1, sequence_parallel=False, 
     return (s * b * h * linear + quadratic) * bytes_per_value / 2
 
 
-def saved_by_layer(ops):
-    """{layer: {tensor name: bytes}} from the forward ops (layer -1: embedding and head)."""
+def saved_by_layer(ops, referenced=False):
+    """{layer: {tensor name: bytes}} from the forward ops (layer -1: embedding and head);
+    ``referenced``: as held by reference, an array two ops save counted once (the
+    ``shared`` ones left out)."""
     out = {}
     for op in ops:
         if op.phase != "fwd":
             continue
         for saved in op.saved:
+            if referenced and saved.shared:
+                continue
             out.setdefault(op.layer, {})[saved.name] = out.get(op.layer, {}).get(saved.name, 0.0) + saved.nbytes
     return out
 
@@ -96,7 +100,9 @@ def activation_bytes(spec, workload, parallel, options=GraphOptions(), stage=0, 
     """
     if ops is None:
         ops = step_graph(spec, workload, parallel, options, stage)
-    by_layer = saved_by_layer(ops)
+    # Without a tape budget our engine holds the saved arrays by reference (an array two
+    # ops save is one array); with one it copies each onto the byte tape.
+    by_layer = saved_by_layer(ops, referenced=options.layout == "adtape" and parallel.tape_budget < 0)
     other = sum(by_layer.pop(-1, {}).values())
     layers = sorted(by_layer)
     full_layer = {layer: sum(tensors.values()) for layer, tensors in by_layer.items()}
