@@ -236,24 +236,22 @@ class Bf16Base:
     @classmethod
     def random(cls, config, seed=0):
         """``init_params_``'s values (same seed, same stream), rounded to bf16."""
-        from gpt2.params import INIT_STD
+        from gpt2.params import init_rules
         from kernels import bf16
         rng = np.random.Generator(np.random.PCG64(seed))
-        residual_std = INIT_STD / math.sqrt(2 * config.n_layer)
         views = {}
         chunk = buffers.empty(1 << 22)
-        for name, shape in config.param_shapes().items():
+        shapes = config.param_shapes()
+        for name, std, rows in init_rules(config):
             matrix = cls._is_matrix(config, name)
-            out = buffers.zeros(shape, np.uint16) if matrix else buffers.zeros(shape)
+            out = buffers.zeros(shapes[name], np.uint16) if matrix else buffers.zeros(shapes[name])
             views[name] = out
-            if name in config.norm_weights:
+            if std is None:
                 out.fill(1.0)
                 continue
-            if name in config.biases:
+            if not std:
                 continue
-            std = np.float32(residual_std if name in config.residual_projections else INIT_STD)
-            target = out[:config.vocab_size] if name in ("wte", "lm_head") else out
-            flat = target.reshape(-1)
+            flat = out[:rows].reshape(-1)
             for start in range(0, flat.size, chunk.size):
                 piece = chunk[:min(chunk.size, flat.size - start)]
                 rng.standard_normal(out=piece, dtype=np.float32)

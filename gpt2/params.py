@@ -212,16 +212,29 @@ def init_params_(arena, seed):
         raise TypeError(f"init_params_ needs a ParamArena, got {type(arena).__name__}")
     config = arena.config
     rng = np.random.Generator(np.random.PCG64(seed))
-    residual_std = INIT_STD / math.sqrt(2 * config.n_layer)
     arena.zero_()
-    for name, view in arena.views.items():
-        if name in config.norm_weights:
+    for name, std, rows in init_rules(config):
+        view = arena.views[name]
+        if std is None:
             view.fill(1.0)
+        elif std:
+            target = view[:rows]
+            rng.standard_normal(out=target, dtype=np.float32)
+            target *= std
+    return arena
+
+
+def init_rules(config):
+    """``init_params_``'s rule per parameter, in the layout's order, as (name, std, rows):
+    std None for a norm weight (ones), 0 for a bias (zeros), else the float32 standard
+    deviation of the normal draws filling the first ``rows`` rows (the real vocabulary of
+    wte and lm_head; padded rows stay 0), each drawn in turn from one PCG64 stream."""
+    residual_std = INIT_STD / math.sqrt(2 * config.n_layer)
+    for name, shape in config.param_shapes().items():
+        if name in config.norm_weights:
+            yield name, None, shape[0]
         elif name in config.biases:
-            continue
+            yield name, np.float32(0.0), shape[0]
         else:
             std = residual_std if name in config.residual_projections else INIT_STD
-            target = view[:config.vocab_size] if name in ("wte", "lm_head") else view
-            rng.standard_normal(out=target, dtype=np.float32)
-            target *= np.float32(std)
-    return arena
+            yield name, np.float32(std), config.vocab_size if name in ("wte", "lm_head") else shape[0]
