@@ -7,28 +7,18 @@ multiplies bf16 natively (AVX512_BF16; AMX-BF16 tiles where present) and a short
 probe measures its product faster than the float32 one on the run's threads; elsewhere bf16 runs an emulated path (exact,
 at the float32 rate or a little below), which auto never picks.
 """
-import statistics
-import time
-
 import numpy as np
 
+from gpt2.units import median_times
+
 # The probe: one linear layer's forward product at a training-sized shape (GPT-2
-# small's MLP input: 512 rows of 768 into 3072 columns), best of a few timings.
+# small's MLP input: 512 rows of 768 into 3072 columns), the median of a few timings,
+# the two precisions interleaved.
 PROBE_SHAPE = (512, 768, 3072)
 PROBE_REPEATS = 5
 # bf16 must beat fp32 by this much to be picked (the conversions cost a few percent of
 # a step that the probe does not see).
 MARGIN = 0.9
-
-
-def _time(fn, repeats):
-    fn()                                    # warm: first touch of the buffers
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def probe(n_threads, shape=PROBE_SHAPE, repeats=PROBE_REPEATS):
@@ -45,12 +35,13 @@ def probe(n_threads, shape=PROBE_SHAPE, repeats=PROBE_REPEATS):
     xb, wb = buffers.empty((M, K), np.uint16), buffers.empty((N, K), np.uint16)
     bf16.to_bf16(xb, x, n_threads=n_threads)
     bf16.to_bf16(wb, w, n_threads=n_threads)
-    fp32 = _time(lambda: matmul.matmul_forward(out, x, w, None, n_threads=n_threads), repeats)
 
     def mixed():
         bf16.to_bf16(xb, x, n_threads=n_threads)   # the input's conversion is per product
         bf16.matmul_forward_bf16(out, xb, wb, None, n_threads=n_threads)
-    return fp32, _time(mixed, repeats)
+    times = median_times({"fp32": lambda: matmul.matmul_forward(out, x, w, None, n_threads=n_threads),
+                          "bf16": mixed}, repeats)
+    return times["fp32"], times["bf16"]
 
 
 def choose(choice, n_threads, measure=probe):

@@ -1,9 +1,12 @@
-"""Sizes and the offload's I/O constants: what the command line, the planner and the
-offload share, with no import of the compiled extensions (``gpt2.perfmodel`` imports
-this, not ``gpt2.train`` or ``gpt2.offload``)."""
+"""Sizes, the offload's I/O constants and the process's measurements (peak RSS, median
+times): what the command line, the planner, calibration and the offload share, with no
+import of the compiled extensions (``gpt2.perfmodel`` imports this, not ``gpt2.train``
+or ``gpt2.offload``)."""
 import argparse
 import math
+import statistics
 import sys
+import time
 
 SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                  "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -77,3 +80,19 @@ def reset_peak_rss():
     clear_refs 5), so that ``peak_rss_bytes()`` then reads the peak from now on."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def median_times(tasks, repeats, warmup=1):
+    """{key: median seconds}; tasks is {key: callable}, each run ``warmup`` times
+    untimed, then all round-robin ``repeats`` times (interleaved, so a slow stretch of
+    a shared machine falls on every task alike)."""
+    for fn in tasks.values():
+        for _ in range(warmup):
+            fn()
+    samples = {key: [] for key in tasks}
+    for _ in range(repeats):
+        for key, fn in tasks.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(v) for key, v in samples.items()}

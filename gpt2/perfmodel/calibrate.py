@@ -49,10 +49,11 @@ from collections import defaultdict
 import numpy as np
 
 from . import collectives
-from .graph import GraphOptions, step_graph
+from .graph import step_graph
 from .hardware import (EfficiencyCurve, HardwareProfile, Interconnect, cpu_identity, load_profile, profile_cache_dir,
                        resolve_threads, save_profile, this_machine_name, this_machine_path, this_machine_profile)
 from .spec import ModelSpec, ParallelConfig, Workload
+from ..units import median_times
 
 GPT2_124M = ModelSpec(12, 12, 768, 50257)
 FULL_CONFIGS = ((1, 64), (4, 64), (4, 256))
@@ -66,20 +67,6 @@ FULL = {"configs": FULL_CONFIGS, "repeats": 7, "peak_size": 2048, "peak_seconds"
         "disk_bytes": 1024 << 20}
 QUICK = {"configs": FULL_CONFIGS, "repeats": 3, "peak_size": 2048, "peak_seconds": 0.05, "max_array": 28,
          "disk_bytes": 256 << 20}
-
-
-def _median_times(tasks, repeats, warmup=1):
-    """{key: median seconds}; tasks is {key: callable}, run round-robin ``repeats`` times."""
-    for fn in tasks.values():
-        for _ in range(warmup):
-            fn()
-    samples = defaultdict(list)
-    for _ in range(repeats):
-        for key, fn in tasks.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[key].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in samples.items()}
 
 
 def _set_threads(n):
@@ -96,7 +83,7 @@ def measure_peak(size, repeats):
     rng = np.random.default_rng(0)
     a, b = _random(rng, size, size), _random(rng, size, size)
     c = np.empty_like(a)
-    t = _median_times({"peak": lambda: gemm_rowmajor(c, a, b, trans_b=True)}, repeats)["peak"]
+    t = median_times({"peak": lambda: gemm_rowmajor(c, a, b, trans_b=True)}, repeats)["peak"]
     return 2.0 * size ** 3 / t
 
 
@@ -115,7 +102,7 @@ def measure_bf16_peak(size, repeats):
     bf16.to_bf16(ab, a)
     bf16.to_bf16(bb, b)
     c = np.empty_like(a)
-    t = _median_times({"peak": lambda: bf16.matmul_forward_bf16(c, ab, bb, None)}, repeats)["peak"]
+    t = median_times({"peak": lambda: bf16.matmul_forward_bf16(c, ab, bb, None)}, repeats)["peak"]
     return 2.0 * size ** 3 / t
 
 
@@ -186,7 +173,7 @@ def measure_matmuls(spec, configs, peak, repeats):
     rng = np.random.default_rng(1)
     shapes = matmul_shapes(spec, configs)
     tasks = {key: _gemm_task(*key, rng) for key in shapes}
-    times = _median_times(tasks, repeats)
+    times = median_times(tasks, repeats)
     points = defaultdict(list)
     for key, flops in shapes.items():
         points[key[0]].append((flops, flops / (times[key] * peak)))
@@ -229,7 +216,7 @@ def measure_memory(sizes, repeats, threads=1):
                 bounds = np.linspace(0, src.size, threads + 1).astype(int)
                 parts = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
                 tasks[n] = (lambda parts=parts: list(pool.map(lambda part: np.copyto(*part), parts)))
-        times = _median_times(tasks, repeats)
+        times = median_times(tasks, repeats)
     bw = {n: 2.0 * n / times[n] for n in sizes}
     dram = bw[max(sizes)]
     return dram, _curve([(2.0 * n, bw[n] / dram) for n in sizes])
@@ -252,7 +239,7 @@ def measure_overheads(repeats):
     def calls():
         for _ in range(inner):
             call()
-    overhead = _median_times({"call": calls}, repeats)["call"] / inner
+    overhead = median_times({"call": calls}, repeats)["call"] / inner
     tape_cost = 0.0
     try:
         import adtape
@@ -263,7 +250,7 @@ def measure_overheads(repeats):
                 tape.push_array(small)
             for _ in range(inner):
                 tape.pop_array()
-        tape_cost = _median_times({"tape": records}, repeats)["tape"] / inner
+        tape_cost = median_times({"tape": records}, repeats)["tape"] / inner
         tape.close()
         sources["tape_overhead"] = "adtape.Tape push_array + pop_array of 8 floats"
     except ImportError:
@@ -344,7 +331,7 @@ def measure_kernels(spec, configs, peak, overhead, repeats):
                if op.layer in (-1, 0)}
         tasks = _kernel_tasks(spec, b, t, rng)
         tasks.update(opt_tasks if (b, t) == configs[0] else {})
-        times = _median_times(tasks, repeats)
+        times = median_times(tasks, repeats)
         for key, seconds in times.items():
             op = ops[key]
             if op.flops <= 0:
