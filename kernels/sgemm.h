@@ -33,9 +33,10 @@
 #include <pthread.h>
 #include "simd.h"
 
-/* The blocks, the same in both widths (on the Zen 3 machine, 512 KiB of L2 per
-   core, 256 or 384 columns per block made no measurable difference): SG_NC columns
-   by SG_KC depths of B, SG_MC rows of A (a multiple of either width's tile). */
+/* The blocks, the same in both widths (on the Zen 3 machine, 512 KiB of L2 per core,
+   256 or 384 columns per block made no measurable difference): SG_NC columns by SG_KC
+   depths of B, SG_MC rows of A (a multiple of either width's tile).  Each may be
+   defined before this header, as a standalone timing harness does to compare sizes. */
 #ifndef SG_KC
 #define SG_KC 256
 #endif
