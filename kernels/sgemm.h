@@ -301,13 +301,18 @@ static void ADT_LANES_FN(sg_pack_b)(ptrdiff_t kc, ptrdiff_t n, const float* B, p
                                     ptrdiff_t b_cs, float* restrict pb) {
     ptrdiff_t j = 0;
     if (b_cs == 1 && n >= SG_NR) {
-        /* rows along the columns: each row once across all full panels */
+        /* rows along the columns: a panel at a time, its SG_NR floats of each depth's
+           row in turn, so the stores run in order (row by row across all panels, every
+           store went to another panel: Zen 3, in cache, 0.64-0.70 -> 0.41-0.46 cycles a
+           float at 384-512 columns; whole products, one process, medians of 15: dout @ W
+           and dout^T x at 64 to 1024 rows 2-10% faster on 2 threads, 22 of 24 cases) */
         ptrdiff_t nf = n / SG_NR * SG_NR;
-        for (ptrdiff_t k = 0; k < kc; k++) {
-            const float* bk = B + k * b_rs;
-            for (ptrdiff_t jj = 0; jj < nf; jj += SG_NR) {
-                ADT_V(store)(pb + jj * kc + k * SG_NR, ADT_V(load)(bk + jj));
-                ADT_V(store)(pb + jj * kc + k * SG_NR + ADT_W, ADT_V(load)(bk + jj + ADT_W));
+        for (ptrdiff_t jj = 0; jj < nf; jj += SG_NR) {
+            float* d = pb + jj * kc;
+            const float* b = B + jj;
+            for (ptrdiff_t k = 0; k < kc; k++, d += SG_NR, b += b_rs) {
+                ADT_V(store)(d, ADT_V(load)(b));
+                ADT_V(store)(d + ADT_W, ADT_V(load)(b + ADT_W));
             }
         }
         pb += nf * kc;
