@@ -80,7 +80,8 @@ class StopSignals:
             others.remove(signum)
         if self.signum is None:
             # Python calls the handlers of signals that came together in the order of their
-            # numbers: this call's is the first.
+            # numbers: this call's is the first (signals the kernel gave to other threads
+            # may reach here in either order).
             self.signum = signum
             if not others:
                 return

@@ -99,15 +99,18 @@ def test_a_second_signal_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
     proc = start(tmp_path, *LONG_RUN, "--out-dir", out, "--checkpoint-interval", "10")
     wait_for_step(proc, 41)
     # Two SIGINTs sent at once merge into one; SIGINT and SIGTERM, sent while the process
-    # is stopped, arrive together and are handled in that order: the second stops at once.
+    # is stopped, arrive together: the second stops at once, with its own exit status.
+    # Usually SIGINT is handled first (the lower number), but the kernel may hand the two
+    # to different threads of the process (OpenMP's), and then either can come first.
     proc.send_signal(signal.SIGSTOP)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGCONT)
     code, _, err = finish(proc)
-    assert code == 143, err
+    second, first = ("SIGTERM", "SIGINT") if "SIGTERM after SIGINT" in err else ("SIGINT", "SIGTERM")
+    assert code == {"SIGTERM": 143, "SIGINT": 130}[second], err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert "SIGTERM after SIGINT: stopped at once; the last checkpoint, at step" in err
+    assert f"{second} after {first}: stopped at once; the last checkpoint, at step" in err
     step = ckpt.read_checkpoint_header(out / "checkpoint.bin").step  # complete: its CRCs check
     assert f"at step {step}, is {out / 'checkpoint.bin'}" in err
     ckpt.load_checkpoint(out / "checkpoint.bin")
