@@ -151,7 +151,7 @@ def _product_dtype(x, w=None):
 def _product_input(x, w=None):
     """A recomputed product input, as the forward gave it to the product (with weight
     ``w``: a bf16 weight takes bf16 inputs whatever the precision)."""
-    if _precision == "fp32" and (w is None or w.dtype != np.uint16):
+    if _product_dtype(x, w) != np.uint16:
         return x
     xb = _buffers.empty(x.shape, np.uint16)
     _bf16.to_bf16(xb, x)
@@ -273,17 +273,26 @@ def gelu_linear(x, weight, bias=None):
     return _constant(out)
 
 
-def _gelu_linear_bwd(g, dests, fresh, x, weight):
-    dh = None if dests[0] is None else _buffers.empty_like(x)
+def _activation_product_backward(g, dests, fresh, x, weight, shape, activation):
+    """The product's part of the backward of ``linear(activation(x), weight, bias)``
+    (gelu_linear, swiglu_linear): dW and dbias into ``dests[1:]``, with h =
+    activation(x) (``shape``) recomputed for dW and freed on return, before the
+    activation's gradient is allocated (3 hidden-width arrays live, as unfused); a frozen
+    weight (dW None) recomputes nothing.  Returns dh = g W (None where x needs none)."""
+    dh = None if dests[0] is None else _buffers.empty(shape)
     dw, ow_w = dests[1], fresh[1]
-    if dw is None:          # a frozen weight: dh = g W, no GELU to recompute
+    if dw is None:          # a frozen weight: dh = g W alone
         h = _product_dtype(x, weight)
     else:
-        h = _buffers.empty_like(x)
-        _layers.gelu_forward(h, x)
+        h = _buffers.empty(shape)
+        activation(h, x)
         h = _product_input(h, weight)
     _product_backward(dh, dw, dests[2], _contiguous(g), h, weight, (True, ow_w, fresh[2]))
-    del h          # freed before the GELU's gradient is allocated: 3 hidden-width arrays live, as unfused
+    return dh
+
+
+def _gelu_linear_bwd(g, dests, fresh, x, weight):
+    dh = _activation_product_backward(g, dests, fresh, x, weight, x.shape, _layers.gelu_forward)
     if dh is not None:
         _layers.gelu_backward(dests[0], x, dh, overwrite=fresh[0])
 
@@ -480,17 +489,9 @@ def swiglu_linear(gate_up, weight, bias=None):
 
 
 def _swiglu_linear_bwd(g, dests, fresh, gate_up, weight):
-    shape = gate_up.shape[:-1] + (gate_up.shape[-1] // 2,)
-    dh = None if dests[0] is None else _buffers.empty(shape)
-    dw, ow_w = dests[1], fresh[1]
-    if dw is None:          # a frozen weight: dh = g W, no SwiGLU to recompute
-        h = _product_dtype(gate_up, weight)
-    else:
-        h = _buffers.empty(shape)
-        _llama.swiglu_forward(h, gate_up)
-        h = _product_input(h, weight)
-    _product_backward(dh, dw, dests[2], _contiguous(g), h, weight, (True, ow_w, fresh[2]))
-    del h
+    dh = _activation_product_backward(g, dests, fresh, gate_up, weight,
+                                      gate_up.shape[:-1] + (gate_up.shape[-1] // 2,),
+                                      _llama.swiglu_forward)
     if dh is not None:
         _llama.swiglu_backward(dests[0], dh, gate_up, overwrite=fresh[0])
 

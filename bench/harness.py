@@ -3,11 +3,10 @@ resident memory, sampled (``RssSampler``) or as the kernel keeps it (``vm_hwm``,
 ``reset_vm_hwm``), interleaved runs of several sides (``interleave``), and the
 machine's limits that shares are taken against (``LimitProbe``)."""
 import threading
-import time
 
 import psutil
 
-from gpt2.units import peak_rss_bytes, reset_peak_rss
+from gpt2.units import interleave, peak_rss_bytes, reset_peak_rss  # noqa: F401 (interleave: for the benchmarks)
 
 
 class RssSampler:
@@ -63,32 +62,6 @@ def vm_hwm():
 def reset_vm_hwm():
     """Set VmHWM to the current RSS, so that a later ``vm_hwm`` is the peak from now on."""
     reset_peak_rss()
-
-
-def interleave(calls, rounds, warmup=0):
-    """Call every function of ``calls`` (name -> fn) once a round, ``warmup`` rounds
-    then ``rounds`` counted ones: ({name: [seconds]}, {name: [what fn returned]}) of
-    the counted rounds.
-
-    The order rotates by one every round, so that every side has the same
-    predecessors: a side's run right after its own is faster than after another
-    side's (its caches hold its own data: our SmolLM2 (1, 64) step 6-11% on the 2-core
-    Xeon).  With three sides none follows itself; with two each does every other
-    round.  (Reversing the order every other round let the first and last sides follow
-    themselves half the time and the middle one never.)"""
-    names = list(calls)
-    times = {name: [] for name in names}
-    results = {name: [] for name in names}
-    for r in range(warmup + rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            t0 = time.perf_counter()
-            out = calls[name]()
-            elapsed = time.perf_counter() - t0
-            if r >= warmup:
-                times[name].append(elapsed)
-                results[name].append(out)
-    return times, results
 
 
 class LimitProbe:

@@ -122,6 +122,13 @@ def block_time_checks(profile, repeats):
     return out
 
 
+def run_child(flag, b, t, *args, env=None):
+    """This script in a fresh process with ``flag B,T``: the last line it printed."""
+    child = subprocess.run([sys.executable, os.path.abspath(__file__), flag, f"{b},{t}", *args],
+                           env=env, capture_output=True, text=True, check=True)
+    return child.stdout.splitlines()[-1]
+
+
 def block_rss_growth(b, t):
     """RSS growth of one block's forward, weights and gradient buffers left out (run in a
     child process whose allocator maps every array of 64 KiB and more on its own)."""
@@ -159,10 +166,7 @@ def block_memory_checks(b, t):
         tape.push_array(arr)
     tape_bytes = tape.nbytes
     tape.close()
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss-child", f"{b},{t}"],
-                           env=env, capture_output=True, text=True, check=True)
-    rss_growth = int(child.stdout.split()[-1])
+    rss_growth = int(run_child("--rss-child", b, t, env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")))
     src = "numpy arrays written by our kernels' block forward"
     return [record(f"block_saved_bytes_tape_B{b}_T{t}", predicted, tape_bytes, "B", src + ", adtape.Tape.nbytes",
                    "tape bytes include each record's header"),
@@ -188,9 +192,7 @@ def training_step_checks(profile, repeats):
         return [], [f"training step (time within 10%, memory within 5%): needs gpt2.model.time_training_step ({exc})"]
     out = []
     for b, t in HELD_OUT:
-        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--step-child", f"{b},{t}",
-                                "--repeats", str(repeats)], capture_output=True, text=True, check=True)
-        m = json.loads(child.stdout.splitlines()[-1])
+        m = json.loads(run_child("--step-child", b, t, "--repeats", str(repeats)))
         est = estimate(GPT2, Workload(b, t), ParallelConfig(), profile, GraphOptions())
         out.append(record(f"step_time_B{b}_T{t}", est.step_time, m["seconds"], "s",
                           "gpt2.model training step (fresh process, median)"))

@@ -522,8 +522,9 @@ def time_training_step(config, B, T, repeats=3, engine="tape", seed=0, **model_k
     bytes, "tape_bytes": bytes the tape engine saved in its last forward pass (0 for
     the manual engine)}``; one warm-up step is not timed.
     """
-    import resource
     import time
+
+    from gpt2.units import peak_rss_bytes
 
     model = Model(config, seed=seed, engine=engine, **model_kwargs)
     rng = np.random.default_rng(seed)
@@ -538,5 +539,5 @@ def time_training_step(config, B, T, repeats=3, engine="tape", seed=0, **model_k
     tape_bytes = model._tape_engine.last_forward_bytes if model._tape_engine else 0
     model.close()
     return {"seconds": float(np.median(times)),
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss": peak_rss_bytes(),
             "tape_bytes": int(tape_bytes)}
