@@ -1,6 +1,6 @@
 """Validate the performance model: published figures and our own measurements.
 
-  python bench/perfmodel_validation.py [--profile this-machine] [--repeats 7]
+  python bench/perfmodel_validation.py [--profile this-machine] [--repeats 7] [--rounds 3]
 
 Writes bench/results/perfmodel_validation.json: one record per check with name,
 predicted, measured and the signed relative error (predicted - measured) / measured,
@@ -13,7 +13,7 @@ calibrate.FULL_CONFIGS):
 - bytes of the block's saved activations: the arrays our kernels produce that their
   backward needs, pushed on an adtape.Tape (its byte counter) and the process RSS growth;
 - the full training step through ``gpt2.model.time_training_step`` (time, peak RSS,
-  tape bytes), each (B, T) in a fresh process.
+  tape bytes), each (B, T) in a fresh process, --rounds of them in turn.
 """
 import argparse
 import json
@@ -182,24 +182,32 @@ def step_child(b, t, repeats):
     print(json.dumps(time_training_step(GPT2Config.preset("gpt2"), b, t, repeats)))
 
 
-def training_step_checks(profile, repeats):
+def training_step_checks(profile, repeats, rounds):
     """Whole-step checks through gpt2.model.time_training_step, each (B, T) in a fresh
     process: the peak RSS is that of a run of this step alone, as gpt2-train's would be
-    (in this process the block checks' arrays set it first)."""
+    (in this process the block checks' arrays set it first).  ``rounds`` passes over the
+    held-out shapes, one fresh process each, the shapes taking turns: the measured time
+    is the median of the rounds' medians (on the shared Zen 3 VM one round's times moved
+    10-15% from the next a minute later)."""
     try:
         from gpt2.model import time_training_step  # noqa: F401
     except ImportError as exc:
         return [], [f"training step (time within 10%, memory within 5%): needs gpt2.model.time_training_step ({exc})"]
+    runs = {shape: [] for shape in HELD_OUT}
+    for _ in range(rounds):
+        for b, t in HELD_OUT:
+            runs[(b, t)].append(json.loads(run_child("--step-child", b, t, "--repeats", str(repeats))))
     out = []
-    for b, t in HELD_OUT:
-        m = json.loads(run_child("--step-child", b, t, "--repeats", str(repeats)))
+    for (b, t), ms in runs.items():
+        seconds = sorted(m["seconds"] for m in ms)
         est = estimate(GPT2, Workload(b, t), ParallelConfig(), profile, GraphOptions())
-        out.append(record(f"step_time_B{b}_T{t}", est.step_time, m["seconds"], "s",
-                          "gpt2.model training step (fresh process, median)"))
-        out.append(record(f"step_peak_rss_B{b}_T{t}", est.memory.total, m["peak_rss"], "B",
-                          "process peak RSS (fresh process)"))
-        if m.get("tape_bytes"):
-            out.append(record(f"step_tape_bytes_B{b}_T{t}", est.memory.activations, m["tape_bytes"], "B",
+        out.append(record(f"step_time_B{b}_T{t}", est.step_time, float(np.median(seconds)), "s",
+                          f"gpt2.model training step (median of {rounds} fresh processes' medians)",
+                          f"rounds {seconds[0]:.4g}..{seconds[-1]:.4g} s"))
+        out.append(record(f"step_peak_rss_B{b}_T{t}", est.memory.total, max(m["peak_rss"] for m in ms), "B",
+                          "process peak RSS (fresh process, the largest of the rounds)"))
+        if ms[0].get("tape_bytes"):
+            out.append(record(f"step_tape_bytes_B{b}_T{t}", est.memory.activations, ms[0]["tape_bytes"], "B",
                               "adtape byte counter (held by reference: an array two ops save counts once)"))
     return out, []
 
@@ -224,6 +232,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="this-machine")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=3, help="fresh processes per training-step shape (default 3)")
     p.add_argument("--rss-child", metavar="B,T", help=argparse.SUPPRESS)
     p.add_argument("--step-child", metavar="B,T", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -241,7 +250,7 @@ def main(argv=None):
     records = published_checks()
     records += block_time_checks(profile, args.repeats)
     records += block_memory_checks(4, 128)
-    step_records, pending = training_step_checks(profile, args.repeats)
+    step_records, pending = training_step_checks(profile, args.repeats, args.rounds)
     records += step_records
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "perfmodel_validation.json"), "w") as f:

@@ -23,7 +23,7 @@ from adtape import buffers, nn
 from gpt2 import families
 from gpt2.params import ParamArena, init_params_
 from gpt2.state import OFFLOAD_POLICIES, FrozenState, training_state
-from kernels import attention, layers, loss as loss_kernels, matmul, optim, threads
+from kernels import attention, layers, loss as loss_kernels, matmul, optim
 
 
 class ActivationArena:
@@ -37,7 +37,6 @@ class ActivationArena:
     def __init__(self, config, B, T):
         L, C, NH = config.n_layer, config.n_embd, config.n_head
         Vp = config.padded_vocab_size
-        BT = B * T
         shapes = {
             "encoded": (B, T, C),
             "ln1": (L, B, T, C), "ln1_mean": (L, B, T), "ln1_rstd": (L, B, T),

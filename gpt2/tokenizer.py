@@ -384,10 +384,6 @@ class HFTokenizer:
         ids = _ids_array(ids, self.vocab_size, "HFTokenizer")
         return self._tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
-    def token_id(self, text):
-        """The id of the token spelled ``text``, or None if there is no such token."""
-        return self._tokenizer.token_to_id(text)
-
     def special_ids(self):
         """bos/eos ids of the well-known special tokens this tokenizer.json holds (a
         tokenizer_config.json says which they are; without one, these are the usual)."""

@@ -51,7 +51,8 @@ import numpy as np
 from . import collectives
 from .graph import step_graph
 from .hardware import (EfficiencyCurve, HardwareProfile, Interconnect, cpu_identity, load_profile, profile_cache_dir,
-                       resolve_threads, save_profile, this_machine_name, this_machine_path, this_machine_profile)
+                       resolve_threads, save_profile, shape_key, this_machine_name, this_machine_path,
+                       this_machine_profile)
 from .spec import ModelSpec, ParallelConfig, Workload
 from ..units import median_times
 
@@ -157,28 +158,24 @@ def matmul_shapes(spec, configs):
     for b, t in configs:
         for op in step_graph(spec, Workload(b, t), ParallelConfig()):
             if op.op_class == "matmul":
-                rows, fan_in, fan_out = _matmul_dims(spec, op, b * t)
-                shapes[(op.variant, rows, fan_in, fan_out)] = op.gemm_flops
+                shapes[(op.variant,) + tuple(int(d) for d in op.dims)] = op.gemm_flops
     return shapes
 
 
-def _matmul_dims(spec, op, rows):
-    C = spec.n_embd
-    dims = {"qkv": (C, 3 * C), "attproj": (C, C), "fc": (C, spec.ffn_hidden), "fcproj": (spec.ffn_hidden, C),
-            "lm_head": (C, spec.padded_vocab)}
-    return (rows,) + dims[op.name]
-
-
 def measure_matmuls(spec, configs, peak, repeats):
+    """({variant: curve by FLOPs}, {variant: {shape: curve by rows}}, {product: FLOP/s})."""
     rng = np.random.default_rng(1)
     shapes = matmul_shapes(spec, configs)
     tasks = {key: _gemm_task(*key, rng) for key in shapes}
     times = median_times(tasks, repeats)
-    points = defaultdict(list)
+    points, by_shape = defaultdict(list), defaultdict(lambda: defaultdict(list))
     for key, flops in shapes.items():
-        points[key[0]].append((flops, flops / (times[key] * peak)))
-    return {variant: _curve(pts) for variant, pts in points.items()}, {
-        f"{k[0]} {k[1]}x{k[2]}x{k[3]}": flops / times[k] for k, flops in shapes.items()}
+        efficiency = flops / (times[key] * peak)
+        points[key[0]].append((flops, efficiency))
+        by_shape[key[0]][shape_key(key[2], key[3])].append((key[1], efficiency))
+    return ({variant: _curve(pts) for variant, pts in points.items()},
+            {variant: {shape: _curve(pts) for shape, pts in shapes_.items()} for variant, shapes_ in by_shape.items()},
+            {f"{k[0]} {k[1]}x{k[2]}x{k[3]}": flops / times[k] for k, flops in shapes.items()})
 
 
 def _curve(points):
@@ -613,7 +610,7 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress):
     bf16_peak = measure_bf16_peak(settings["peak_size"], repeats)
     physical, physical_figures = measure_physical_peak(threads, settings["peak_seconds"], min(repeats, 5))
     progress("matmuls")
-    matmul_curves, gemm_rates = measure_matmuls(spec, configs, peak, repeats)
+    matmul_curves, shape_curves, gemm_rates = measure_matmuls(spec, configs, peak, repeats)
     progress("memory")
     bandwidth, memory_curve = measure_memory([1 << k for k in range(14, settings["max_array"] + 1, 2)], repeats,
                                              threads)
@@ -634,6 +631,7 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress):
                f"{identity['model_name']}, {threads} threads",
         peak_flops={"fp32": peak, **({"bf16": bf16_peak} if bf16_peak else {})}, memory_bandwidth=bandwidth,
         memory_capacity=float(psutil.virtual_memory().total), matmul_efficiency=matmul_curves,
+        matmul_shape_efficiency=shape_curves,
         memory_efficiency=memory_curve, op_overhead=overhead, tape_overhead=tape_cost,
         disk_write_bandwidth=disk_write, disk_read_bandwidth=disk_read,
         threads=threads, sram_bytes=0.0, baseline_rss=baseline, interconnect=Interconnect(),

@@ -80,7 +80,7 @@ def op_time(op, hardware, precision):
     twice: 150-190 ms predicted on GPT-2 124M against 62 ms measured)."""
     curve = None
     if op.op_class == "matmul":
-        compute = hardware.matmul_time(op.flops, op.variant, op.precision or precision)
+        compute = hardware.matmul_time(op.flops, op.variant, op.precision or precision, op.dims)
     elif op.flops > 0:
         phase = "fwd" if op.phase == "recompute" else op.phase
         curve = hardware.kernel_efficiency.get(f"{op.op_class}.{phase}")

@@ -84,6 +84,7 @@ class Op:
     convert_bytes: float = 0.0   # bf16 products: bytes its operands' conversions move (float32 read, bf16
     weight_convert_bytes: float = 0.0   # written), of its inputs / of its weight (once per forward pass)
     precision: str = ""          # matmul: the precision of its product ("": the step's)
+    dims: tuple = ()             # matmul: (rows, fan_in, fan_out) of its one product; () for others
 
     @property
     def saved_bytes(self):
@@ -235,13 +236,16 @@ class _Builder:
         if saved is None:
             saved = (Saved(f"{name}.input", e * rows * fan_in / input_shard,
                            shared=shares_input and not self.megatron),)
+        dims = (rows, fan_in, fan_out)
         fwd = Op(name, "matmul", "fwd", layer, gemm,
                  e * (rows * fan_in + fan_in * fan_out + rows * fan_out + (fan_out if bias else 0)), "fwd",
-                 tuple(saved), 1 if saved else 0, gemm)
+                 tuple(saved), 1 if saved else 0, gemm, dims=dims)
         bwd_in = Op(name, "matmul", "bwd", layer, gemm,
-                    e * (rows * fan_out + fan_in * fan_out + 2 * rows * fan_in), "bwd_input", gemm_flops=gemm)
+                    e * (rows * fan_out + fan_in * fan_out + 2 * rows * fan_in), "bwd_input", gemm_flops=gemm,
+                    dims=dims)
         bwd_w = Op(name, "matmul", "bwd", layer, gemm + (rows * fan_out if bias else 0),
-                   e * (rows * fan_out + rows * fan_in + 2 * fan_in * fan_out), "bwd_weight", gemm_flops=gemm)
+                   e * (rows * fan_out + rows * fan_in + 2 * fan_in * fan_out), "bwd_weight", gemm_flops=gemm,
+                   dims=dims)
         return fwd, [bwd_in, bwd_w]
 
     def _bf16_matmul(self, name, layer, rows, fan_in, fan_out, bias, input_shard, saved, gemm):
@@ -256,12 +260,14 @@ class _Builder:
         b = fan_out if bias else 0
         fwd = Op(name, "matmul", "fwd", layer, gemm, h * (rows * fan_in + fan_in * fan_out) + e * (rows * fan_out + b),
                  "fwd", tuple(saved), 1 if saved else 0, gemm, convert_bytes=(e + h) * rows * fan_in,
-                 weight_convert_bytes=0.0 if self.base_bf16 else (e + h) * fan_in * fan_out, precision="bf16")
+                 weight_convert_bytes=0.0 if self.base_bf16 else (e + h) * fan_in * fan_out, precision="bf16",
+                 dims=(rows, fan_in, fan_out))
         bwd_in = Op(name, "matmul", "bwd", layer, gemm, h * (rows * fan_out + fan_in * fan_out) + 2 * e * rows * fan_in,
-                    "bwd_input", gemm_flops=gemm, convert_bytes=(e + h) * rows * fan_out, precision="bf16")
+                    "bwd_input", gemm_flops=gemm, convert_bytes=(e + h) * rows * fan_out, precision="bf16",
+                    dims=(rows, fan_in, fan_out))
         bwd_w = Op(name, "matmul", "bwd", layer, gemm + (rows * fan_out if bias else 0),
                    h * (rows * fan_out + rows * fan_in) + 2 * e * fan_in * fan_out + e * rows * fan_out * (1 if bias else 0),
-                   "bwd_weight", gemm_flops=gemm, precision="bf16")
+                   "bwd_weight", gemm_flops=gemm, precision="bf16", dims=(rows, fan_in, fan_out))
         return fwd, [bwd_in, bwd_w]
 
     def pointwise(self, name, op_class, layer, elems, fwd_flops, bwd_flops, fwd_rw, bwd_rw, saved=()):

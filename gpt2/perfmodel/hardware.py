@@ -44,6 +44,20 @@ MATMUL_VARIANTS = ("fwd", "bwd_input", "bwd_weight")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
+def shape_key(fan_in, fan_out):
+    """The key of a product shape in ``matmul_shape_efficiency``: "768x2304"."""
+    return f"{int(fan_in)}x{int(fan_out)}"
+
+
+def _shape_of(key, name):
+    try:
+        fan_in, fan_out = (int(part) for part in str(key).split("x"))
+    except ValueError:
+        raise ValueError(f"profile {name!r}: matmul_shape_efficiency keys are 'FAN_INxFAN_OUT', "
+                         f"got {key!r}") from None
+    return fan_in, fan_out
+
+
 @dataclass(frozen=True)
 class EfficiencyCurve:
     """eff(x) = max_efficiency * x / (x + half_size), or interpolated ``points`` if given."""
@@ -159,6 +173,13 @@ class HardwareProfile:
     # fp32 from the widest fp32 FMA, bf16 from the widest bf16 dot product), {} where not
     # measured; what MFU is taken against (``mfu_peak``).
     physical_peak_flops: dict = field(default_factory=dict)
+    # CPU: variant -> {"FAN_INxFAN_OUT": EfficiencyCurve by rows} for the product shapes
+    # calibration measured.  A product of a measured shape takes its efficiency from its
+    # own rows (a 128-row LM head lies between the 64- and 256-row heads); other shapes
+    # take ``matmul_efficiency``'s curve by FLOPs, where products of different shapes and
+    # rows with the same FLOPs meet (the 128-row head's 9.9 GFLOP sit beside 1024-row MLP
+    # products: its step predicted 11% slow on the Zen 3).
+    matmul_shape_efficiency: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.kind not in ("cpu", "gpu"):
@@ -176,6 +197,14 @@ class HardwareProfile:
         missing = [v for v in MATMUL_VARIANTS if v not in self.matmul_efficiency]
         if missing:
             raise ValueError(f"profile {self.name!r}: matmul_efficiency lacks {missing}")
+        for variant, shapes in self.matmul_shape_efficiency.items():
+            if variant not in MATMUL_VARIANTS or not isinstance(shapes, dict):
+                raise ValueError(f"profile {self.name!r}: matmul_shape_efficiency needs variants among "
+                                 f"{MATMUL_VARIANTS}, each a dict of shapes, got {variant!r}")
+            for key, curve in shapes.items():
+                if shape_key(*_shape_of(key, self.name)) != key or not isinstance(curve, EfficiencyCurve):
+                    raise ValueError(f"profile {self.name!r}: matmul_shape_efficiency[{variant!r}] needs "
+                                     f"'FAN_INxFAN_OUT' keys and curves, got {key!r}")
         for key in ("memory_bandwidth", "memory_capacity"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"profile {self.name!r}: {key} must be > 0, got {getattr(self, key)!r}")
@@ -221,11 +250,15 @@ class HardwareProfile:
             return self.peak("fp32")
         return self.peak(precision)
 
-    def matmul_time(self, flops, variant, precision):
-        """Seconds for a matmul of ``flops`` FLOPs, without the per-call overhead."""
+    def matmul_time(self, flops, variant, precision, dims=()):
+        """Seconds for a matmul of ``flops`` FLOPs, without the per-call overhead: at the
+        efficiency its shape's curve gives its rows where ``dims`` = (rows, fan_in,
+        fan_out) names a measured shape, else at the variant's curve by FLOPs."""
         if flops <= 0:
             return 0.0
-        return flops / (self.matmul_peak(precision) * self.matmul_efficiency[variant](flops))
+        curve = self.matmul_shape_efficiency.get(variant, {}).get(shape_key(*dims[1:])) if dims else None
+        efficiency = curve(dims[0]) if curve is not None else self.matmul_efficiency[variant](flops)
+        return flops / (self.matmul_peak(precision) * efficiency)
 
     def spill_times(self, nbytes):
         """(seconds to write, seconds to read back) ``nbytes`` of spilled tape to the spill device."""
@@ -274,6 +307,8 @@ class HardwareProfile:
             memory_bandwidth=self.memory_bandwidth * bw_scale,
             memory_capacity=self.memory_capacity / ranks,
             matmul_efficiency={k: c.stretched(stretch) for k, c in self.matmul_efficiency.items()},
+            matmul_shape_efficiency={v: {k: c.stretched(stretch) for k, c in shapes.items()}
+                                     for v, shapes in self.matmul_shape_efficiency.items()},
             kernel_efficiency={k: c.stretched(stretch) for k, c in self.kernel_efficiency.items()},
             memory_efficiency=self.memory_efficiency.stretched(stretch),
             threads=rates["threads"], baseline_rss=self.baseline_rss + self.interconnect.runtime_rss,
@@ -293,6 +328,9 @@ def profile_from_dict(data, origin="<dict>"):
     data = dict(data)
     try:
         data["matmul_efficiency"] = {k: EfficiencyCurve(**v) for k, v in data["matmul_efficiency"].items()}
+        data["matmul_shape_efficiency"] = {
+            variant: {k: EfficiencyCurve(**v) for k, v in shapes.items()}
+            for variant, shapes in data.get("matmul_shape_efficiency", {}).items()}
         data["memory_efficiency"] = EfficiencyCurve(**data["memory_efficiency"])
         data["interconnect"] = Interconnect(**data.get("interconnect", {}))
         data["kernel_efficiency"] = {k: EfficiencyCurve(**v) for k, v in data.get("kernel_efficiency", {}).items()}

@@ -10,6 +10,7 @@ from gpt2.perfmodel import (EfficiencyCurve, GraphOptions, ModelSpec, ParallelCo
                             korthikanti_activations_per_layer, load_profile, megatron_flops, model_state_bytes,
                             point_to_point, reduce_scatter, step_graph)
 from gpt2.perfmodel import cli
+from gpt2.perfmodel.estimate import op_time
 from gpt2.perfmodel.calibrate import calibrate
 from gpt2.perfmodel.hardware import available_profiles, profile_from_dict, save_profile
 from gpt2.perfmodel.published import (GPT3_175B, korthikanti_checks, megatron_flops_checks, palm_mfu_check,
@@ -262,6 +263,10 @@ def test_quick_calibration_writes_valid_profile(tmp_path):
     assert loaded.peak("fp32") > 0 and loaded.memory_bandwidth > 0
     assert loaded.disk_write_bandwidth > 0 and loaded.disk_read_bandwidth > 0 and loaded.baseline_rss > 0
     assert set(loaded.matmul_efficiency) == {"fwd", "bwd_input", "bwd_weight"}
+    # one curve by rows for each product shape of the step (qkv, attproj, fc, fcproj, head)
+    shapes = {"32x96", "32x32", "32x128", "128x32", "32x256"}
+    assert {v: set(c) for v, c in loaded.matmul_shape_efficiency.items()} == dict.fromkeys(
+        ("fwd", "bwd_input", "bwd_weight"), shapes)
     est = estimate(spec, Workload(1, 8), ParallelConfig(), loaded)
     assert est.step_time > 0
     from kernels import peak
@@ -287,6 +292,49 @@ def test_mfu_is_taken_against_the_physical_peak_where_the_profile_has_one(tmp_pa
     assert load_profile(str(path)) == physical
     with pytest.raises(ValueError, match="physical_peak_flops"):
         profile_from_dict(dict(old, physical_peak_flops={"fp32": 0.0}), "x")
+
+
+def _shaped(profile):
+    """``profile`` with a curve by rows for the forward product 768 x 2304 (GPT-2's qkv):
+    0.25 at 64 rows, 0.75 at 256."""
+    return profile.with_changes(matmul_shape_efficiency={
+        "fwd": {"768x2304": EfficiencyCurve(1.0, 0.0, ((64, 0.25), (256, 0.75)))}})
+
+
+def test_a_measured_product_shape_takes_its_efficiency_from_its_rows():
+    shaped = _shaped(CPU)
+    peak = shaped.matmul_peak("fp32")
+    flops = 2.0 * 128 * 768 * 2304
+    # halfway between 64 and 256 rows in log(rows): 0.5
+    assert shaped.matmul_time(flops, "fwd", "fp32", (128, 768, 2304)) == flops / (peak * 0.5)
+    assert shaped.matmul_time(flops, "fwd", "fp32", (1024, 768, 2304)) == flops / (peak * 0.75)
+    # another shape, another variant, or no dims: the curve by FLOPs
+    by_flops = flops / (peak * CPU.matmul_efficiency["fwd"](flops))
+    assert shaped.matmul_time(flops, "fwd", "fp32", (128, 2304, 768)) == by_flops
+    assert shaped.matmul_time(flops, "fwd", "fp32") == by_flops
+    assert shaped.matmul_time(flops, "bwd_input", "fp32", (128, 768, 2304)) == CPU.matmul_time(
+        flops, "bwd_input", "fp32")
+    # the graph's qkv products carry their shape, and the step's time follows the curve
+    work = (GPT2, Workload(1, 128), ParallelConfig())
+    qkv = [op for op in step_graph(*work) if op.name == "qkv"]
+    assert {op.dims for op in qkv} == {(128, 768, 2304)}
+    fwd = next(op for op in qkv if op.variant == "fwd")
+    assert op_time(fwd, shaped, "fp32") == (shaped.op_overhead + shaped.tape_overhead * fwd.tape_records
+                                             + max(flops / (peak * 0.5), shaped.memory_time(fwd.nbytes)))
+    assert estimate(*work, shaped).step_time != estimate(*work, CPU).step_time
+
+
+def test_shape_curves_round_trip_stretch_with_ranks_and_reject_bad_keys(tmp_path):
+    shaped = _shaped(load_profile("zen4-2core-vm"))
+    path = tmp_path / "shaped.json"
+    save_profile(shaped, str(path))
+    assert load_profile(str(path)) == shaped
+    view = shaped.rank_view(2)          # 2 ranks of 1 thread: each reaches at 32 rows what 2 threads do at 64
+    assert view.matmul_shape_efficiency["fwd"]["768x2304"].points == ((32, 0.25), (128, 0.75))
+    for bad in ({"fwd": {"768-2304": EfficiencyCurve(1.0, 0.0)}}, {"fwd": {"768x2304x1": EfficiencyCurve(1.0, 0.0)}},
+                {"sideways": {"768x2304": EfficiencyCurve(1.0, 0.0)}}, {"fwd": {"768x2304": 0.5}}):
+        with pytest.raises(ValueError, match="matmul_shape_efficiency"):
+            shaped.with_changes(matmul_shape_efficiency=bad)
 
 
 # -- the optimizer step: what the engine runs, at the rate calibration measured ----------
