@@ -62,7 +62,8 @@ FULL_CONFIGS = ((1, 64), (4, 64), (4, 256))
 # side of the square sgemm for the peak, the largest array of the bandwidth curve (log2
 # bytes), and the disk probe's bytes.  The quick one (first use: about 12 s on two cores,
 # where the full one takes 25 without the link probe) keeps the shapes and sizes: the
-# curves are tables by FLOPs, and a size left out is interpolated from its neighbours.
+# curves are tables (a product shape's by rows, the others by FLOPs or bytes), and a size
+# left out is interpolated from its neighbours.
 # The physical peak's loops run ``peak_seconds`` per repeat (the best of ``repeats``).
 FULL = {"configs": FULL_CONFIGS, "repeats": 7, "peak_size": 2048, "peak_seconds": 0.1, "max_array": 28,
         "disk_bytes": 1024 << 20}
