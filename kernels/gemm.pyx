@@ -59,15 +59,21 @@ cdef extern from *:
     #endif
     static int skinny_wide(void) { return SK_WIDE; }
 
+    static ptrdiff_t bc_max_m = SG_BC_MAX_M;
+    static ptrdiff_t set_bc_max_m(ptrdiff_t m) { ptrdiff_t old = bc_max_m; bc_max_m = m; return old; }
+
     /* The packed GEMM (kernels/sgemm.h) for one block, in place of BLAS, the bias
        (NULL: none) added in its micro-kernel and op(A)'s row sums added into a_sums
        (NULL: none) as it is packed: returns -1 (nothing written) where it cannot
-       run. */
+       run.  In eight lanes a forward x @ W^T of up to bc_max_m rows (SG_BC_MAX_M,
+       set_broadcast_max_m) reads W where it lies instead (sg_bcast). */
     static int packed_gemm(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                            float alpha, const float* A, ptrdiff_t lda, const float* B,
                            ptrdiff_t ldb, float beta, float* C, ptrdiff_t ldc,
                            const float* bias, double* a_sums) {
         if (K <= 0) return -1;
+        if (!SK_WIDE && trans_b && !trans_a && M <= bc_max_m && a_sums == NULL)
+            return sg_bcast_v8(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias);
         return ADT_LANES_CALL(SK_WIDE, sg_gemm, (M, N, K, alpha, A, trans_a ? 1 : lda,
                                                  trans_a ? lda : 1, B, trans_b ? 1 : ldb,
                                                  trans_b ? ldb : 1, beta, C, ldc, bias,
@@ -179,6 +185,7 @@ cdef extern from *:
     Py_ssize_t skinny_tn_limit(Py_ssize_t k) nogil
     Py_ssize_t depth_split_limit(Py_ssize_t m) nogil
     Py_ssize_t set_ds_max_m(Py_ssize_t m) nogil
+    Py_ssize_t set_bc_max_m(Py_ssize_t m) nogil
     void skinny_set_narrow(int narrow) nogil
     int skinny_wide() nogil
     int packed_gemm(int trans_a, int trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
@@ -214,6 +221,17 @@ def set_depth_split_max_m(Py_ssize_t m):
     if m < -1:
         raise ValueError(f"m must be -1 or more, got {m}")
     return set_ds_max_m(m)
+
+
+def set_broadcast_max_m(Py_ssize_t m):
+    """In eight lanes, run the packed route's forward products x @ W^T of at most ``m``
+    rows (default 128; 0: none) through the W-broadcast kernel (kernels/sgemm.h's
+    sg_bcast), the others through the packed GEMM.
+
+    For tests and benchmarks; returns the previous value."""
+    if m < 0:
+        raise ValueError(f"m must be 0 or more, got {m}")
+    return set_bc_max_m(m)
 
 
 def skinny_lanes():

@@ -355,12 +355,14 @@ def _check_gpt2_shapes_against_torch():
 # cross each blocking edge: rows past a multiple of the tile and of the 96-row
 # block, columns past the panel and the 512-column block of each thread (1024 for a
 # block of more than 512 rows), depths past the 256-deep block and past the 8 x 8
-# and 16 x 16 transposes.
+# and 16 x 16 transposes.  In eight lanes the forward (nt) of up to 128 rows takes
+# the W-broadcast kernel: 16-row tiles of x, 6 rows of W (N not a multiple of 6, the
+# 8-wide row store next to a block's last column), depth blocks of 512 at 120 rows.
 
 @pytest.mark.parametrize("lanes", _skinny_lanes())
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
 @pytest.mark.parametrize("M,N,K", [(65, 33, 1), (97, 31, 385), (130, 1, 200), (200, 2100, 70),
-                                   (77, 300, 800), (13, 1043, 523), (1100, 1500, 300)])
+                                   (77, 300, 800), (13, 1043, 523), (1100, 1500, 300), (120, 50, 1100)])
 def test_packed_gemm_matches_float64(layout, M, N, K, lanes):
     from kernels import gemm
     trans_a, trans_b = layout[0] == "t", layout[1] == "t"
@@ -398,6 +400,40 @@ def test_packed_gemm_setting():
         gemm.set_packed_gemm(3)
     old = gemm.set_packed_gemm(0)
     assert gemm.set_packed_gemm(old) == 0
+    with pytest.raises(ValueError, match="0 or more"):
+        gemm.set_broadcast_max_m(-1)
+    old = gemm.set_broadcast_max_m(0)
+    assert old == 128 and gemm.set_broadcast_max_m(old) == 0
+
+
+@pytest.mark.parametrize("M", [16, 41, 64, 128])
+def test_broadcast_forward_equals_the_packed_gemm_within_rounding_and_across_threads(M):
+    # The eight-lane forward of up to 128 rows reads W where it lies (sg_bcast); the
+    # packed GEMM (its routing turned off) is the twin.  Same bits on 1 and 2 threads.
+    from kernels import gemm
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, 300)).astype(np.float32)
+    w = rng.standard_normal((200, 300)).astype(np.float32)
+    bias = rng.standard_normal(200).astype(np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64) + bias
+    old_mode, old_m, old_lanes = gemm.set_packed_gemm(2), gemm.set_skinny_max_m(0), gemm.set_skinny_lanes(8)
+    got = {}
+    try:
+        for bc in (128, 0):
+            gemm.set_broadcast_max_m(bc)
+            for n in (1, 2):
+                c = np.full((M, 200), np.nan, np.float32)
+                got[bc, n] = gemm.gemm_rowmajor(c, x, w, bias, trans_b=True, n_threads=n)
+    finally:
+        gemm.set_broadcast_max_m(128)
+        gemm.set_packed_gemm(old_mode)
+        gemm.set_skinny_max_m(old_m)
+        gemm.set_skinny_lanes(old_lanes)
+    np.testing.assert_array_equal(got[128, 1], got[128, 2])
+    size = np.abs(x.astype(np.float64)) @ np.abs(w.T.astype(np.float64)) + np.abs(bias)
+    for c in got.values():
+        assert (np.abs(c - want) / size).max() < 1e-6
+    assert not np.array_equal(got[128, 1], got[0, 1])    # two kernels, two roundings
 
 
 def test_packed_gemm_buffers_are_freed_with_their_threads():
