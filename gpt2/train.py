@@ -324,42 +324,104 @@ def _choose_precision(args, n_threads):
 
 def _prepare(args, explicit, comm=None):
     """Check the options and read the inputs; None when a resumed run has nothing left to do."""
-    from gpt2 import checkpoint as ckpt
-    from gpt2.data import Examples, make_loader, split_sizes
     resumed, memory_from_checkpoint, own_save_hf = None, (), False
     if args.resume:
-        if args.init_from:
-            raise UsageError("--resume and --init-from exclude each other: the checkpoint "
-                             "holds the weights")
-        with blame("--resume"):
-            resumed = ckpt.read_checkpoint_header(args.resume)
-        saved = (resumed.extra or {}).get("args") or {}
-        for name in RESUMED_OPTIONS:
-            if name in saved and name not in explicit:
-                setattr(args, name, saved[name])
-        if "hf_export" in (resumed.extra or {}):
-            # Saved since the checkpoint records its export; older ones take neither.
-            for name in ("save_hf", "save_dtype"):
-                if saved.get(name) is not None and name not in explicit:
-                    setattr(args, name, saved[name])
-            # The run's own --save-hf, written by an earlier stretch of it: replaced.
-            own_save_hf = "save_hf" not in explicit and args.save_hf is not None
-        memory_from_checkpoint = _restore_memory_policy(args, explicit, saved)
-        if args.decay_steps is None and "steps" in saved:
-            # Saved before --decay-steps existed: that run decayed over its own --steps.
-            args.decay_steps = saved["steps"]
-        if args.out_dir is None:
-            args.out_dir = os.path.dirname(args.resume) or "."
-        if resumed.step >= args.steps:
-            from gpt2 import hf
-            if args.save_hf and ("save_hf" in explicit or not hf.weight_files(args.save_hf)):
-                if comm is None or comm.Get_rank() == 0:    # under mpiexec, rank 0 writes
-                    _export_checkpoint(args, resumed)
-                return None
-            print(f"{args.resume} is at step {resumed.step} of --steps {args.steps}: nothing "
-                  f"left to do (pass a larger --steps to train further); "
-                  f"{args.out_dir} is unchanged", flush=True)
+        resumed, memory_from_checkpoint, own_save_hf = _resume_options(args, explicit, comm)
+        if resumed is None:
             return None
+    _check_options(args, explicit, comm, resumed, memory_from_checkpoint, own_save_hf)
+    config, params, model_name, export_source = _model_config(args, explicit, resumed)
+    lora = _lora_config(args, explicit, config, resumed)
+    if lora is not None and resumed is not None:
+        params = _lora_base(args, resumed)
+    if args.seq_len is None:
+        args.seq_len = min(128, config.block_size)
+    if args.seq_len > config.block_size:
+        raise UsageError(f"-T {args.seq_len} exceeds the model's block_size {config.block_size}")
+    if args.max_memory is not None:
+        clash = [f"--{n.replace('_', '-')}" for n in ("tape_budget", "checkpointing", "snapshots",
+                                                      "offload")
+                 if n in explicit]
+        if clash:
+            raise UsageError(f"--max-memory chooses the memory policy itself: leave out "
+                             f"{' and '.join(clash)}")
+        if args.engine != "tape":
+            raise UsageError("--max-memory plans the tape engine's memory: leave out "
+                             "--engine manual")
+    _check_snapshots(args, explicit, config)
+    tokens, tokenizer = load_tokens(args, config)
+    if args.save_gguf:
+        _check_save_gguf(args, config)
+    _check_ids(tokens, "the data", config)
+    prompt_ids, stop_ids, from_bos = ([], (), False)
+    if args.sample_tokens:
+        prompt_ids, stop_ids, from_bos = _sample_start(args, tokenizer)
+    if prompt_ids and max(prompt_ids) >= config.vocab_size:
+        raise UsageError(f"--prompt {args.prompt!r} has token id {max(prompt_ids)}, outside "
+                         f"the model's vocabulary of {config.vocab_size}; use a matching "
+                         f"--tokenizer, or --sample-tokens 0")
+    train, val = _loaders(args, config, tokens, tokenizer, resumed)
+    plan = None
+    if args.max_memory is not None:
+        plan = _memory_plan(args, config, comm, lora, params)
+    history = []
+    if resumed is not None:
+        # The run's log lies beside its checkpoint; rows past the checkpoint will be redone.
+        with blame("--resume"):
+            history = read_log(os.path.join(os.path.dirname(args.resume) or ".", "log.csv"),
+                               resumed.step)
+    return RunInputs(config=config, model_name=model_name, params=params, resumed=resumed,
+                     history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
+                     stop_ids=stop_ids, from_bos=from_bos, train=train, val=val, plan=plan,
+                     memory_from_checkpoint=memory_from_checkpoint, export_source=export_source,
+                     own_save_hf=own_save_hf, lora=lora)
+
+
+def _resume_options(args, explicit, comm):
+    """--resume: the checkpoint's header, with the saved run's options taken where this
+    command line leaves them out.  Returns (header, the memory options taken from it,
+    whether --save-hf is the run's own), or a header of None when the run is done (its
+    export written where asked)."""
+    from gpt2 import checkpoint as ckpt
+    if args.init_from:
+        raise UsageError("--resume and --init-from exclude each other: the checkpoint "
+                         "holds the weights")
+    with blame("--resume"):
+        resumed = ckpt.read_checkpoint_header(args.resume)
+    saved = (resumed.extra or {}).get("args") or {}
+    for name in RESUMED_OPTIONS:
+        if name in saved and name not in explicit:
+            setattr(args, name, saved[name])
+    own_save_hf = False
+    if "hf_export" in (resumed.extra or {}):
+        # Saved since the checkpoint records its export; older ones take neither.
+        for name in ("save_hf", "save_dtype"):
+            if saved.get(name) is not None and name not in explicit:
+                setattr(args, name, saved[name])
+        # The run's own --save-hf, written by an earlier stretch of it: replaced.
+        own_save_hf = "save_hf" not in explicit and args.save_hf is not None
+    memory_from_checkpoint = _restore_memory_policy(args, explicit, saved)
+    if args.decay_steps is None and "steps" in saved:
+        # Saved before --decay-steps existed: that run decayed over its own --steps.
+        args.decay_steps = saved["steps"]
+    if args.out_dir is None:
+        args.out_dir = os.path.dirname(args.resume) or "."
+    if resumed.step >= args.steps:
+        from gpt2 import hf
+        if args.save_hf and ("save_hf" in explicit or not hf.weight_files(args.save_hf)):
+            if comm is None or comm.Get_rank() == 0:    # under mpiexec, rank 0 writes
+                _export_checkpoint(args, resumed)
+            return None, memory_from_checkpoint, own_save_hf
+        print(f"{args.resume} is at step {resumed.step} of --steps {args.steps}: nothing "
+              f"left to do (pass a larger --steps to train further); "
+              f"{args.out_dir} is unchanged", flush=True)
+        return None, memory_from_checkpoint, own_save_hf
+    return resumed, memory_from_checkpoint, own_save_hf
+
+
+def _check_options(args, explicit, comm, resumed, memory_from_checkpoint, own_save_hf):
+    """The options that do not need the model: the output directory, the validation split,
+    the spill directory and the combinations that cannot run together."""
     if args.out_dir is None:
         args.out_dir = DEFAULT_OUT_DIR
     if args.decay_steps is None:
@@ -408,29 +470,12 @@ def _prepare(args, explicit, comm=None):
         raise UsageError("--precision bf16 runs on the tape engine without --offload all: "
                          "leave out " + ("--engine manual" if args.engine != "tape"
                                          else "--offload all"))
-    config, params, model_name, export_source = _model_config(args, explicit, resumed)
-    lora = _lora_config(args, explicit, config, resumed)
-    if lora is not None and resumed is not None:
-        params = _lora_base(args, resumed)
-    if args.seq_len is None:
-        args.seq_len = min(128, config.block_size)
-    if args.seq_len > config.block_size:
-        raise UsageError(f"-T {args.seq_len} exceeds the model's block_size {config.block_size}")
-    if args.max_memory is not None:
-        clash = [f"--{n.replace('_', '-')}" for n in ("tape_budget", "checkpointing", "snapshots",
-                                                      "offload")
-                 if n in explicit]
-        if clash:
-            raise UsageError(f"--max-memory chooses the memory policy itself: leave out "
-                             f"{' and '.join(clash)}")
-        if args.engine != "tape":
-            raise UsageError("--max-memory plans the tape engine's memory: leave out "
-                             "--engine manual")
-    _check_snapshots(args, explicit, config)
-    tokens, tokenizer = load_tokens(args, config)
-    if args.save_gguf:
-        _check_save_gguf(args, config)
-    _check_ids(tokens, "the data", config)
+
+
+def _loaders(args, config, tokens, tokenizer, resumed):
+    """(training loader, validation loader or None): --val-data read, each split checked
+    to hold a batch, the training loader at the checkpoint's place in the data."""
+    from gpt2.data import Examples, make_loader, split_sizes
     val_tokens = None
     if args.val_data is not None and args.eval_interval:
         from gpt2.data import read_data
@@ -452,13 +497,6 @@ def _prepare(args, explicit, comm=None):
             raise UsageError(f"the {split} data has {n} tokens, too few for one batch of "
                              f"-B {args.batch_size} x -T {args.seq_len} (needs {needed}); use a "
                              f"smaller -B or -T, more data, or another --val-fraction")
-    prompt_ids, stop_ids, from_bos = ([], (), False)
-    if args.sample_tokens:
-        prompt_ids, stop_ids, from_bos = _sample_start(args, tokenizer)
-    if prompt_ids and max(prompt_ids) >= config.vocab_size:
-        raise UsageError(f"--prompt {args.prompt!r} has token id {max(prompt_ids)}, outside "
-                         f"the model's vocabulary of {config.vocab_size}; use a matching "
-                         f"--tokenizer, or --sample-tokens 0")
     with blame("--data"):
         train = make_loader(tokens, args.batch_size, args.seq_len, config.vocab_size,
                             split="train", val_fraction=args.val_fraction, seed=args.seed)
@@ -475,46 +513,39 @@ def _prepare(args, explicit, comm=None):
             val = make_loader(tokens, args.batch_size, args.seq_len, config.vocab_size,
                               split="val", val_fraction=args.val_fraction, shuffle=False,
                               seed=args.seed)
-    plan = None
-    if args.max_memory is not None:
-        import psutil
-        from tqdm import tqdm  # noqa: F401  (loaded before the baseline is taken)
-        # The loss plot's libraries (about 50 MiB resident) load after training, on top of
-        # the heap's high water: loaded now, the baseline counts them.
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: F401
+    return train, val
 
-        import gpt2.model  # noqa: F401
-        import gpt2.tape_engine  # noqa: F401
-        from gpt2.perfmodel.plan import plan_memory
-        # RuntimeError: the first use's calibration of this machine failed.
-        with blame("--max-memory", INPUT_ERRORS + (RuntimeError,)):
-            ranks = comm.Get_size() if comm is not None else 1
-            # A step holds the activations of one micro-batch at a time.
-            plan = plan_memory(config, max(1, args.batch_size // ranks // args.grad_accum),
-                               args.seq_len,
-                               args.max_memory,
-                               spill_dir=args.spill_dir, threads=args.threads,
-                               baseline_bytes=psutil.Process().memory_info().rss,
-                               # auto's choice is made later: plan for fp32, the larger
-                               precision="bf16" if args.precision == "bf16" else "fp32",
-                               # LoRA's base, if read already, is in the baseline and becomes
-                               # the model's (no copy of it is made)
-                               **({} if lora is None else dict(
-                                   lora=lora, base_dtype=args.base_dtype,
-                                   base_read_bytes=params.nbytes if params is not None else 0)))
-    history = []
-    if resumed is not None:
-        # The run's log lies beside its checkpoint; rows past the checkpoint will be redone.
-        with blame("--resume"):
-            history = read_log(os.path.join(os.path.dirname(args.resume) or ".", "log.csv"),
-                               resumed.step)
-    return RunInputs(config=config, model_name=model_name, params=params, resumed=resumed,
-                     history=history, tokens=tokens, tokenizer=tokenizer, prompt_ids=prompt_ids,
-                     stop_ids=stop_ids, from_bos=from_bos, train=train, val=val, plan=plan,
-                     memory_from_checkpoint=memory_from_checkpoint, export_source=export_source,
-                     own_save_hf=own_save_hf, lora=lora)
+
+def _memory_plan(args, config, comm, lora, params):
+    """--max-memory: the memory policy the planner picks (gpt2.perfmodel.plan), the
+    libraries a run loads resident first so that the baseline counts them."""
+    import psutil
+    from tqdm import tqdm  # noqa: F401  (loaded before the baseline is taken)
+    # The loss plot's libraries (about 50 MiB resident) load after training, on top of
+    # the heap's high water: loaded now, the baseline counts them.
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+    import gpt2.model  # noqa: F401
+    import gpt2.tape_engine  # noqa: F401
+    from gpt2.perfmodel.plan import plan_memory
+    # RuntimeError: the first use's calibration of this machine failed.
+    with blame("--max-memory", INPUT_ERRORS + (RuntimeError,)):
+        ranks = comm.Get_size() if comm is not None else 1
+        # A step holds the activations of one micro-batch at a time.
+        return plan_memory(config, max(1, args.batch_size // ranks // args.grad_accum),
+                           args.seq_len,
+                           args.max_memory,
+                           spill_dir=args.spill_dir, threads=args.threads,
+                           baseline_bytes=psutil.Process().memory_info().rss,
+                           # auto's choice is made later: plan for fp32, the larger
+                           precision="bf16" if args.precision == "bf16" else "fp32",
+                           # LoRA's base, if read already, is in the baseline and becomes
+                           # the model's (no copy of it is made)
+                           **({} if lora is None else dict(
+                               lora=lora, base_dtype=args.base_dtype,
+                               base_read_bytes=params.nbytes if params is not None else 0)))
 
 
 def _check_ids(tokens, what, config):
