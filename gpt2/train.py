@@ -910,43 +910,15 @@ def _train(args, inputs, n_threads, comm=None):
         model.close()
 
 
-def _train_model(args, inputs, model, n_threads, comm=None):
-    """Load the starting state, then the training loop, logging and saving as it goes."""
-    from tqdm import tqdm
-
-    from gpt2 import checkpoint as ckpt
-    from gpt2 import distributed
+def _print_header(args, inputs, model, n_threads, start_step):
+    """The run's header lines (model, batch, threads and BLAS, engine, precision, memory
+    policy, data, tokenizer, validation); returns the parameters that train."""
     from gpt2.data import Examples
-    from gpt2.evaluate import perplexity
     from gpt2.params import num_parameters as _num_parameters
     from kernels import blas_dispatch
-
     config, train, val = inputs.config, inputs.train, inputs.val
-    if inputs.params is not None:
-        model.set_params(inputs.params)
-    adapter_dir = os.path.join(args.out_dir, "adapter")
     examples = isinstance(inputs.tokens, Examples)
     data_ids = inputs.tokens.ids if examples else inputs.tokens
-    # Over MPI: every rank trains its rows of the global batch; rank 0 alone writes.
-    trainer = distributed.trainer_from_args(model, comm, args, data_ids)
-    writer = trainer is None or trainer.rank == 0
-    start_step = 0
-    if inputs.resumed is not None:
-        with blame("--resume"):
-            state = (trainer.load_checkpoint(args.resume) if trainer
-                     else ckpt.load_state(args.resume, model.state, config))
-        start_step = state.step
-    ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
-    with blame("--out-dir"):
-        if writer:
-            os.makedirs(args.out_dir, exist_ok=True)
-            ckpt.remove_stale_temporaries(ckpt_path)
-            if args.overwrite and not _resumes_in_place(args):
-                for name in RUN_OUTPUTS:   # nothing of the replaced run may pass for this one's
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(args.out_dir, name))
-        log = RunLog(os.path.join(args.out_dir, "log.csv") if writer else None, inputs.history)
-
     n_params = _num_parameters(config)
     lora_words = ""
     if model.adapter is not None:
@@ -977,16 +949,60 @@ def _train_model(args, inputs, model, n_threads, comm=None):
         print(line, flush=True)
     if val is not None:
         print(_describe_validation(args, val), flush=True)
+    return n_params
+
+
+def _checkpoint_extra(args, inputs):
+    """(the run's options as a checkpoint keeps them, the checkpoint's extra record): paths
+    made absolute, since a resumed run may start elsewhere, and the weights' source for
+    --save-hf of this run and of a run resuming it."""
     saved_args = dict(vars(args))
     for name in ("data", "val_data", "tokenizer"):
-        # The resumed run may start elsewhere: keep where the files are, not how they were named.
+        # Keep where the files are, not how they were named ("bytes" names no file).
         if saved_args[name] not in (None, "bytes"):
             saved_args[name] = os.path.abspath(saved_args[name])
     for name in ("spill_dir", "save_hf", "init_from", "lora_from"):
         if saved_args[name] is not None:
             saved_args[name] = os.path.abspath(saved_args[name])
-    # The source of the weights, for --save-hf of this run and of a run resuming it.
-    extra = {"args": saved_args, "hf_export": {"source": inputs.export_source}}
+    return saved_args, {"args": saved_args, "hf_export": {"source": inputs.export_source}}
+
+
+def _train_model(args, inputs, model, n_threads, comm=None):
+    """Load the starting state, then the training loop, logging and saving as it goes."""
+    from tqdm import tqdm
+
+    from gpt2 import checkpoint as ckpt
+    from gpt2 import distributed
+    from gpt2.data import Examples
+    from gpt2.evaluate import perplexity
+
+    config, train, val = inputs.config, inputs.train, inputs.val
+    if inputs.params is not None:
+        model.set_params(inputs.params)
+    adapter_dir = os.path.join(args.out_dir, "adapter")
+    data_ids = inputs.tokens.ids if isinstance(inputs.tokens, Examples) else inputs.tokens
+    # Over MPI: every rank trains its rows of the global batch; rank 0 alone writes.
+    trainer = distributed.trainer_from_args(model, comm, args, data_ids)
+    writer = trainer is None or trainer.rank == 0
+    start_step = 0
+    if inputs.resumed is not None:
+        with blame("--resume"):
+            state = (trainer.load_checkpoint(args.resume) if trainer
+                     else ckpt.load_state(args.resume, model.state, config))
+        start_step = state.step
+    ckpt_path = os.path.join(args.out_dir, "checkpoint.bin")
+    with blame("--out-dir"):
+        if writer:
+            os.makedirs(args.out_dir, exist_ok=True)
+            ckpt.remove_stale_temporaries(ckpt_path)
+            if args.overwrite and not _resumes_in_place(args):
+                for name in RUN_OUTPUTS:   # nothing of the replaced run may pass for this one's
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(args.out_dir, name))
+        log = RunLog(os.path.join(args.out_dir, "log.csv") if writer else None, inputs.history)
+
+    n_params = _print_header(args, inputs, model, n_threads, start_step)
+    saved_args, extra = _checkpoint_extra(args, inputs)
 
     # Parameters and both AdamW moments, in float32.
     schedule = SaveSchedule(args.checkpoint_interval, 12 * n_params)
