@@ -154,12 +154,26 @@ def _gemm_task(variant, rows, fan_in, fan_out, rng):
 
 
 def matmul_shapes(spec, configs):
-    """{(variant, rows, fan_in, fan_out): flops} of every matmul in the step at ``configs``."""
+    """{(variant, rows, fan_in, fan_out): flops} of every matmul in the step at ``configs``,
+    and of the same products at each power of two of rows between the fewest and the most
+    the configs have: the kernels change with the rows (on the Zen 3 the forward takes the
+    W-broadcast kernel up to 128 rows, the packed GEMM to 256, BLAS beyond), so a curve
+    by rows through 64, 256 and 1024 alone missed the 128-row step by 33%."""
     shapes = {}
     for b, t in configs:
         for op in step_graph(spec, Workload(b, t), ParallelConfig()):
             if op.op_class == "matmul":
                 shapes[(op.variant,) + tuple(int(d) for d in op.dims)] = op.gemm_flops
+    rows = [key[1] for key in shapes]
+    if rows:
+        grid, r = [], 1
+        while r < max(rows):
+            if r > min(rows):
+                grid.append(r)
+            r *= 2
+        for variant, _, fan_in, fan_out in list(shapes):
+            for r in grid:
+                shapes.setdefault((variant, r, fan_in, fan_out), 2.0 * r * fan_in * fan_out)
     return shapes
 
 

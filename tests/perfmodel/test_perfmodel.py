@@ -294,6 +294,17 @@ def test_mfu_is_taken_against_the_physical_peak_where_the_profile_has_one(tmp_pa
         profile_from_dict(dict(old, physical_peak_flops={"fp32": 0.0}), "x")
 
 
+def test_calibration_measures_products_at_every_power_of_two_of_rows_between_its_configs():
+    from gpt2.perfmodel.calibrate import matmul_shapes
+    shapes = matmul_shapes(GPT2, ((1, 64), (4, 64), (4, 256)))
+    qkv = sorted(rows for variant, rows, fan_in, fan_out in shapes
+                 if (variant, fan_in, fan_out) == ("fwd", 768, 2304))
+    assert qkv == [64, 128, 256, 512, 1024]
+    assert shapes[("bwd_weight", 128, 768, 50304)] == 2.0 * 128 * 768 * 50304
+    assert len(shapes) == 3 * 5 * 5          # variants x shapes (qkv, attproj, fc, fcproj, head) x rows
+    assert {rows for _, rows, _, _ in matmul_shapes(GPT2, ((2, 48),))} == {96}
+
+
 def _shaped(profile):
     """``profile`` with a curve by rows for the forward product 768 x 2304 (GPT-2's qkv):
     0.25 at 64 rows, 0.75 at 256."""
