@@ -570,11 +570,13 @@ ADT_LANES_ATTR
 static int ADT_LANES_FN(sg_bcast)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
                                   const float* x, ptrdiff_t lda, const float* W, ptrdiff_t ldw,
                                   float beta, float* C, ptrdiff_t ldc, const float* bias) {
-    float* xb = sg_thread_buffer();
-    if (xb == NULL) return -1;
     ptrdiff_t panels = (M + 15) / 16;
     ptrdiff_t kcb = SG_BC_X_FLOATS / (16 * panels) / 8 * 8;
     if (kcb > 1024) kcb = 1024;
+    if (kcb < 8) kcb = 8;                       /* more rows than it is meant for */
+    if ((size_t)(16 * panels * kcb) > SG_B_FLOATS) return -1;
+    float* xb = sg_thread_buffer();
+    if (xb == NULL) return -1;
     for (ptrdiff_t k0 = 0; k0 < K; k0 += kcb) {
         ptrdiff_t kc = K - k0 < kcb ? K - k0 : kcb;
         /* x[:, k0:k0+kc] as panels of 16 rows, 16 floats a depth; rows past M zero */

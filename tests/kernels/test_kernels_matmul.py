@@ -436,6 +436,28 @@ def test_broadcast_forward_equals_the_packed_gemm_within_rounding_and_across_thr
     assert not np.array_equal(got[128, 1], got[0, 1])    # two kernels, two roundings
 
 
+def test_broadcast_forward_past_its_rows_still_multiplies():
+    # set_broadcast_max_m lets any number of rows through (as many columns: a forward
+    # with fewer columns than rows is split by rows, never packed): the x panels' depth
+    # block shrinks to keep them within 256 KiB (104 deep at 600 rows, 32 at 2000, and
+    # no less than 8: 8200 rows).
+    from kernels import gemm
+    rng = np.random.default_rng(5)
+    old_mode, old_lanes = gemm.set_packed_gemm(2), gemm.set_skinny_lanes(8)
+    old_m = gemm.set_broadcast_max_m(1 << 20)
+    try:
+        for M, K in ((600, 300), (2000, 300), (8200, 20)):
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            w = rng.standard_normal((M, K)).astype(np.float32)
+            c = gemm.gemm_rowmajor(np.empty((M, M), np.float32), x, w, trans_b=True)
+            np.testing.assert_allclose(c, x.astype(np.float64) @ w.T.astype(np.float64),
+                                       rtol=1e-4, atol=1e-4)
+    finally:
+        gemm.set_broadcast_max_m(old_m)
+        gemm.set_packed_gemm(old_mode)
+        gemm.set_skinny_lanes(old_lanes)
+
+
 def test_packed_gemm_buffers_are_freed_with_their_threads():
     # Each thread packs into a 0.6 MiB buffer of its own, freed when the thread exits:
     # 120 short-lived threads must not leave 70 MiB behind.
