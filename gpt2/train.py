@@ -353,6 +353,7 @@ def _prepare(args, explicit, comm=None):
     if args.save_gguf:
         _check_save_gguf(args, config)
     _check_ids(tokens, "the data", config)
+    val_tokens = _validation_tokens(args, config, tokens, tokenizer)
     prompt_ids, stop_ids, from_bos = ([], (), False)
     if args.sample_tokens:
         prompt_ids, stop_ids, from_bos = _sample_start(args, tokenizer)
@@ -360,7 +361,7 @@ def _prepare(args, explicit, comm=None):
         raise UsageError(f"--prompt {args.prompt!r} has token id {max(prompt_ids)}, outside "
                          f"the model's vocabulary of {config.vocab_size}; use a matching "
                          f"--tokenizer, or --sample-tokens 0")
-    train, val = _loaders(args, config, tokens, tokenizer, resumed)
+    train, val = _loaders(args, config, tokens, val_tokens, resumed)
     plan = None
     if args.max_memory is not None:
         plan = _memory_plan(args, config, comm, lora, params)
@@ -472,10 +473,10 @@ def _check_options(args, explicit, comm, resumed, memory_from_checkpoint, own_sa
                                          else "--offload all"))
 
 
-def _loaders(args, config, tokens, tokenizer, resumed):
-    """(training loader, validation loader or None): --val-data read, each split checked
-    to hold a batch, the training loader at the checkpoint's place in the data."""
-    from gpt2.data import Examples, make_loader, split_sizes
+def _validation_tokens(args, config, tokens, tokenizer):
+    """--val-data read (None without it), and each split of the data checked to hold a
+    batch."""
+    from gpt2.data import Examples, split_sizes
     val_tokens = None
     if args.val_data is not None and args.eval_interval:
         from gpt2.data import read_data
@@ -497,6 +498,13 @@ def _loaders(args, config, tokens, tokenizer, resumed):
             raise UsageError(f"the {split} data has {n} tokens, too few for one batch of "
                              f"-B {args.batch_size} x -T {args.seq_len} (needs {needed}); use a "
                              f"smaller -B or -T, more data, or another --val-fraction")
+    return val_tokens
+
+
+def _loaders(args, config, tokens, val_tokens, resumed):
+    """(training loader, validation loader or None), the training loader at the
+    checkpoint's place in the data."""
+    from gpt2.data import make_loader
     with blame("--data"):
         train = make_loader(tokens, args.batch_size, args.seq_len, config.vocab_size,
                             split="train", val_fraction=args.val_fraction, seed=args.seed)
