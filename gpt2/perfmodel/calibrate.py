@@ -60,10 +60,11 @@ GPT2_124M = ModelSpec(12, 12, 768, 50257)
 FULL_CONFIGS = ((1, 64), (4, 64), (4, 256))
 # What a calibration runs: GPT-2 124M's shapes at these (B, T), repeats per figure, the
 # side of the square sgemm for the peak, the largest array of the bandwidth curve (log2
-# bytes), and the disk probe's bytes.  The quick one (first use: about 12 s on two cores,
-# where the full one takes 25 without the link probe) keeps the shapes and sizes: the
-# curves are tables (a product shape's by rows, the others by FLOPs or bytes), and a size
-# left out is interpolated from its neighbours.
+# bytes), and the disk probe's bytes.  The quick one (first use: about 28 s on the 2-core
+# Zen 3 VM, 6.5 of them the products at 128 and 512 rows; the full one, link probe
+# included, 77 s) keeps the shapes and sizes: the curves are tables (a product shape's by
+# rows, the others by FLOPs or bytes), and a size left out is interpolated from its
+# neighbours.
 # The physical peak's loops run ``peak_seconds`` per repeat (the best of ``repeats``).
 FULL = {"configs": FULL_CONFIGS, "repeats": 7, "peak_size": 2048, "peak_seconds": 0.1, "max_array": 28,
         "disk_bytes": 1024 << 20}
@@ -164,13 +165,9 @@ def matmul_shapes(spec, configs):
         for op in step_graph(spec, Workload(b, t), ParallelConfig()):
             if op.op_class == "matmul":
                 shapes[(op.variant,) + tuple(int(d) for d in op.dims)] = op.gemm_flops
-    rows = [key[1] for key in shapes]
-    if rows:
-        grid, r = [], 1
-        while r < max(rows):
-            if r > min(rows):
-                grid.append(r)
-            r *= 2
+    if shapes:
+        fewest, most = min(key[1] for key in shapes), max(key[1] for key in shapes)
+        grid = [1 << e for e in range(most.bit_length()) if fewest < 1 << e < most]
         for variant, _, fan_in, fan_out in list(shapes):
             for r in grid:
                 shapes.setdefault((variant, r, fan_in, fan_out), 2.0 * r * fan_in * fan_out)

@@ -75,9 +75,10 @@ def op_time(op, hardware, precision):
     """Seconds one op takes on one device: its FLOPs at the efficiency its size reaches
     (an op the profile did not measure: its dense-product FLOPs at the product rate of
     ``precision``, the rest at the fp32 rate), or its bytes at the bandwidth, whichever
-    is slower; where the profile measured the op itself (``MEASURED_WHOLE``), that measured time alone, which already includes its
-    memory traffic (taking the larger of it and a bandwidth time charged AdamW's bytes
-    twice: 150-190 ms predicted on GPT-2 124M against 62 ms measured)."""
+    is slower; where the profile measured the op itself (``MEASURED_WHOLE``), that
+    measured time alone, which already includes its memory traffic (taking the larger of
+    it and a bandwidth time charged AdamW's bytes twice: 150-190 ms predicted on GPT-2
+    124M against 62 ms measured)."""
     curve = None
     if op.op_class == "matmul":
         compute = hardware.matmul_time(op.flops, op.variant, op.precision or precision, op.dims)

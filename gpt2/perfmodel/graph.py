@@ -258,16 +258,17 @@ class _Builder:
         if saved is None:
             saved = (Saved(f"{name}.input", h * rows * fan_in / input_shard),)
         b = fan_out if bias else 0
+        dims = (rows, fan_in, fan_out)
         fwd = Op(name, "matmul", "fwd", layer, gemm, h * (rows * fan_in + fan_in * fan_out) + e * (rows * fan_out + b),
                  "fwd", tuple(saved), 1 if saved else 0, gemm, convert_bytes=(e + h) * rows * fan_in,
                  weight_convert_bytes=0.0 if self.base_bf16 else (e + h) * fan_in * fan_out, precision="bf16",
-                 dims=(rows, fan_in, fan_out))
+                 dims=dims)
         bwd_in = Op(name, "matmul", "bwd", layer, gemm, h * (rows * fan_out + fan_in * fan_out) + 2 * e * rows * fan_in,
                     "bwd_input", gemm_flops=gemm, convert_bytes=(e + h) * rows * fan_out, precision="bf16",
-                    dims=(rows, fan_in, fan_out))
+                    dims=dims)
         bwd_w = Op(name, "matmul", "bwd", layer, gemm + (rows * fan_out if bias else 0),
                    h * (rows * fan_out + rows * fan_in) + 2 * e * fan_in * fan_out + e * rows * fan_out * (1 if bias else 0),
-                   "bwd_weight", gemm_flops=gemm, precision="bf16", dims=(rows, fan_in, fan_out))
+                   "bwd_weight", gemm_flops=gemm, precision="bf16", dims=dims)
         return fwd, [bwd_in, bwd_w]
 
     def pointwise(self, name, op_class, layer, elems, fwd_flops, bwd_flops, fwd_rw, bwd_rw, saved=()):
