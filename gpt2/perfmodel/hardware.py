@@ -16,7 +16,8 @@ it, a table of (size, efficiency) points interpolated in log(size) and held flat
 its ends (caches make small copies faster than large ones, which no saturating curve
 can say).  Matmuls have one curve per product: the forward product and the two
 backward ones (input gradient, weight gradient), because BLAS runs their transposes at
-different speeds.  ``kernel_efficiency`` holds measured curves of our other kernels
+different speeds; a calibrated profile also has, per product, a curve by rows for each
+shape it measured (``matmul_shape_efficiency``), which products of that shape take.  ``kernel_efficiency`` holds measured curves of our other kernels
 (attention, layernorm, ...) by op class, as a share of the fp32 peak by FLOPs.
 
 A calibrated CPU profile's ``peak_flops`` is what a large sgemm reaches (the curves are
