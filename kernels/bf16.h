@@ -142,29 +142,16 @@ _Static_assert(BF_KC % 2 == 0 && BF_MC % BF_MR == 0 && BF_NC % BF_NR == 0,
 
 typedef uint32_t bf_pairs __attribute__((vector_size(64)));
 
-/* The AMX build's tiles: 32 x 32 of C (four 16 x 16 tiles of float32) from two tiles
-   of A (16 rows x 16 depth pairs) and two of B (16 depth pairs x 16 columns). */
-#define BF_AMX_MR 32
-#define BF_AMX_KP 16     /* depth pairs of a tile */
-_Static_assert(BF_MC % BF_AMX_MR == 0 && BF_NR == 32 && (BF_KC / 2) % BF_AMX_KP == 0,
-               "bf16.h: the blocks must hold whole AMX tiles");
-
-/* kp depth pairs padded to whole AMX tiles (the AMX build's panels; the others pass
-   kp itself as their panels' depth) */
-static inline ptrdiff_t bf_kpad(ptrdiff_t kp) {
-    return (kp + BF_AMX_KP - 1) / BF_AMX_KP * BF_AMX_KP;
-}
-
 /* The pairs of a packing buffer for an M x N x K product (K > 0): a block of B panels,
-   then one of A panels (sized for the AMX build's padding, which covers the others). */
+   then one of A panels. */
 static size_t bf_buffer_b_pairs(ptrdiff_t N, ptrdiff_t K) {
-    ptrdiff_t kp = bf_kpad(K < BF_KC ? (K + 1) / 2 : BF_KC / 2);
+    ptrdiff_t kp = K < BF_KC ? (K + 1) / 2 : BF_KC / 2;
     ptrdiff_t nc = N < BF_NC ? (N + BF_NR - 1) / BF_NR * BF_NR : BF_NC;
     return (size_t)nc * (size_t)kp;
 }
 static size_t bf_buffer_pairs(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K) {
-    ptrdiff_t kp = bf_kpad(K < BF_KC ? (K + 1) / 2 : BF_KC / 2);
-    ptrdiff_t mc = M < BF_MC ? (M + BF_AMX_MR - 1) / BF_AMX_MR * BF_AMX_MR : BF_MC;
+    ptrdiff_t kp = K < BF_KC ? (K + 1) / 2 : BF_KC / 2;
+    ptrdiff_t mc = M < BF_MC ? (M + BF_MR - 1) / BF_MR * BF_MR : BF_MC;
     return bf_buffer_b_pairs(N, K) + (size_t)mc * (size_t)kp;
 }
 
@@ -202,15 +189,14 @@ static void bf_pack_a(ptrdiff_t mc, ptrdiff_t kc, const uint16_t* A, ptrdiff_t a
     }
 }
 
-/* Pack op(B)[0:kc, 0:nc] (op(B)[k, j] = B[k b_rs + j b_cs]) as panels of BF_NR columns
-   and kpad >= (kc + 1) / 2 depth pairs: for each depth pair the panel's BF_NR pairs;
-   columns past nc, the odd depth past kc and the pairs past it are zero. */
+/* Pack op(B)[0:kc, 0:nc] (op(B)[k, j] = B[k b_rs + j b_cs]) as panels of BF_NR columns:
+   for each depth pair the panel's BF_NR pairs; columns past nc and the odd depth past
+   kc are zero. */
 ADT_MULTIVERSION
 static void bf_pack_b(ptrdiff_t kc, ptrdiff_t nc, const uint16_t* B, ptrdiff_t b_rs,
-                      ptrdiff_t b_cs, uint32_t* restrict pb, ptrdiff_t kpad) {
+                      ptrdiff_t b_cs, uint32_t* restrict pb) {
     ptrdiff_t kp = (kc + 1) / 2, kfull = kc / 2;
-    for (ptrdiff_t j = 0; j < nc; j += BF_NR, pb += kpad * BF_NR) {
-        memset(pb + kp * BF_NR, 0, (size_t)(kpad - kp) * BF_NR * sizeof *pb);
+    for (ptrdiff_t j = 0; j < nc; j += BF_NR, pb += kp * BF_NR) {
         ptrdiff_t nr = nc - j < BF_NR ? nc - j : BF_NR;
         const uint16_t* b = B + j * b_cs;
         if (b_rs == 1) {
@@ -275,35 +261,297 @@ BF_TARGET ADT_INLINE adt_v16 bf_dot_nat(adt_v16 acc, uint32_t a, bf_pairs b) {
 
 /* ---- the AMX build ---- */
 
-/* Pack op(A)[0:mc, 0:kc] for AMX: panels of BF_AMX_MR rows, each row its kpad depth
-   pairs in order (a tile of A is 16 rows of 16 pairs, read with a stride of kpad
-   pairs); rows past mc, the odd depth past kc and the pairs past it are zero. */
+/* The AMX product packs its operands once per product, into buffers that all the
+ * threads read (bf16.pyx runs it as phases: the pack tasks, then the tile tasks), where
+ * the other builds pack per block of C in each thread: a TDPBF16PS does 16 times the
+ * work of a VDPBF16PS on the same bytes, so packing per block cost more than the
+ * products (20-34% of the AMX peak on the Xeon EMR at 1024 rows, 16 threads).
+ *
+ * Layouts.  B: panels of 32 columns, each kpad rows of 32 pairs (the depth pairs, then
+ * zeros up to kpad, a multiple of 16); a B tile is 16 rows of a panel's 16 columns.  A:
+ * rows of kpad pairs, read where A lies when its rows run along the depth and the depth
+ * is a multiple of 32 (x in the forward, dout in dout @ W: no copy; the last M % 32 rows
+ * are copied into a zero-padded tile), else packed (dout^T in dout^T @ x).  Products
+ * whose packed operands would pass bf_amx_chunk_pairs are done in chunks of rows and of
+ * columns, each with its own pack phase.
+ *
+ * Sums: every element of C over blocks of BF_AMX_KB depth pairs in order, each block's
+ * tiles summed into C (its first from the bias or zero, or C's old value where it
+ * accumulates), as the native build's BF_KC blocks: however C is cut into tasks and
+ * chunks, and on any thread count, the same bits. */
+#define BF_AMX_MR 32          /* rows of a tile of C (two of A's tiles) */
+#define BF_AMX_KP 16          /* depth pairs of a tile */
+#define BF_AMX_KB (BF_KC / 2) /* depth pairs of a block: a B panel's block is 32 KiB */
+#define BF_AMX_PANELS 2       /* B panels a pack task lays out */
+/* a chunk's packed operands: at most 16 MiB each (bf16.pyx's _set_amx_chunk_pairs sets
+   it smaller for the tests) */
+static ptrdiff_t bf_amx_chunk_pairs = (ptrdiff_t)1 << 22;
+/* for the benchmarks (bf16.pyx's _set_amx_tiles): a task's rows and columns of C
+   (multiples of 32; 0: chosen by the shape and the threads) */
+static ptrdiff_t bf_amx_tiles[2] = {0, 0};
+_Static_assert(BF_NR == 32 && BF_AMX_KB % BF_AMX_KP == 0,
+               "bf16.h: the blocks must hold whole AMX tiles");
+
+/* kp depth pairs padded to whole AMX tiles */
+static inline ptrdiff_t bf_kpad(ptrdiff_t kp) {
+    return (kp + BF_AMX_KP - 1) / BF_AMX_KP * BF_AMX_KP;
+}
+
+static inline ptrdiff_t bf_ceil(ptrdiff_t a, ptrdiff_t b) { return (a + b - 1) / b; }
+
+/* Row-major C (M x N) (+= where accumulate) op(A) op(B) (+ bias per column), op(A)[i, k]
+   = A[i a_rs + k a_cs], op(B)[k, j] = B[k b_rs + j b_cs], M, N, K > 0; and its plan. */
+typedef struct {
+    ptrdiff_t M, N, K;
+    const uint16_t* A;
+    ptrdiff_t a_rs, a_cs;
+    const uint16_t* B;
+    ptrdiff_t b_rs, b_cs;
+    int accumulate;
+    float* C;
+    ptrdiff_t ldc;
+    const float* bias;
+    ptrdiff_t kpad;            /* depth pairs of the packed operands */
+    int a_direct;              /* A's tiles read from A (its rows 0 to m_full) */
+    ptrdiff_t m_full;          /* a_direct: the rows in whole tiles */
+    ptrdiff_t mch, nch;        /* rows and columns of a chunk (multiples of 32) */
+    ptrdiff_t mchunks, nchunks;
+    ptrdiff_t tile_m, tile_n;  /* a task's block of C */
+    uint32_t* pa;              /* A's chunk packed (mch rows of kpad pairs), or its tail */
+    uint32_t* pb;              /* B's chunk packed (nch / 32 panels) */
+} bf_amx_prod;
+
+typedef struct { ptrdiff_t i0, i1, j0, j1; } bf_amx_span;
+
+/* Plans p for n_threads; returns the pairs its packed operands need (bf_amx_attach). */
+static size_t bf_amx_init(bf_amx_prod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
+                          const uint16_t* A, ptrdiff_t a_rs, ptrdiff_t a_cs, const uint16_t* B,
+                          ptrdiff_t b_rs, ptrdiff_t b_cs, int accumulate, float* C,
+                          ptrdiff_t ldc, const float* bias, int n_threads) {
+    memset(p, 0, sizeof *p);
+    p->M = M, p->N = N, p->K = K, p->A = A, p->a_rs = a_rs, p->a_cs = a_cs;
+    p->B = B, p->b_rs = b_rs, p->b_cs = b_cs, p->accumulate = accumulate;
+    p->C = C, p->ldc = ldc, p->bias = bias;
+    p->kpad = bf_kpad((K + 1) / 2);
+    ptrdiff_t most = bf_amx_chunk_pairs / p->kpad / BF_NR * BF_NR;
+    if (most < BF_NR) most = BF_NR;
+    p->nch = bf_ceil(N, BF_NR) * BF_NR < most ? bf_ceil(N, BF_NR) * BF_NR : most;
+    p->nchunks = bf_ceil(N, p->nch);
+    p->a_direct = a_cs == 1 && K % (2 * BF_AMX_KP) == 0;
+    size_t a_pairs;
+    if (p->a_direct) {
+        p->m_full = M / BF_AMX_MR * BF_AMX_MR;
+        p->mch = M;
+        p->mchunks = 1;
+        a_pairs = M % BF_AMX_MR ? (size_t)BF_AMX_MR * (size_t)p->kpad : 0;
+    } else {
+        p->mch = bf_ceil(M, BF_AMX_MR) * BF_AMX_MR < most ? bf_ceil(M, BF_AMX_MR) * BF_AMX_MR : most;
+        p->mchunks = bf_ceil(M, p->mch);
+        a_pairs = (size_t)p->mch * (size_t)p->kpad;
+    }
+    /* tasks: the largest square tile that gives each thread about four (or the
+       benchmarks' bf_amx_tiles) */
+    ptrdiff_t rows = M < p->mch ? M : p->mch, cols = N < p->nch ? N : p->nch, tile = 256;
+    while (tile > BF_AMX_MR && bf_ceil(rows, tile) * bf_ceil(cols, tile) < 4 * (ptrdiff_t)n_threads)
+        tile /= 2;
+    p->tile_m = bf_amx_tiles[0] > 0 ? bf_amx_tiles[0] : tile;
+    p->tile_n = bf_amx_tiles[1] > 0 ? bf_amx_tiles[1] : tile;
+    return a_pairs + (size_t)p->nch * (size_t)p->kpad;
+}
+
+/* Gives p its packing buffer (bf_amx_init's pairs, 64-byte aligned). */
+static void bf_amx_attach(bf_amx_prod* p, uint32_t* buf) {
+    p->pb = buf;
+    p->pa = buf + (size_t)p->nch * (size_t)p->kpad;
+}
+
+static ptrdiff_t bf_amx_chunks(const bf_amx_prod* p) { return p->mchunks * p->nchunks; }
+
+static bf_amx_span bf_amx_chunk_span(const bf_amx_prod* p, ptrdiff_t chunk) {
+    bf_amx_span s;
+    s.i0 = chunk / p->nchunks * p->mch;
+    s.j0 = chunk % p->nchunks * p->nch;
+    s.i1 = s.i0 + p->mch < p->M ? s.i0 + p->mch : p->M;
+    s.j1 = s.j0 + p->nch < p->N ? s.j0 + p->nch : p->N;
+    return s;
+}
+
+/* The 32 rows of A from row i (of the chunk from row i0) as a tile reads them: the
+   first row's address, and the rows' stride in bytes. */
+static inline const char* bf_amx_a_rows(const bf_amx_prod* p, ptrdiff_t i0, ptrdiff_t i,
+                                        ptrdiff_t* stride) {
+    if (p->a_direct && i + BF_AMX_MR <= p->m_full) {
+        *stride = p->a_rs * (ptrdiff_t)sizeof(uint16_t);
+        return (const char*)(p->A + i * p->a_rs);
+    }
+    *stride = p->kpad * (ptrdiff_t)sizeof(uint32_t);
+    return (const char*)(p->a_direct ? p->pa : p->pa + (i - i0) * p->kpad);
+}
+
+/* The pack tasks of a chunk: B's panels, BF_AMX_PANELS a task (where the chunk needs
+   them: each chunk of columns once, or at every chunk of rows where there are several
+   of columns), then A's rows, 32 a task (at a chunk's first columns), or A's tail. */
+static ptrdiff_t bf_amx_pack_b_tasks(const bf_amx_prod* p, ptrdiff_t chunk) {
+    bf_amx_span s = bf_amx_chunk_span(p, chunk);
+    if (p->nchunks == 1 && chunk > 0) return 0;
+    return bf_ceil(s.j1 - s.j0, BF_NR * BF_AMX_PANELS);
+}
+static ptrdiff_t bf_amx_pack_tasks(const bf_amx_prod* p, ptrdiff_t chunk) {
+    bf_amx_span s = bf_amx_chunk_span(p, chunk);
+    ptrdiff_t a = 0;
+    if (p->a_direct)
+        a = chunk == 0 && p->M % BF_AMX_MR ? 1 : 0;
+    else if (chunk % p->nchunks == 0)
+        a = bf_ceil(s.i1 - s.i0, BF_AMX_MR);
+    return bf_amx_pack_b_tasks(p, chunk) + a;
+}
+
+static ptrdiff_t bf_amx_tile_tasks(const bf_amx_prod* p, ptrdiff_t chunk) {
+    bf_amx_span s = bf_amx_chunk_span(p, chunk);
+    return bf_ceil(s.i1 - s.i0, p->tile_m) * bf_ceil(s.j1 - s.j0, p->tile_n);
+}
+
+/* Lays out the panel of op(B)'s columns j to j + 32 (those below j_end) at panel. */
 ADT_MULTIVERSION
-static void bf_pack_a_amx(ptrdiff_t mc, ptrdiff_t kc, const uint16_t* A, ptrdiff_t a_rs,
-                          ptrdiff_t a_cs, uint32_t* restrict pa, ptrdiff_t kpad) {
-    ptrdiff_t kp = (kc + 1) / 2, kfull = kc / 2;
-    ptrdiff_t mpad = (mc + BF_AMX_MR - 1) / BF_AMX_MR * BF_AMX_MR;
-    if (a_cs == 1) {
-        /* rows along the depth (x, dout): a row's pairs are its bf16 in order */
-        for (ptrdiff_t r = 0; r < mc; r++) {
-            uint32_t* row = pa + r * kpad;
-            memcpy(row, A + r * a_rs, (size_t)kc * sizeof(uint16_t));
-            if (kp > kfull) row[kfull] = A[r * a_rs + 2 * kfull];
+static void bf_amx_pack_panel(const bf_amx_prod* p, ptrdiff_t j, ptrdiff_t j_end,
+                              uint32_t* restrict panel) {
+    ptrdiff_t K = p->K, kp = (K + 1) / 2, kfull = K / 2;
+    ptrdiff_t nr = j_end - j < BF_NR ? j_end - j : BF_NR;
+    const uint16_t* b = p->B + j * p->b_cs;
+    ptrdiff_t b_rs = p->b_rs, b_cs = p->b_cs;
+    if (b_rs == 1) {
+        /* columns along the depth (the forward's weight): a column's pairs are its bf16
+           in order (little-endian: the even depth in the low half), 16 of them at a time
+           so that the panel's rows being written stay in L1 */
+        for (ptrdiff_t q0 = 0; q0 < kp; q0 += BF_AMX_KP) {
+            ptrdiff_t q1 = q0 + BF_AMX_KP < kfull ? q0 + BF_AMX_KP : kfull;
+            for (ptrdiff_t c = 0; c < nr; c++) {
+                const uint16_t* col = b + c * b_cs;
+                for (ptrdiff_t q = q0; q < q1; q++)
+                    memcpy(&panel[q * BF_NR + c], col + 2 * q, sizeof(uint32_t));
+                if (kp > kfull && q0 <= kfull && kfull < q0 + BF_AMX_KP)   /* odd K */
+                    panel[kfull * BF_NR + c] = col[2 * kfull];
+            }
         }
     } else {
-        /* (dout^T): a depth pair at a time, across the rows */
-        for (ptrdiff_t p = 0; p < kp; p++) {
-            const uint16_t* lo = A + 2 * p * a_cs;
-            const uint16_t* hi = lo + a_cs;
-            int odd = 2 * p + 1 < kc;
-            for (ptrdiff_t r = 0; r < mc; r++)
-                pa[r * kpad + p] = (uint32_t)lo[r * a_rs] | (odd ? (uint32_t)hi[r * a_rs] << 16 : 0u);
+        /* rows along the columns (the weight in dout @ W, x in dout^T x): two rows
+           interleaved at a time */
+        for (ptrdiff_t q = 0; q < kp; q++) {
+            const uint16_t* lo = b + 2 * q * b_rs;
+            const uint16_t* hi = lo + b_rs;
+            uint32_t* row = panel + q * BF_NR;
+            if (2 * q + 1 < K)
+                for (ptrdiff_t c = 0; c < nr; c++)
+                    row[c] = (uint32_t)lo[c * b_cs] | (uint32_t)hi[c * b_cs] << 16;
+            else
+                for (ptrdiff_t c = 0; c < nr; c++) row[c] = lo[c * b_cs];
         }
     }
-    for (ptrdiff_t r = 0; r < mc; r++)
-        memset(pa + r * kpad + kp, 0, (size_t)(kpad - kp) * sizeof *pa);
-    memset(pa + mc * kpad, 0, (size_t)(mpad - mc) * (size_t)kpad * sizeof *pa);
+    for (ptrdiff_t q = 0; q < kp; q++)
+        for (ptrdiff_t c = nr; c < BF_NR; c++) panel[q * BF_NR + c] = 0;
+    memset(panel + kp * BF_NR, 0, (size_t)(p->kpad - kp) * BF_NR * sizeof *panel);
 }
+
+/* Lays out op(A)'s rows i to i + 32 (those below i_end; zeros past them) at rows. */
+ADT_MULTIVERSION
+static void bf_amx_pack_rows(const bf_amx_prod* p, ptrdiff_t i, ptrdiff_t i_end,
+                             uint32_t* restrict rows) {
+    ptrdiff_t K = p->K, kp = (K + 1) / 2, kfull = K / 2, kpad = p->kpad;
+    ptrdiff_t mr = i_end - i < BF_AMX_MR ? i_end - i : BF_AMX_MR;
+    ptrdiff_t a_rs = p->a_rs, a_cs = p->a_cs;
+    const uint16_t* a = p->A + i * a_rs;
+    if (a_cs == 1) {
+        /* rows along the depth: a row's pairs are its bf16 in order */
+        for (ptrdiff_t r = 0; r < mr; r++) {
+            const uint16_t* ar = a + r * a_rs;
+            uint32_t* out = rows + r * kpad;
+            memcpy(out, ar, (size_t)kfull * sizeof(uint32_t));
+            if (kp > kfull) out[kfull] = ar[2 * kfull];
+        }
+    } else {
+        /* (dout^T): 16 depth pairs at a time, each across the 32 rows (two rows of
+           dout interleaved), then turned into the rows' 64-byte runs */
+        uint32_t t[BF_AMX_KP][BF_AMX_MR] __attribute__((aligned(64)));
+        for (ptrdiff_t q0 = 0; q0 < kp; q0 += BF_AMX_KP) {
+            ptrdiff_t nq = kp - q0 < BF_AMX_KP ? kp - q0 : BF_AMX_KP;
+            for (ptrdiff_t q = 0; q < nq; q++) {
+                const uint16_t* lo = a + 2 * (q0 + q) * a_cs;
+                const uint16_t* hi = lo + a_cs;
+                if (2 * (q0 + q) + 1 < K)
+                    for (ptrdiff_t r = 0; r < mr; r++)
+                        t[q][r] = (uint32_t)lo[r * a_rs] | (uint32_t)hi[r * a_rs] << 16;
+                else
+                    for (ptrdiff_t r = 0; r < mr; r++) t[q][r] = lo[r * a_rs];
+            }
+            for (ptrdiff_t r = 0; r < mr; r++)
+                for (ptrdiff_t q = 0; q < nq; q++) rows[r * kpad + q0 + q] = t[q][r];
+        }
+    }
+    for (ptrdiff_t r = 0; r < mr; r++)
+        memset(rows + r * kpad + kp, 0, (size_t)(kpad - kp) * sizeof *rows);
+    memset(rows + mr * kpad, 0, (size_t)(BF_AMX_MR - mr) * (size_t)kpad * sizeof *rows);
+}
+
+/* Pack task t of chunk `chunk` (bf_amx_pack_tasks). */
+static void bf_amx_pack(const bf_amx_prod* p, ptrdiff_t chunk, ptrdiff_t t) {
+    bf_amx_span s = bf_amx_chunk_span(p, chunk);
+    ptrdiff_t nb = bf_amx_pack_b_tasks(p, chunk);
+    if (t < nb) {
+        ptrdiff_t j = s.j0 + t * BF_NR * BF_AMX_PANELS;
+        for (int k = 0; k < BF_AMX_PANELS && j < s.j1; k++, j += BF_NR)
+            bf_amx_pack_panel(p, j, s.j1, p->pb + (j - s.j0) / BF_NR * p->kpad * BF_NR);
+    } else if (p->a_direct) {
+        bf_amx_pack_rows(p, p->m_full, p->M, p->pa);
+    } else {
+        ptrdiff_t i = s.i0 + (t - nb) * BF_AMX_MR;
+        bf_amx_pack_rows(p, i, s.i1, p->pa + (i - s.i0) * p->kpad);
+    }
+}
+
+/* The twin: the AMX build's code on tiles held in memory, TDPBF16PS done as Intel's
+   pseudocode writes it (for each row, each depth pair, each column: the even product
+   added, then the odd; each product exact in float32), for the tests on any CPU. */
+typedef struct { uint32_t r[16][16]; } bf_twin_tile;
+
+static inline void bf_twin_load(bf_twin_tile* t, const void* src, ptrdiff_t stride) {
+    for (int i = 0; i < 16; i++) memcpy(t->r[i], (const char*)src + i * stride, 64);
+}
+static inline void bf_twin_store(const bf_twin_tile* t, void* dst, ptrdiff_t stride) {
+    for (int i = 0; i < 16; i++) memcpy((char*)dst + i * stride, t->r[i], 64);
+}
+ADT_MULTIVERSION
+static void bf_twin_dp(bf_twin_tile* c, const bf_twin_tile* a, const bf_twin_tile* b) {
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++) {
+            float acc = bf16_bits_f32(c->r[m][n]);
+            for (int k = 0; k < 16; k++) {
+                uint32_t x = a->r[m][k], y = b->r[k][n];
+                acc += bf16_bits_f32(x << 16) * bf16_bits_f32(y << 16);
+                acc += bf16_bits_f32(x & 0xFFFF0000u) * bf16_bits_f32(y & 0xFFFF0000u);
+            }
+            c->r[m][n] = bf16_f32_bits(acc);
+        }
+}
+
+#define BF_AMX_FN(f) f##_amxtwin
+#define BF_AMX_ATTR
+#define BF_AMX_STATE bf_twin_tile bf_tiles[8]
+#define BF_TCFG() ((void)0)
+#define BF_TREL() ((void)0)
+#define BF_TZERO(t) memset(&bf_tiles[t], 0, sizeof bf_tiles[t])
+#define BF_TLOAD(t, src, stride) bf_twin_load(&bf_tiles[t], src, stride)
+#define BF_TSTORE(t, dst, stride) bf_twin_store(&bf_tiles[t], dst, stride)
+#define BF_TDP(c, a, b) bf_twin_dp(&bf_tiles[c], &bf_tiles[a], &bf_tiles[b])
+#include "bf16_amx.h"
+#undef BF_AMX_FN
+#undef BF_AMX_ATTR
+#undef BF_AMX_STATE
+#undef BF_TCFG
+#undef BF_TREL
+#undef BF_TZERO
+#undef BF_TLOAD
+#undef BF_TSTORE
+#undef BF_TDP
 
 #if BF_HAVE_NATIVE
 #include "peak.h"
@@ -317,83 +565,8 @@ static int bf16_cpu_amx(void) {
     return has;
 }
 
-/* C tiles 0-3 (rows 0-15 | 16-31 x columns 0-15 | 16-31) += A tiles 4-5 x B tiles
-   6-7 over kpad depth pairs: pa a packed A panel (row stride kpad pairs), pb a
-   packed B panel (row stride BF_NR pairs). */
-BF_AMX_TARGET static inline void bf_amx_product(ptrdiff_t kpad, const uint32_t* pa,
-                                                const uint32_t* pb) {
-    for (ptrdiff_t p = 0; p < kpad; p += BF_AMX_KP) {
-        _tile_loadd(4, pa + p, kpad * 4);
-        _tile_loadd(5, pa + 16 * kpad + p, kpad * 4);
-        _tile_loadd(6, pb + p * BF_NR, BF_NR * 4);
-        _tile_loadd(7, pb + p * BF_NR + 16, BF_NR * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
-}
-
-/* Load C tiles 0-3 from the 32 x 32 float32 block at c (row stride ld floats), or
-   store them there. */
-BF_AMX_TARGET static inline void bf_amx_load_c(const float* c, ptrdiff_t ld) {
-    _tile_loadd(0, c, ld * 4);
-    _tile_loadd(1, c + 16, ld * 4);
-    _tile_loadd(2, c + 16 * ld, ld * 4);
-    _tile_loadd(3, c + 16 * ld + 16, ld * 4);
-}
-BF_AMX_TARGET static inline void bf_amx_store_c(float* c, ptrdiff_t ld) {
-    _tile_stored(0, c, ld * 4);
-    _tile_stored(1, c + 16, ld * 4);
-    _tile_stored(2, c + 16 * ld, ld * 4);
-    _tile_stored(3, c + 16 * ld + 16, ld * 4);
-}
-
-/* The 32 x 32 tile of C at c, mr x nr of it in C: C = init + the products, init being
-   C (where add) + bias[0:nr] (where not NULL), summed in the tiles.  A whole tile
-   reads and writes C in place (its init from C, from rows of the bias, or zero);
-   an edge tile goes through a buffer, the same sums in the same order. */
-BF_AMX_TARGET static void bf_amx_tile(ptrdiff_t kpad, const uint32_t* pa, const uint32_t* pb,
-                                      float* c, ptrdiff_t ldc, int add, const float* bias,
-                                      ptrdiff_t mr, ptrdiff_t nr) {
-    if (mr == BF_AMX_MR && nr == BF_NR && (bias == NULL || !add)) {
-        if (add) {
-            bf_amx_load_c(c, ldc);
-        } else if (bias != NULL) {
-            float rows[16][BF_NR] __attribute__((aligned(64)));
-            for (int r = 0; r < 16; r++) memcpy(rows[r], bias, sizeof rows[r]);
-            _tile_loadd(0, &rows[0][0], BF_NR * 4);
-            _tile_loadd(1, &rows[0][16], BF_NR * 4);
-            _tile_loadd(2, &rows[0][0], BF_NR * 4);
-            _tile_loadd(3, &rows[0][16], BF_NR * 4);
-        } else {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-        }
-        bf_amx_product(kpad, pa, pb);
-        bf_amx_store_c(c, ldc);
-        return;
-    }
-    float t[BF_AMX_MR][BF_NR] __attribute__((aligned(64)));
-    memset(t, 0, sizeof t);
-    for (ptrdiff_t r = 0; r < mr; r++)
-        for (ptrdiff_t j = 0; j < nr; j++)
-            t[r][j] = (add ? c[r * ldc + j] : 0.0f) + (bias != NULL ? bias[j] : 0.0f);
-    bf_amx_load_c(&t[0][0], BF_NR);
-    bf_amx_product(kpad, pa, pb);
-    bf_amx_store_c(&t[0][0], BF_NR);
-    for (ptrdiff_t r = 0; r < mr; r++)
-        memcpy(c + r * ldc, t[r], (size_t)nr * sizeof(float));
-}
-
-/* bf_gemm_twin's loops on AMX tiles: C (+= where accumulate) op(A) op(B) (+ bias),
-   each element summed over blocks of BF_KC depths in order, as the other builds. */
-BF_AMX_TARGET static void bf_gemm_amx(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const uint16_t* A,
-                                      ptrdiff_t a_rs, ptrdiff_t a_cs, const uint16_t* B,
-                                      ptrdiff_t b_rs, ptrdiff_t b_cs, int accumulate, float* C,
-                                      ptrdiff_t ldc, const float* bias, uint32_t* buf) {
+/* Eight tiles of 16 rows of 64 bytes. */
+BF_AMX_TARGET static inline void bf_amx_config(void) {
     struct adt_peak_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
@@ -402,41 +575,50 @@ BF_AMX_TARGET static void bf_gemm_amx(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, con
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
-    uint32_t* pb = buf;
-    uint32_t* pa = buf + bf_buffer_b_pairs(N, K);
-    for (ptrdiff_t j0 = 0; j0 < N; j0 += BF_NC) {
-        ptrdiff_t nc = N - j0 < BF_NC ? N - j0 : BF_NC;
-        for (ptrdiff_t k0 = 0; k0 < K; k0 += BF_KC) {
-            ptrdiff_t kc = K - k0 < BF_KC ? K - k0 : BF_KC;
-            ptrdiff_t kpad = bf_kpad((kc + 1) / 2);
-            int add = accumulate || k0 > 0;
-            bf_pack_b(kc, nc, B + k0 * b_rs + j0 * b_cs, b_rs, b_cs, pb, kpad);
-            for (ptrdiff_t i0 = 0; i0 < M; i0 += BF_MC) {
-                ptrdiff_t mc = M - i0 < BF_MC ? M - i0 : BF_MC;
-                bf_pack_a_amx(mc, kc, A + i0 * a_rs + k0 * a_cs, a_rs, a_cs, pa, kpad);
-                for (ptrdiff_t j = 0; j < nc; j += BF_NR) {
-                    ptrdiff_t nr = nc - j < BF_NR ? nc - j : BF_NR;
-                    const float* bj = k0 == 0 && bias != NULL ? bias + j0 + j : NULL;
-                    for (ptrdiff_t i = 0; i < mc; i += BF_AMX_MR) {
-                        ptrdiff_t mr = mc - i < BF_AMX_MR ? mc - i : BF_AMX_MR;
-                        bf_amx_tile(kpad, pa + i * kpad, pb + j * kpad,
-                                    C + (i0 + i) * ldc + j0 + j, ldc, add, bj, mr, nr);
-                    }
-                }
-            }
-        }
-    }
-    _tile_release();
 }
+
+#define BF_AMX_FN(f) f##_amx
+#define BF_AMX_ATTR BF_AMX_TARGET
+#define BF_AMX_STATE ((void)0)
+#define BF_TCFG() bf_amx_config()
+#define BF_TREL() _tile_release()
+#define BF_TZERO(t) _tile_zero(t)
+#define BF_TLOAD(t, src, stride) _tile_loadd(t, src, stride)
+#define BF_TSTORE(t, dst, stride) _tile_stored(t, dst, stride)
+#define BF_TDP(c, a, b) _tile_dpbf16ps(c, a, b)
+#include "bf16_amx.h"
+#undef BF_AMX_FN
+#undef BF_AMX_ATTR
+#undef BF_AMX_STATE
+#undef BF_TCFG
+#undef BF_TREL
+#undef BF_TZERO
+#undef BF_TLOAD
+#undef BF_TSTORE
+#undef BF_TDP
 #else
 static int bf16_cpu_amx(void) { return 0; }
 #endif
 
 /* The builds, as kernels/bf16.pyx numbers its paths. */
-enum { BF_PATH_NATIVE = 1, BF_PATH_TWIN = 2, BF_PATH_AMX = 3 };
+enum { BF_PATH_NATIVE = 1, BF_PATH_TWIN = 2, BF_PATH_AMX = 3, BF_PATH_AMX_TWIN = 4 };
+
+/* Tile task t of chunk `chunk` of p (bf_amx_tile_tasks) on the AMX build (BF_PATH_AMX)
+   or its twin. */
+static void bf_amx_run_task(int path, const bf_amx_prod* p, ptrdiff_t chunk, ptrdiff_t t) {
+#if BF_HAVE_NATIVE
+    if (path == BF_PATH_AMX) {
+        bf_amx_task_amx(p, chunk, t);
+        return;
+    }
+#else
+    (void)path;
+#endif
+    bf_amx_task_amxtwin(p, chunk, t);
+}
 
 /* C (+)= op(A) op(B) (+ bias) on the build `path` names (BF_PATH_NATIVE: AVX512_BF16,
-   BF_PATH_AMX: AMX-BF16 tiles, else the portable twin), packing into buf
+   else the portable twin), packing into buf
    (bf_buffer_pairs(M, N, K) pairs, 64-byte aligned). */
 static void bf_gemm(int path, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const uint16_t* A,
                     ptrdiff_t a_rs, ptrdiff_t a_cs, const uint16_t* B, ptrdiff_t b_rs,
@@ -445,10 +627,6 @@ static void bf_gemm(int path, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const uint1
 #if BF_HAVE_NATIVE
     if (path == BF_PATH_NATIVE) {
         bf_gemm_nat(M, N, K, A, a_rs, a_cs, B, b_rs, b_cs, accumulate, C, ldc, bias, buf);
-        return;
-    }
-    if (path == BF_PATH_AMX) {
-        bf_gemm_amx(M, N, K, A, a_rs, a_cs, B, b_rs, b_cs, accumulate, C, ldc, bias, buf);
         return;
     }
 #else

@@ -18,18 +18,21 @@ products, and sums dbias from the float32 dout.
 
 Three implementations, chosen at run time (``bf16_path()``; the default is the first
 this CPU has):
-  ``"amx"``       AMX-BF16 tiles (TDPBF16PS, 32 x 32 of C at a time) on packed pairs of
-                  depths, where the CPU has them and Linux grants the tile state;
+  ``"amx"``       AMX-BF16 tiles (TDPBF16PS, 32 x 32 of C at a time), where the CPU has
+                  them and Linux grants the tile state: each product's operands laid
+                  out once and shared by the threads (bf16.h), A read in place where
+                  its rows run along the depth;
   ``"native"``    AVX512_BF16 (VDPBF16PS) on packed pairs of depths, where the CPU has it;
   ``"emulated"``  everywhere else: the operands widened to float32 (exact) and multiplied
                   by ``kernels.gemm``'s float32 product, at float32's speed.
-A fourth, ``"twin"``, runs the native path's code with VDPBF16PS done by float32
-multiply-adds, for the tests (slow).  The products of two bf16 are exact in float32,
-so every path computes the exact products and sums them in float32; they differ only in
-the order of the sums (and the native and AMX paths read subnormal bf16 as zero).  None
-depends on the thread count: each splits its output into blocks that depend on the
-shapes alone (the packed paths into tiles of both rows and columns, enough for 16
-threads).
+Two more, ``"twin"`` and ``"amx_twin"``, run the native and the AMX path's code with
+VDPBF16PS and the tiles done in software, for the tests on any CPU (slow).  The products
+of two bf16 are exact in float32, so every path computes the exact products and sums
+them in float32; they differ only in the order of the sums (and the native and AMX
+paths read subnormal bf16 as zero).  None depends on the thread count: the native path
+splits its output into blocks that depend on the shapes alone (tiles of both rows and
+columns, enough for 16 threads), and the AMX path sums every element in blocks of
+depth whatever the split.
 
 Conversions have serial ``_naive`` twins for the tests.
 """
@@ -65,12 +68,27 @@ cdef extern from "bf16.h" nogil:
                  Py_ssize_t a_rs, Py_ssize_t a_cs, const uint16_t* B, Py_ssize_t b_rs,
                  Py_ssize_t b_cs, int accumulate, float* C, Py_ssize_t ldc, const float* bias,
                  uint32_t* buf)
+    ctypedef struct bf_amx_prod:
+        pass
+    size_t bf_amx_init(bf_amx_prod* p, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                       const uint16_t* A, Py_ssize_t a_rs, Py_ssize_t a_cs, const uint16_t* B,
+                       Py_ssize_t b_rs, Py_ssize_t b_cs, int accumulate, float* C,
+                       Py_ssize_t ldc, const float* bias, int n_threads)
+    void bf_amx_attach(bf_amx_prod* p, uint32_t* buf)
+    Py_ssize_t bf_amx_chunks(const bf_amx_prod* p)
+    Py_ssize_t bf_amx_pack_tasks(const bf_amx_prod* p, Py_ssize_t chunk)
+    Py_ssize_t bf_amx_tile_tasks(const bf_amx_prod* p, Py_ssize_t chunk)
+    void bf_amx_pack(const bf_amx_prod* p, Py_ssize_t chunk, Py_ssize_t t)
+    void bf_amx_run_task(int path, const bf_amx_prod* p, Py_ssize_t chunk, Py_ssize_t t)
+    Py_ssize_t bf_amx_chunk_pairs
+    Py_ssize_t bf_amx_tiles[2]
 
 cdef enum:
     PATH_EMULATED = 0
     PATH_NATIVE = 1
     PATH_TWIN = 2
     PATH_AMX = 3            # bf16.h's BF_PATH_* for the packed paths
+    PATH_AMX_TWIN = 4
     # Below this many elements converted (or dbias's dout elements) and this many
     # multiply-adds (kernels.gemm's threshold), a call runs on one thread.
     CONVERT_PARALLEL_MIN = 65536
@@ -102,7 +120,7 @@ cdef enum:
     CONVERT_ROUND_F32 = 2   # float32 -> its bf16 value in float32
 
 _PATH_NAMES = {PATH_EMULATED: "emulated", PATH_NATIVE: "native", PATH_TWIN: "twin",
-               PATH_AMX: "amx"}
+               PATH_AMX: "amx", PATH_AMX_TWIN: "amx_twin"}
 cdef int _path = (PATH_AMX if bf16_cpu_amx() else
                   PATH_NATIVE if bf16_cpu_native() else PATH_EMULATED)
 
@@ -119,8 +137,9 @@ def cpu_has_amx_bf16():
 
 def bf16_path():
     """Which implementation the products run: "amx" (AMX-BF16 tiles), "native"
-    (AVX512_BF16), "emulated" (widened to float32, kernels.gemm) or "twin" (the
-    native code, emulated; tests).  The default is the fastest this CPU has."""
+    (AVX512_BF16), "emulated" (widened to float32, kernels.gemm), "twin" or "amx_twin"
+    (the native or AMX code with the instructions done in software; tests).  The
+    default is the fastest this CPU has."""
     return _PATH_NAMES[_path]
 
 
@@ -155,6 +174,27 @@ def set_bf16_native(bint native):
     old = bf16_native()
     set_bf16_path("native" if native else "emulated")
     return old
+
+
+def _set_amx_chunk_pairs(Py_ssize_t pairs):
+    """Cap the AMX paths' packed operands at ``pairs`` uint32 each (4 Mi pairs, 16 MiB, by
+    default), for the tests of products done in chunks.  Returns the previous cap."""
+    global bf_amx_chunk_pairs
+    if pairs < 1:
+        raise ValueError(f"pairs must be positive, got {pairs}")
+    old = bf_amx_chunk_pairs
+    bf_amx_chunk_pairs = pairs
+    return old
+
+
+def _set_amx_tiles(Py_ssize_t tile_m=0, Py_ssize_t tile_n=0):
+    """The AMX paths' tasks: blocks of tile_m x tile_n of C (multiples of 32; 0: the
+    largest square that gives each thread about four), for the benchmarks.  The
+    results' bits do not depend on them."""
+    if tile_m < 0 or tile_n < 0 or tile_m % 32 or tile_n % 32:
+        raise ValueError(f"tiles must be multiples of 32 (or 0), got {tile_m} x {tile_n}")
+    bf_amx_tiles[0] = tile_m
+    bf_amx_tiles[1] = tile_n
 
 
 # ---------------------------------------------------------------- the engine
@@ -474,12 +514,157 @@ cdef int _emulated_backward(float* dinp, float* dweight, float* dbias, const flo
     return 0
 
 
+# The AMX paths run each call as rounds of chunks (one round unless a packed operand
+# would pass bf16.h's bf_amx_chunk_pairs), each round one parallel region of three
+# phases: the conversions (the first round), the pack tasks that lay the operands out
+# for all the threads, then the tile tasks (and dbias's channels, the first round).
+
+cdef int _amx_threads(const bf_amx_prod* prods, Py_ssize_t* sizes, int nprod,
+                      Py_ssize_t elements, int n_threads) noexcept nogil:
+    # n_threads, or 1 where the whole call is small
+    cdef int i
+    for i in range(nprod):
+        if sizes[i] >= PRODUCT_PARALLEL_MIN:
+            return n_threads
+    return n_threads if elements >= CONVERT_PARALLEL_MIN else 1
+
+
+cdef void _amx_pack_task(const bf_amx_prod* prods, int nprod, Py_ssize_t r,
+                         Py_ssize_t t) noexcept nogil:
+    cdef int i
+    cdef Py_ssize_t n
+    for i in range(nprod):
+        if r < bf_amx_chunks(&prods[i]):
+            n = bf_amx_pack_tasks(&prods[i], r)
+            if t < n:
+                bf_amx_pack(&prods[i], r, t)
+                return
+            t -= n
+
+
+cdef void _amx_tile_task(int path, const bf_amx_prod* prods, int nprod, Py_ssize_t r,
+                         const Dbias* db, Py_ssize_t t) noexcept nogil:
+    cdef int i
+    cdef Py_ssize_t n, c0
+    for i in range(nprod):
+        if r < bf_amx_chunks(&prods[i]):
+            n = bf_amx_tile_tasks(&prods[i], r)
+            if t < n:
+                bf_amx_run_task(path, &prods[i], r, t)
+                return
+            t -= n
+    c0 = t * BF_DBIAS_COLS
+    bf16_dbias_cols(db.dbias, db.dout, db.N, db.OC, c0, min(c0 + BF_DBIAS_COLS, db.OC),
+                    db.overwrite)
+
+
+cdef bint _amx_run(int path, const Convert* conv, int nconv, bf_amx_prod* prods, int nprod,
+                   size_t* pairs, const Dbias* db, int nt) noexcept nogil:
+    # prods planned (bf_amx_init, `pairs` each); their packing buffer, then the rounds.
+    # False where the buffer could not be had (nothing written).
+    cdef size_t total = 0
+    cdef Py_ssize_t rounds = 1, r, nchunks = 0, ndb = 0, npack, ntile, c, t
+    cdef int i
+    for i in range(nprod):
+        total += pairs[i]
+    cdef uint32_t* buf = <uint32_t*>_scratch(total, sizeof(uint32_t))
+    if buf == NULL:
+        return False
+    total = 0
+    for i in range(nprod):
+        bf_amx_attach(&prods[i], buf + total)
+        total += pairs[i]
+        rounds = max(rounds, bf_amx_chunks(&prods[i]))
+    for i in range(nconv):
+        nchunks += (conv[i].n + CONVERT_CHUNK - 1) // CONVERT_CHUNK
+    if db != NULL:
+        ndb = (db.OC + BF_DBIAS_COLS - 1) // BF_DBIAS_COLS
+    for r in range(rounds):
+        npack = ntile = 0
+        for i in range(nprod):
+            if r < bf_amx_chunks(&prods[i]):
+                npack += bf_amx_pack_tasks(&prods[i], r)
+                ntile += bf_amx_tile_tasks(&prods[i], r)
+        if r == 0:
+            ntile += ndb
+        else:
+            nchunks = 0
+        with parallel(num_threads=nt):
+            for c in prange(nchunks, schedule='dynamic', chunksize=1):
+                _convert_chunk(conv, nconv, c)
+            for t in prange(npack, schedule='dynamic', chunksize=1):
+                _amx_pack_task(prods, nprod, r, t)
+            for t in prange(ntile, schedule='dynamic', chunksize=1):
+                _amx_tile_task(path, prods, nprod, r, db, t)
+    free(buf)
+    return True
+
+
+cdef int _amx_forward(int path, float* out, const uint16_t* inp, const uint16_t* weight,
+                      const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
+                      int n_threads) except -1 nogil:
+    # out = inp @ weight.T + bias: inp read in place, weight laid out once
+    cdef bf_amx_prod p
+    cdef Py_ssize_t size = N * C * OC
+    cdef int nt = _amx_threads(&p, &size, 1, 0, n_threads)
+    cdef size_t pairs = bf_amx_init(&p, N, OC, C, inp, C, 1, weight, 1, C, False, out, OC,
+                                    bias, nt)
+    if not _amx_run(path, NULL, 0, &p, 1, &pairs, NULL, nt):
+        _out_of_memory("the packed operands")
+    return 0
+
+
+cdef int _amx_backward(int path, float* dinp, float* dweight, float* dbias,
+                       const float* dout, const uint16_t* inp, const uint16_t* weight,
+                       Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC, int n_threads, bint ow_dinp,
+                       bint ow_dweight, bint ow_dbias) except -1 nogil:
+    # dout rounded to bf16 once for both products (read in place by dout @ W, laid out
+    # transposed for dout^T @ inp)
+    cdef bf_amx_prod prods[2]
+    cdef size_t pairs[2]
+    cdef Py_ssize_t sizes[2]
+    cdef Convert conv
+    cdef Dbias db = Dbias(dbias, dout, N, OC, ow_dbias)
+    cdef int nprod = 0, nt
+    cdef uint16_t* d = <uint16_t*>_scratch(N * OC, sizeof(uint16_t))
+    if d == NULL:
+        _out_of_memory("dout in bf16")
+    conv = Convert(CONVERT_ROUND, dout, d, N * OC)
+    if dinp != NULL:
+        sizes[nprod] = N * C * OC
+        nprod += 1
+    if dweight != NULL:
+        sizes[nprod] = N * C * OC
+        nprod += 1
+    nt = _amx_threads(prods, sizes, nprod, N * OC, n_threads)
+    nprod = 0
+    if dinp != NULL:
+        pairs[nprod] = bf_amx_init(&prods[nprod], N, C, OC, d, OC, 1, weight, C, 1,
+                                   not ow_dinp, dinp, C, NULL, nt)
+        nprod += 1
+    if dweight != NULL:     # NULL: a frozen weight (LoRA's base), no weight gradient
+        pairs[nprod] = bf_amx_init(&prods[nprod], OC, C, N, d, 1, OC, inp, C, 1,
+                                   not ow_dweight, dweight, C, NULL, nt)
+        nprod += 1
+    cdef bint done = _amx_run(path, &conv, 1, prods, nprod, pairs,
+                              &db if dbias != NULL else NULL, nt)
+    free(d)
+    if not done:
+        _out_of_memory("the packed operands")
+    return 0
+
+
+
 cdef int matmul_forward_bf16_c(float* out, const uint16_t* inp, const uint16_t* weight,
                                const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
                                int n_threads) except -1 nogil:
     cdef int path = _path
     if path == PATH_EMULATED:
         return _emulated_forward(out, inp, weight, bias, N, C, OC, n_threads)
+    if path == PATH_AMX or path == PATH_AMX_TWIN:
+        if N > 0 and C > 0 and OC > 0:
+            return _amx_forward(path, out, inp, weight, bias, N, C, OC, n_threads)
+        path = PATH_TWIN      # nothing to multiply: the generic loops write the bias
     cdef Product p = _product(path, False, True, N, OC, C, inp, C, weight, C, False, out, OC, bias)
     cdef int nt = _threads(NULL, 0, &p, 1, NULL, n_threads)
     cdef uint32_t** bufs = _buffers(nt, p.plan.pairs)
@@ -498,6 +683,11 @@ cdef int matmul_backward_bf16_c(float* dinp, float* dweight, float* dbias, const
     if path == PATH_EMULATED:
         return _emulated_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC,
                                   n_threads, ow_dinp, ow_dweight, ow_dbias)
+    if path == PATH_AMX or path == PATH_AMX_TWIN:
+        if N > 0 and C > 0 and OC > 0:
+            return _amx_backward(path, dinp, dweight, dbias, dout, inp, weight, N, C, OC,
+                                 n_threads, ow_dinp, ow_dweight, ow_dbias)
+        path = PATH_TWIN      # nothing to multiply: the generic loops (zeros, dbias)
     # dout is rounded to bf16 once for both products.  Everything is allocated before
     # anything is written.
     cdef Product prods[2]

@@ -82,7 +82,7 @@ BF_ATTR static void BF_FN(bf_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const 
             ptrdiff_t kc = K - k0 < BF_KC ? K - k0 : BF_KC;
             ptrdiff_t kp = (kc + 1) / 2;
             int add = accumulate || k0 > 0;
-            bf_pack_b(kc, nc, B + k0 * b_rs + j0 * b_cs, b_rs, b_cs, pb, kp);
+            bf_pack_b(kc, nc, B + k0 * b_rs + j0 * b_cs, b_rs, b_cs, pb);
             for (ptrdiff_t i0 = 0; i0 < M; i0 += BF_MC) {
                 ptrdiff_t mc = M - i0 < BF_MC ? M - i0 : BF_MC;
                 bf_pack_a(mc, kc, A + i0 * a_rs + k0 * a_cs, a_rs, a_cs, pa);

@@ -1,7 +1,7 @@
 """kernels.bf16: the conversions bit for bit against NumPy, and every product shape of a
 linear layer against float64 on the bf16-rounded operands, on every path this CPU runs
-("emulated" everywhere, "twin" everywhere, "native" where it has AVX512_BF16, "amx"
-where it has AMX-BF16).
+("emulated", "twin" and "amx_twin" everywhere, "native" where it has AVX512_BF16,
+"amx" where it has AMX-BF16).
 
 The error bound of a product.  The operands are bf16 (8 significant bits), so each
 product a b is exact in float32 (16 bits; no product here underflows); an element of
@@ -63,7 +63,7 @@ def gamma(n):
 
 
 def paths():
-    return (["emulated", "twin"] + (["native"] if bf16.cpu_has_avx512_bf16() else [])
+    return (["emulated", "twin", "amx_twin"] + (["native"] if bf16.cpu_has_avx512_bf16() else [])
             + (["amx"] if bf16.cpu_has_amx_bf16() else []))
 
 
@@ -326,6 +326,40 @@ def test_results_do_not_depend_on_the_thread_count(path, N, C, OC):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(a, b)
+
+
+def amx_paths():
+    return ["amx_twin"] + (["amx"] if bf16.cpu_has_amx_bf16() else [])
+
+
+@pytest.mark.parametrize("amx", amx_paths())
+@pytest.mark.parametrize("N, C, OC", [(97, 64, 100), (64, 96, 70), (70, 45, 96), (33, 600, 64)])
+def test_amx_products_in_chunks_give_the_same_bits(amx, N, C, OC):
+    # The AMX paths lay each product's operands out once for all threads, in chunks
+    # of rows and columns where they would pass a cap: with the cap at a few tiles the
+    # chunks (several of rows and of columns, a row tail read in place or packed, an
+    # odd depth), cut into other tasks, give the unchunked bits, within the bound.
+    rng = np.random.default_rng(N * C + OC)
+    xb, wb, bias, dout = operands(rng, (N,), C, OC)
+    old = bf16.set_bf16_path(amx)
+    try:
+        whole = (forward_check(xb, wb, bias),) + backward_check(xb, wb, dout, prefill=1.0)
+        cap = bf16._set_amx_chunk_pairs(2048)
+        bf16._set_amx_tiles(64, 32)
+        try:
+            chunked = ((forward_check(xb, wb, bias),)
+                       + backward_check(xb, wb, dout, prefill=1.0))
+        finally:
+            bf16._set_amx_chunk_pairs(cap)
+            bf16._set_amx_tiles()
+    finally:
+        bf16.set_bf16_path(old)
+    for a, b in zip(whole, chunked):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="positive"):
+        bf16._set_amx_chunk_pairs(0)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        bf16._set_amx_tiles(48, 0)
 
 
 def test_native_matches_its_twin_bit_for_bit():

@@ -1,0 +1,106 @@
+/* The AMX build's tile loop, a template that kernels/bf16.h includes once per build (no
+ * include guard) with
+ *   BF_AMX_FN(f)            the build's name for f (f_amx, f_amxtwin),
+ *   BF_AMX_ATTR             its target attribute,
+ *   BF_AMX_STATE            the declarations its tile operations need (the twin's tiles),
+ *   BF_TCFG() / BF_TREL()   load the tile configuration (eight 16 x 64-byte tiles) /
+ *                           release the tiles,
+ *   BF_TZERO(t), BF_TLOAD(t, p, stride), BF_TSTORE(t, p, stride), BF_TDP(c, a, b)
+ *                           TILEZERO, TILELOADD, TILESTORED and TDPBF16PS (strides in
+ *                           bytes).
+ *
+ * One task of a product (bf16.h's bf_amx_prod): a tile_m x tile_n block of C, all of
+ * its depth, from operands that the pack phase has laid out once for all the threads
+ * (or A read where it lies).  For each block of BF_AMX_KB depth pairs (in order), each
+ * 32-column panel of B (its pairs stay in L1), each 32 rows of A: the 32 x 32 tile of
+ * C (four accumulator tiles, two of A and two of B: each loaded tile used twice). */
+
+/* The 32 x 32 tile of C at c, mr x nr of it in C, over kp depth pairs (a multiple of
+   16): C = init + the products, init being C (where add) + bias[0:nr] (where not NULL).
+   a: rows 0-15 of the A tile at a, rows 16-31 at a + 16 a_stride (bytes), each row's
+   pairs in order; b: a B panel, rows of 32 pairs (128 bytes).  A whole tile reads and
+   writes C in place (its init from C, from rows of the bias, or zero); an edge tile
+   goes through a buffer, the same sums in the same order. */
+BF_AMX_ATTR static void BF_AMX_FN(bf_amx_tile)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride,
+                                               const uint32_t* b, float* c, ptrdiff_t ldc,
+                                               int add, const float* bias, ptrdiff_t mr,
+                                               ptrdiff_t nr) {
+    BF_AMX_STATE;
+    float t[BF_AMX_MR][BF_NR] __attribute__((aligned(64)));
+    float* dst = c;
+    ptrdiff_t ld = ldc;
+    int whole = mr == BF_AMX_MR && nr == BF_NR && (bias == NULL || !add);
+    if (!whole) {
+        for (ptrdiff_t r = 0; r < BF_AMX_MR; r++)
+            for (ptrdiff_t j = 0; j < BF_NR; j++)
+                t[r][j] = r < mr && j < nr ? (add ? c[r * ldc + j] : 0.0f)
+                                                 + (bias != NULL ? bias[j] : 0.0f)
+                                           : 0.0f;
+        dst = &t[0][0];
+        ld = BF_NR;
+        add = 1;
+    }
+    if (add) {
+        BF_TLOAD(0, dst, ld * 4);
+        BF_TLOAD(1, dst + 16, ld * 4);
+        BF_TLOAD(2, dst + 16 * ld, ld * 4);
+        BF_TLOAD(3, dst + 16 * ld + 16, ld * 4);
+    } else if (bias != NULL) {
+        for (int r = 0; r < 16; r++) memcpy(t[r], bias, sizeof t[r]);
+        BF_TLOAD(0, &t[0][0], BF_NR * 4);
+        BF_TLOAD(1, &t[0][16], BF_NR * 4);
+        BF_TLOAD(2, &t[0][0], BF_NR * 4);
+        BF_TLOAD(3, &t[0][16], BF_NR * 4);
+    } else {
+        BF_TZERO(0);
+        BF_TZERO(1);
+        BF_TZERO(2);
+        BF_TZERO(3);
+    }
+    const char* a_lo = a;
+    const char* a_hi = a + 16 * a_stride;
+    for (ptrdiff_t p = 0; p < kp; p += BF_AMX_KP) {
+        BF_TLOAD(4, a_lo + 4 * p, a_stride);
+        BF_TLOAD(5, a_hi + 4 * p, a_stride);
+        BF_TLOAD(6, b + p * BF_NR, BF_NR * 4);
+        BF_TLOAD(7, b + p * BF_NR + 16, BF_NR * 4);
+        BF_TDP(0, 4, 6);
+        BF_TDP(1, 4, 7);
+        BF_TDP(2, 5, 6);
+        BF_TDP(3, 5, 7);
+    }
+    BF_TSTORE(0, dst, ld * 4);
+    BF_TSTORE(1, dst + 16, ld * 4);
+    BF_TSTORE(2, dst + 16 * ld, ld * 4);
+    BF_TSTORE(3, dst + 16 * ld + 16, ld * 4);
+    if (!whole)
+        for (ptrdiff_t r = 0; r < mr; r++) memcpy(c + r * ldc, t[r], (size_t)nr * sizeof(float));
+}
+
+/* Task t of chunk `chunk` of p: its block of C over all depths. */
+BF_AMX_ATTR static void BF_AMX_FN(bf_amx_task)(const bf_amx_prod* p, ptrdiff_t chunk,
+                                               ptrdiff_t t) {
+    bf_amx_span s = bf_amx_chunk_span(p, chunk);
+    ptrdiff_t tiles_n = (s.j1 - s.j0 + p->tile_n - 1) / p->tile_n;
+    ptrdiff_t r0 = s.i0 + t / tiles_n * p->tile_m, c0 = s.j0 + t % tiles_n * p->tile_n;
+    ptrdiff_t r1 = r0 + p->tile_m < s.i1 ? r0 + p->tile_m : s.i1;
+    ptrdiff_t c1 = c0 + p->tile_n < s.j1 ? c0 + p->tile_n : s.j1;
+    BF_TCFG();
+    for (ptrdiff_t k0 = 0; k0 < p->kpad; k0 += BF_AMX_KB) {
+        ptrdiff_t kp = p->kpad - k0 < BF_AMX_KB ? p->kpad - k0 : BF_AMX_KB;
+        int add = p->accumulate || k0 > 0;
+        for (ptrdiff_t j = c0; j < c1; j += BF_NR) {
+            const uint32_t* panel = p->pb + ((j - s.j0) / BF_NR * p->kpad + k0) * BF_NR;
+            const float* bias = k0 == 0 && p->bias != NULL ? p->bias + j : NULL;
+            ptrdiff_t nr = c1 - j < BF_NR ? c1 - j : BF_NR;
+            for (ptrdiff_t i = r0; i < r1; i += BF_AMX_MR) {
+                ptrdiff_t a_stride;
+                const char* a = bf_amx_a_rows(p, s.i0, i, &a_stride);
+                ptrdiff_t mr = r1 - i < BF_AMX_MR ? r1 - i : BF_AMX_MR;
+                BF_AMX_FN(bf_amx_tile)(kp, a + 4 * k0, a_stride, panel,
+                                       p->C + i * p->ldc + j, p->ldc, add, bias, mr, nr);
+            }
+        }
+    }
+    BF_TREL();
+}
