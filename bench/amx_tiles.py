@@ -6,7 +6,7 @@
 GPT-2 124M's linear layers at --rows rows, three products each (the forward x @ w.T,
 the weight gradient g.T @ x and the input gradient g @ w, each its own call:
 kernels.bf16 rounds g to bf16 inside each backward call), every product timed with
-each task tiling (``kernels.bf16._set_amx_tiles``; "auto" is the default: the largest
+each task tiling (``kernels.bf16._set_task_tiles``; "auto" is the default: the largest
 square giving each thread about four tasks) in turn, --rounds times; a rate is
 2*M*N*K over the median of three calls after one warm call, and the table gives each
 rate's median over the rounds.  The tiles change no bit of the results, only where the
@@ -82,12 +82,12 @@ def main(argv=None):
                                                         overwrite=True, n_threads=n)}
             for _ in range(args.rounds):
                 for tiling, (tm, tn) in args.tiles.items():
-                    bf16._set_amx_tiles(tm, tn)
+                    bf16._set_task_tiles(tm, tn)
                     for prod, fn in calls.items():
                         rates[tiling].setdefault(f"{name}.{prod}", []).append(
                             2 * M * K * N / median_call(fn) / 1e9)
     finally:
-        bf16._set_amx_tiles()
+        bf16._set_task_tiles()
     print(f"AMX bf16 products at {M} rows, {n} threads, {cpu_name()}: GFLOP/s, medians of "
           f"{args.rounds} interleaved rounds")
     print(f"{'product':>16} " + " ".join(f"{t:>9}" for t in args.tiles))

@@ -1,5 +1,5 @@
 /* bfloat16 for the bf16 kernels (kernels/bf16.pyx): the conversions, the CPU check and
- * the packed bf16-operand GEMM that accumulates in float32.
+ * the bf16-operand products that accumulate in float32.
  *
  * A bf16 is the top half of a float32 (sign, 8 exponent bits, 7 mantissa bits), held
  * in a uint16_t.  Widening is exact (the bits shifted up); narrowing rounds to nearest,
@@ -8,24 +8,25 @@
  * that GCC vectorizes in the target clones: they are bound by memory, and
  * VCVTNEPS2BF16 would flush subnormals to zero.
  *
- * The GEMM (bf16_gemm.h, included twice below) packs its operands as pairs of depths,
- * two bf16 in a uint32_t (the even depth in the low half), the layout VDPBF16PS reads:
- * for each depth pair p of a block, a panel of B holds BF_NR columns' pairs and a panel
- * of A BF_MR rows' pairs.  Its micro-kernel keeps BF_MR x 2 vectors of sixteen float32
- * accumulators (8 x 32: 16 of AVX-512's 32 registers) and does one broadcast of A's pair
- * and two VDPBF16PS per row and depth pair.  It is built
- *   - for AVX512_BF16 (bf_gemm_nat), run where bf16_cpu_native() says the CPU and the
- *     OS have it;
- *   - portably (bf_gemm_twin), with VDPBF16PS done by two float32 multiply-adds in the
- *     instruction's order, for the tests: the same packing, tiles and blocks, so that
- *     their logic is checked on any CPU.  The products of two bf16 are exact in
- *     float32, so each step rounds once either way: the twin gives the instruction's
- *     bits wherever no subnormal occurs (VDPBF16PS reads subnormal inputs as zero and
- *     flushes subnormal results to zero).
+ * The products (C (+)= op(A) op(B) (+ bias), A and B bf16, C float32) lay their operands
+ * out as pairs of depths, two bf16 in a uint32_t (the even depth in the low half), the
+ * layout VDPBF16PS and TDPBF16PS read, once per product for all the threads (the
+ * engine below, run as phases by bf16.pyx: the pack tasks, then the tile tasks).  The
+ * tile loop is built four times:
+ *   - VDPBF16PS (bf16_gemm.h): an 8 x 32 tile of C in sixteen zmm accumulators, one
+ *     broadcast of A's pair and two VDPBF16PS per row and depth pair; for AVX512_BF16
+ *     (bf_task_nat, where bf16_cpu_native() says the CPU and the OS have it) and
+ *     portably (bf_task_twin, VDPBF16PS done by two float32 multiply-adds in the
+ *     instruction's order: the products of two bf16 are exact in float32, so each step
+ *     rounds once either way and the twin gives the instruction's bits wherever no
+ *     subnormal occurs; the instruction reads subnormal inputs as zero and flushes
+ *     subnormal results);
+ *   - AMX (bf16_amx.h): a 32 x 32 tile of C in four tiles; with the tile instructions
+ *     (bf_amx_task_amx, where the CPU has AMX-BF16 and Linux grants the tiles) and
+ *     with the tiles held in memory (bf_amx_task_amxtwin, for the tests).
  * The order of the sums depends only on the depth: each element is summed over a block
- * of BF_KC depths (pairs in order, the odd depth of a pair before the even one, as the
- * instruction does) and the block's sum added into C.  How rows and columns are split
- * between threads changes nothing.
+ * of BF_KC depths (pairs in order) and the block's sum added into C.  How C is cut into
+ * tasks and chunks, and between threads, changes nothing.
  */
 #ifndef ADTAPE_KERNELS_BF16_H
 #define ADTAPE_KERNELS_BF16_H
@@ -130,165 +131,49 @@ static int bf16_cpu_native(void) {
 static int bf16_cpu_native(void) { return 0; }
 #endif
 
-/* ---- the packed GEMM: blocks and packing (shared by both builds) ---- */
+/* ---- the packed products: tiles and blocks ---- */
 
 #define BF_MR 8          /* rows of a tile */
 #define BF_NR 32         /* columns of a tile: two vectors of sixteen */
 #define BF_KC 512        /* depths of a block (256 pairs): a B panel is 32 KiB */
-#define BF_MC 96         /* rows of an A block */
-#define BF_NC 512        /* columns of a B block (512 KiB) */
-_Static_assert(BF_KC % 2 == 0 && BF_MC % BF_MR == 0 && BF_NC % BF_NR == 0,
-               "bf16.h: the blocks must hold whole tiles and pairs");
+_Static_assert(BF_KC % 2 == 0, "bf16.h: a block holds whole pairs");
 
 typedef uint32_t bf_pairs __attribute__((vector_size(64)));
+/* A uint32 read from a bf16 array (two bf16: a depth pair, the even depth low) */
+typedef uint32_t bf_u32 __attribute__((aligned(2), may_alias));
 
-/* The pairs of a packing buffer for an M x N x K product (K > 0): a block of B panels,
-   then one of A panels. */
-static size_t bf_buffer_b_pairs(ptrdiff_t N, ptrdiff_t K) {
-    ptrdiff_t kp = K < BF_KC ? (K + 1) / 2 : BF_KC / 2;
-    ptrdiff_t nc = N < BF_NC ? (N + BF_NR - 1) / BF_NR * BF_NR : BF_NC;
-    return (size_t)nc * (size_t)kp;
-}
-static size_t bf_buffer_pairs(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K) {
-    ptrdiff_t kp = K < BF_KC ? (K + 1) / 2 : BF_KC / 2;
-    ptrdiff_t mc = M < BF_MC ? (M + BF_MR - 1) / BF_MR * BF_MR : BF_MC;
-    return bf_buffer_b_pairs(N, K) + (size_t)mc * (size_t)kp;
-}
+/* ---- the engine: operands laid out once per product ---- */
 
-/* Pack op(A)[0:mc, 0:kc] (op(A)[i, k] = A[i a_rs + k a_cs]) as panels of BF_MR rows:
-   for each depth pair the panel's BF_MR pairs; rows past mc and the odd depth past kc
-   are zero. */
-ADT_MULTIVERSION
-static void bf_pack_a(ptrdiff_t mc, ptrdiff_t kc, const uint16_t* A, ptrdiff_t a_rs,
-                      ptrdiff_t a_cs, uint32_t* restrict pa) {
-    ptrdiff_t kp = (kc + 1) / 2, kfull = kc / 2;
-    for (ptrdiff_t i = 0; i < mc; i += BF_MR, pa += kp * BF_MR) {
-        ptrdiff_t mr = mc - i < BF_MR ? mc - i : BF_MR;
-        const uint16_t* a = A + i * a_rs;
-        if (a_cs == 1) {
-            /* rows along the depth (x, dout): a row at a time */
-            for (ptrdiff_t r = 0; r < mr; r++) {
-                const uint16_t* ar = a + r * a_rs;
-                for (ptrdiff_t p = 0; p < kfull; p++)
-                    pa[p * BF_MR + r] = (uint32_t)ar[2 * p] | (uint32_t)ar[2 * p + 1] << 16;
-                if (kp > kfull) pa[kfull * BF_MR + r] = ar[2 * kfull];
-            }
-        } else {
-            /* (dout^T): a depth pair at a time, across the rows */
-            for (ptrdiff_t p = 0; p < kp; p++) {
-                const uint16_t* lo = a + 2 * p * a_cs;
-                const uint16_t* hi = lo + a_cs;
-                int odd = 2 * p + 1 < kc;
-                for (ptrdiff_t r = 0; r < mr; r++)
-                    pa[p * BF_MR + r] = (uint32_t)lo[r * a_rs]
-                                        | (odd ? (uint32_t)hi[r * a_rs] << 16 : 0u);
-            }
-        }
-        for (ptrdiff_t r = mr; r < BF_MR; r++)
-            for (ptrdiff_t p = 0; p < kp; p++) pa[p * BF_MR + r] = 0;
-    }
-}
-
-/* Pack op(B)[0:kc, 0:nc] (op(B)[k, j] = B[k b_rs + j b_cs]) as panels of BF_NR columns:
-   for each depth pair the panel's BF_NR pairs; columns past nc and the odd depth past
-   kc are zero. */
-ADT_MULTIVERSION
-static void bf_pack_b(ptrdiff_t kc, ptrdiff_t nc, const uint16_t* B, ptrdiff_t b_rs,
-                      ptrdiff_t b_cs, uint32_t* restrict pb) {
-    ptrdiff_t kp = (kc + 1) / 2, kfull = kc / 2;
-    for (ptrdiff_t j = 0; j < nc; j += BF_NR, pb += kp * BF_NR) {
-        ptrdiff_t nr = nc - j < BF_NR ? nc - j : BF_NR;
-        const uint16_t* b = B + j * b_cs;
-        if (b_rs == 1) {
-            /* columns along the depth (the forward's weight): a column at a time */
-            for (ptrdiff_t c = 0; c < nr; c++) {
-                const uint16_t* bc = b + c * b_cs;
-                for (ptrdiff_t p = 0; p < kfull; p++)
-                    pb[p * BF_NR + c] = (uint32_t)bc[2 * p] | (uint32_t)bc[2 * p + 1] << 16;
-                if (kp > kfull) pb[kfull * BF_NR + c] = bc[2 * kfull];
-            }
-        } else {
-            /* rows along the columns (the weight in dout @ W, x in dout^T x): two rows
-               interleaved at a time */
-            for (ptrdiff_t p = 0; p < kp; p++) {
-                const uint16_t* lo = b + 2 * p * b_rs;
-                const uint16_t* hi = lo + b_rs;
-                if (2 * p + 1 < kc)
-                    for (ptrdiff_t c = 0; c < nr; c++)
-                        pb[p * BF_NR + c] = (uint32_t)lo[c * b_cs] | (uint32_t)hi[c * b_cs] << 16;
-                else
-                    for (ptrdiff_t c = 0; c < nr; c++) pb[p * BF_NR + c] = lo[c * b_cs];
-            }
-        }
-        for (ptrdiff_t c = nr; c < BF_NR; c++)
-            for (ptrdiff_t p = 0; p < kp; p++) pb[p * BF_NR + c] = 0;
-    }
-}
-
-/* ---- the two builds of the micro-kernel and its loops ---- */
-
-/* acc + the dot products of the sixteen pairs of b with the pair a, the odd depth
-   first: VDPBF16PS, done with float32 multiply-adds (each product is exact) */
-ADT_INLINE adt_v16 bf_dot_twin(adt_v16 acc, uint32_t a, bf_pairs b) {
-    float a_even = bf16_bits_f32(a << 16), a_odd = bf16_bits_f32(a & 0xFFFF0000u);
-    adt_v16 b_even = (adt_v16)(b << 16), b_odd = (adt_v16)(b & 0xFFFF0000u);
-    acc = acc + a_odd * b_odd;
-    return acc + a_even * b_even;
-}
-
-#define BF_FN(f) f##_twin
-#define BF_ATTR ADT_MULTIVERSION
-#define BF_DOT(acc, a, b) bf_dot_twin(acc, a, b)
-#include "bf16_gemm.h"
-#undef BF_FN
-#undef BF_ATTR
-#undef BF_DOT
-
-#if BF_HAVE_NATIVE
-#define BF_TARGET __attribute__((target("avx512f,avx512bf16")))
-BF_TARGET ADT_INLINE adt_v16 bf_dot_nat(adt_v16 acc, uint32_t a, bf_pairs b) {
-    return (adt_v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)a),
-                                     (__m512bh)b);
-}
-#define BF_FN(f) f##_nat
-#define BF_ATTR BF_TARGET
-#define BF_DOT(acc, a, b) bf_dot_nat(acc, a, b)
-#include "bf16_gemm.h"
-#undef BF_FN
-#undef BF_ATTR
-#undef BF_DOT
-#endif
-
-/* ---- the AMX build ---- */
-
-/* The AMX product packs its operands once per product, into buffers that all the
- * threads read (bf16.pyx runs it as phases: the pack tasks, then the tile tasks), where
- * the other builds pack per block of C in each thread: a TDPBF16PS does 16 times the
- * work of a VDPBF16PS on the same bytes, so packing per block cost more than the
- * products (20-34% of the AMX peak on the Xeon EMR at 1024 rows, 16 threads).
+/* The packed paths lay each product's operands out once, into buffers that all the
+ * threads read.  They used to pack both per 256 x 256 block of C in each thread, as
+ * Goto/BLIS GEMMs do per thread: on the Xeon EMR at 16 threads the AMX path's packing
+ * cost more than its products (a TDPBF16PS does 16 times a VDPBF16PS's work on the
+ * same bytes: 20-34% of the AMX peak at 1024 rows), and at a (4, 256) step's shapes a
+ * block packs 390 K bf16 in about 127 us on one Zen 3 core, against the ~200 us of
+ * VDPBF16PS work it feeds on a Zen 5 core.
  *
  * Layouts.  B: panels of 32 columns, each kpad rows of 32 pairs (the depth pairs, then
- * zeros up to kpad, a multiple of 16); a B tile is 16 rows of a panel's 16 columns.  A:
- * rows of kpad pairs, read where A lies when its rows run along the depth and the depth
- * is a multiple of 32 (x in the forward, dout in dout @ W: no copy; the last M % 32 rows
- * are copied into a zero-padded tile), else packed (dout^T in dout^T @ x).  Products
- * whose packed operands would pass bf_amx_chunk_pairs are done in chunks of rows and of
- * columns, each with its own pack phase.
+ * zeros up to kpad, a multiple of 16); a B tile (AMX) is 16 rows of a panel's 16
+ * columns, a VDPBF16PS step a row's two vectors.  A: rows of kpad pairs, read where A
+ * lies when its rows run along the depth and the depth is a multiple of 32 (x in the
+ * forward, dout in dout @ W: no copy; the last M % 32 rows are copied into a
+ * zero-padded tile), else packed (dout^T in dout^T @ x).  Products whose packed
+ * operands would pass bf_sp_chunk_pairs are done in chunks of rows and of columns, each
+ * with its own pack phase.
  *
- * Sums: every element of C over blocks of BF_AMX_KB depth pairs in order, each block's
- * tiles summed into C (its first from the bias or zero, or C's old value where it
- * accumulates), as the native build's BF_KC blocks: however C is cut into tasks and
- * chunks, and on any thread count, the same bits. */
+ * Sums: every element of C over blocks of BF_KC depths in order, each block's sum added
+ * into C (its first onto the bias or zero, or C's old value where it accumulates):
+ * however C is cut into tasks and chunks, and on any thread count, the same bits. */
 #define BF_AMX_MR 32          /* rows of a tile of C (two of A's tiles) */
 #define BF_AMX_KP 16          /* depth pairs of a tile */
 #define BF_AMX_KB (BF_KC / 2) /* depth pairs of a block: a B panel's block is 32 KiB */
-#define BF_AMX_PANELS 2       /* B panels a pack task lays out */
-/* a chunk's packed operands: at most 16 MiB each (bf16.pyx's _set_amx_chunk_pairs sets
-   it smaller for the tests) */
-static ptrdiff_t bf_amx_chunk_pairs = (ptrdiff_t)1 << 22;
-/* for the benchmarks (bf16.pyx's _set_amx_tiles): a task's rows and columns of C
+#define BF_SP_PANELS 2       /* B panels a pack task lays out */
+/* a chunk's packed operands: at most 16 MiB each (bf16.pyx's _set_chunk_pairs sets it
+   smaller for the tests) */
+static ptrdiff_t bf_sp_chunk_pairs = (ptrdiff_t)1 << 22;
+/* for the benchmarks (bf16.pyx's _set_task_tiles): a task's rows and columns of C
    (multiples of 32; 0: chosen by the shape and the threads) */
-static ptrdiff_t bf_amx_tiles[2] = {0, 0};
+static ptrdiff_t bf_sp_tiles[2] = {0, 0};
 _Static_assert(BF_NR == 32 && BF_AMX_KB % BF_AMX_KP == 0,
                "bf16.h: the blocks must hold whole AMX tiles");
 
@@ -319,12 +204,12 @@ typedef struct {
     ptrdiff_t tile_m, tile_n;  /* a task's block of C */
     uint32_t* pa;              /* A's chunk packed (mch rows of kpad pairs), or its tail */
     uint32_t* pb;              /* B's chunk packed (nch / 32 panels) */
-} bf_amx_prod;
+} bf_sprod;
 
-typedef struct { ptrdiff_t i0, i1, j0, j1; } bf_amx_span;
+typedef struct { ptrdiff_t i0, i1, j0, j1; } bf_sp_span;
 
-/* Plans p for n_threads; returns the pairs its packed operands need (bf_amx_attach). */
-static size_t bf_amx_init(bf_amx_prod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
+/* Plans p for n_threads; returns the pairs its packed operands need (bf_sp_attach). */
+static size_t bf_sp_init(bf_sprod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                           const uint16_t* A, ptrdiff_t a_rs, ptrdiff_t a_cs, const uint16_t* B,
                           ptrdiff_t b_rs, ptrdiff_t b_cs, int accumulate, float* C,
                           ptrdiff_t ldc, const float* bias, int n_threads) {
@@ -333,11 +218,11 @@ static size_t bf_amx_init(bf_amx_prod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
     p->B = B, p->b_rs = b_rs, p->b_cs = b_cs, p->accumulate = accumulate;
     p->C = C, p->ldc = ldc, p->bias = bias;
     p->kpad = bf_kpad((K + 1) / 2);
-    ptrdiff_t most = bf_amx_chunk_pairs / p->kpad / BF_NR * BF_NR;
+    ptrdiff_t most = bf_sp_chunk_pairs / p->kpad / BF_NR * BF_NR;
     if (most < BF_NR) most = BF_NR;
     p->nch = bf_ceil(N, BF_NR) * BF_NR < most ? bf_ceil(N, BF_NR) * BF_NR : most;
     p->nchunks = bf_ceil(N, p->nch);
-    p->a_direct = a_cs == 1 && K % (2 * BF_AMX_KP) == 0;
+    p->a_direct = a_cs == 1 && a_rs % 2 == 0 && K % (2 * BF_AMX_KP) == 0;
     size_t a_pairs;
     if (p->a_direct) {
         p->m_full = M / BF_AMX_MR * BF_AMX_MR;
@@ -350,25 +235,25 @@ static size_t bf_amx_init(bf_amx_prod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
         a_pairs = (size_t)p->mch * (size_t)p->kpad;
     }
     /* tasks: the largest square tile that gives each thread about four (or the
-       benchmarks' bf_amx_tiles) */
+       benchmarks' bf_sp_tiles) */
     ptrdiff_t rows = M < p->mch ? M : p->mch, cols = N < p->nch ? N : p->nch, tile = 256;
     while (tile > BF_AMX_MR && bf_ceil(rows, tile) * bf_ceil(cols, tile) < 4 * (ptrdiff_t)n_threads)
         tile /= 2;
-    p->tile_m = bf_amx_tiles[0] > 0 ? bf_amx_tiles[0] : tile;
-    p->tile_n = bf_amx_tiles[1] > 0 ? bf_amx_tiles[1] : tile;
+    p->tile_m = bf_sp_tiles[0] > 0 ? bf_sp_tiles[0] : tile;
+    p->tile_n = bf_sp_tiles[1] > 0 ? bf_sp_tiles[1] : tile;
     return a_pairs + (size_t)p->nch * (size_t)p->kpad;
 }
 
-/* Gives p its packing buffer (bf_amx_init's pairs, 64-byte aligned). */
-static void bf_amx_attach(bf_amx_prod* p, uint32_t* buf) {
+/* Gives p its packing buffer (bf_sp_init's pairs, 64-byte aligned). */
+static void bf_sp_attach(bf_sprod* p, uint32_t* buf) {
     p->pb = buf;
     p->pa = buf + (size_t)p->nch * (size_t)p->kpad;
 }
 
-static ptrdiff_t bf_amx_chunks(const bf_amx_prod* p) { return p->mchunks * p->nchunks; }
+static ptrdiff_t bf_sp_chunks(const bf_sprod* p) { return p->mchunks * p->nchunks; }
 
-static bf_amx_span bf_amx_chunk_span(const bf_amx_prod* p, ptrdiff_t chunk) {
-    bf_amx_span s;
+static bf_sp_span bf_sp_chunk_span(const bf_sprod* p, ptrdiff_t chunk) {
+    bf_sp_span s;
     s.i0 = chunk / p->nchunks * p->mch;
     s.j0 = chunk % p->nchunks * p->nch;
     s.i1 = s.i0 + p->mch < p->M ? s.i0 + p->mch : p->M;
@@ -376,44 +261,44 @@ static bf_amx_span bf_amx_chunk_span(const bf_amx_prod* p, ptrdiff_t chunk) {
     return s;
 }
 
-/* The 32 rows of A from row i (of the chunk from row i0) as a tile reads them: the
-   first row's address, and the rows' stride in bytes. */
-static inline const char* bf_amx_a_rows(const bf_amx_prod* p, ptrdiff_t i0, ptrdiff_t i,
-                                        ptrdiff_t* stride) {
-    if (p->a_direct && i + BF_AMX_MR <= p->m_full) {
+/* A's rows from row i (of the chunk from row i0; i a multiple of 8) as a tile reads
+   them: the first row's address, and the rows' stride in bytes. */
+static inline const char* bf_sp_a_rows(const bf_sprod* p, ptrdiff_t i0, ptrdiff_t i,
+                                       ptrdiff_t* stride) {
+    if (p->a_direct && i < p->m_full) {
         *stride = p->a_rs * (ptrdiff_t)sizeof(uint16_t);
         return (const char*)(p->A + i * p->a_rs);
     }
     *stride = p->kpad * (ptrdiff_t)sizeof(uint32_t);
-    return (const char*)(p->a_direct ? p->pa : p->pa + (i - i0) * p->kpad);
+    return (const char*)(p->pa + (i - (p->a_direct ? p->m_full : i0)) * p->kpad);
 }
 
-/* The pack tasks of a chunk: B's panels, BF_AMX_PANELS a task (where the chunk needs
+/* The pack tasks of a chunk: B's panels, BF_SP_PANELS a task (where the chunk needs
    them: each chunk of columns once, or at every chunk of rows where there are several
    of columns), then A's rows, 32 a task (at a chunk's first columns), or A's tail. */
-static ptrdiff_t bf_amx_pack_b_tasks(const bf_amx_prod* p, ptrdiff_t chunk) {
-    bf_amx_span s = bf_amx_chunk_span(p, chunk);
+static ptrdiff_t bf_sp_pack_b_tasks(const bf_sprod* p, ptrdiff_t chunk) {
+    bf_sp_span s = bf_sp_chunk_span(p, chunk);
     if (p->nchunks == 1 && chunk > 0) return 0;
-    return bf_ceil(s.j1 - s.j0, BF_NR * BF_AMX_PANELS);
+    return bf_ceil(s.j1 - s.j0, BF_NR * BF_SP_PANELS);
 }
-static ptrdiff_t bf_amx_pack_tasks(const bf_amx_prod* p, ptrdiff_t chunk) {
-    bf_amx_span s = bf_amx_chunk_span(p, chunk);
+static ptrdiff_t bf_sp_pack_tasks(const bf_sprod* p, ptrdiff_t chunk) {
+    bf_sp_span s = bf_sp_chunk_span(p, chunk);
     ptrdiff_t a = 0;
     if (p->a_direct)
         a = chunk == 0 && p->M % BF_AMX_MR ? 1 : 0;
     else if (chunk % p->nchunks == 0)
         a = bf_ceil(s.i1 - s.i0, BF_AMX_MR);
-    return bf_amx_pack_b_tasks(p, chunk) + a;
+    return bf_sp_pack_b_tasks(p, chunk) + a;
 }
 
-static ptrdiff_t bf_amx_tile_tasks(const bf_amx_prod* p, ptrdiff_t chunk) {
-    bf_amx_span s = bf_amx_chunk_span(p, chunk);
+static ptrdiff_t bf_sp_tile_tasks(const bf_sprod* p, ptrdiff_t chunk) {
+    bf_sp_span s = bf_sp_chunk_span(p, chunk);
     return bf_ceil(s.i1 - s.i0, p->tile_m) * bf_ceil(s.j1 - s.j0, p->tile_n);
 }
 
 /* Lays out the panel of op(B)'s columns j to j + 32 (those below j_end) at panel. */
 ADT_MULTIVERSION
-static void bf_amx_pack_panel(const bf_amx_prod* p, ptrdiff_t j, ptrdiff_t j_end,
+static void bf_sp_pack_panel(const bf_sprod* p, ptrdiff_t j, ptrdiff_t j_end,
                               uint32_t* restrict panel) {
     ptrdiff_t K = p->K, kp = (K + 1) / 2, kfull = K / 2;
     ptrdiff_t nr = j_end - j < BF_NR ? j_end - j : BF_NR;
@@ -454,7 +339,7 @@ static void bf_amx_pack_panel(const bf_amx_prod* p, ptrdiff_t j, ptrdiff_t j_end
 
 /* Lays out op(A)'s rows i to i + 32 (those below i_end; zeros past them) at rows. */
 ADT_MULTIVERSION
-static void bf_amx_pack_rows(const bf_amx_prod* p, ptrdiff_t i, ptrdiff_t i_end,
+static void bf_sp_pack_rows(const bf_sprod* p, ptrdiff_t i, ptrdiff_t i_end,
                              uint32_t* restrict rows) {
     ptrdiff_t K = p->K, kp = (K + 1) / 2, kfull = K / 2, kpad = p->kpad;
     ptrdiff_t mr = i_end - i < BF_AMX_MR ? i_end - i : BF_AMX_MR;
@@ -492,21 +377,57 @@ static void bf_amx_pack_rows(const bf_amx_prod* p, ptrdiff_t i, ptrdiff_t i_end,
     memset(rows + mr * kpad, 0, (size_t)(BF_AMX_MR - mr) * (size_t)kpad * sizeof *rows);
 }
 
-/* Pack task t of chunk `chunk` (bf_amx_pack_tasks). */
-static void bf_amx_pack(const bf_amx_prod* p, ptrdiff_t chunk, ptrdiff_t t) {
-    bf_amx_span s = bf_amx_chunk_span(p, chunk);
-    ptrdiff_t nb = bf_amx_pack_b_tasks(p, chunk);
+/* Pack task t of chunk `chunk` (bf_sp_pack_tasks). */
+static void bf_sp_pack(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t) {
+    bf_sp_span s = bf_sp_chunk_span(p, chunk);
+    ptrdiff_t nb = bf_sp_pack_b_tasks(p, chunk);
     if (t < nb) {
-        ptrdiff_t j = s.j0 + t * BF_NR * BF_AMX_PANELS;
-        for (int k = 0; k < BF_AMX_PANELS && j < s.j1; k++, j += BF_NR)
-            bf_amx_pack_panel(p, j, s.j1, p->pb + (j - s.j0) / BF_NR * p->kpad * BF_NR);
+        ptrdiff_t j = s.j0 + t * BF_NR * BF_SP_PANELS;
+        for (int k = 0; k < BF_SP_PANELS && j < s.j1; k++, j += BF_NR)
+            bf_sp_pack_panel(p, j, s.j1, p->pb + (j - s.j0) / BF_NR * p->kpad * BF_NR);
     } else if (p->a_direct) {
-        bf_amx_pack_rows(p, p->m_full, p->M, p->pa);
+        bf_sp_pack_rows(p, p->m_full, p->M, p->pa);
     } else {
         ptrdiff_t i = s.i0 + (t - nb) * BF_AMX_MR;
-        bf_amx_pack_rows(p, i, s.i1, p->pa + (i - s.i0) * p->kpad);
+        bf_sp_pack_rows(p, i, s.i1, p->pa + (i - s.i0) * p->kpad);
     }
 }
+
+/* ---- the VDPBF16PS builds ---- */
+
+/* acc + the dot products of the sixteen pairs of b with the pair a, the odd depth
+   first: VDPBF16PS, done with float32 multiply-adds (each product is exact) */
+ADT_INLINE adt_v16 bf_dot_twin(adt_v16 acc, uint32_t a, bf_pairs b) {
+    float a_even = bf16_bits_f32(a << 16), a_odd = bf16_bits_f32(a & 0xFFFF0000u);
+    adt_v16 b_even = (adt_v16)(b << 16), b_odd = (adt_v16)(b & 0xFFFF0000u);
+    acc = acc + a_odd * b_odd;
+    return acc + a_even * b_even;
+}
+
+#define BF_FN(f) f##_twin
+#define BF_ATTR ADT_MULTIVERSION
+#define BF_DOT(acc, a, b) bf_dot_twin(acc, a, b)
+#include "bf16_gemm.h"
+#undef BF_FN
+#undef BF_ATTR
+#undef BF_DOT
+
+#if BF_HAVE_NATIVE
+#define BF_TARGET __attribute__((target("avx512f,avx512bf16")))
+BF_TARGET ADT_INLINE adt_v16 bf_dot_nat(adt_v16 acc, uint32_t a, bf_pairs b) {
+    return (adt_v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)a),
+                                     (__m512bh)b);
+}
+#define BF_FN(f) f##_nat
+#define BF_ATTR BF_TARGET
+#define BF_DOT(acc, a, b) bf_dot_nat(acc, a, b)
+#include "bf16_gemm.h"
+#undef BF_FN
+#undef BF_ATTR
+#undef BF_DOT
+#endif
+
+/* ---- the AMX builds ---- */
 
 /* The twin: the AMX build's code on tiles held in memory, TDPBF16PS done as Intel's
    pseudocode writes it (for each row, each depth pair, each column: the even product
@@ -603,36 +524,22 @@ static int bf16_cpu_amx(void) { return 0; }
 /* The builds, as kernels/bf16.pyx numbers its paths. */
 enum { BF_PATH_NATIVE = 1, BF_PATH_TWIN = 2, BF_PATH_AMX = 3, BF_PATH_AMX_TWIN = 4 };
 
-/* Tile task t of chunk `chunk` of p (bf_amx_tile_tasks) on the AMX build (BF_PATH_AMX)
-   or its twin. */
-static void bf_amx_run_task(int path, const bf_amx_prod* p, ptrdiff_t chunk, ptrdiff_t t) {
+/* Tile task t of chunk `chunk` of p (bf_sp_tile_tasks) on the build `path` names. */
+static void bf_sp_run_task(int path, const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t) {
 #if BF_HAVE_NATIVE
     if (path == BF_PATH_AMX) {
         bf_amx_task_amx(p, chunk, t);
         return;
     }
-#else
-    (void)path;
-#endif
-    bf_amx_task_amxtwin(p, chunk, t);
-}
-
-/* C (+)= op(A) op(B) (+ bias) on the build `path` names (BF_PATH_NATIVE: AVX512_BF16,
-   else the portable twin), packing into buf
-   (bf_buffer_pairs(M, N, K) pairs, 64-byte aligned). */
-static void bf_gemm(int path, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, const uint16_t* A,
-                    ptrdiff_t a_rs, ptrdiff_t a_cs, const uint16_t* B, ptrdiff_t b_rs,
-                    ptrdiff_t b_cs, int accumulate, float* C, ptrdiff_t ldc, const float* bias,
-                    uint32_t* buf) {
-#if BF_HAVE_NATIVE
     if (path == BF_PATH_NATIVE) {
-        bf_gemm_nat(M, N, K, A, a_rs, a_cs, B, b_rs, b_cs, accumulate, C, ldc, bias, buf);
+        bf_task_nat(p, chunk, t);
         return;
     }
-#else
-    (void)path;
 #endif
-    bf_gemm_twin(M, N, K, A, a_rs, a_cs, B, b_rs, b_cs, accumulate, C, ldc, bias, buf);
+    if (path == BF_PATH_AMX_TWIN)
+        bf_amx_task_amxtwin(p, chunk, t);
+    else
+        bf_task_twin(p, chunk, t);
 }
 
 #endif /* ADTAPE_KERNELS_BF16_H */

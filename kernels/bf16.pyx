@@ -22,22 +22,22 @@ this CPU has):
                   them and Linux grants the tile state: each product's operands laid
                   out once and shared by the threads (bf16.h), A read in place where
                   its rows run along the depth;
-  ``"native"``    AVX512_BF16 (VDPBF16PS) on packed pairs of depths, where the CPU has it;
+  ``"native"``    AVX512_BF16 (VDPBF16PS), where the CPU has it, on the same laid-out
+                  operands as "amx";
   ``"emulated"``  everywhere else: the operands widened to float32 (exact) and multiplied
                   by ``kernels.gemm``'s float32 product, at float32's speed.
 Two more, ``"twin"`` and ``"amx_twin"``, run the native and the AMX path's code with
 VDPBF16PS and the tiles done in software, for the tests on any CPU (slow).  The products
 of two bf16 are exact in float32, so every path computes the exact products and sums
 them in float32; they differ only in the order of the sums (and the native and AMX
-paths read subnormal bf16 as zero).  None depends on the thread count: the native path
-splits its output into blocks that depend on the shapes alone (tiles of both rows and
-columns, enough for 16 threads), and the AMX path sums every element in blocks of
-depth whatever the split.
+paths read subnormal bf16 as zero).  None depends on the thread count: the packed paths
+sum every element in blocks of depth whatever the split, and the emulated path splits
+its output into blocks that depend on the shapes alone.
 
 Conversions have serial ``_naive`` twins for the tests.
 """
 cimport numpy as cnp
-from cython.parallel cimport parallel, prange, threadid
+from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t, uint32_t
 
 from kernels.gemm cimport gemm
@@ -63,25 +63,20 @@ cdef extern from "bf16.h" nogil:
     int bf16_cpu_native()
     int bf16_cpu_amx()
     enum: BF_DBIAS_COLS
-    size_t bf_buffer_pairs(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K)
-    void bf_gemm(int path, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, const uint16_t* A,
-                 Py_ssize_t a_rs, Py_ssize_t a_cs, const uint16_t* B, Py_ssize_t b_rs,
-                 Py_ssize_t b_cs, int accumulate, float* C, Py_ssize_t ldc, const float* bias,
-                 uint32_t* buf)
-    ctypedef struct bf_amx_prod:
+    ctypedef struct bf_sprod:
         pass
-    size_t bf_amx_init(bf_amx_prod* p, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+    size_t bf_sp_init(bf_sprod* p, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                        const uint16_t* A, Py_ssize_t a_rs, Py_ssize_t a_cs, const uint16_t* B,
                        Py_ssize_t b_rs, Py_ssize_t b_cs, int accumulate, float* C,
                        Py_ssize_t ldc, const float* bias, int n_threads)
-    void bf_amx_attach(bf_amx_prod* p, uint32_t* buf)
-    Py_ssize_t bf_amx_chunks(const bf_amx_prod* p)
-    Py_ssize_t bf_amx_pack_tasks(const bf_amx_prod* p, Py_ssize_t chunk)
-    Py_ssize_t bf_amx_tile_tasks(const bf_amx_prod* p, Py_ssize_t chunk)
-    void bf_amx_pack(const bf_amx_prod* p, Py_ssize_t chunk, Py_ssize_t t)
-    void bf_amx_run_task(int path, const bf_amx_prod* p, Py_ssize_t chunk, Py_ssize_t t)
-    Py_ssize_t bf_amx_chunk_pairs
-    Py_ssize_t bf_amx_tiles[2]
+    void bf_sp_attach(bf_sprod* p, uint32_t* buf)
+    Py_ssize_t bf_sp_chunks(const bf_sprod* p)
+    Py_ssize_t bf_sp_pack_tasks(const bf_sprod* p, Py_ssize_t chunk)
+    Py_ssize_t bf_sp_tile_tasks(const bf_sprod* p, Py_ssize_t chunk)
+    void bf_sp_pack(const bf_sprod* p, Py_ssize_t chunk, Py_ssize_t t)
+    void bf_sp_run_task(int path, const bf_sprod* p, Py_ssize_t chunk, Py_ssize_t t)
+    Py_ssize_t bf_sp_chunk_pairs
+    Py_ssize_t bf_sp_tiles[2]
 
 cdef enum:
     PATH_EMULATED = 0
@@ -95,9 +90,9 @@ cdef enum:
     PRODUCT_PARALLEL_MIN = 1 << 20
     # Conversions are handed out in chunks of this many elements (128 KiB of float32).
     CONVERT_CHUNK = 32768
-    # A product's output is cut along its longer side into an even number of blocks
-    # of at most BLOCK_MAX rows or columns (a multiple of BLOCK_ALIGN), one block below
-    # PRODUCT_PARALLEL_MIN (Plan).  The cut depends on the shape alone, so the results
+    # The emulated path cuts a product's output along its longer side into an even
+    # number of blocks of at most BLOCK_MAX rows or columns (a multiple of BLOCK_ALIGN),
+    # one block below PRODUCT_PARALLEL_MIN (Plan).  The cut depends on the shape alone, so the results
     # do not depend on the thread count: kernels.gemm's own split follows the thread
     # count, and some of its paths (its split by depth, BLAS's kernels for small
     # blocks) sum in another order on each side of a cut.  Blocks of 512 keep each
@@ -106,13 +101,6 @@ cdef enum:
     # one Zen 3 core); an even count keeps two threads equally busy.
     BLOCK_MAX = 512
     BLOCK_ALIGN = 16
-    # The packed paths (native, AMX, twin) sum every element in the same order however
-    # the output is cut, so they cut it both ways, into tiles of PACKED_TILE rows and
-    # columns (PACKED_TILE_SMALL where that gives fewer than PACKED_TILES_MIN): enough
-    # tasks for 16 threads at a (4, 256) step's products (1024 x 768 x 768: 48 tiles).
-    PACKED_TILE = 256
-    PACKED_TILE_SMALL = 128
-    PACKED_TILES_MIN = 32
 
 cdef enum:
     CONVERT_WIDEN = 0       # bf16 -> float32
@@ -176,25 +164,25 @@ def set_bf16_native(bint native):
     return old
 
 
-def _set_amx_chunk_pairs(Py_ssize_t pairs):
-    """Cap the AMX paths' packed operands at ``pairs`` uint32 each (4 Mi pairs, 16 MiB, by
+def _set_chunk_pairs(Py_ssize_t pairs):
+    """Cap the packed paths' packed operands at ``pairs`` uint32 each (4 Mi pairs, 16 MiB, by
     default), for the tests of products done in chunks.  Returns the previous cap."""
-    global bf_amx_chunk_pairs
+    global bf_sp_chunk_pairs
     if pairs < 1:
         raise ValueError(f"pairs must be positive, got {pairs}")
-    old = bf_amx_chunk_pairs
-    bf_amx_chunk_pairs = pairs
+    old = bf_sp_chunk_pairs
+    bf_sp_chunk_pairs = pairs
     return old
 
 
-def _set_amx_tiles(Py_ssize_t tile_m=0, Py_ssize_t tile_n=0):
-    """The AMX paths' tasks: blocks of tile_m x tile_n of C (multiples of 32; 0: the
+def _set_task_tiles(Py_ssize_t tile_m=0, Py_ssize_t tile_n=0):
+    """The packed paths' tasks: blocks of tile_m x tile_n of C (multiples of 32; 0: the
     largest square that gives each thread about four), for the benchmarks.  The
     results' bits do not depend on them."""
     if tile_m < 0 or tile_n < 0 or tile_m % 32 or tile_n % 32:
         raise ValueError(f"tiles must be multiples of 32 (or 0), got {tile_m} x {tile_n}")
-    bf_amx_tiles[0] = tile_m
-    bf_amx_tiles[1] = tile_n
+    bf_sp_tiles[0] = tile_m
+    bf_sp_tiles[1] = tile_n
 
 
 # ---------------------------------------------------------------- the engine
@@ -215,17 +203,16 @@ cdef struct Convert:
 
 
 cdef struct Plan:
-    # How a product's output is cut: into blocks of `rows` x `cols` (the last of each
-    # row and column shorter), `col_blocks` to a row of blocks, `nblocks` in all, each
-    # packing (the packed paths) into a buffer of `pairs` uint32.
+    # How the emulated path cuts a product's output: into blocks of `rows` x `cols`
+    # (the last of each row and column shorter), `col_blocks` to a row of blocks,
+    # `nblocks` in all.
     Py_ssize_t rows, cols, col_blocks, nblocks
-    size_t pairs
 
 
 cdef struct Product:
-    # Row-major C (M, N) (+= where accumulate) op(A) (M, K) op(B) (K, N) (+ bias per
-    # column), A and B bf16 (the native and twin paths) or float32 holding bf16 values
-    # (emulated), of row strides lda and ldb.
+    # The emulated path's row-major C (M, N) (+= where accumulate) op(A) (M, K) op(B)
+    # (K, N) (+ bias per column), A and B float32 holding bf16 values, of row strides
+    # lda and ldb.
     bint trans_a, trans_b, accumulate
     Py_ssize_t M, N, K, lda, ldb, ldc
     const void* A
@@ -243,17 +230,12 @@ cdef struct Dbias:
     bint overwrite
 
 
-cdef Plan _plan(int path, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K) noexcept nogil:
+cdef Plan _plan(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K) noexcept nogil:
     cdef Plan p
-    cdef Py_ssize_t extent, count, block, tile
+    cdef Py_ssize_t extent, count, block
     cdef bint by_columns = N >= M
     p.rows, p.cols = max(M, 1), max(N, 1)
-    if M * N * K >= PRODUCT_PARALLEL_MIN and path != PATH_EMULATED:
-        tile = PACKED_TILE
-        if ((M + tile - 1) // tile) * ((N + tile - 1) // tile) < PACKED_TILES_MIN:
-            tile = PACKED_TILE_SMALL
-        p.rows, p.cols = min(p.rows, tile), min(p.cols, tile)
-    elif M * N * K >= PRODUCT_PARALLEL_MIN:
+    if M * N * K >= PRODUCT_PARALLEL_MIN:
         extent = N if by_columns else M
         count = 2 * ((extent + 2 * BLOCK_MAX - 1) // (2 * BLOCK_MAX))
         if extent < 2 * BLOCK_ALIGN:
@@ -266,13 +248,10 @@ cdef Plan _plan(int path, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K) noexcept nog
             p.rows = block
     p.col_blocks = (N + p.cols - 1) // p.cols
     p.nblocks = 0 if M == 0 or N == 0 else (M + p.rows - 1) // p.rows * p.col_blocks
-    p.pairs = 0
-    if p.nblocks > 0 and K > 0:
-        p.pairs = bf_buffer_pairs(min(p.rows, M), min(p.cols, N), K)
     return p
 
 
-cdef Product _product(int path, bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N,
+cdef Product _product(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N,
                       Py_ssize_t K,
                       const void* A, Py_ssize_t lda, const void* B, Py_ssize_t ldb,
                       bint accumulate, float* C, Py_ssize_t ldc,
@@ -281,7 +260,7 @@ cdef Product _product(int path, bint trans_a, bint trans_b, Py_ssize_t M, Py_ssi
     p.trans_a, p.trans_b, p.accumulate = trans_a, trans_b, accumulate
     p.M, p.N, p.K, p.lda, p.ldb, p.ldc = M, N, K, lda, ldb, ldc
     p.A, p.B, p.C, p.bias = A, B, C, bias
-    p.plan = _plan(path, M, N, K)
+    p.plan = _plan(M, N, K)
     return p
 
 
@@ -304,14 +283,14 @@ cdef void _convert_chunk(const Convert* conv, int nconv, Py_ssize_t chunk) noexc
         chunk -= count
 
 
-cdef void _block(int path, const Product* p, Py_ssize_t t, uint32_t* buf) noexcept nogil:
+cdef void _block(const Product* p, Py_ssize_t t) noexcept nogil:
     # block t of p by its plan: rows r0:r1 of op(A) times columns c0:c1 of op(B)
     cdef Py_ssize_t r0 = t // p.plan.col_blocks * p.plan.rows
     cdef Py_ssize_t c0 = t % p.plan.col_blocks * p.plan.cols
     cdef Py_ssize_t r1 = min(r0 + p.plan.rows, p.M)
     cdef Py_ssize_t c1 = min(c0 + p.plan.cols, p.N)
-    cdef Py_ssize_t a_rs = 1 if p.trans_a else p.lda, a_cs = p.lda if p.trans_a else 1
-    cdef Py_ssize_t b_rs = 1 if p.trans_b else p.ldb, b_cs = p.ldb if p.trans_b else 1
+    cdef Py_ssize_t a_rs = 1 if p.trans_a else p.lda
+    cdef Py_ssize_t b_cs = p.ldb if p.trans_b else 1
     cdef float* C = p.C + r0 * p.ldc + c0
     cdef const float* bias = p.bias
     cdef Py_ssize_t i, j
@@ -322,24 +301,19 @@ cdef void _block(int path, const Product* p, Py_ssize_t t, uint32_t* buf) noexce
             for j in range(c1 - c0):
                 C[i * p.ldc + j] = ((C[i * p.ldc + j] if p.accumulate else 0.0)
                                     + (0.0 if bias == NULL else bias[j]))
-    elif path == PATH_EMULATED:
+    else:
         gemm(p.trans_a, p.trans_b, r1 - r0, c1 - c0, p.K, 1.0, <const float*>p.A + r0 * a_rs,
              p.lda, <const float*>p.B + c0 * b_cs, p.ldb, 1.0 if p.accumulate else 0.0, C,
              p.ldc, bias, NULL, 1)
-    else:
-        bf_gemm(path, r1 - r0, c1 - c0, p.K, <const uint16_t*>p.A + r0 * a_rs,
-                a_rs, a_cs, <const uint16_t*>p.B + c0 * b_cs, b_rs, b_cs, p.accumulate, C,
-                p.ldc, bias, buf)
 
 
-cdef void _task(int path, const Product* prods, int nprod, const Dbias* db, Py_ssize_t t,
-                uint32_t* buf) noexcept nogil:
+cdef void _task(const Product* prods, int nprod, const Dbias* db, Py_ssize_t t) noexcept nogil:
     # task t: the products' blocks in order, then dbias's channel blocks
     cdef int i
     cdef Py_ssize_t c0
     for i in range(nprod):
         if t < prods[i].plan.nblocks:
-            _block(path, &prods[i], t, buf)
+            _block(&prods[i], t)
             return
         t -= prods[i].plan.nblocks
     c0 = t * BF_DBIAS_COLS
@@ -360,10 +334,9 @@ cdef int _threads(const Convert* conv, int nconv, const Product* prods, int npro
     return n_threads if elements >= CONVERT_PARALLEL_MIN else 1
 
 
-cdef void _run(int path, const Convert* conv, int nconv, const Product* prods, int nprod,
-               const Dbias* db, uint32_t** bufs, int nt) noexcept nogil:
-    # The call's one parallel region (bufs: nt packing buffers, or NULL for the
-    # emulated path).
+cdef void _run(const Convert* conv, int nconv, const Product* prods, int nprod,
+               const Dbias* db, int nt) noexcept nogil:
+    # The call's one parallel region (the conversions and the emulated path).
     cdef Py_ssize_t nchunks = 0, ntasks = 0, c, t
     cdef int i
     for i in range(nconv):
@@ -376,31 +349,7 @@ cdef void _run(int path, const Convert* conv, int nconv, const Product* prods, i
         for c in prange(nchunks, schedule='dynamic', chunksize=1):
             _convert_chunk(conv, nconv, c)
         for t in prange(ntasks, schedule='dynamic', chunksize=1):
-            _task(path, prods, nprod, db, t, NULL if bufs == NULL else bufs[threadid()])
-
-
-cdef uint32_t** _buffers(int n, size_t pairs) noexcept nogil:
-    # n packing buffers of `pairs` uint32 each, 64-byte aligned; NULL where one fails
-    cdef uint32_t** bufs = <uint32_t**>calloc(n, sizeof(uint32_t*))
-    cdef int i
-    if bufs == NULL:
-        return NULL
-    for i in range(n):
-        bufs[i] = <uint32_t*>aligned_alloc(64, (max(pairs, <size_t>1) * sizeof(uint32_t) + 63)
-                                           // 64 * 64)
-        if bufs[i] == NULL:
-            _free_buffers(bufs, n)
-            return NULL
-    return bufs
-
-
-cdef void _free_buffers(uint32_t** bufs, int n) noexcept nogil:
-    cdef int i
-    if bufs == NULL:
-        return
-    for i in range(n):
-        free(bufs[i])
-    free(bufs)
+            _task(prods, nprod, db, t)
 
 
 cdef void* _scratch(Py_ssize_t n, size_t size) noexcept nogil:
@@ -415,13 +364,13 @@ cdef int _out_of_memory(str what) except -1 with gil:
 
 cdef void to_bf16_c(uint16_t* out, const float* inp, Py_ssize_t n, int n_threads) noexcept nogil:
     cdef Convert conv = Convert(CONVERT_ROUND, inp, out, n)
-    _run(PATH_EMULATED, &conv, 1, NULL, 0, NULL, NULL,
+    _run(&conv, 1, NULL, 0, NULL,
          _threads(&conv, 1, NULL, 0, NULL, n_threads))
 
 
 cdef void from_bf16_c(float* out, const uint16_t* inp, Py_ssize_t n, int n_threads) noexcept nogil:
     cdef Convert conv = Convert(CONVERT_WIDEN, inp, out, n)
-    _run(PATH_EMULATED, &conv, 1, NULL, 0, NULL, NULL,
+    _run(&conv, 1, NULL, 0, NULL,
          _threads(&conv, 1, NULL, 0, NULL, n_threads))
 
 
@@ -450,15 +399,15 @@ cdef int _emulated_forward(float* out, const uint16_t* inp, const uint16_t* weig
         free(wf)
         _out_of_memory("the operands in float32")
     conv = Convert(CONVERT_WIDEN, inp, xf, N * C)
-    _run(PATH_EMULATED, &conv, 1, NULL, 0, NULL, NULL,
+    _run(&conv, 1, NULL, 0, NULL,
          _threads(&conv, 1, NULL, 0, NULL, n_threads))
     o0 = 0
     while o0 < OC:
         ob = min(rows, OC - o0)
         conv = Convert(CONVERT_WIDEN, weight + o0 * C, wf, ob * C)
-        p = _product(PATH_EMULATED, False, True, N, ob, C, xf, C, wf, C, False, out + o0, OC,
+        p = _product(False, True, N, ob, C, xf, C, wf, C, False, out + o0, OC,
                      NULL if bias == NULL else bias + o0)
-        _run(PATH_EMULATED, &conv, 1, &p, 1, NULL, NULL,
+        _run(&conv, 1, &p, 1, NULL,
              _threads(&conv, 1, &p, 1, NULL, n_threads))
         o0 += ob
     free(xf)
@@ -489,7 +438,7 @@ cdef int _emulated_backward(float* dinp, float* dweight, float* dbias, const flo
     if dweight != NULL:
         conv[1] = Convert(CONVERT_WIDEN, inp, xf, N * C)
         nconv = 2
-    _run(PATH_EMULATED, conv, nconv, NULL, 0, &db if dbias != NULL else NULL, NULL,
+    _run(conv, nconv, NULL, 0, &db if dbias != NULL else NULL,
          _threads(conv, nconv, NULL, 0, &db if dbias != NULL else NULL, n_threads))
     o0 = 0
     while o0 < OC:
@@ -498,14 +447,14 @@ cdef int _emulated_backward(float* dinp, float* dweight, float* dbias, const flo
         if dinp != NULL:
             conv[0] = Convert(CONVERT_WIDEN, weight + o0 * C, wf, ob * C)
             nconv = 1
-            prods[0] = _product(PATH_EMULATED, False, False, N, C, ob, d + o0, OC, wf, C,
+            prods[0] = _product(False, False, N, C, ob, d + o0, OC, wf, C,
                                 not ow_dinp or o0 > 0, dinp, C, NULL)
             nprod = 1
         if dweight != NULL:
-            prods[nprod] = _product(PATH_EMULATED, True, False, ob, C, N, d + o0, OC, xf, C,
+            prods[nprod] = _product(True, False, ob, C, N, d + o0, OC, xf, C,
                                     not ow_dweight, dweight + o0 * C, C, NULL)
             nprod += 1
-        _run(PATH_EMULATED, conv, nconv, prods, nprod, NULL, NULL,
+        _run(conv, nconv, prods, nprod, NULL,
              _threads(conv, nconv, prods, nprod, NULL, n_threads))
         o0 += ob
     free(d)
@@ -514,12 +463,13 @@ cdef int _emulated_backward(float* dinp, float* dweight, float* dbias, const flo
     return 0
 
 
-# The AMX paths run each call as rounds of chunks (one round unless a packed operand
-# would pass bf16.h's bf_amx_chunk_pairs), each round one parallel region of three
-# phases: the conversions (the first round), the pack tasks that lay the operands out
-# for all the threads, then the tile tasks (and dbias's channels, the first round).
+# The packed paths (native, AMX and their twins) run each call as rounds of chunks (one
+# round unless a packed operand would pass bf16.h's bf_sp_chunk_pairs), each round one
+# parallel region of three phases: the conversions (the first round), the pack tasks
+# that lay the operands out for all the threads, then the tile tasks (and dbias's
+# channels, the first round).
 
-cdef int _amx_threads(const bf_amx_prod* prods, Py_ssize_t* sizes, int nprod,
+cdef int _packed_threads(const bf_sprod* prods, Py_ssize_t* sizes, int nprod,
                       Py_ssize_t elements, int n_threads) noexcept nogil:
     # n_threads, or 1 where the whole call is small
     cdef int i
@@ -529,28 +479,28 @@ cdef int _amx_threads(const bf_amx_prod* prods, Py_ssize_t* sizes, int nprod,
     return n_threads if elements >= CONVERT_PARALLEL_MIN else 1
 
 
-cdef void _amx_pack_task(const bf_amx_prod* prods, int nprod, Py_ssize_t r,
+cdef void _pack_task(const bf_sprod* prods, int nprod, Py_ssize_t r,
                          Py_ssize_t t) noexcept nogil:
     cdef int i
     cdef Py_ssize_t n
     for i in range(nprod):
-        if r < bf_amx_chunks(&prods[i]):
-            n = bf_amx_pack_tasks(&prods[i], r)
+        if r < bf_sp_chunks(&prods[i]):
+            n = bf_sp_pack_tasks(&prods[i], r)
             if t < n:
-                bf_amx_pack(&prods[i], r, t)
+                bf_sp_pack(&prods[i], r, t)
                 return
             t -= n
 
 
-cdef void _amx_tile_task(int path, const bf_amx_prod* prods, int nprod, Py_ssize_t r,
+cdef void _tile_task(int path, const bf_sprod* prods, int nprod, Py_ssize_t r,
                          const Dbias* db, Py_ssize_t t) noexcept nogil:
     cdef int i
     cdef Py_ssize_t n, c0
     for i in range(nprod):
-        if r < bf_amx_chunks(&prods[i]):
-            n = bf_amx_tile_tasks(&prods[i], r)
+        if r < bf_sp_chunks(&prods[i]):
+            n = bf_sp_tile_tasks(&prods[i], r)
             if t < n:
-                bf_amx_run_task(path, &prods[i], r, t)
+                bf_sp_run_task(path, &prods[i], r, t)
                 return
             t -= n
     c0 = t * BF_DBIAS_COLS
@@ -558,9 +508,9 @@ cdef void _amx_tile_task(int path, const bf_amx_prod* prods, int nprod, Py_ssize
                     db.overwrite)
 
 
-cdef bint _amx_run(int path, const Convert* conv, int nconv, bf_amx_prod* prods, int nprod,
+cdef bint _packed_run(int path, const Convert* conv, int nconv, bf_sprod* prods, int nprod,
                    size_t* pairs, const Dbias* db, int nt) noexcept nogil:
-    # prods planned (bf_amx_init, `pairs` each); their packing buffer, then the rounds.
+    # prods planned (bf_sp_init, `pairs` each); their packing buffer, then the rounds.
     # False where the buffer could not be had (nothing written).
     cdef size_t total = 0
     cdef Py_ssize_t rounds = 1, r, nchunks = 0, ndb = 0, npack, ntile, c, t
@@ -572,9 +522,9 @@ cdef bint _amx_run(int path, const Convert* conv, int nconv, bf_amx_prod* prods,
         return False
     total = 0
     for i in range(nprod):
-        bf_amx_attach(&prods[i], buf + total)
+        bf_sp_attach(&prods[i], buf + total)
         total += pairs[i]
-        rounds = max(rounds, bf_amx_chunks(&prods[i]))
+        rounds = max(rounds, bf_sp_chunks(&prods[i]))
     for i in range(nconv):
         nchunks += (conv[i].n + CONVERT_CHUNK - 1) // CONVERT_CHUNK
     if db != NULL:
@@ -582,9 +532,9 @@ cdef bint _amx_run(int path, const Convert* conv, int nconv, bf_amx_prod* prods,
     for r in range(rounds):
         npack = ntile = 0
         for i in range(nprod):
-            if r < bf_amx_chunks(&prods[i]):
-                npack += bf_amx_pack_tasks(&prods[i], r)
-                ntile += bf_amx_tile_tasks(&prods[i], r)
+            if r < bf_sp_chunks(&prods[i]):
+                npack += bf_sp_pack_tasks(&prods[i], r)
+                ntile += bf_sp_tile_tasks(&prods[i], r)
         if r == 0:
             ntile += ndb
         else:
@@ -593,34 +543,34 @@ cdef bint _amx_run(int path, const Convert* conv, int nconv, bf_amx_prod* prods,
             for c in prange(nchunks, schedule='dynamic', chunksize=1):
                 _convert_chunk(conv, nconv, c)
             for t in prange(npack, schedule='dynamic', chunksize=1):
-                _amx_pack_task(prods, nprod, r, t)
+                _pack_task(prods, nprod, r, t)
             for t in prange(ntile, schedule='dynamic', chunksize=1):
-                _amx_tile_task(path, prods, nprod, r, db, t)
+                _tile_task(path, prods, nprod, r, db, t)
     free(buf)
     return True
 
 
-cdef int _amx_forward(int path, float* out, const uint16_t* inp, const uint16_t* weight,
+cdef int _packed_forward(int path, float* out, const uint16_t* inp, const uint16_t* weight,
                       const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
                       int n_threads) except -1 nogil:
     # out = inp @ weight.T + bias: inp read in place, weight laid out once
-    cdef bf_amx_prod p
+    cdef bf_sprod p
     cdef Py_ssize_t size = N * C * OC
-    cdef int nt = _amx_threads(&p, &size, 1, 0, n_threads)
-    cdef size_t pairs = bf_amx_init(&p, N, OC, C, inp, C, 1, weight, 1, C, False, out, OC,
+    cdef int nt = _packed_threads(&p, &size, 1, 0, n_threads)
+    cdef size_t pairs = bf_sp_init(&p, N, OC, C, inp, C, 1, weight, 1, C, False, out, OC,
                                     bias, nt)
-    if not _amx_run(path, NULL, 0, &p, 1, &pairs, NULL, nt):
+    if not _packed_run(path, NULL, 0, &p, 1, &pairs, NULL, nt):
         _out_of_memory("the packed operands")
     return 0
 
 
-cdef int _amx_backward(int path, float* dinp, float* dweight, float* dbias,
+cdef int _packed_backward(int path, float* dinp, float* dweight, float* dbias,
                        const float* dout, const uint16_t* inp, const uint16_t* weight,
                        Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC, int n_threads, bint ow_dinp,
                        bint ow_dweight, bint ow_dbias) except -1 nogil:
     # dout rounded to bf16 once for both products (read in place by dout @ W, laid out
     # transposed for dout^T @ inp)
-    cdef bf_amx_prod prods[2]
+    cdef bf_sprod prods[2]
     cdef size_t pairs[2]
     cdef Py_ssize_t sizes[2]
     cdef Convert conv
@@ -636,17 +586,17 @@ cdef int _amx_backward(int path, float* dinp, float* dweight, float* dbias,
     if dweight != NULL:
         sizes[nprod] = N * C * OC
         nprod += 1
-    nt = _amx_threads(prods, sizes, nprod, N * OC, n_threads)
+    nt = _packed_threads(prods, sizes, nprod, N * OC, n_threads)
     nprod = 0
     if dinp != NULL:
-        pairs[nprod] = bf_amx_init(&prods[nprod], N, C, OC, d, OC, 1, weight, C, 1,
+        pairs[nprod] = bf_sp_init(&prods[nprod], N, C, OC, d, OC, 1, weight, C, 1,
                                    not ow_dinp, dinp, C, NULL, nt)
         nprod += 1
     if dweight != NULL:     # NULL: a frozen weight (LoRA's base), no weight gradient
-        pairs[nprod] = bf_amx_init(&prods[nprod], OC, C, N, d, 1, OC, inp, C, 1,
+        pairs[nprod] = bf_sp_init(&prods[nprod], OC, C, N, d, 1, OC, inp, C, 1,
                                    not ow_dweight, dweight, C, NULL, nt)
         nprod += 1
-    cdef bint done = _amx_run(path, &conv, 1, prods, nprod, pairs,
+    cdef bint done = _packed_run(path, &conv, 1, prods, nprod, pairs,
                               &db if dbias != NULL else NULL, nt)
     free(d)
     if not done:
@@ -658,65 +608,22 @@ cdef int _amx_backward(int path, float* dinp, float* dweight, float* dbias,
 cdef int matmul_forward_bf16_c(float* out, const uint16_t* inp, const uint16_t* weight,
                                const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
                                int n_threads) except -1 nogil:
-    cdef int path = _path
-    if path == PATH_EMULATED:
+    # where nothing is multiplied (an empty size) the emulated path writes the bias
+    if _path == PATH_EMULATED or N == 0 or C == 0 or OC == 0:
         return _emulated_forward(out, inp, weight, bias, N, C, OC, n_threads)
-    if path == PATH_AMX or path == PATH_AMX_TWIN:
-        if N > 0 and C > 0 and OC > 0:
-            return _amx_forward(path, out, inp, weight, bias, N, C, OC, n_threads)
-        path = PATH_TWIN      # nothing to multiply: the generic loops write the bias
-    cdef Product p = _product(path, False, True, N, OC, C, inp, C, weight, C, False, out, OC, bias)
-    cdef int nt = _threads(NULL, 0, &p, 1, NULL, n_threads)
-    cdef uint32_t** bufs = _buffers(nt, p.plan.pairs)
-    if bufs == NULL:
-        _out_of_memory("the packing buffers")
-    _run(path, NULL, 0, &p, 1, NULL, bufs, nt)
-    _free_buffers(bufs, nt)
-    return 0
+    return _packed_forward(_path, out, inp, weight, bias, N, C, OC, n_threads)
 
 
 cdef int matmul_backward_bf16_c(float* dinp, float* dweight, float* dbias, const float* dout,
                                 const uint16_t* inp, const uint16_t* weight, Py_ssize_t N,
                                 Py_ssize_t C, Py_ssize_t OC, int n_threads, bint ow_dinp,
                                 bint ow_dweight, bint ow_dbias) except -1 nogil:
-    cdef int path = _path
-    if path == PATH_EMULATED:
+    # where nothing is multiplied the emulated path writes the zeros and dbias
+    if _path == PATH_EMULATED or N == 0 or C == 0 or OC == 0:
         return _emulated_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC,
                                   n_threads, ow_dinp, ow_dweight, ow_dbias)
-    if path == PATH_AMX or path == PATH_AMX_TWIN:
-        if N > 0 and C > 0 and OC > 0:
-            return _amx_backward(path, dinp, dweight, dbias, dout, inp, weight, N, C, OC,
-                                 n_threads, ow_dinp, ow_dweight, ow_dbias)
-        path = PATH_TWIN      # nothing to multiply: the generic loops (zeros, dbias)
-    # dout is rounded to bf16 once for both products.  Everything is allocated before
-    # anything is written.
-    cdef Product prods[2]
-    cdef Convert conv
-    cdef Dbias db = Dbias(dbias, dout, N, OC, ow_dbias)
-    cdef int nprod = 0, nt
-    cdef uint32_t** bufs = NULL
-    cdef uint16_t* d = <uint16_t*>_scratch(N * OC, sizeof(uint16_t))
-    if d == NULL:
-        _out_of_memory("dout in bf16")
-    conv = Convert(CONVERT_ROUND, dout, d, N * OC)
-    if dinp != NULL:
-        prods[nprod] = _product(path, False, False, N, C, OC, d, OC, weight, C, not ow_dinp,
-                                dinp, C, NULL)
-        nprod += 1
-    if dweight != NULL:     # NULL: a frozen weight (LoRA's base), no weight gradient
-        prods[nprod] = _product(path, True, False, OC, C, N, d, OC, inp, C, not ow_dweight,
-                                dweight, C, NULL)
-        nprod += 1
-    nt = _threads(&conv, 1, prods, nprod, &db if dbias != NULL else NULL, n_threads)
-    if nprod:
-        bufs = _buffers(nt, max(prods[0].plan.pairs, prods[nprod - 1].plan.pairs))
-        if bufs == NULL:
-            free(d)
-            _out_of_memory("the packing buffers")
-    _run(path, &conv, 1, prods, nprod, &db if dbias != NULL else NULL, bufs, nt)
-    _free_buffers(bufs, nt)
-    free(d)
-    return 0
+    return _packed_backward(_path, dinp, dweight, dbias, dout, inp, weight, N, C, OC,
+                            n_threads, ow_dinp, ow_dweight, ow_dbias)
 
 
 # ---------------------------------------------------------------- Python boundary

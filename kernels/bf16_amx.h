@@ -9,7 +9,7 @@
  *                           TILEZERO, TILELOADD, TILESTORED and TDPBF16PS (strides in
  *                           bytes).
  *
- * One task of a product (bf16.h's bf_amx_prod): a tile_m x tile_n block of C, all of
+ * One task of a product (bf16.h's bf_sprod): a tile_m x tile_n block of C, all of
  * its depth, from operands that the pack phase has laid out once for all the threads
  * (or A read where it lies).  For each block of BF_AMX_KB depth pairs (in order), each
  * 32-column panel of B (its pairs stay in L1), each 32 rows of A: the 32 x 32 tile of
@@ -78,9 +78,9 @@ BF_AMX_ATTR static void BF_AMX_FN(bf_amx_tile)(ptrdiff_t kp, const char* a, ptrd
 }
 
 /* Task t of chunk `chunk` of p: its block of C over all depths. */
-BF_AMX_ATTR static void BF_AMX_FN(bf_amx_task)(const bf_amx_prod* p, ptrdiff_t chunk,
+BF_AMX_ATTR static void BF_AMX_FN(bf_amx_task)(const bf_sprod* p, ptrdiff_t chunk,
                                                ptrdiff_t t) {
-    bf_amx_span s = bf_amx_chunk_span(p, chunk);
+    bf_sp_span s = bf_sp_chunk_span(p, chunk);
     ptrdiff_t tiles_n = (s.j1 - s.j0 + p->tile_n - 1) / p->tile_n;
     ptrdiff_t r0 = s.i0 + t / tiles_n * p->tile_m, c0 = s.j0 + t % tiles_n * p->tile_n;
     ptrdiff_t r1 = r0 + p->tile_m < s.i1 ? r0 + p->tile_m : s.i1;
@@ -95,7 +95,7 @@ BF_AMX_ATTR static void BF_AMX_FN(bf_amx_task)(const bf_amx_prod* p, ptrdiff_t c
             ptrdiff_t nr = c1 - j < BF_NR ? c1 - j : BF_NR;
             for (ptrdiff_t i = r0; i < r1; i += BF_AMX_MR) {
                 ptrdiff_t a_stride;
-                const char* a = bf_amx_a_rows(p, s.i0, i, &a_stride);
+                const char* a = bf_sp_a_rows(p, s.i0, i, &a_stride);
                 ptrdiff_t mr = r1 - i < BF_AMX_MR ? r1 - i : BF_AMX_MR;
                 BF_AMX_FN(bf_amx_tile)(kp, a + 4 * k0, a_stride, panel,
                                        p->C + i * p->ldc + j, p->ldc, add, bias, mr, nr);

@@ -262,8 +262,8 @@ def test_backward_within_the_float32_bound(path, N, C):
 
 
 def test_products_past_one_block_of_each_loop(path):
-    # 1100 rows and 600 columns: blocks cut by rows, each block's 600 columns past the
-    # packed GEMM's 512-column block; 521 depths past its 512-depth block; 3-D input
+    # 1100 rows and 600 columns: several blocks (the emulated path) and tasks (the
+    # packed paths) of each, past 512; 521 depths past a 512-depth block; 3-D input
     rng = np.random.default_rng(3)
     xb, wb, bias, dout = operands(rng, (4, 275), 521, 600)
     forward_check(xb, wb, bias)
@@ -328,38 +328,39 @@ def test_results_do_not_depend_on_the_thread_count(path, N, C, OC):
             np.testing.assert_array_equal(a, b)
 
 
-def amx_paths():
-    return ["amx_twin"] + (["amx"] if bf16.cpu_has_amx_bf16() else [])
+def packed_paths():
+    return (["twin", "amx_twin"] + (["native"] if bf16.cpu_has_avx512_bf16() else [])
+            + (["amx"] if bf16.cpu_has_amx_bf16() else []))
 
 
-@pytest.mark.parametrize("amx", amx_paths())
+@pytest.mark.parametrize("packed", packed_paths())
 @pytest.mark.parametrize("N, C, OC", [(97, 64, 100), (64, 96, 70), (70, 45, 96), (33, 600, 64)])
-def test_amx_products_in_chunks_give_the_same_bits(amx, N, C, OC):
-    # The AMX paths lay each product's operands out once for all threads, in chunks
+def test_products_in_chunks_give_the_same_bits(packed, N, C, OC):
+    # The packed paths lay each product's operands out once for all threads, in chunks
     # of rows and columns where they would pass a cap: with the cap at a few tiles the
     # chunks (several of rows and of columns, a row tail read in place or packed, an
     # odd depth), cut into other tasks, give the unchunked bits, within the bound.
     rng = np.random.default_rng(N * C + OC)
     xb, wb, bias, dout = operands(rng, (N,), C, OC)
-    old = bf16.set_bf16_path(amx)
+    old = bf16.set_bf16_path(packed)
     try:
         whole = (forward_check(xb, wb, bias),) + backward_check(xb, wb, dout, prefill=1.0)
-        cap = bf16._set_amx_chunk_pairs(2048)
-        bf16._set_amx_tiles(64, 32)
+        cap = bf16._set_chunk_pairs(2048)
+        bf16._set_task_tiles(64, 32)
         try:
             chunked = ((forward_check(xb, wb, bias),)
                        + backward_check(xb, wb, dout, prefill=1.0))
         finally:
-            bf16._set_amx_chunk_pairs(cap)
-            bf16._set_amx_tiles()
+            bf16._set_chunk_pairs(cap)
+            bf16._set_task_tiles()
     finally:
         bf16.set_bf16_path(old)
     for a, b in zip(whole, chunked):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="positive"):
-        bf16._set_amx_chunk_pairs(0)
+        bf16._set_chunk_pairs(0)
     with pytest.raises(ValueError, match="multiples of 32"):
-        bf16._set_amx_tiles(48, 0)
+        bf16._set_task_tiles(48, 0)
 
 
 def test_native_matches_its_twin_bit_for_bit():
