@@ -185,6 +185,16 @@ def _set_task_tiles(Py_ssize_t tile_m=0, Py_ssize_t tile_n=0):
     bf_sp_tiles[1] = tile_n
 
 
+def _packed_bytes(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint a_rows_along_depth):
+    """The bytes of the buffer the packed paths lay an M x N x K product's operands out
+    in, A's rows along the depth (x, dout) or across it (dout^T); for the tests of the
+    memory planner's figure (gpt2.perfmodel.plan.bf16_packed_bytes)."""
+    cdef bf_sprod p
+    cdef uint16_t one = 0
+    return 4 * bf_sp_init(&p, M, N, K, &one, K if a_rows_along_depth else 1,
+                          1 if a_rows_along_depth else M, &one, 1, K, False, NULL, N, NULL, 1)
+
+
 # ---------------------------------------------------------------- the engine
 # Every call is one parallel region: its conversions, handed out in chunks, then its
 # products' blocks (and dbias's channels), handed out one at a time.  A region's

@@ -166,13 +166,37 @@ def _widened_weight(fan_in, fan_out):
     return 4.0 * rows * fan_in
 
 
+# kernels/bf16.h's laid-out operands: depth pairs padded to 16, 32-row and 32-column
+# panels, at most PACKED_CHUNK_PAIRS pairs of each operand at a time
+PACKED_CHUNK_PAIRS = 1 << 22
+
+
+def bf16_packed_bytes(M, N, K, a_rows_along_depth):
+    """[bytes] of the buffer the packed bf16 paths (native, AMX) lay an M x N x K
+    product's operands out in: B's panels (a chunk of columns) and A's rows (a chunk of
+    rows; where A's rows run along the depth, ``a_rows_along_depth``, and the depth is a
+    multiple of 32, A is read in place and only its last M % 32 rows are copied)."""
+    kpad = -(-((K + 1) // 2) // 16) * 16
+    most = max(32, PACKED_CHUNK_PAIRS // kpad // 32 * 32)
+    columns = min(-(-N // 32) * 32, most)
+    if a_rows_along_depth and K % 32 == 0:
+        a_pairs = 32 * kpad if M % 32 else 0
+    else:
+        a_pairs = min(-(-M // 32) * 32, most) * kpad
+    return 4.0 * (a_pairs + columns * kpad)
+
+
 def bf16_backward_scratch(rows, fan_in, fan_out, emulated, weight_gradient=True):
     """[bytes] of each scratch array kernels.bf16's backward of a (rows x fan_in) @ (fan_in x
     fan_out) product allocates: the output's gradient rounded to bf16; where the products
     are ``emulated`` that one in float32, the weight widened to float32 beside it, and for
-    the weight's gradient the input too."""
+    the weight's gradient the input too; else the laid-out operands of the input's
+    gradient (dout read in place where it can be) and the weight's (dout^T packed)."""
     if not emulated:
-        return [2.0 * rows * fan_out]
+        laid_out = bf16_packed_bytes(rows, fan_in, fan_out, True)
+        if weight_gradient:
+            laid_out += bf16_packed_bytes(fan_out, fan_in, rows, False)
+        return [2.0 * rows * fan_out, laid_out]
     return ([4.0 * rows * fan_out, _widened_weight(fan_in, fan_out)]
             + ([4.0 * rows * fan_in] if weight_gradient else []))
 
@@ -180,8 +204,11 @@ def bf16_backward_scratch(rows, fan_in, fan_out, emulated, weight_gradient=True)
 def bf16_forward_scratch(rows, fan_in, fan_out, emulated):
     """[bytes] of each scratch array kernels.bf16's forward product allocates: where the
     products are ``emulated``, both operands widened to float32 (the weight a block of rows
-    at a time); none otherwise."""
-    return [4.0 * rows * fan_in, _widened_weight(fan_in, fan_out)] if emulated else []
+    at a time); else the laid-out weight (and the input where it cannot be read in
+    place)."""
+    if emulated:
+        return [4.0 * rows * fan_in, _widened_weight(fan_in, fan_out)]
+    return [bf16_packed_bytes(rows, fan_out, fan_in, True)]
 
 
 def bf16_products_emulated(emulated=None):

@@ -226,13 +226,18 @@ def test_bf16_fits_in_memory_where_fp32_must_spill_or_checkpoint(profile):
     assert any("--precision bf16" in n and "fits in memory" in n for n in plan32.notes)
     # At the least memory bf16 keeps the parameters and gradients in RAM (gpt2-train
     # refuses --precision bf16 with --offload all), the weights' bf16 copies beside, and
-    # at the loss's backward the logits' gradient rounded to bf16.
+    # at the loss's backward the logits' gradient rounded to bf16 (and the products'
+    # operands laid out).
     least32 = minimum_memory(GPT2_MEDIUM, 8, 1024, hardware=profile)
     least16 = minimum_memory(GPT2_MEDIUM, 8, 1024, hardware=profile, precision="bf16", **native)
     moments32 = min(predict_policy(GPT2_MEDIUM, 8, 1024, tape_budget=b, checkpointing=c,
                                    hardware=profile, offload="moments").predicted_peak_bytes
                     for c in ("none", "layer") for b in (None, 1 << 20))
-    rounded = 2 * 8 * 1024 * GPT2_MEDIUM.padded_vocab_size
+    from gpt2.perfmodel.plan import bf16_backward_scratch, bf16_forward_scratch
+    head = (8 * 1024, GPT2_MEDIUM.n_embd, GPT2_MEDIUM.padded_vocab_size)
+    rounded = sum(bf16_backward_scratch(*head, emulated=False)      # with the products'
+                  + bf16_forward_scratch(*head, emulated=False))    # laid-out operands
+    assert rounded > 2 * 8 * 1024 * GPT2_MEDIUM.padded_vocab_size
     assert least32 < least16 <= required_memory(moments32 + bf16.memory["bf16 weight copies"] + rounded)
     with pytest.raises(ValueError, match="offload='all' runs in fp32"):
         predict_policy(GPT2_MEDIUM, 8, 1024, hardware=profile, offload="all", precision="bf16")
@@ -257,3 +262,14 @@ def test_bf16_weighs_the_largest_tape_budget_that_fits(profile):
                 if c.checkpointing == "none" and c.offload is None and c.tape_budget and c.fits]
     largest = max(spilling, key=lambda c: c.tape_budget)
     assert limit - required_memory(largest.predicted_peak_bytes) < 2 << 20
+
+
+@pytest.mark.parametrize("M, N, K, along", [(1024, 2304, 768, True), (1024, 768, 3072, True),
+                                            (2304, 768, 1024, False), (1000, 50304, 768, True),
+                                            (50304, 768, 1024, False), (97, 45, 70, True),
+                                            (8192, 4096, 14336, True), (5, 3, 1, False)])
+def test_bf16_laid_out_operands_are_the_kernels_bytes(M, N, K, along):
+    # The planner's figure for the packed bf16 paths' buffer is the kernels' own.
+    from gpt2.perfmodel.plan import bf16_packed_bytes
+    from kernels import bf16
+    assert bf16_packed_bytes(M, N, K, along) == bf16._packed_bytes(M, N, K, along)
