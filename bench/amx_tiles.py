@@ -17,10 +17,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import _paths  # noqa: F401  (import order: source if built in place, installed, bench/)
 from _runinfo import cpu_name, git_commit
+from products import seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [("qkv", 768, 2304), ("attproj", 768, 768), ("fc", 768, 3072),
@@ -39,16 +39,6 @@ def parse_tiles(text):
             raise argparse.ArgumentTypeError(f"a tiling is auto or MxN, got {item!r}") from None
         tiles[item] = (m, n)
     return tiles
-
-
-def median_call(fn, calls=3):
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -85,7 +75,7 @@ def main(argv=None):
                     bf16._set_task_tiles(tm, tn)
                     for prod, fn in calls.items():
                         rates[tiling].setdefault(f"{name}.{prod}", []).append(
-                            2 * M * K * N / median_call(fn) / 1e9)
+                            2 * M * K * N / seconds(fn, 3) / 1e9)
     finally:
         bf16._set_task_tiles()
     print(f"AMX bf16 products at {M} rows, {n} threads, {cpu_name()}: GFLOP/s, medians of "

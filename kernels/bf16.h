@@ -273,6 +273,40 @@ static inline const char* bf_sp_a_rows(const bf_sprod* p, ptrdiff_t i0, ptrdiff_
     return (const char*)(p->pa + (i - (p->a_direct ? p->m_full : i0)) * p->kpad);
 }
 
+/* A build's tile of C: mr x nr (at most rows x 32) at c over kp depth pairs, A's rows
+   at a (stride a_stride bytes), B's panel at panel; C = the sum + bias (where not
+   NULL) (+ C where add). */
+typedef void (*bf_tile_fn)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride,
+                           const uint32_t* panel, float* c, ptrdiff_t ldc, int add,
+                           const float* bias, ptrdiff_t mr, ptrdiff_t nr);
+
+/* Task t of chunk `chunk` of p: its block of C over all depths, in tiles of `rows` x
+   32, each block of BF_KC depths (`pairs` pairs in all: the builds that sum in whole
+   tiles of depth read the zero pairs of the padding too) in order. */
+static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_fn tile,
+                       ptrdiff_t rows, ptrdiff_t pairs) {
+    bf_sp_span s = bf_sp_chunk_span(p, chunk);
+    ptrdiff_t tiles_n = bf_ceil(s.j1 - s.j0, p->tile_n);
+    ptrdiff_t r0 = s.i0 + t / tiles_n * p->tile_m, c0 = s.j0 + t % tiles_n * p->tile_n;
+    ptrdiff_t r1 = r0 + p->tile_m < s.i1 ? r0 + p->tile_m : s.i1;
+    ptrdiff_t c1 = c0 + p->tile_n < s.j1 ? c0 + p->tile_n : s.j1;
+    for (ptrdiff_t k0 = 0; k0 < pairs; k0 += BF_KC / 2) {
+        ptrdiff_t kp = pairs - k0 < BF_KC / 2 ? pairs - k0 : BF_KC / 2;
+        int add = p->accumulate || k0 > 0;
+        for (ptrdiff_t j = c0; j < c1; j += BF_NR) {
+            const uint32_t* panel = p->pb + ((j - s.j0) / BF_NR * p->kpad + k0) * BF_NR;
+            const float* bias = k0 == 0 && p->bias != NULL ? p->bias + j : NULL;
+            ptrdiff_t nr = c1 - j < BF_NR ? c1 - j : BF_NR;
+            for (ptrdiff_t i = r0; i < r1; i += rows) {
+                ptrdiff_t stride;
+                const char* a = bf_sp_a_rows(p, s.i0, i, &stride) + 4 * k0;
+                tile(kp, a, stride, panel, p->C + i * p->ldc + j, p->ldc, add, bias,
+                     r1 - i < rows ? r1 - i : rows, nr);
+            }
+        }
+    }
+}
+
 /* The pack tasks of a chunk: B's panels, BF_SP_PANELS a task (where the chunk needs
    them: each chunk of columns once, or at every chunk of rows where there are several
    of columns), then A's rows, 32 a task (at a chunk's first columns), or A's tail. */
@@ -408,9 +442,6 @@ ADT_INLINE adt_v16 bf_dot_twin(adt_v16 acc, uint32_t a, bf_pairs b) {
 #define BF_ATTR ADT_MULTIVERSION
 #define BF_DOT(acc, a, b) bf_dot_twin(acc, a, b)
 #include "bf16_gemm.h"
-#undef BF_FN
-#undef BF_ATTR
-#undef BF_DOT
 
 #if BF_HAVE_NATIVE
 #define BF_TARGET __attribute__((target("avx512f,avx512bf16")))
@@ -422,9 +453,6 @@ BF_TARGET ADT_INLINE adt_v16 bf_dot_nat(adt_v16 acc, uint32_t a, bf_pairs b) {
 #define BF_ATTR BF_TARGET
 #define BF_DOT(acc, a, b) bf_dot_nat(acc, a, b)
 #include "bf16_gemm.h"
-#undef BF_FN
-#undef BF_ATTR
-#undef BF_DOT
 #endif
 
 /* ---- the AMX builds ---- */
@@ -464,15 +492,6 @@ static void bf_twin_dp(bf_twin_tile* c, const bf_twin_tile* a, const bf_twin_til
 #define BF_TSTORE(t, dst, stride) bf_twin_store(&bf_tiles[t], dst, stride)
 #define BF_TDP(c, a, b) bf_twin_dp(&bf_tiles[c], &bf_tiles[a], &bf_tiles[b])
 #include "bf16_amx.h"
-#undef BF_AMX_FN
-#undef BF_AMX_ATTR
-#undef BF_AMX_STATE
-#undef BF_TCFG
-#undef BF_TREL
-#undef BF_TZERO
-#undef BF_TLOAD
-#undef BF_TSTORE
-#undef BF_TDP
 
 #if BF_HAVE_NATIVE
 #include "peak.h"
@@ -508,15 +527,6 @@ BF_AMX_TARGET static inline void bf_amx_config(void) {
 #define BF_TSTORE(t, dst, stride) _tile_stored(t, dst, stride)
 #define BF_TDP(c, a, b) _tile_dpbf16ps(c, a, b)
 #include "bf16_amx.h"
-#undef BF_AMX_FN
-#undef BF_AMX_ATTR
-#undef BF_AMX_STATE
-#undef BF_TCFG
-#undef BF_TREL
-#undef BF_TZERO
-#undef BF_TLOAD
-#undef BF_TSTORE
-#undef BF_TDP
 #else
 static int bf16_cpu_amx(void) { return 0; }
 #endif

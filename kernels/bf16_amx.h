@@ -7,7 +7,8 @@
  *                           release the tiles,
  *   BF_TZERO(t), BF_TLOAD(t, p, stride), BF_TSTORE(t, p, stride), BF_TDP(c, a, b)
  *                           TILEZERO, TILELOADD, TILESTORED and TDPBF16PS (strides in
- *                           bytes).
+ *                           bytes),
+ * all undefined again at its end.
  *
  * One task of a product (bf16.h's bf_sprod): a tile_m x tile_n block of C, all of
  * its depth, from operands that the pack phase has laid out once for all the threads
@@ -77,30 +78,20 @@ BF_AMX_ATTR static void BF_AMX_FN(bf_amx_tile)(ptrdiff_t kp, const char* a, ptrd
         for (ptrdiff_t r = 0; r < mr; r++) memcpy(c + r * ldc, t[r], (size_t)nr * sizeof(float));
 }
 
-/* Task t of chunk `chunk` of p: its block of C over all depths. */
+/* Task t of chunk `chunk` of p (bf_sp_task's loops on this build's tiles). */
 BF_AMX_ATTR static void BF_AMX_FN(bf_amx_task)(const bf_sprod* p, ptrdiff_t chunk,
                                                ptrdiff_t t) {
-    bf_sp_span s = bf_sp_chunk_span(p, chunk);
-    ptrdiff_t tiles_n = (s.j1 - s.j0 + p->tile_n - 1) / p->tile_n;
-    ptrdiff_t r0 = s.i0 + t / tiles_n * p->tile_m, c0 = s.j0 + t % tiles_n * p->tile_n;
-    ptrdiff_t r1 = r0 + p->tile_m < s.i1 ? r0 + p->tile_m : s.i1;
-    ptrdiff_t c1 = c0 + p->tile_n < s.j1 ? c0 + p->tile_n : s.j1;
     BF_TCFG();
-    for (ptrdiff_t k0 = 0; k0 < p->kpad; k0 += BF_AMX_KB) {
-        ptrdiff_t kp = p->kpad - k0 < BF_AMX_KB ? p->kpad - k0 : BF_AMX_KB;
-        int add = p->accumulate || k0 > 0;
-        for (ptrdiff_t j = c0; j < c1; j += BF_NR) {
-            const uint32_t* panel = p->pb + ((j - s.j0) / BF_NR * p->kpad + k0) * BF_NR;
-            const float* bias = k0 == 0 && p->bias != NULL ? p->bias + j : NULL;
-            ptrdiff_t nr = c1 - j < BF_NR ? c1 - j : BF_NR;
-            for (ptrdiff_t i = r0; i < r1; i += BF_AMX_MR) {
-                ptrdiff_t a_stride;
-                const char* a = bf_sp_a_rows(p, s.i0, i, &a_stride);
-                ptrdiff_t mr = r1 - i < BF_AMX_MR ? r1 - i : BF_AMX_MR;
-                BF_AMX_FN(bf_amx_tile)(kp, a + 4 * k0, a_stride, panel,
-                                       p->C + i * p->ldc + j, p->ldc, add, bias, mr, nr);
-            }
-        }
-    }
+    bf_sp_task(p, chunk, t, BF_AMX_FN(bf_amx_tile), BF_AMX_MR, p->kpad);
     BF_TREL();
 }
+
+#undef BF_AMX_FN
+#undef BF_AMX_ATTR
+#undef BF_AMX_STATE
+#undef BF_TCFG
+#undef BF_TREL
+#undef BF_TZERO
+#undef BF_TLOAD
+#undef BF_TSTORE
+#undef BF_TDP

@@ -3,12 +3,11 @@
  *   BF_FN(f)          the build's name for f (f_nat, f_twin),
  *   BF_ATTR           its target attribute,
  *   BF_DOT(acc, a, b) acc + the products of the pair a (broadcast) and the sixteen
- *                     pairs of b, summed per lane as VDPBF16PS does.
+ *                     pairs of b, summed per lane as VDPBF16PS does,
+ * all undefined again at its end.
  *
- * One task of a product (bf16.h's bf_sprod, its operands laid out by the pack phase):
- * a tile_m x tile_n block of C over all its depth.  For each block of BF_KC depths (in
- * order), each 32-column panel of B (its pairs stay in L1), each 8 rows of A: the
- * micro-kernel, an 8 x 32 tile of C in sixteen accumulators. */
+ * The tile of C is 8 x 32, in sixteen accumulators; bf16.h's bf_sp_task hands them
+ * out over a task's block of C. */
 
 /* The BF_MR x BF_NR tile over kp depth pairs: C = acc + bias[0:BF_NR] (on every row,
    where bias is not NULL) (+ C where add).  A's rows at a, a stride of a_stride pairs,
@@ -68,32 +67,25 @@ BF_ATTR static void BF_FN(bf_edge)(ptrdiff_t kp, const bf_u32* a, ptrdiff_t a_st
         }
 }
 
-/* Task t of chunk `chunk` of p: its block of C over all depths. */
-BF_ATTR static void BF_FN(bf_task)(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t) {
-    bf_sp_span s = bf_sp_chunk_span(p, chunk);
-    ptrdiff_t tiles_n = (s.j1 - s.j0 + p->tile_n - 1) / p->tile_n;
-    ptrdiff_t r0 = s.i0 + t / tiles_n * p->tile_m, c0 = s.j0 + t % tiles_n * p->tile_n;
-    ptrdiff_t r1 = r0 + p->tile_m < s.i1 ? r0 + p->tile_m : s.i1;
-    ptrdiff_t c1 = c0 + p->tile_n < s.j1 ? c0 + p->tile_n : s.j1;
-    ptrdiff_t pairs = (p->K + 1) / 2;
-    for (ptrdiff_t k0 = 0; k0 < pairs; k0 += BF_KC / 2) {
-        ptrdiff_t kp = pairs - k0 < BF_KC / 2 ? pairs - k0 : BF_KC / 2;
-        int add = p->accumulate || k0 > 0;
-        for (ptrdiff_t j = c0; j < c1; j += BF_NR) {
-            const uint32_t* panel = p->pb + ((j - s.j0) / BF_NR * p->kpad + k0) * BF_NR;
-            const float* bias = k0 == 0 && p->bias != NULL ? p->bias + j : NULL;
-            ptrdiff_t nr = c1 - j < BF_NR ? c1 - j : BF_NR;
-            for (ptrdiff_t i = r0; i < r1; i += BF_MR) {
-                ptrdiff_t stride;
-                const bf_u32* a = (const bf_u32*)bf_sp_a_rows(p, s.i0, i, &stride) + k0;
-                ptrdiff_t mr = r1 - i < BF_MR ? r1 - i : BF_MR;
-                float* cij = p->C + i * p->ldc + j;
-                stride /= (ptrdiff_t)sizeof(uint32_t);
-                if (mr == BF_MR && nr == BF_NR)
-                    BF_FN(bf_micro)(kp, a, stride, panel, cij, p->ldc, add, bias);
-                else
-                    BF_FN(bf_edge)(kp, a, stride, panel, cij, p->ldc, add, bias, mr, nr);
-            }
-        }
-    }
+/* bf_sp_task's tile: BF_MR rows of A (each row's pairs in order) at a, a_stride bytes
+   apart. */
+BF_ATTR static void BF_FN(bf_tile)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride,
+                                   const uint32_t* panel, float* c, ptrdiff_t ldc, int add,
+                                   const float* bias, ptrdiff_t mr, ptrdiff_t nr) {
+    const bf_u32* rows = (const bf_u32*)a;
+    ptrdiff_t stride = a_stride / (ptrdiff_t)sizeof(uint32_t);
+    if (mr == BF_MR && nr == BF_NR)
+        BF_FN(bf_micro)(kp, rows, stride, panel, c, ldc, add, bias);
+    else
+        BF_FN(bf_edge)(kp, rows, stride, panel, c, ldc, add, bias, mr, nr);
 }
+
+/* Task t of chunk `chunk` of p (bf_sp_task's loops on this build's tiles, over the
+   depth's pairs without the padding, the sums the per-tile packing made). */
+BF_ATTR static void BF_FN(bf_task)(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t) {
+    bf_sp_task(p, chunk, t, BF_FN(bf_tile), BF_MR, (p->K + 1) / 2);
+}
+
+#undef BF_FN
+#undef BF_ATTR
+#undef BF_DOT
