@@ -168,9 +168,10 @@ typedef uint32_t bf_u32 __attribute__((aligned(2), may_alias));
 #define BF_AMX_KP 16          /* depth pairs of a tile */
 #define BF_AMX_KB (BF_KC / 2) /* depth pairs of a block: a B panel's block is 32 KiB */
 #define BF_SP_PANELS 2       /* B panels a pack task lays out */
-/* a chunk's packed operands: at most 16 MiB each (bf16.pyx's _set_chunk_pairs sets it
-   smaller for the tests) */
-static ptrdiff_t bf_sp_chunk_pairs = (ptrdiff_t)1 << 22;
+/* a chunk's packed operands: at most 8 MiB each, so that a product's buffer stays below
+   glibc's largest mmap threshold (32 MiB) and is reused, not faulted in afresh, call
+   after call (bf16.pyx's _set_chunk_pairs sets it smaller for the tests) */
+static ptrdiff_t bf_sp_chunk_pairs = (ptrdiff_t)1 << 21;
 /* for the benchmarks (bf16.pyx's _set_task_tiles): a task's rows and columns of C
    (multiples of 32; 0: chosen by the shape and the threads) */
 static ptrdiff_t bf_sp_tiles[2] = {0, 0};

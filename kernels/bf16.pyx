@@ -165,7 +165,7 @@ def set_bf16_native(bint native):
 
 
 def _set_chunk_pairs(Py_ssize_t pairs):
-    """Cap the packed paths' packed operands at ``pairs`` uint32 each (4 Mi pairs, 16 MiB, by
+    """Cap the packed paths' packed operands at ``pairs`` uint32 each (2 Mi pairs, 8 MiB, by
     default), for the tests of products done in chunks.  Returns the previous cap."""
     global bf_sp_chunk_pairs
     if pairs < 1:
@@ -519,21 +519,24 @@ cdef void _tile_task(int path, const bf_sprod* prods, int nprod, Py_ssize_t r,
 
 
 cdef bint _packed_run(int path, const Convert* conv, int nconv, bf_sprod* prods, int nprod,
-                   size_t* pairs, const Dbias* db, int nt) noexcept nogil:
-    # prods planned (bf_sp_init, `pairs` each); their packing buffer, then the rounds.
-    # False where the buffer could not be had (nothing written).
-    cdef size_t total = 0
+                      size_t* pairs, const Dbias* db, int nt) noexcept nogil:
+    # prods planned (bf_sp_init, `pairs` each); their packing buffers, then the rounds.
+    # False where a buffer could not be had (nothing written).  A buffer each, at most
+    # 16 MiB and a tile of A's rows: glibc serves an allocation past its mmap threshold
+    # (at most 32 MiB) with fresh pages every call, which cost a fault each.
+    cdef uint32_t* bufs[2]
     cdef Py_ssize_t rounds = 1, r, nchunks = 0, ndb = 0, npack, ntile, c, t
     cdef int i
+    cdef bint ok = True
     for i in range(nprod):
-        total += pairs[i]
-    cdef uint32_t* buf = <uint32_t*>_scratch(total, sizeof(uint32_t))
-    if buf == NULL:
+        bufs[i] = <uint32_t*>_scratch(pairs[i], sizeof(uint32_t))
+        ok = ok and bufs[i] != NULL
+    if not ok:
+        for i in range(nprod):
+            free(bufs[i])
         return False
-    total = 0
     for i in range(nprod):
-        bf_sp_attach(&prods[i], buf + total)
-        total += pairs[i]
+        bf_sp_attach(&prods[i], bufs[i])
         rounds = max(rounds, bf_sp_chunks(&prods[i]))
     for i in range(nconv):
         nchunks += (conv[i].n + CONVERT_CHUNK - 1) // CONVERT_CHUNK
@@ -556,7 +559,8 @@ cdef bint _packed_run(int path, const Convert* conv, int nconv, bf_sprod* prods,
                 _pack_task(prods, nprod, r, t)
             for t in prange(ntile, schedule='dynamic', chunksize=1):
                 _tile_task(path, prods, nprod, r, db, t)
-    free(buf)
+    for i in range(nprod):
+        free(bufs[i])
     return True
 
 

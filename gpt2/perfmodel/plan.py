@@ -168,7 +168,7 @@ def _widened_weight(fan_in, fan_out):
 
 # kernels/bf16.h's laid-out operands: depth pairs padded to 16, 32-row and 32-column
 # panels, at most PACKED_CHUNK_PAIRS pairs of each operand at a time
-PACKED_CHUNK_PAIRS = 1 << 22
+PACKED_CHUNK_PAIRS = 1 << 21
 
 
 def bf16_packed_bytes(M, N, K, a_rows_along_depth):

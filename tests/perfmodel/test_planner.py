@@ -234,9 +234,14 @@ def test_bf16_fits_in_memory_where_fp32_must_spill_or_checkpoint(profile):
                                    hardware=profile, offload="moments").predicted_peak_bytes
                     for c in ("none", "layer") for b in (None, 1 << 20))
     from gpt2.perfmodel.plan import bf16_backward_scratch, bf16_forward_scratch
-    head = (8 * 1024, GPT2_MEDIUM.n_embd, GPT2_MEDIUM.padded_vocab_size)
-    rounded = sum(bf16_backward_scratch(*head, emulated=False)      # with the products'
-                  + bf16_forward_scratch(*head, emulated=False))    # laid-out operands
+    from gpt2.perfmodel.spec import ModelSpec
+
+    def scratch(fan_in, fan_out):       # dout in bf16 and the products' laid-out operands
+        return sum(bf16_backward_scratch(8 * 1024, fan_in, fan_out, emulated=False)
+                   + bf16_forward_scratch(8 * 1024, fan_in, fan_out, emulated=False))
+    shapes = ModelSpec.from_config(GPT2_MEDIUM).product_shapes().values()
+    rounded = (scratch(GPT2_MEDIUM.n_embd, GPT2_MEDIUM.padded_vocab_size)
+               + max(scratch(*shape) for shape in shapes))
     assert rounded > 2 * 8 * 1024 * GPT2_MEDIUM.padded_vocab_size
     assert least32 < least16 <= required_memory(moments32 + bf16.memory["bf16 weight copies"] + rounded)
     with pytest.raises(ValueError, match="offload='all' runs in fp32"):
