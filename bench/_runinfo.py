@@ -69,12 +69,17 @@ def cpu_flags():
 
 
 def git_commit():
-    """The checkout's short commit hash, or None outside a git checkout."""
+    """The checkout's short commit hash, with "+dirty" where tracked files differ from it
+    (a run of uncommitted code), or None outside a git checkout."""
     try:
-        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
+                                "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+    return commit + ("+dirty" if dirty else "")
 
 
 def physical_peak(n_threads, seconds=0.1, repeats=3):

@@ -559,7 +559,7 @@ def write_records(path, model, records):
     except FileNotFoundError:
         kept = []
     blas = blas_dispatch.record()
-    cpu = {"cpu": cpu_name(), "cpu_flags": cpu_flags()}
+    cpu = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "commit": git_commit()}
     records = [dict(r, **blas, **cpu) for r in records]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
