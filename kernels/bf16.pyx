@@ -479,18 +479,16 @@ cdef int _emulated_backward(float* dinp, float* dweight, float* dbias, const flo
 # that lay the operands out for all the threads, then the tile tasks (and dbias's
 # channels, the first round).
 
-cdef int _packed_threads(const bf_sprod* prods, Py_ssize_t* sizes, int nprod,
-                      Py_ssize_t elements, int n_threads) noexcept nogil:
-    # n_threads, or 1 where the whole call is small
-    cdef int i
-    for i in range(nprod):
-        if sizes[i] >= PRODUCT_PARALLEL_MIN:
-            return n_threads
-    return n_threads if elements >= CONVERT_PARALLEL_MIN else 1
+cdef int _packed_threads(Py_ssize_t size, Py_ssize_t elements, int n_threads) noexcept nogil:
+    # n_threads, or 1 where the whole call is small (size: its products' M N K, elements:
+    # those converted)
+    if size >= PRODUCT_PARALLEL_MIN or elements >= CONVERT_PARALLEL_MIN:
+        return n_threads
+    return 1
 
 
 cdef void _pack_task(const bf_sprod* prods, int nprod, Py_ssize_t r,
-                         Py_ssize_t t) noexcept nogil:
+                     Py_ssize_t t) noexcept nogil:
     cdef int i
     cdef Py_ssize_t n
     for i in range(nprod):
@@ -503,7 +501,7 @@ cdef void _pack_task(const bf_sprod* prods, int nprod, Py_ssize_t r,
 
 
 cdef void _tile_task(int path, const bf_sprod* prods, int nprod, Py_ssize_t r,
-                         const Dbias* db, Py_ssize_t t) noexcept nogil:
+                     const Dbias* db, Py_ssize_t t) noexcept nogil:
     cdef int i
     cdef Py_ssize_t n, c0
     for i in range(nprod):
@@ -565,28 +563,26 @@ cdef bint _packed_run(int path, const Convert* conv, int nconv, bf_sprod* prods,
 
 
 cdef int _packed_forward(int path, float* out, const uint16_t* inp, const uint16_t* weight,
-                      const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
-                      int n_threads) except -1 nogil:
+                         const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
+                         int n_threads) except -1 nogil:
     # out = inp @ weight.T + bias: inp read in place, weight laid out once
     cdef bf_sprod p
-    cdef Py_ssize_t size = N * C * OC
-    cdef int nt = _packed_threads(&p, &size, 1, 0, n_threads)
+    cdef int nt = _packed_threads(N * C * OC, 0, n_threads)
     cdef size_t pairs = bf_sp_init(&p, N, OC, C, inp, C, 1, weight, 1, C, False, out, OC,
-                                    bias, nt)
+                                   bias, nt)
     if not _packed_run(path, NULL, 0, &p, 1, &pairs, NULL, nt):
         _out_of_memory("the packed operands")
     return 0
 
 
 cdef int _packed_backward(int path, float* dinp, float* dweight, float* dbias,
-                       const float* dout, const uint16_t* inp, const uint16_t* weight,
-                       Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC, int n_threads, bint ow_dinp,
-                       bint ow_dweight, bint ow_dbias) except -1 nogil:
+                          const float* dout, const uint16_t* inp, const uint16_t* weight,
+                          Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC, int n_threads,
+                          bint ow_dinp, bint ow_dweight, bint ow_dbias) except -1 nogil:
     # dout rounded to bf16 once for both products (read in place by dout @ W, laid out
     # transposed for dout^T @ inp)
     cdef bf_sprod prods[2]
     cdef size_t pairs[2]
-    cdef Py_ssize_t sizes[2]
     cdef Convert conv
     cdef Dbias db = Dbias(dbias, dout, N, OC, ow_dbias)
     cdef int nprod = 0, nt
@@ -594,29 +590,22 @@ cdef int _packed_backward(int path, float* dinp, float* dweight, float* dbias,
     if d == NULL:
         _out_of_memory("dout in bf16")
     conv = Convert(CONVERT_ROUND, dout, d, N * OC)
-    if dinp != NULL:
-        sizes[nprod] = N * C * OC
-        nprod += 1
-    if dweight != NULL:
-        sizes[nprod] = N * C * OC
-        nprod += 1
-    nt = _packed_threads(prods, sizes, nprod, N * OC, n_threads)
-    nprod = 0
+    nt = _packed_threads(N * C * OC if dinp != NULL or dweight != NULL else 0, N * OC,
+                         n_threads)
     if dinp != NULL:
         pairs[nprod] = bf_sp_init(&prods[nprod], N, C, OC, d, OC, 1, weight, C, 1,
-                                   not ow_dinp, dinp, C, NULL, nt)
+                                  not ow_dinp, dinp, C, NULL, nt)
         nprod += 1
     if dweight != NULL:     # NULL: a frozen weight (LoRA's base), no weight gradient
         pairs[nprod] = bf_sp_init(&prods[nprod], OC, C, N, d, 1, OC, inp, C, 1,
-                                   not ow_dweight, dweight, C, NULL, nt)
+                                  not ow_dweight, dweight, C, NULL, nt)
         nprod += 1
     cdef bint done = _packed_run(path, &conv, 1, prods, nprod, pairs,
-                              &db if dbias != NULL else NULL, nt)
+                                 &db if dbias != NULL else NULL, nt)
     free(d)
     if not done:
         _out_of_memory("the packed operands")
     return 0
-
 
 
 cdef int matmul_forward_bf16_c(float* out, const uint16_t* inp, const uint16_t* weight,
