@@ -166,7 +166,7 @@ typedef uint32_t bf_u32 __attribute__((aligned(2), may_alias));
  * however C is cut into tasks and chunks, and on any thread count, the same bits. */
 #define BF_AMX_MR 32          /* rows of a tile of C (two of A's tiles) */
 #define BF_AMX_KP 16          /* depth pairs of a tile */
-#define BF_AMX_KB (BF_KC / 2) /* depth pairs of a block: a B panel's block is 32 KiB */
+#define BF_KB (BF_KC / 2)     /* depth pairs of a block: a B panel's block is 32 KiB */
 #define BF_SP_PANELS 2       /* B panels a pack task lays out */
 /* a chunk's packed operands: at most 8 MiB each, so that a product's buffer stays below
    glibc's largest mmap threshold (32 MiB) and is reused, not faulted in afresh, call
@@ -175,7 +175,7 @@ static ptrdiff_t bf_sp_chunk_pairs = (ptrdiff_t)1 << 21;
 /* for the benchmarks (bf16.pyx's _set_task_tiles): a task's rows and columns of C
    (multiples of 32; 0: chosen by the shape and the threads) */
 static ptrdiff_t bf_sp_tiles[2] = {0, 0};
-_Static_assert(BF_NR == 32 && BF_AMX_KB % BF_AMX_KP == 0,
+_Static_assert(BF_NR == 32 && BF_KB % BF_AMX_KP == 0,
                "bf16.h: the blocks must hold whole AMX tiles");
 
 /* kp depth pairs padded to whole AMX tiles */
@@ -291,8 +291,8 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
     ptrdiff_t r0 = s.i0 + t / tiles_n * p->tile_m, c0 = s.j0 + t % tiles_n * p->tile_n;
     ptrdiff_t r1 = r0 + p->tile_m < s.i1 ? r0 + p->tile_m : s.i1;
     ptrdiff_t c1 = c0 + p->tile_n < s.j1 ? c0 + p->tile_n : s.j1;
-    for (ptrdiff_t k0 = 0; k0 < pairs; k0 += BF_KC / 2) {
-        ptrdiff_t kp = pairs - k0 < BF_KC / 2 ? pairs - k0 : BF_KC / 2;
+    for (ptrdiff_t k0 = 0; k0 < pairs; k0 += BF_KB) {
+        ptrdiff_t kp = pairs - k0 < BF_KB ? pairs - k0 : BF_KB;
         int add = p->accumulate || k0 > 0;
         for (ptrdiff_t j = c0; j < c1; j += BF_NR) {
             const uint32_t* panel = p->pb + ((j - s.j0) / BF_NR * p->kpad + k0) * BF_NR;
@@ -300,7 +300,7 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
             ptrdiff_t nr = c1 - j < BF_NR ? c1 - j : BF_NR;
             for (ptrdiff_t i = r0; i < r1; i += rows) {
                 ptrdiff_t stride;
-                const char* a = bf_sp_a_rows(p, s.i0, i, &stride) + 4 * k0;
+                const char* a = bf_sp_a_rows(p, s.i0, i, &stride) + k0 * sizeof(uint32_t);
                 tile(kp, a, stride, panel, p->C + i * p->ldc + j, p->ldc, add, bias,
                      r1 - i < rows ? r1 - i : rows, nr);
             }

@@ -317,18 +317,22 @@ cdef void _block(const Product* p, Py_ssize_t t) noexcept nogil:
              p.ldc, bias, NULL, 1)
 
 
+cdef void _dbias_task(const Dbias* db, Py_ssize_t t) noexcept nogil:
+    # dbias's channel block t
+    cdef Py_ssize_t c0 = t * BF_DBIAS_COLS
+    bf16_dbias_cols(db.dbias, db.dout, db.N, db.OC, c0, min(c0 + BF_DBIAS_COLS, db.OC),
+                    db.overwrite)
+
+
 cdef void _task(const Product* prods, int nprod, const Dbias* db, Py_ssize_t t) noexcept nogil:
     # task t: the products' blocks in order, then dbias's channel blocks
     cdef int i
-    cdef Py_ssize_t c0
     for i in range(nprod):
         if t < prods[i].plan.nblocks:
             _block(&prods[i], t)
             return
         t -= prods[i].plan.nblocks
-    c0 = t * BF_DBIAS_COLS
-    bf16_dbias_cols(db.dbias, db.dout, db.N, db.OC, c0, min(c0 + BF_DBIAS_COLS, db.OC),
-                    db.overwrite)
+    _dbias_task(db, t)
 
 
 cdef int _threads(const Convert* conv, int nconv, const Product* prods, int nprod,
@@ -503,7 +507,7 @@ cdef void _pack_task(const bf_sprod* prods, int nprod, Py_ssize_t r,
 cdef void _tile_task(int path, const bf_sprod* prods, int nprod, Py_ssize_t r,
                      const Dbias* db, Py_ssize_t t) noexcept nogil:
     cdef int i
-    cdef Py_ssize_t n, c0
+    cdef Py_ssize_t n
     for i in range(nprod):
         if r < bf_sp_chunks(&prods[i]):
             n = bf_sp_tile_tasks(&prods[i], r)
@@ -511,9 +515,7 @@ cdef void _tile_task(int path, const bf_sprod* prods, int nprod, Py_ssize_t r,
                 bf_sp_run_task(path, &prods[i], r, t)
                 return
             t -= n
-    c0 = t * BF_DBIAS_COLS
-    bf16_dbias_cols(db.dbias, db.dout, db.N, db.OC, c0, min(c0 + BF_DBIAS_COLS, db.OC),
-                    db.overwrite)
+    _dbias_task(db, t)
 
 
 cdef bint _packed_run(int path, const Convert* conv, int nconv, bf_sprod* prods, int nprod,

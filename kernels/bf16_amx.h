@@ -10,11 +10,8 @@
  *                           bytes),
  * all undefined again at its end.
  *
- * One task of a product (bf16.h's bf_sprod): a tile_m x tile_n block of C, all of
- * its depth, from operands that the pack phase has laid out once for all the threads
- * (or A read where it lies).  For each block of BF_AMX_KB depth pairs (in order), each
- * 32-column panel of B (its pairs stay in L1), each 32 rows of A: the 32 x 32 tile of
- * C (four accumulator tiles, two of A and two of B: each loaded tile used twice). */
+ * The tile of C is 32 x 32 (four accumulator tiles, two of A and two of B: each loaded
+ * tile used twice); bf16.h's bf_sp_task hands them out over a task's block of C. */
 
 /* The 32 x 32 tile of C at c, mr x nr of it in C, over kp depth pairs (a multiple of
    16): C = init + the products, init being C (where add) + bias[0:nr] (where not NULL).
