@@ -92,6 +92,22 @@ def physical_peak(n_threads, seconds=0.1, repeats=3):
     return peak.physical_peak(n_threads, seconds, repeats)
 
 
+def best_peak(*peaks):
+    """physical_peak's answer from several measurements of it: each ISA's best rate (on a
+    shared machine a measurement taken while a neighbour ran reads low, and a share
+    against it above 100%)."""
+    rates = {}
+    for p in peaks:
+        for isa, gflops in p["peak_gflops_by_isa"].items():
+            rates[isa] = max(gflops, rates.get(isa, 0.0))
+    out = {"peak_gflops_by_isa": rates}
+    for kind in ("fp32", "bf16"):
+        isa = peaks[0][f"{kind}_peak_isa"]
+        out[f"{kind}_peak_isa"] = isa
+        out[f"{kind}_peak_gflops"] = rates.get(isa)
+    return out
+
+
 def compute_limit(limits):
     """(GFLOP/s, what it is) of a run's compute limit: the physical fp32 peak, or the sgemm
     rate where the CPU has no peak loop (``limits`` holds ``fp32_peak_gflops`` and
