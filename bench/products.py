@@ -2,18 +2,20 @@
 
   python bench/products.py [--model gpt2] [--tokens 64,512,4096] [--threads N]
                            [--precision fp32|bf16|both] [--reps 5] [--stat median|best]
-                           [--out PATH]
+                           [--rounds 1] [--out PATH]
 
 Every linear layer of the model (GPT-2: qkv, attention projection, fc, fc projection
 and the tied LM head; a Llama preset: q|k|v, o, gate|up, down and the head) at B*T =
 each of --tokens rows, three products each: the forward (out = x @ w.T, kernels.matmul
 or kernels.bf16), the weight gradient (dw = g.T @ x) and the whole backward (dx = g @ w
 and dw together, the call a step makes: 4*M*N*K FLOPs).  A product's rate is its FLOPs
-(2*M*N*K each) over the median (--stat best: the least) of --reps timings (after one
-warm call); its share is that rate over the physical peak of the threads in use
-(kernels.peak: register-only multiply-adds, the better of a measurement at the start
-and one at the end; fp32 for fp32 products, the bf16 dot-product peak for bf16 ones
-where the CPU has one, fp32's where it emulates them).  SciPy's BLAS sgemm of the forward
+(2*M*N*K each) over the median (--stat best: the least) of --reps timings after one warm
+call; --rounds R runs the whole table R times and keeps each product's best (--stat
+median: median) of the rounds, since a shared machine's noisy stretches last minutes.
+Its share is that rate over the physical peak of the threads in use (kernels.peak:
+register-only multiply-adds, the best of measurements at the start, between rounds and
+at the end; fp32 for fp32 products, the bf16 dot-product peak for bf16 ones where the
+CPU has one, fp32's where it emulates them).  SciPy's BLAS sgemm of the forward
 shape is a column beside it.  bf16 products take operands converted beforehand (the
 conversions are timed apart: ``conv ms``, the input's and the output gradient's).
 
@@ -51,6 +53,26 @@ def limits(peak):
     peak where the CPU has one, else (emulated) against fp32's."""
     return {"fp32": peak["fp32_peak_gflops"],
             "bf16": peak.get("bf16_peak_gflops") or peak["fp32_peak_gflops"]}
+
+
+def record(model, precision, name, M, K, N, n, t, conv, peak_gflops):
+    """The record of one layer's products: seconds, GFLOP/s and shares of peak_gflops."""
+    flops = 2.0 * M * N * K
+    gf = {k: flops * (2 if k == "backward" else 1) / s / 1e9 for k, s in t.items()}
+    share = {k: gf[k] / peak_gflops for k in ("forward", "dw", "backward")}
+    return {"model": model, "precision": precision, "layer": name, "M": M, "K": K, "N": N,
+            "threads": n, "seconds": t, "gflops": gf, "share": share,
+            "convert_seconds": conv, "peak_gflops": peak_gflops}
+
+
+def row(r):
+    """A record as a line of the table."""
+    gf, share, conv = r["gflops"], r["share"], r["convert_seconds"]
+    return (f"{r['precision']:>4} {r['layer']:>8} {r['M']:>5} {r['K']:>5} {r['N']:>6} "
+            f"{gf['forward']:>7.1f} {gf['dw']:>7.1f} {gf['backward']:>7.1f} "
+            f"{100 * share['forward']:>4.0f}% {100 * share['dw']:>4.0f}% "
+            f"{100 * share['backward']:>4.0f}% {gf['blas_forward']:>8.1f} "
+            + ("-" if conv is None else f"{1e3 * conv:.2f}").rjust(7))
 
 
 def seconds(fn, reps, stat="median"):
@@ -119,8 +141,14 @@ def main(argv=None):
     p.add_argument("--stat", choices=("median", "best"), default="median",
                    help="each rate from the median timing (default) or the best, what the "
                         "kernel does when a shared machine lets it")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole table this many times and keep each product's best "
+                        "(--stat median: the median of the rounds'): on a shared machine "
+                        "the noisy stretches last minutes, longer than one product's reps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.reps < 1:
+        p.error("--rounds and --reps must be at least 1")
     if argv is None:
         blas_dispatch.ensure()
     import numpy as np
@@ -142,27 +170,35 @@ def main(argv=None):
           + f"; bf16 path {bf16.bf16_path()}; BLAS {blas_dispatch.record()}", flush=True)
     head = (f"{'prec':>4} {'layer':>8} {'M':>5} {'K':>5} {'N':>6} {'fwd GF':>7} {'dW GF':>7} "
             f"{'bwd GF':>7} {'fwd%':>5} {'dW%':>5} {'bwd%':>5} {'sgemm GF':>8} {'conv ms':>7}")
-    print(head)
-    print("-" * len(head))
     rng = np.random.default_rng(0)
+    timings = {}            # (precision, M, layer) -> [(seconds by product, conv s)] a round
+    for rnd in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {rnd + 1} of {args.rounds}")
+        print(head)
+        print("-" * len(head))
+        for precision in precisions:
+            for M in args.tokens:
+                for name, K, N in layers(config):
+                    t, conv = measure(precision, M, K, N, n, args.reps, rng, args.stat)
+                    timings.setdefault((precision, M, name), []).append((t, conv))
+                    print(row(record(args.model, precision, name, M, K, N, n, t, conv,
+                                     limit[precision])), flush=True)
+        if rnd + 1 < args.rounds:
+            peak = best_peak(peak, physical_peak(n))
+            limit = limits(peak)
+    # across the rounds: each product's best timing (median: the median of the rounds')
+    combine = min if args.stat == "best" else statistics.median
     records = []
     for precision in precisions:
         for M in args.tokens:
             for name, K, N in layers(config):
-                t, conv = measure(precision, M, K, N, n, args.reps, rng, args.stat)
-                flops = 2.0 * M * N * K
-                gf = {k: flops * (2 if k == "backward" else 1) / s / 1e9 for k, s in t.items()}
-                share = {k: gf[k] / limit[precision] for k in ("forward", "dw", "backward")}
-                records.append({"model": args.model, "precision": precision, "layer": name,
-                                "M": M, "K": K, "N": N, "threads": n, "seconds": t,
-                                "gflops": gf, "share": share, "convert_seconds": conv,
-                                "peak_gflops": limit[precision]})
-                print(f"{precision:>4} {name:>8} {M:>5} {K:>5} {N:>6} {gf['forward']:>7.1f} "
-                      f"{gf['dw']:>7.1f} {gf['backward']:>7.1f} {100 * share['forward']:>4.0f}% "
-                      f"{100 * share['dw']:>4.0f}% {100 * share['backward']:>4.0f}% "
-                      f"{gf['blas_forward']:>8.1f} "
-                      + ("-" if conv is None else f"{1e3 * conv:.2f}").rjust(7), flush=True)
-    # the peak again: the shares are against the better of the two measurements
+                runs = timings[(precision, M, name)]
+                t = {k: combine([r[0][k] for r in runs]) for k in runs[0][0]}
+                conv = None if runs[0][1] is None else combine([r[1] for r in runs])
+                records.append(record(args.model, precision, name, M, K, N, n, t, conv,
+                                      limit[precision]))
+    # the peak again: the shares are against the best measurement
     peak = best_peak(peak, physical_peak(n))
     if limits(peak) != limit:
         limit = limits(peak)
@@ -172,6 +208,13 @@ def main(argv=None):
             r["peak_gflops"] = limit[r["precision"]]
             r["share"] = {k: r["gflops"][k] / limit[r["precision"]]
                           for k in ("forward", "dw", "backward")}
+    if args.rounds > 1:
+        print(f"best of the {args.rounds} rounds" if args.stat == "best" else
+              f"median of the {args.rounds} rounds")
+        print(head)
+        print("-" * len(head))
+        for r in records:
+            print(row(r))
     for precision in precisions:
         shares = [min(r["share"].values()) for r in records if r["precision"] == precision]
         print(f"{precision}: lowest share {100 * min(shares):.0f}%, median "
@@ -180,7 +223,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"cpu": cpu_name(), "cpu_flags": cpu_flags(), "commit": git_commit(),
-                   "threads": n, "stat": args.stat, "peak": peak, "bf16_path": bf16.bf16_path(),
+                   "threads": n, "stat": args.stat, "rounds": args.rounds, "peak": peak,
+                   "bf16_path": bf16.bf16_path(),
                    **blas_dispatch.record(), "records": records}, f, indent=1)
     print(f"wrote {os.path.relpath(out)}")
 
