@@ -16,7 +16,7 @@ Its share is that rate over the physical peak of the threads in use (kernels.pea
 register-only multiply-adds, the best of measurements at the start, between rounds and
 at the end; fp32 for fp32 products, the bf16 dot-product peak for bf16 ones where the
 CPU has one, fp32's where it emulates them).  SciPy's BLAS sgemm of the forward
-shape is a column beside it.  bf16 products take operands converted beforehand (the
+shape on as many BLAS threads is a column beside it.  bf16 products take operands converted beforehand (the
 conversions are timed apart: ``conv ms``, the input's and the output gradient's).
 
 Writes bench/results/products.json (a record per precision, layer, rows and product)
@@ -92,6 +92,7 @@ def measure(precision, M, K, N, n, reps, rng, stat="median"):
     import numpy as np
     from adtape import buffers
     from scipy.linalg.blas import sgemm
+    from threadpoolctl import threadpool_limits
 
     from kernels import bf16, matmul
     x, w, g = buffers.empty((M, K)), buffers.empty((N, K)), buffers.empty((M, N))
@@ -114,8 +115,10 @@ def measure(precision, M, K, N, n, reps, rng, stat="median"):
     both = seconds(lambda: bwd(dx, dw, None, g, xs, ws, overwrite=True, n_threads=n), reps,
                    stat)
     t["backward"] = both
-    # SciPy's sgemm of out.T = w @ x.T in Fortran order: the same memory, no copies.
-    t["blas_forward"] = seconds(lambda: sgemm(1.0, w.T, x.T, trans_a=True), reps, stat)
+    # SciPy's sgemm of out.T = w @ x.T in Fortran order: the same memory, no copies; on
+    # n threads of BLAS's own (the kernels keep it at one, kernels.threads).
+    with threadpool_limits(n, user_api="blas"):
+        t["blas_forward"] = seconds(lambda: sgemm(1.0, w.T, x.T, trans_a=True), reps, stat)
     return t, conv
 
 
