@@ -937,7 +937,9 @@ def _print_header(args, inputs, model, n_threads, start_step):
                       f"{n_params / 1e6:.2f}M trained "
                       f"({100 * n_params / _num_parameters(config):.2f}%), the base frozen in "
                       f"{args.base_dtype}")
-    print(f"{config.family_name} {inputs.model_name}: "
+    # "GPT-2 preset small", not "GPT-2 small": that names the 124M model, preset gpt2
+    preset_words = "preset " if inputs.model_name == config.preset_name() else ""
+    print(f"{config.family_name} {preset_words}{inputs.model_name}: "
           f"{_num_parameters(config) / 1e6:.2f}M parameters, "
           f"{config.describe()}{lora_words}; B={args.batch_size} "
           f"T={args.seq_len}"
