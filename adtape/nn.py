@@ -30,7 +30,7 @@ from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp,
 __all__ = ["set_precision", "get_precision", "weights_changed",
            "encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
            "attention_linear", "softmax_cross_entropy", "IGNORE_INDEX", "loss_denominator",
-           "mean_cross_entropy", "rmsnorm", "rope", "swiglu",
+           "mean_cross_entropy", "take_rows", "rmsnorm", "rope", "swiglu",
            "swiglu_linear", "lora_linear", "softmax", "log_softmax"]
 
 ENCODER = Primitive("encoder", ("ids", "wte", "wpe"))
@@ -47,6 +47,7 @@ ROPE = Primitive("rope", ("qkv",))
 SWIGLU = Primitive("swiglu", ("gate_up",))
 SWIGLU_LINEAR = Primitive("swiglu_linear", ("gate_up", "weight", "bias"))
 LORA_LINEAR = Primitive("lora_linear", ("x", "weight", "bias", "a", "b"))
+TAKE_ROWS = Primitive("take_rows", ("x",))
 
 
 def _data(x):
@@ -410,6 +411,35 @@ def mean_cross_entropy(logits, targets, V=None, denominator=None):
     return losses.sum() * (1.0 / loss_denominator(targets, denominator))
 
 
+def take_rows(x, rows):
+    """The rows ``rows`` (distinct indices, int) of x's last axis's vectors: x (B,T,C) or
+    (N,C) -> (len(rows), C).  The head of a step whose targets are partly
+    ``IGNORE_INDEX`` (a chat's prompts) takes only the rows that have a loss: those the
+    others would give no loss and no gradient, at the cost of the LM head's products."""
+    xd = _data(x)
+    rows = np.asarray(rows, dtype=np.intp)
+    if xd.ndim < 2:
+        raise ValueError(f"take_rows: x must have rows of vectors, got shape {xd.shape}")
+    x2 = xd.reshape(-1, xd.shape[-1])
+    if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= x2.shape[0])):
+        raise ValueError(f"take_rows: rows must be a 1-D array of indices below "
+                         f"{x2.shape[0]}, got {rows!r}")
+    out = _buffers.empty((rows.size, x2.shape[1]))
+    np.take(x2, rows, axis=0, out=out)
+    if _needs_grad(x):
+        return _record(TAKE_ROWS, out, (x,), (rows,), None)
+    return _constant(out)
+
+
+def _take_rows_bwd(g, dests, fresh, rows):
+    dx = dests[0].reshape(-1, dests[0].shape[-1])
+    if fresh[0]:
+        dx[...] = 0.0
+        dx[rows] = g
+    else:
+        dx[rows] += g          # distinct rows: no index repeats
+
+
 def _softmax_cross_entropy_vjp(g, logits, lse, targets, V):
     dlogits = logits if logits.flags.writeable else _buffers.empty_like(logits)
     _loss.softmax_crossentropy_backward(dlogits, _contiguous(g), logits, lse, targets, V,
@@ -597,6 +627,7 @@ defvjp_accumulate(ROPE, _rope_bwd, overwrite=True)
 defvjp_accumulate(SWIGLU, _swiglu_bwd, overwrite=True)
 defvjp_accumulate(SWIGLU_LINEAR, _swiglu_linear_bwd, overwrite=True)
 defvjp_accumulate(LORA_LINEAR, _lora_linear_bwd, overwrite=True)
+defvjp_accumulate(TAKE_ROWS, _take_rows_bwd, overwrite=True)
 
 
 def softmax(x, axis=-1):

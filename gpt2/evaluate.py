@@ -189,7 +189,7 @@ def evaluate(model, tokens, batches, progress=None):
     t0 = time.perf_counter()
     for batch in batches:
         inputs, targets = batch.arrays(tokens)
-        _, loss = model.forward(inputs, targets)
+        _, loss = model.forward(inputs, targets, logits=False)
         total += float(loss) * batch.predicted
         count += batch.predicted
         if progress is not None:

@@ -261,15 +261,21 @@ class Model:
 
     # -- forward only -----------------------------------------------------------
 
-    def forward(self, inputs, targets=None):
+    def forward(self, inputs, targets=None, logits=True):
         """Logits (B, T, Vp) - a view valid until the next call - and the mean loss if
-        targets (over the targets that are not IGNORE_INDEX)."""
+        targets (over the targets that are not IGNORE_INDEX).  ``logits=False`` (with
+        targets: a validation loss) may return None for the logits: the tape engine's
+        head then runs only on the rows whose target counts."""
         inputs, targets = self.check_batch(inputs, targets)
         self.finish_update()
         # bf16 products run in the tape engine's ops only: the hand-sequenced forward
         # is float32's, and a bf16 run's validation loss is that of its own products.
         if (not self.family.hand_sequenced or self.offload == "all" or self.adapter is not None
                 or nn.get_precision() != "fp32"):
+            if not logits and targets is not None:
+                from adtape.tensor import no_grad
+                with no_grad():
+                    return None, float(self._engine().forward_loss(inputs, targets).data)
             return self._forward_tape(inputs, targets)
         B, T = inputs.shape
         a = self._activations(B, T)

@@ -152,6 +152,10 @@ class TapeEngine:
 
     def forward_logits(self, inputs):
         """The logits (B, T, padded vocabulary) as a recorded Tensor."""
+        return self.ops.head(self._hidden(inputs), self.globals)
+
+    def _hidden(self, inputs):
+        # the last block's output (B, T, C), the head's parameters ready
         cfg = self.config
         nn.weights_changed()        # bf16 products: the weights' copies are made anew
         self._ready("embed")
@@ -165,13 +169,21 @@ class TapeEngine:
         else:
             x = checkpoint_loop(self.block, x, cfg.n_layer, self.snapshots, pass_index=True)
         self._ready("head")
-        return self.ops.head(x, self.globals)
+        return x
 
     def forward_loss(self, inputs, targets, denominator=None):
         """The mean loss over the targets that are not IGNORE_INDEX (or their sum over
         ``denominator``: ``nn.mean_cross_entropy``) as a recorded Tensor (call inside
-        ``with self.optape``)."""
-        logits = self.forward_logits(inputs)
+        ``with self.optape``).  Where some targets are IGNORE_INDEX (a chat's prompts),
+        the head (final norm, LM head, loss) runs on the other rows only: the skipped
+        rows have neither loss nor gradient, and their logits cost the LM head's
+        products and a row of the vocabulary's width on the tape each."""
+        x = self._hidden(inputs)
+        flat = np.asarray(targets).reshape(-1)
+        kept = np.flatnonzero(flat != nn.IGNORE_INDEX)
+        if 0 < kept.size < flat.size:
+            x, targets = nn.take_rows(x, kept), flat[kept]
+        logits = self.ops.head(x, self.globals)
         return nn.mean_cross_entropy(logits, targets, self.config.vocab_size, denominator)
 
     def loss_and_grad(self, inputs, targets, fresh=False, denominator=None):

@@ -156,7 +156,7 @@ def evaluate(model, loader, n_batches):
     losses, counts = [], []
     for _ in range(n_batches):
         x, y = loader.next_batch()
-        _, loss = model.forward(x, y)
+        _, loss = model.forward(x, y, logits=False)
         losses.append(loss)
         counts.append(loss_denominator(y))
     return float(np.average(losses, weights=counts))

@@ -453,6 +453,71 @@ def test_mean_cross_entropy_as_torch_ignore_index():
         nn.mean_cross_entropy(logits, full, V, 0)
 
 
+def test_take_rows_and_its_gradient():
+    rng = np.random.default_rng(2)
+    data = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    rows = np.array([7, 0, 4])
+    x = Tensor(data.copy(), requires_grad=True)
+    out = nn.take_rows(x, rows)
+    np.testing.assert_array_equal(out.data, data.reshape(10, 3)[rows])
+    weights = rng.standard_normal((3, 3)).astype(np.float32)
+    (out * Tensor(weights)).sum().backward()
+    expected = np.zeros((10, 3), np.float32)
+    expected[rows] = weights
+    np.testing.assert_array_equal(x.grad, expected.reshape(2, 5, 3))
+    (nn.take_rows(x, rows) * Tensor(weights)).sum().backward()    # accumulates
+    np.testing.assert_array_equal(x.grad, 2 * expected.reshape(2, 5, 3))
+    for bad in (np.array([10]), np.array([-1]), np.array([[0]])):
+        with pytest.raises(ValueError, match="take_rows: rows must be"):
+            nn.take_rows(x, bad)
+
+
+def test_the_head_runs_on_the_rows_with_a_loss_only(monkeypatch):
+    # Targets partly IGNORE_INDEX: the engine's head (final norm, LM head, loss) takes the
+    # other rows only.  Same loss and gradients as the head over every row, less tape.
+    import gpt2.tape_engine as tape_engine
+    config = GPT2Config.preset("tiny")
+    rng = np.random.default_rng(3)
+    B, T = 4, 16
+    inputs = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+    targets = masked_targets(rng, B, T, config.vocab_size, [16, 9, 4, 1])
+    masked = int(np.count_nonzero(targets == nn.IGNORE_INDEX))
+
+    def every_row(self, inputs, targets, denominator=None):
+        return nn.mean_cross_entropy(self.forward_logits(inputs), targets,
+                                     self.config.vocab_size, denominator)
+
+    runs = []
+    for head in ("kept rows", "every row"):
+        if head == "every row":
+            monkeypatch.setattr(tape_engine.TapeEngine, "forward_loss", every_row)
+        model = Model(config, seed=5)
+        model.zero_grad()
+        loss = model.loss_and_grad(inputs, targets)
+        runs.append((loss, {k: v.copy() for k, v in model.grads.views.items()},
+                     model._tape_engine.last_forward_bytes))
+        model.close()
+    (loss, grads, tape), (loss_all, grads_all, tape_all) = runs
+    assert loss == pytest.approx(loss_all, rel=1e-6)
+    for name, g in grads_all.items():
+        np.testing.assert_allclose(grads[name], g, rtol=0,
+                                   atol=1e-6 * max(float(np.abs(g).max()), 1e-6), err_msg=name)
+    # each skipped row saved a row of logits (the padded vocabulary, float32) and more
+    assert tape_all - tape >= masked * config.padded_vocab_size * 4
+
+
+def test_a_validation_loss_without_logits_takes_the_counted_rows():
+    config = preset("llama-tiny")
+    rng = np.random.default_rng(4)
+    inputs = rng.integers(0, config.vocab_size, (3, 16)).astype(np.int32)
+    targets = masked_targets(rng, 3, 16, config.vocab_size, [16, 7, 2])
+    model = Model(config, seed=2)
+    logits, loss = model.forward(inputs, targets)
+    none, counted = model.forward(inputs, targets, logits=False)
+    assert none is None and counted == pytest.approx(loss, rel=1e-6)
+    model.close()
+
+
 @pytest.mark.parametrize("engine", ["tape", "manual"])
 def test_the_model_against_the_pytorch_oracle(engine):
     config = GPT2Config.preset("tiny")

@@ -379,7 +379,7 @@ def test_gpt2_train_under_mpiexec(tmp_path, model, family):
     assert proc.returncode == 0, proc.stderr
     # Rank 0 alone prints and writes.
     assert proc.stdout.count("data parallel: 2 ranks") == 1
-    assert proc.stdout.count(f"{family} {model}") == 1
+    assert proc.stdout.count(f"{family} preset {model}") == 1
     summary = json.loads((two / "summary.json").read_text())
     assert (summary["ranks"], summary["global_batch"], summary["zero"]) == (RANKS, 4, 1)
     assert relative_error(logged_losses(two), logged_losses(one)[:5]) < 1e-6
