@@ -13,8 +13,8 @@ and dw together, the call a step makes: 4*M*N*K FLOPs).  A product's rate is its
 call; --rounds R runs the whole table R times and keeps each product's best (--stat
 median: median) of the rounds, since a shared machine's noisy stretches last minutes.
 Its share is that rate over the physical peak of the threads in use (kernels.peak:
-register-only multiply-adds, the best of measurements at the start, between rounds and
-at the end; fp32 for fp32 products, the bf16 dot-product peak for bf16 ones where the
+register-only multiply-adds, the best of measurements at the start and after each
+round; fp32 for fp32 products, the bf16 dot-product peak for bf16 ones where the
 CPU has one, fp32's where it emulates them).  SciPy's BLAS sgemm of the forward
 shape on as many BLAS threads is a column beside it.  bf16 products take operands converted beforehand (the
 conversions are timed apart: ``conv ms``, the input's and the output gradient's).
@@ -174,12 +174,12 @@ def main(argv=None):
     head = (f"{'prec':>4} {'layer':>8} {'M':>5} {'K':>5} {'N':>6} {'fwd GF':>7} {'dW GF':>7} "
             f"{'bwd GF':>7} {'fwd%':>5} {'dW%':>5} {'bwd%':>5} {'sgemm GF':>8} {'conv ms':>7}")
     rng = np.random.default_rng(0)
+    start = limit
     timings = {}            # (precision, M, layer) -> [(seconds by product, conv s)] a round
     for rnd in range(args.rounds):
         if args.rounds > 1:
             print(f"round {rnd + 1} of {args.rounds}")
-        print(head)
-        print("-" * len(head))
+        print(head + "\n" + "-" * len(head))
         for precision in precisions:
             for M in args.tokens:
                 for name, K, N in layers(config):
@@ -187,9 +187,13 @@ def main(argv=None):
                     timings.setdefault((precision, M, name), []).append((t, conv))
                     print(row(record(args.model, precision, name, M, K, N, n, t, conv,
                                      limit[precision])), flush=True)
-        if rnd + 1 < args.rounds:
-            peak = best_peak(peak, physical_peak(n))
-            limit = limits(peak)
+        # the peak again after every round: the shares are against the best probe
+        peak = best_peak(peak, physical_peak(n))
+        limit = limits(peak)
+    if limit != start:
+        print(f"physical peak, best of {args.rounds + 1} probes: fp32 {limit['fp32']:.1f} "
+              f"GFLOP/s, bf16 {limit['bf16']:.1f}; the shares below and in the record are "
+              f"against it")
     # across the rounds: each product's best timing (median: the median of the rounds')
     combine = min if args.stat == "best" else statistics.median
     records = []
@@ -201,21 +205,10 @@ def main(argv=None):
                 conv = None if runs[0][1] is None else combine([r[1] for r in runs])
                 records.append(record(args.model, precision, name, M, K, N, n, t, conv,
                                       limit[precision]))
-    # the peak again: the shares are against the best measurement
-    peak = best_peak(peak, physical_peak(n))
-    if limits(peak) != limit:
-        limit = limits(peak)
-        print(f"physical peak measured again: fp32 {limit['fp32']:.1f} GFLOP/s, bf16 "
-              f"{limit['bf16']:.1f}; the shares below and in the record are against it")
-        for r in records:
-            r["peak_gflops"] = limit[r["precision"]]
-            r["share"] = {k: r["gflops"][k] / limit[r["precision"]]
-                          for k in ("forward", "dw", "backward")}
     if args.rounds > 1:
         print(f"best of the {args.rounds} rounds" if args.stat == "best" else
               f"median of the {args.rounds} rounds")
-        print(head)
-        print("-" * len(head))
+        print(head + "\n" + "-" * len(head))
         for r in records:
             print(row(r))
     for precision in precisions:

@@ -272,22 +272,20 @@ class Model:
         # is float32's, and a bf16 run's validation loss is that of its own products.
         if (not self.family.hand_sequenced or self.offload == "all" or self.adapter is not None
                 or nn.get_precision() != "fp32"):
-            if not logits and targets is not None:
-                from adtape.tensor import no_grad
-                with no_grad():
-                    return None, float(self._engine().forward_loss(inputs, targets).data)
-            return self._forward_tape(inputs, targets)
+            return self._forward_tape(inputs, targets, logits)
         B, T = inputs.shape
         a = self._activations(B, T)
         self._forward_manual(a, inputs, targets)
         return a.logits, (float(a.losses.sum() / nn.loss_denominator(targets))
                           if targets is not None else None)
 
-    def _forward_tape(self, inputs, targets):
+    def _forward_tape(self, inputs, targets, logits=True):
         # The tape engine's ops with nothing recorded (the families without a
-        # hand-sequenced forward).
+        # hand-sequenced forward); the loss alone where the logits are not wanted.
         from adtape.tensor import no_grad
         with no_grad():
+            if not logits and targets is not None:
+                return None, float(self._engine().forward_loss(inputs, targets).data)
             logits = self._engine().forward_logits(inputs)
             loss = (nn.mean_cross_entropy(logits, targets, self.config.vocab_size)
                     if targets is not None else None)

@@ -491,31 +491,35 @@ cdef int _packed_threads(Py_ssize_t size, Py_ssize_t elements, int n_threads) no
     return 1
 
 
-cdef void _pack_task(const bf_sprod* prods, int nprod, Py_ssize_t r,
-                     Py_ssize_t t) noexcept nogil:
+cdef int _which_product(const bf_sprod* prods, int nprod, Py_ssize_t r, bint tiles,
+                        Py_ssize_t* t) noexcept nogil:
+    # The product whose pack task (tiles: tile task) t[0] of round r is, t[0] made its
+    # index among that product's; -1 past them all, t[0] then counting past them.
     cdef int i
     cdef Py_ssize_t n
     for i in range(nprod):
         if r < bf_sp_chunks(&prods[i]):
-            n = bf_sp_pack_tasks(&prods[i], r)
-            if t < n:
-                bf_sp_pack(&prods[i], r, t)
-                return
-            t -= n
+            n = bf_sp_tile_tasks(&prods[i], r) if tiles else bf_sp_pack_tasks(&prods[i], r)
+            if t[0] < n:
+                return i
+            t[0] -= n
+    return -1
+
+
+cdef void _pack_task(const bf_sprod* prods, int nprod, Py_ssize_t r,
+                     Py_ssize_t t) noexcept nogil:
+    cdef int i = _which_product(prods, nprod, r, False, &t)
+    if i >= 0:
+        bf_sp_pack(&prods[i], r, t)
 
 
 cdef void _tile_task(int path, const bf_sprod* prods, int nprod, Py_ssize_t r,
                      const Dbias* db, Py_ssize_t t) noexcept nogil:
-    cdef int i
-    cdef Py_ssize_t n
-    for i in range(nprod):
-        if r < bf_sp_chunks(&prods[i]):
-            n = bf_sp_tile_tasks(&prods[i], r)
-            if t < n:
-                bf_sp_run_task(path, &prods[i], r, t)
-                return
-            t -= n
-    _dbias_task(db, t)
+    cdef int i = _which_product(prods, nprod, r, True, &t)
+    if i >= 0:
+        bf_sp_run_task(path, &prods[i], r, t)
+    else:
+        _dbias_task(db, t)
 
 
 cdef bint _packed_run(int path, const Convert* conv, int nconv, bf_sprod* prods, int nprod,
