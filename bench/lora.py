@@ -5,11 +5,13 @@ and bf16 autocast), and full fine-tuning of the same model, each side in a fresh
                        [--sides ours,peft,peft-autocast,full] [--threads N]
   python bench/lora.py --model llama-3.1-8b --T 512 --sides ours --base-dtype bf16 \\
                        --checkpointing layer --limit 20G
+  python bench/lora.py --masked 0.5      # chat-like batch: each row's first half masked
 
 Every side trains the same model from the same random weights (ours, written once as a
 Hugging Face directory in --work-dir and read by every side; --no-shared-weights: each
 side initializes its own, for models whose float32 directory does not fit the disk), on
-the same fixed batch, LoRA rank --r with alpha 2r on every attention and MLP projection,
+the same fixed batch (--masked F: the first F of each row's targets are -100, a prompt
+whose loss does not count, as a chat dataset's labels are), LoRA rank --r with alpha 2r on every attention and MLP projection,
 AdamW (lr 1e-4, weight decay 0), the same thread count.  A worker builds its side, takes
 one warm-up step and then --steps timed steps (their median); peak RSS is the worker's
 VmHWM (the kernel's high-water mark: everything it ever held, the model's construction
@@ -58,11 +60,14 @@ def proc_status_bytes(field):
     return None
 
 
-def batch(config, B, T):
+def batch(config, B, T, masked=0.0):
+    """Inputs and targets (B, T); the first ``masked`` of each row's targets are -100."""
     import numpy as np
     rng = np.random.default_rng(0)
     x = rng.integers(0, config.vocab_size, (B, T + 1)).astype(np.int32)
-    return x[:, :-1].copy(), x[:, 1:].copy()
+    y = x[:, 1:].copy()
+    y[:, :int(round(masked * T))] = -100
+    return x[:, :-1].copy(), y
 
 
 def worker(args):
@@ -70,7 +75,7 @@ def worker(args):
     import numpy as np
     from gpt2.config import preset
     config = preset(args.model)
-    x, y = batch(config, args.B, args.T)
+    x, y = batch(config, args.B, args.T, args.masked)
     times, losses = [], []
     baseline = base_read = None
     t_build = time.perf_counter()
@@ -168,6 +173,8 @@ def main():
     p.add_argument("--T", type=int, default=1024)
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--masked", type=float, default=0.0,
+                   help="fraction of each row's targets masked (-100), as a chat prompt's are")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--sides", default="ours,peft,peft-autocast,full")
     p.add_argument("--base-dtype", choices=("fp32", "bf16"), default="fp32")
@@ -188,6 +195,8 @@ def main():
     bad = [s for s in sides if s not in SIDES]
     if bad:
         p.error(f"unknown side(s) {bad}; sides: {', '.join(SIDES)}")
+    if not 0.0 <= args.masked < 1.0:
+        p.error(f"--masked must be in [0, 1) (some targets must count), got {args.masked}")
     work = tempfile.mkdtemp(prefix="adtape-lora-", dir=args.work_dir)
     weights = None
     try:
@@ -204,7 +213,7 @@ def main():
         for side in sides:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--side", side,
                    "--model", args.model, "--B", str(args.B), "--T", str(args.T),
-                   "--r", str(args.r), "--steps", str(args.steps),
+                   "--r", str(args.r), "--steps", str(args.steps), "--masked", str(args.masked),
                    "--base-dtype", args.base_dtype, "--checkpointing", args.checkpointing]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
@@ -247,7 +256,7 @@ def main():
                           f"{by[other]['median_s'] / by[mine]['median_s']:.2f}x tokens/s, "
                           f"{by[mine]['peak_rss_bytes'] / by[other]['peak_rss_bytes']:.2f}x "
                           f"peak RSS", flush=True)
-        entry = {"model": args.model, "B": args.B, "T": args.T, "r": args.r,
+        entry = {"model": args.model, "B": args.B, "T": args.T, "masked": args.masked, "r": args.r,
                  "alpha": 2 * args.r, "steps": args.steps, "threads": args.threads or os.cpu_count(),
                  "base_dtype": args.base_dtype, "checkpointing": args.checkpointing,
                  "shared_weights": weights is not None, "cpu": cpu_name(),
@@ -256,8 +265,8 @@ def main():
         if os.path.exists(args.out):
             with open(args.out) as f:
                 old = json.load(f)
-        key = lambda e: (e["model"], e["B"], e["T"], e["base_dtype"], e.get("checkpointing"), e["cpu"],
-                         e["threads"])
+        key = lambda e: (e["model"], e["B"], e["T"], e.get("masked", 0.0), e["base_dtype"],
+                         e.get("checkpointing"), e["cpu"], e["threads"])
         old = [e for e in old if key(e) != key(entry)] + [entry]
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
