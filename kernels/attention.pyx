@@ -37,7 +37,7 @@ wide, with K and V packed once per head and reused by every query block, and A
 read in place (with a head size of 64 there is too little reuse to repay packing
 it).  The code uses GCC vector extensions, not intrinsics, written once for two
 widths: sixteen lanes (an 8 x 32 tile, sixteen accumulators) where the CPU has
-AVX-512, and eight (4 x 16) otherwise, built by ``target_clones`` for x86-64-v3
+AVX-512, and eight (6 x 16) otherwise, built by ``target_clones`` for x86-64-v3
 (AVX2+FMA) and for the baseline, so the module stays portable while using the FMA
 units that PyTorch uses (``kernels.set_vector_lanes`` picks the width for tests;
 other compilers get the baseline build).  Queries go in blocks of 64 rows, and

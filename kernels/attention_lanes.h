@@ -2,9 +2,10 @@
  * width: attention.pyx includes it once per width after defining ADT_W (see the end
  * of kernels/simd.h), giving attn_head_forward_v8 and _v16, and so on.  The register
  * tile is ATTN_MR rows by ATTN_NR = two vectors of columns: 8 x 32 in sixteen lanes
- * (16 of AVX-512's 32 registers hold the accumulators), 4 x 16 in eight (8 of AVX2's
- * 16).  The accumulators are named variables, spelled out by ATTN_ROWS: GCC keeps
- * those in registers, but spills an array of them to the stack.
+ * (16 of AVX-512's 32 registers hold the accumulators), 6 x 16 in eight (12 of AVX2's
+ * 16: two FMA pipes of latency 4 need 8 in flight, and 8 left no slack).  The
+ * accumulators are named variables, spelled out by ATTN_ROWS: GCC keeps those in
+ * registers, but spills an array of them to the stack.
  */
 #define ATTN_NR (2 * ADT_W)
 #if ADT_W == 16
@@ -16,8 +17,8 @@
 #define ATTN_MR 8
 #define ATTN_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 #else
-#define ATTN_MR 4
-#define ATTN_ROWS(X) X(0) X(1) X(2) X(3)
+#define ATTN_MR 6
+#define ATTN_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #endif
 
 /* Packed B: op(B) (K, N) cut into depth blocks of kcs = min(KC, K) rows and
@@ -340,10 +341,11 @@ static void ADT_LANES_FN(attn_head_backward)(float* dq, float* dk, float* dv, co
                                     pvt + j0 * ks_hs, ks_hs, npad_T, 0, dstile, ATTN_BK,
                                     ATTN_TRI_C, i0 - j0);
             /* P and dS in place of S and dP; keys past the query (in the diagonal
-               tile) and the padding columns past kend get 0.  The register tiles
-               that ATTN_TRI_C skipped hold whatever the scratch held (NaN, say):
-               the products below never read them, their row tiles being the same
-               ATTN_MR rows and i0 - j0 a multiple of ATTN_MR. */
+               tile) and the padding columns past kend get 0 in both, selected: the
+               register tiles that ATTN_TRI_C skipped hold whatever the scratch held
+               (NaN, say), and 0 * NaN is NaN.  So every entry the products below
+               read is defined, whatever rows their tiles start at (ATTN_MR = 6
+               does not divide the 64-row blocks). */
             for (ptrdiff_t r = 0; r < rows; r++) {
                 float* p = ptile + r * ATTN_BK;
                 float* ds = dstile + r * ATTN_BK;
@@ -353,7 +355,9 @@ static void ADT_LANES_FN(attn_head_backward)(float* dq, float* dk, float* dv, co
                     ADT_VT e = ADT_V(exp_bits)(ADT_V(load)(p + c) - l);
                     e = ADT_V(select)(lane + (int)c < nvalid, e, zero);
                     ADT_V(store)(p + c, e);
-                    ADT_V(store)(ds + c, e * (ADT_V(load)(ds + c) - d) * vscale);
+                    ADT_V(store)(ds + c, ADT_V(select)(lane + (int)c < nvalid,
+                                                       e * (ADT_V(load)(ds + c) - d) * vscale,
+                                                       zero));
                 }
             }
             /* dV_j += P^T dO_i and dK_j += dS^T Q_i (the tiles read transposed) */
