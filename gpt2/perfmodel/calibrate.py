@@ -335,19 +335,23 @@ def measure_kernels(spec, configs, peak, overhead, repeats):
     rng = np.random.default_rng(2)
     points, notes = defaultdict(list), []
     opt_tasks, _ = _optimizer_tasks(spec, rng)
+    # Every config's kernels in one interleaved run: measured config after config, a
+    # slow stretch of a shared machine fell on one config's points alone and bent the
+    # curves (the 2-core Zen 3 VM: attention's backward at (4, 256) timed at 52 ms
+    # where it takes 14-17, so every longer attention was predicted 3.5x slow).
+    ops, tasks = {}, {}
     for b, t in configs:
-        ops = {(op.name, op.phase): op for op in step_graph(spec, Workload(b, t), ParallelConfig())
-               if op.layer in (-1, 0)}
-        tasks = _kernel_tasks(spec, b, t, rng)
-        tasks.update(opt_tasks if (b, t) == configs[0] else {})
-        times = median_times(tasks, repeats)
-        for key, seconds in times.items():
-            op = ops[key]
-            if op.flops <= 0:
-                continue
-            work = max(seconds - overhead, seconds * 0.05)
-            points[f"{op.op_class}.{'fwd' if op.phase == 'fwd' else op.phase}"].append(
-                (op.flops, op.flops / (peak * work)))
+        ops.update({(b, t) + (op.name, op.phase): op
+                    for op in step_graph(spec, Workload(b, t), ParallelConfig()) if op.layer in (-1, 0)})
+        tasks.update({(b, t) + key: task for key, task in _kernel_tasks(spec, b, t, rng).items()})
+        tasks.update({(b, t) + key: task for key, task in opt_tasks.items()} if (b, t) == configs[0] else {})
+    for key, seconds in median_times(tasks, repeats).items():
+        op = ops[key]
+        if op.flops <= 0:
+            continue
+        work = max(seconds - overhead, seconds * 0.05)
+        points[f"{op.op_class}.{'fwd' if op.phase == 'fwd' else op.phase}"].append(
+            (op.flops, op.flops / (peak * work)))
     for missing in ("attention", "loss", "optimizer"):
         if not any(k.startswith(missing) for k in points):
             notes.append(f"kernels for {missing} not built: its ops use the default efficiency")
