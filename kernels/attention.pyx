@@ -23,8 +23,12 @@ kv head's dk and dv and its group's dq, the group's query heads one after the ot
 (for GPT-2 that is one per (batch, head)): no atomics, no serial loop over heads, and
 sums taken in one order whatever the thread count.  B * NH is 48 or more at GPT-2's
 shapes, B * n_kv_head 12 at SmolLM2-135M's (B = 4, 3 kv heads), enough tasks for a
-few cores; fewer tasks than threads leave threads idle in the backward (why the
-groups are not split further: the attention section of kernels/README.md).
+few cores.  Where they are too few for the threads (a batch of one: 8 kv heads for
+Llama 3.2 1B, 2 for Qwen2.5-1.5B), the backward runs in two passes over finer tasks
+instead: (key block, batch, kv head), each owning a key block's dk and dv, then
+(query block, batch, query head), each owning a block's dq, both recomputing the
+tiles from operands packed once and shared (seven products instead of five); every
+element sums the same terms in the same order, so either way gives the same bits.
 
 Why not BLAS inside the parallel loop: the BLAS that scipy ships (OpenBLAS,
 pthreads build) is not reentrant from an OpenMP team.  Measured here, sgemm
@@ -56,6 +60,9 @@ from cython.parallel cimport prange
 from libc.math cimport exp, log, sqrt
 from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
+
+cdef extern from "<stdlib.h>" nogil:
+    void* aligned_alloc(size_t alignment, size_t size)
 
 from kernels._openmp cimport omp_get_thread_num_safe
 from kernels._common cimport (check_disjoint, checked_data, float_type, lanes_wide,
@@ -151,6 +158,37 @@ cdef extern from *:
                             T, ldq, ldo, hs, scale, overwrite, overwrite && h == h0, h == h0,
                             pkt, pvt, pk, pq, pdo, ptile, dstile, drow));
     }
+    /* The two-pass backward (attention_backward_c): its preparation, a key block's dk
+       and dv, a query block's dq. */
+    static void attn_prepare_backward(int wide, float* pkt, float* pvt, float* pk,
+                                      const float* k, const float* v, float* pq, float* pdo,
+                                      float* drow, const float* q, const float* dO,
+                                      const float* o, ptrdiff_t T, ptrdiff_t ldq,
+                                      ptrdiff_t ldo, ptrdiff_t hs, ptrdiff_t i0) {
+        ADT_LANES_CALL(wide, attn_prepare_backward, (pkt, pvt, pk, k, v, pq, pdo, drow, q, dO,
+                                                     o, T, ldq, ldo, hs, i0));
+    }
+    static void attn_key_backward(int wide, float* dk, float* dv, const float* dO,
+                                  const float* q, const float* lse, ptrdiff_t T, ptrdiff_t ldq,
+                                  ptrdiff_t ldo, ptrdiff_t hs, float scale, ptrdiff_t rep,
+                                  int overwrite_kv, ptrdiff_t j0, const float* pkt,
+                                  const float* pvt, const float* pq, const float* pdo,
+                                  ptrdiff_t panel, ptrdiff_t nblk, const float* drows,
+                                  float* ptile, float* dstile) {
+        ADT_LANES_CALL(wide, attn_key_backward, (dk, dv, dO, q, lse, T, ldq, ldo, hs, scale,
+                                                 rep, overwrite_kv, j0, pkt, pvt, pq, pdo,
+                                                 panel, nblk, drows, ptile, dstile));
+    }
+    static void attn_query_backward(int wide, float* dq, const float* dO, const float* q,
+                                    const float* lse, ptrdiff_t T, ptrdiff_t ldq,
+                                    ptrdiff_t ldo, ptrdiff_t hs, float scale, int overwrite_q,
+                                    ptrdiff_t i0, const float* pkt, const float* pvt,
+                                    const float* pk, const float* drow, float* ptile,
+                                    float* dstile) {
+        ADT_LANES_CALL(wide, attn_query_backward, (dq, dO, q, lse, T, ldq, ldo, hs, scale,
+                                                   overwrite_q, i0, pkt, pvt, pk, drow, ptile,
+                                                   dstile));
+    }
     """
     enum:
         ATTN_BQ
@@ -168,6 +206,22 @@ cdef extern from *:
                           Py_ssize_t kcol, Py_ssize_t vcol, float scale, bint overwrite,
                           float* pkt, float* pvt, float* pk, float* pq, float* pdo,
                           float* ptile, float* dstile, float* drow) noexcept nogil
+    void attn_prepare_backward(bint wide, float* pkt, float* pvt, float* pk, const float* k,
+                               const float* v, float* pq, float* pdo, float* drow,
+                               const float* q, const float* dO, const float* o, Py_ssize_t T,
+                               Py_ssize_t ldq, Py_ssize_t ldo, Py_ssize_t hs,
+                               Py_ssize_t i0) noexcept nogil
+    void attn_key_backward(bint wide, float* dk, float* dv, const float* dO, const float* q,
+                           const float* lse, Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo,
+                           Py_ssize_t hs, float scale, Py_ssize_t rep, bint overwrite_kv,
+                           Py_ssize_t j0, const float* pkt, const float* pvt, const float* pq,
+                           const float* pdo, Py_ssize_t panel, Py_ssize_t nblk,
+                           const float* drows, float* ptile, float* dstile) noexcept nogil
+    void attn_query_backward(bint wide, float* dq, const float* dO, const float* q,
+                             const float* lse, Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo,
+                             Py_ssize_t hs, float scale, bint overwrite_q, Py_ssize_t i0,
+                             const float* pkt, const float* pvt, const float* pk,
+                             const float* drow, float* ptile, float* dstile) noexcept nogil
 
 
 cdef struct Scratch:
@@ -233,12 +287,132 @@ cdef int attention_forward_c(float* out, float* lse, const float* qkv,
     return 0
 
 
+# Which backward runs: 0 the faster for the threads (_two_passes), 1 one pass, 2 two.
+cdef int _backward_mode = 0
+
+
+def set_backward_passes(int mode):
+    """Run ``attention_backward`` in one pass (1), in two (2), or as the thread count
+    suits (0, the default); for tests and benchmarks, returns the previous mode.  Both
+    give the same bits."""
+    global _backward_mode
+    if mode not in (0, 1, 2):
+        raise ValueError(f"mode must be 0, 1 or 2, got {mode!r}")
+    old = _backward_mode
+    _backward_mode = mode
+    return old
+
+
+cdef inline bint _two_passes(Py_ssize_t tasks, Py_ssize_t T, int n_threads) noexcept nogil:
+    # One pass runs ceil(tasks / n) rounds of 1/tasks of the work each; two passes run
+    # 7/5 of it spread over all n threads, and measured 1.15-1.25x faster than one with
+    # a single task on 2 threads (Zen 3, T = 1024, 8 heads, 1 kv head), as if they did
+    # 1.65-1.75 times its work.  So two where ceil(tasks/n)/tasks > 1.7/n: a batch of one
+    # with 8 kv heads on 16 threads, or Qwen2.5-1.5B's 2 on 4 or more.
+    if _backward_mode:
+        return _backward_mode == 2
+    return (n_threads > 1 and T > ATTN_BQ
+            and 10 * n_threads * ((tasks + n_threads - 1) // n_threads) > 17 * tasks)
+
+
+cdef int _backward_two_passes(float* dqkv, const float* dout, const float* qkv,
+                              const float* out, const float* lse, Py_ssize_t B, Py_ssize_t T,
+                              Py_ssize_t C, Py_ssize_t NH, Py_ssize_t NKV, bint overwrite,
+                              int n_threads) except -1 nogil:
+    # For fewer (batch, kv head) tasks than threads (a batch of one and a few kv heads:
+    # Qwen2.5-1.5B has 2): the first pass's tasks are (key block, batch, kv head), each
+    # owning key block j's dk and dv over its group's query heads and the query blocks
+    # from the diagonal on; the second's (query block, batch, query head), each owning a
+    # block's dq.  Both recompute the tiles (7 products instead of 5) from operands
+    # packed once beforehand and shared; each output element sums the same terms in the
+    # same order as attn_head_backward's, so the bits are the one pass's.  Largest tasks
+    # first, handed out dynamically.
+    cdef Py_ssize_t hs = C // NH, rep = NH // NKV, ldq = C + 2 * NKV * hs
+    cdef float scale = 1.0 / sqrt(<double>hs)
+    cdef Py_ssize_t pack = _lines(attn_pack_floats(T, hs))
+    cdef Py_ssize_t panel = _lines(attn_panel_floats(hs))
+    cdef Py_ssize_t nqb = (T + ATTN_BQ - 1) // ATTN_BQ, nkb = (T + ATTN_BK - 1) // ATTN_BK
+    cdef Py_ssize_t tile = ATTN_BQ * ATTN_BK
+    cdef Py_ssize_t x, b, g, h, blk, i0, kv_floats = B * NKV * 3 * pack
+    cdef Py_ssize_t panels_floats = B * NH * nqb * panel
+    cdef bint wide = lanes_wide()
+    cdef float* work
+    cdef float* kvp
+    cdef Py_ssize_t y
+    cdef float* shared
+    cdef float* pq
+    cdef float* pdo
+    cdef float* drows
+    cdef Scratch s
+    _scratch_alloc(&s, n_threads, 2 * tile)
+    shared = <float*>aligned_alloc(64, ((kv_floats + 2 * panels_floats + B * NH * T)
+                                        * sizeof(float) + 63) // 64 * 64)
+    if shared == NULL:
+        free(s.raw)
+        with gil:
+            raise MemoryError(f"attention: cannot allocate the backward's packed operands "
+                              f"({kv_floats + 2 * panels_floats + B * NH * T} floats)")
+    pq = shared + kv_floats
+    pdo = pq + panels_floats
+    drows = pdo + panels_floats
+    for x in prange(B * NKV + B * NH * nqb, schedule='dynamic', nogil=True,
+                    num_threads=n_threads):
+        if x < B * NKV:
+            b = x // NKV
+            g = x % NKV
+            kvp = shared + x * 3 * pack
+            attn_prepare_backward(wide, kvp, kvp + pack, kvp + 2 * pack,
+                                  qkv + b * T * ldq + C + g * hs,
+                                  qkv + b * T * ldq + C + (NKV + g) * hs, NULL, NULL, NULL,
+                                  NULL, NULL, NULL, T, ldq, C, hs, 0)
+        else:
+            y = x - B * NKV                       # (batch * head, query block)
+            b = y // (NH * nqb)
+            h = y // nqb % NH
+            blk = y % nqb
+            attn_prepare_backward(wide, NULL, NULL, NULL, NULL, NULL, pq + y * panel,
+                                  pdo + y * panel, drows + (b * NH + h) * T + blk * ATTN_BQ,
+                                  qkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
+                                  out + b * T * C + h * hs, T, ldq, C, hs, blk * ATTN_BQ)
+    for x in prange(B * NKV * nkb, schedule='dynamic', nogil=True, num_threads=n_threads):
+        blk = x // (B * NKV)                      # key blocks in order: the largest first
+        b = x % (B * NKV) // NKV
+        g = x % NKV
+        work = s.base + omp_get_thread_num_safe() * s.per_thread
+        kvp = shared + (b * NKV + g) * 3 * pack
+        attn_key_backward(wide, dqkv + b * T * ldq + C + g * hs,
+                          dqkv + b * T * ldq + C + (NKV + g) * hs,
+                          dout + b * T * C + g * rep * hs, qkv + b * T * ldq + g * rep * hs,
+                          lse + (b * NH + g * rep) * T, T, ldq, C, hs, scale, rep, overwrite,
+                          blk * ATTN_BK, kvp, kvp + pack, pq + (b * NH + g * rep) * nqb * panel,
+                          pdo + (b * NH + g * rep) * nqb * panel, panel, nqb,
+                          drows + (b * NH + g * rep) * T, work, work + tile)
+    for x in prange(B * NH * nqb, schedule='dynamic', nogil=True, num_threads=n_threads):
+        blk = nqb - 1 - x // (B * NH)             # query blocks from the last: the largest
+        b = x % (B * NH) // NH
+        h = x % NH
+        i0 = blk * ATTN_BQ
+        work = s.base + omp_get_thread_num_safe() * s.per_thread
+        kvp = shared + (b * NKV + h // rep) * 3 * pack
+        attn_query_backward(wide, dqkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
+                            qkv + b * T * ldq + h * hs, lse + (b * NH + h) * T, T, ldq, C, hs,
+                            scale, overwrite, i0, kvp, kvp + pack, kvp + 2 * pack,
+                            drows + (b * NH + h) * T + i0, work, work + tile)
+    free(s.raw)
+    free(shared)
+    return 0
+
+
 cdef int attention_backward_c(float* dqkv, const float* dout, const float* qkv,
                               const float* out, const float* lse, Py_ssize_t B, Py_ssize_t T,
                               Py_ssize_t C, Py_ssize_t NH, Py_ssize_t NKV, bint overwrite,
                               int n_threads) except -1 nogil:
     # One task per (batch, kv head), owning the kv head's dk and dv and its group's dq
-    # (attn_kv_backward): B * NKV tasks, B * NH for GPT-2.
+    # (attn_kv_backward): B * NKV tasks, B * NH for GPT-2.  Where that leaves threads
+    # idle, two passes over finer tasks (_backward_two_passes).
+    if _two_passes(B * NKV, T, n_threads):
+        return _backward_two_passes(dqkv, dout, qkv, out, lse, B, T, C, NH, NKV, overwrite,
+                                    n_threads)
     cdef Py_ssize_t hs = C // NH, rep = NH // NKV, ldq = C + 2 * NKV * hs
     cdef float scale = 1.0 / sqrt(<double>hs)
     cdef Py_ssize_t bg, b, g

@@ -286,23 +286,132 @@ static void ADT_LANES_FN(attn_head_forward)(float* out, float* lse, const float*
     }
 }
 
-/* One (batch, query head), FlashAttention-2's backward on (BQ, BK) tiles: for each
-   block of queries i and each key block j up to the diagonal, the probabilities are
-   recomputed from the scores and the saved log-sum-exps, P = exp(S - lse), and
+/* FlashAttention-2's backward on (BQ, BK) tiles: for each block of queries i and each
+   key block j up to the diagonal, the probabilities are recomputed from the scores and
+   the saved log-sum-exps, P = exp(S - lse), and
      dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = P * (dP - D_i) * scale,
      dQ_i += dS K_j,    dK_j += dS^T Q_i,
    with D_i = rowsum(dO_i * O_i) (= sum_j P dP, the softmax's correction).  q, k, v
    and dq, dk, dv point at the first column of this head's q and its kv head's k and
    v in the batch's rows of qkv and dqkv (ldq floats apart), o and dO at the head's
    first column of the batch's out and dout rows (ldo apart), lse at its T
-   log-sum-exps.  The caller's task owns the head's dq and its kv head's dk and dv
-   (attn_kv_backward), so no two threads write one row.  With overwrite_q, dq_i's
-   first product (at key block 0) writes it instead of adding; with overwrite_kv, so
-   do dk_j's and dv_j's (at the diagonal tile, where query blocks reach key block j
-   first: BK divides BQ, so that tile covers the whole key block).
-   pkt, pvt, pk are attn_pack_floats scratch, packed with K^T, V^T and K unless
-   pack_kv is 0 (they hold this kv head's already); pq and pdo (BQ, hs) panels for
-   the query block's Q and dO, ptile and dstile (BQ, BK) tiles, drow BQ floats. */
+   log-sum-exps.  Packed operands: pkt, pvt and pk (attn_pack_floats) hold the kv
+   head's K^T, V^T and K; pq and pdo (attn_panel_floats) a query block's Q and dO.
+
+   attn_bwd_tile: P (in ptile) and dS (in dstile) of query block i0 (rows) and key
+   block j0 (cols), from S = scale Q_i K_j^T and dP = dO_i V_j^T; drow holds the
+   block's D_i.  Every entry of the (rows, cpad) tiles is written: keys past the query
+   (in the diagonal tile) and the padding columns past kend get 0 in both, selected,
+   since the register tiles that ATTN_TRI_C skipped hold whatever the scratch held
+   (NaN, say) and 0 * NaN is NaN; so the products that read the tiles need no
+   alignment of their row tiles to the diagonal. */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_bwd_tile)(const float* q, const float* dO,
+                                                  const float* pkt, const float* pvt,
+                                                  const float* lse, const float* drow,
+                                                  ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t ldo,
+                                                  ptrdiff_t hs, float scale, ptrdiff_t i0,
+                                                  ptrdiff_t rows, ptrdiff_t j0,
+                                                  ptrdiff_t cpad, float* ptile,
+                                                  float* dstile) {
+    ptrdiff_t ks_hs = attn_kcs(hs), npad_T = ADT_LANES_FN(attn_npad)(T);
+    ADT_VI lane;
+    for (int l = 0; l < ADT_W; l++) lane[l] = l;
+    ADT_VT zero = {0}, vscale = ADT_V(splat)(scale);
+    /* a column slice of a packed operand starts j0 columns in, each depth block
+       keeping its stride */
+    ADT_LANES_FN(attn_gemm)(rows, cpad, hs, scale, q + i0 * ldq, ldq, 1,
+                            pkt + j0 * ks_hs, ks_hs, npad_T, 0, ptile, ATTN_BK,
+                            ATTN_TRI_C, i0 - j0);
+    ADT_LANES_FN(attn_gemm)(rows, cpad, hs, 1.0f, dO + i0 * ldo, ldo, 1,
+                            pvt + j0 * ks_hs, ks_hs, npad_T, 0, dstile, ATTN_BK,
+                            ATTN_TRI_C, i0 - j0);
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        float* p = ptile + r * ATTN_BK;
+        float* ds = dstile + r * ATTN_BK;
+        ADT_VI nvalid = (ADT_VI){0} + (int)(i0 + r + 1 - j0);
+        ADT_VT l = ADT_V(splat)(lse[i0 + r]), d = ADT_V(splat)(drow[r]);
+        for (ptrdiff_t c = 0; c < cpad; c += ADT_W) {
+            ADT_VI valid = lane + (int)c < nvalid;
+            ADT_VT e = ADT_V(select)(valid, ADT_V(exp_bits)(ADT_V(load)(p + c) - l), zero);
+            ADT_V(store)(p + c, e);
+            ADT_V(store)(ds + c, ADT_V(select)(valid, e * (ADT_V(load)(ds + c) - d) * vscale,
+                                               zero));
+        }
+    }
+}
+
+/* D_i of query block i0's rows: drow[r] = dO[i0 + r] . o[i0 + r]. */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_drow)(float* drow, const float* dO, const float* o,
+                                              ptrdiff_t ldo, ptrdiff_t hs, ptrdiff_t i0,
+                                              ptrdiff_t rows) {
+    for (ptrdiff_t r = 0; r < rows; r++)
+        drow[r] = ADT_LANES_FN(attn_dot)(dO + (i0 + r) * ldo, o + (i0 + r) * ldo, hs);
+}
+
+/* dV_j += P^T dO_i and dK_j += dS^T Q_i (the tiles read transposed); with add_kv 0
+   they write instead. */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_bwd_kv)(float* dk, float* dv, const float* pq,
+                                                const float* pdo, const float* ptile,
+                                                const float* dstile, ptrdiff_t ldq,
+                                                ptrdiff_t hs, ptrdiff_t i0, ptrdiff_t rows,
+                                                ptrdiff_t j0, ptrdiff_t cols, int add_kv) {
+    ptrdiff_t ks_rows = attn_kcs(rows), npad_hs = ADT_LANES_FN(attn_npad)(hs);
+    ADT_LANES_FN(attn_gemm)(cols, hs, rows, 1.0f, ptile, 1, ATTN_BK, pdo, ks_rows,
+                            npad_hs, add_kv, dv + j0 * ldq, ldq, ATTN_TRI_FROM, i0 - j0);
+    ADT_LANES_FN(attn_gemm)(cols, hs, rows, 1.0f, dstile, 1, ATTN_BK, pq, ks_rows,
+                            npad_hs, add_kv, dk + j0 * ldq, ldq, ATTN_TRI_FROM, i0 - j0);
+}
+
+/* dQ_i += dS K_j (writes with add_q 0): rows j0.. of packed K, inside one of its depth
+   blocks (BK divides ATTN_KC, and T < ATTN_KC is a single block). */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_bwd_q)(float* dq, const float* pk,
+                                               const float* dstile, ptrdiff_t T,
+                                               ptrdiff_t ldq, ptrdiff_t hs, ptrdiff_t i0,
+                                               ptrdiff_t rows, ptrdiff_t j0, ptrdiff_t cols,
+                                               int add_q) {
+    ptrdiff_t ks_T = attn_kcs(T), npad_hs = ADT_LANES_FN(attn_npad)(hs);
+    ADT_LANES_FN(attn_gemm)(rows, hs, cols, 1.0f, dstile, ATTN_BK, 1,
+                            pk + j0 / ks_T * ks_T * npad_hs + j0 % ks_T * ATTN_NR, ks_T,
+                            npad_hs, add_q, dq + i0 * ldq, ldq, ATTN_TRI_UPTO, i0 - j0);
+}
+
+/* The kv head's K^T, V^T and K packed for the backward. */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_pack_kv_backward)(float* pkt, float* pvt, float* pk,
+                                                          const float* k, const float* v,
+                                                          ptrdiff_t T, ptrdiff_t ldq,
+                                                          ptrdiff_t hs) {
+    ADT_LANES_FN(attn_pack_b)(pkt, k, ldq, 1, hs, T);  /* K^T (hs, T) */
+    ADT_LANES_FN(attn_pack_b)(pvt, v, ldq, 1, hs, T);  /* V^T (hs, T) */
+    ADT_LANES_FN(attn_pack_b)(pk, k, ldq, 0, T, hs);   /* K (T, hs) */
+}
+
+/* The two-pass backward's shared operands: a kv head's K^T, V^T and K (pack_kv), or a
+   query block's Q and dO panels and its D_i (pq, pdo and drow non-NULL). */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(attn_prepare_backward)(float* pkt, float* pvt, float* pk,
+                                                const float* k, const float* v, float* pq,
+                                                float* pdo, float* drow, const float* q,
+                                                const float* dO, const float* o, ptrdiff_t T,
+                                                ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
+                                                ptrdiff_t i0) {
+    if (pkt != NULL) ADT_LANES_FN(attn_pack_kv_backward)(pkt, pvt, pk, k, v, T, ldq, hs);
+    if (pq != NULL) {
+        ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
+        ADT_LANES_FN(attn_drow)(drow, dO, o, ldo, hs, i0, rows);
+        ADT_LANES_FN(attn_pack_b)(pq, q + i0 * ldq, ldq, 0, rows, hs);
+        ADT_LANES_FN(attn_pack_b)(pdo, dO + i0 * ldo, ldo, 0, rows, hs);
+    }
+}
+
+/* One (batch, query head), all of it: for each query block i and key block j <= i,
+   the tile, then dV_j, dK_j and dQ_i.  The caller's task owns the head's dq and its
+   kv head's dk and dv (attn_kv_backward), so no two threads write one row.  With
+   overwrite_q, dq_i's first product (at key block 0) writes it instead of adding;
+   with overwrite_kv, so do dk_j's and dv_j's (at the diagonal tile, where query
+   blocks reach key block j first: BK divides BQ, so that tile covers the whole key
+   block).  pkt, pvt, pk are packed unless pack_kv is 0 (they hold this kv head's
+   already); pq and pdo take the query block's panels, ptile and dstile (BQ, BK) tiles,
+   drow BQ floats. */
 ADT_LANES_ATTR
 static void ADT_LANES_FN(attn_head_backward)(float* dq, float* dk, float* dv, const float* dO,
                                              const float* q, const float* k, const float* v,
@@ -312,67 +421,78 @@ static void ADT_LANES_FN(attn_head_backward)(float* dq, float* dk, float* dv, co
                                              int pack_kv, float* pkt, float* pvt, float* pk,
                                              float* pq, float* pdo, float* ptile,
                                              float* dstile, float* drow) {
-    ptrdiff_t ks_hs = attn_kcs(hs), ks_T = attn_kcs(T);
-    ptrdiff_t npad_T = ADT_LANES_FN(attn_npad)(T), npad_hs = ADT_LANES_FN(attn_npad)(hs);
-    if (pack_kv) {
-        ADT_LANES_FN(attn_pack_b)(pkt, k, ldq, 1, hs, T);  /* K^T (hs, T) */
-        ADT_LANES_FN(attn_pack_b)(pvt, v, ldq, 1, hs, T);  /* V^T (hs, T) */
-        ADT_LANES_FN(attn_pack_b)(pk, k, ldq, 0, T, hs);   /* K (T, hs) */
-    }
-    ADT_VI lane;
-    for (int l = 0; l < ADT_W; l++) lane[l] = l;
-    ADT_VT zero = {0}, vscale = ADT_V(splat)(scale);
+    if (pack_kv) ADT_LANES_FN(attn_pack_kv_backward)(pkt, pvt, pk, k, v, T, ldq, hs);
     for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
-        ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
-        ptrdiff_t kend = i0 + rows, ks_rows = attn_kcs(rows);
-        for (ptrdiff_t r = 0; r < rows; r++)
-            drow[r] = ADT_LANES_FN(attn_dot)(dO + (i0 + r) * ldo, o + (i0 + r) * ldo, hs);
+        ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, kend = i0 + rows;
+        ADT_LANES_FN(attn_drow)(drow, dO, o, ldo, hs, i0, rows);
         ADT_LANES_FN(attn_pack_b)(pq, q + i0 * ldq, ldq, 0, rows, hs);
         ADT_LANES_FN(attn_pack_b)(pdo, dO + i0 * ldo, ldo, 0, rows, hs);
         for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
             ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
-            ptrdiff_t cpad = ADT_LANES_FN(attn_npad)(cols);
-            /* S = scale Q_i K_j^T and dP = dO_i V_j^T: a column slice of a packed
-               operand starts j0 columns in, each depth block keeping its stride */
-            ADT_LANES_FN(attn_gemm)(rows, cpad, hs, scale, q + i0 * ldq, ldq, 1,
-                                    pkt + j0 * ks_hs, ks_hs, npad_T, 0, ptile, ATTN_BK,
-                                    ATTN_TRI_C, i0 - j0);
-            ADT_LANES_FN(attn_gemm)(rows, cpad, hs, 1.0f, dO + i0 * ldo, ldo, 1,
-                                    pvt + j0 * ks_hs, ks_hs, npad_T, 0, dstile, ATTN_BK,
-                                    ATTN_TRI_C, i0 - j0);
-            /* P and dS in place of S and dP; keys past the query (in the diagonal
-               tile) and the padding columns past kend get 0 in both, selected: the
-               register tiles that ATTN_TRI_C skipped hold whatever the scratch held
-               (NaN, say), and 0 * NaN is NaN.  So every entry the products below
-               read is defined, whatever rows their tiles start at (ATTN_MR = 6
-               does not divide the 64-row blocks). */
-            for (ptrdiff_t r = 0; r < rows; r++) {
-                float* p = ptile + r * ATTN_BK;
-                float* ds = dstile + r * ATTN_BK;
-                ADT_VI nvalid = (ADT_VI){0} + (int)(i0 + r + 1 - j0);
-                ADT_VT l = ADT_V(splat)(lse[i0 + r]), d = ADT_V(splat)(drow[r]);
-                for (ptrdiff_t c = 0; c < cpad; c += ADT_W) {
-                    ADT_VT e = ADT_V(exp_bits)(ADT_V(load)(p + c) - l);
-                    e = ADT_V(select)(lane + (int)c < nvalid, e, zero);
-                    ADT_V(store)(p + c, e);
-                    ADT_V(store)(ds + c, ADT_V(select)(lane + (int)c < nvalid,
-                                                       e * (ADT_V(load)(ds + c) - d) * vscale,
-                                                       zero));
-                }
-            }
-            /* dV_j += P^T dO_i and dK_j += dS^T Q_i (the tiles read transposed) */
-            int add_kv = !(overwrite_kv && j0 >= i0);
-            ADT_LANES_FN(attn_gemm)(cols, hs, rows, 1.0f, ptile, 1, ATTN_BK, pdo, ks_rows,
-                                    npad_hs, add_kv, dv + j0 * ldq, ldq, ATTN_TRI_FROM, i0 - j0);
-            ADT_LANES_FN(attn_gemm)(cols, hs, rows, 1.0f, dstile, 1, ATTN_BK, pq, ks_rows,
-                                    npad_hs, add_kv, dk + j0 * ldq, ldq, ATTN_TRI_FROM, i0 - j0);
-            /* dQ_i += dS K_j: rows j0.. of packed K, inside one of its depth blocks
-               (BK divides ATTN_KC, and T < ATTN_KC is a single block) */
-            ADT_LANES_FN(attn_gemm)(rows, hs, cols, 1.0f, dstile, ATTN_BK, 1,
-                                    pk + j0 / ks_T * ks_T * npad_hs + j0 % ks_T * ATTN_NR,
-                                    ks_T, npad_hs, !(overwrite_q && j0 == 0), dq + i0 * ldq, ldq,
-                                    ATTN_TRI_UPTO, i0 - j0);
+            ADT_LANES_FN(attn_bwd_tile)(q, dO, pkt, pvt, lse, drow, T, ldq, ldo, hs, scale, i0,
+                                        rows, j0, ADT_LANES_FN(attn_npad)(cols), ptile, dstile);
+            ADT_LANES_FN(attn_bwd_kv)(dk, dv, pq, pdo, ptile, dstile, ldq, hs, i0, rows, j0,
+                                      cols, !(overwrite_kv && j0 >= i0));
+            ADT_LANES_FN(attn_bwd_q)(dq, pk, dstile, T, ldq, hs, i0, rows, j0, cols,
+                                     !(overwrite_q && j0 == 0));
         }
+    }
+}
+
+/* The two-pass backward's parts, for more tasks than (batch, kv head) when threads
+   outnumber those (kernels/attention.pyx): the same tiles and products in the same
+   order per output element as attn_head_backward, so the same bits, with the tiles
+   that dQ and dK|dV share computed twice (7 products instead of 5).  Shared packed
+   operands, read-only: pkt, pvt, pk as above, pq and pdo a panel per query block of
+   each head (``panel`` floats apart, ``nblk`` blocks a head), drows each head's D (T
+   floats a head).
+
+   attn_key_backward: key block j0's dk and dv (the caller's task owns them) over the
+   group's query heads h0 .. h0 + rep - 1 (q, dO, lse, pq, pdo and drows point at
+   h0's) and every query block from the diagonal on; with
+   overwrite_kv the first (head h0's diagonal tile) writes. */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(attn_key_backward)(float* dk, float* dv, const float* dO,
+                                            const float* q, const float* lse, ptrdiff_t T,
+                                            ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
+                                            float scale, ptrdiff_t rep, int overwrite_kv,
+                                            ptrdiff_t j0, const float* pkt, const float* pvt,
+                                            const float* pq, const float* pdo,
+                                            ptrdiff_t panel, ptrdiff_t nblk,
+                                            const float* drows, float* ptile,
+                                            float* dstile) {
+    ptrdiff_t cols = T - j0 < ATTN_BK ? T - j0 : ATTN_BK;
+    for (ptrdiff_t h = 0; h < rep; h++)
+        for (ptrdiff_t i0 = j0 / ATTN_BQ * ATTN_BQ; i0 < T; i0 += ATTN_BQ) {
+            ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, kend = i0 + rows;
+            ptrdiff_t c = kend - j0 < cols ? kend - j0 : cols, blk = i0 / ATTN_BQ;
+            ADT_LANES_FN(attn_bwd_tile)(q + h * hs, dO + h * hs, pkt, pvt, lse + h * T,
+                                        drows + h * T + i0, T, ldq, ldo, hs, scale, i0, rows,
+                                        j0, ADT_LANES_FN(attn_npad)(c), ptile, dstile);
+            ADT_LANES_FN(attn_bwd_kv)(dk, dv, pq + (h * nblk + blk) * panel,
+                                      pdo + (h * nblk + blk) * panel, ptile,
+                                      dstile, ldq, hs, i0, rows, j0, c,
+                                      !(overwrite_kv && h == 0 && j0 >= i0));
+        }
+}
+
+/* attn_query_backward: query block i0 of one head: its dq (the caller's task owns it)
+   over key blocks 0 .. the diagonal; with overwrite_q the first writes. */
+ADT_LANES_ATTR
+static void ADT_LANES_FN(attn_query_backward)(float* dq, const float* dO, const float* q,
+                                              const float* lse, ptrdiff_t T, ptrdiff_t ldq,
+                                              ptrdiff_t ldo, ptrdiff_t hs, float scale,
+                                              int overwrite_q, ptrdiff_t i0,
+                                              const float* pkt, const float* pvt,
+                                              const float* pk, const float* drow,
+                                              float* ptile, float* dstile) {
+    ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, kend = i0 + rows;
+    for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
+        ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
+        ADT_LANES_FN(attn_bwd_tile)(q, dO, pkt, pvt, lse, drow, T, ldq, ldo, hs, scale, i0,
+                                    rows, j0, ADT_LANES_FN(attn_npad)(cols), ptile, dstile);
+        ADT_LANES_FN(attn_bwd_q)(dq, pk, dstile, T, ldq, hs, i0, rows, j0, cols,
+                                 !(overwrite_q && j0 == 0));
     }
 }
 

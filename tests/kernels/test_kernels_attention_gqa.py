@@ -13,7 +13,7 @@ from adtape import nn
 from adtape.tensor import Tensor
 from kernels import threads
 from kernels.attention import (attention_backward, attention_backward_naive,
-                               attention_forward, attention_forward_naive)
+                               attention_forward, attention_forward_naive, set_backward_passes)
 
 NH = 6                          # divisible by every n_kv_head below
 KV_HEADS = [1, 2, 3, NH]        # multi-query, two groups, three, GPT-2's multi-head
@@ -178,6 +178,42 @@ def test_one_and_two_threads_agree(B, n_kv_head, vector_lanes):
         threads.set_num_threads(previous)
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("B,T,n_kv_head,hs", [(1, 200, 1, 64), (2, 65, 2, 64), (1, 130, 3, 128),
+                                              (3, 64, 6, 64), (1, 1, 1, 64), (2, 33, 2, 5),
+                                              (1, 129, 2, 16)])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_two_passes_give_the_one_pass_bits(B, T, n_kv_head, hs, overwrite, vector_lanes):
+    # Where (batch, kv head) tasks are fewer than the threads, the backward runs in two
+    # passes (key blocks' dk and dv, then query blocks' dq), recomputing the tiles: each
+    # element sums the same terms in the same order, so the bits are the one pass's, at
+    # any thread count, and NaN left in dqkv under overwrite reaches nothing.
+    rng = np.random.default_rng(300 + T + n_kv_head + hs)
+    qkv, dout = make(rng, B, T, NH, n_kv_head, hs)
+    out, lse = run_forward(attention_forward, qkv, NH, n_kv_head)
+    fill = np.nan if overwrite else 0.5
+    results = {}
+    try:
+        for mode in (1, 2):
+            set_backward_passes(mode)
+            for n in (1, 2):
+                results[mode, n] = run_backward(attention_backward, dout, qkv, out, lse, NH,
+                                                n_kv_head, fill=fill, overwrite=overwrite,
+                                                n_threads=n)
+    finally:
+        set_backward_passes(0)
+    for key, dqkv in results.items():
+        np.testing.assert_array_equal(dqkv, results[1, 1], err_msg=str(key))
+    naive = run_backward(attention_backward_naive, dout, qkv, out, lse, NH, n_kv_head,
+                         fill=0.0 if overwrite else 0.5)
+    assert rel_err(results[2, 2], naive) < 1e-5
+
+
+def test_backward_passes_mode_is_checked():
+    with pytest.raises(ValueError, match="mode must be 0, 1 or 2"):
+        set_backward_passes(3)
+    assert set_backward_passes(0) == 0
 
 
 @pytest.mark.parametrize("naive", [False, True], ids=["kernel", "naive"])
