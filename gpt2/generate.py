@@ -22,7 +22,11 @@ stops early after one of ``stop_ids`` and hands each token to ``on_token`` as it
 (the gpt2-generate command, ``gpt2.generate_cli``, streams them so).
 
 ``Weights`` is a model to generate from and nothing else: parameters read from a file,
-without the gradients and optimizer state of ``gpt2.model.Model``.
+without the gradients and optimizer state of ``gpt2.model.Model``.  Its matrices may be
+bf16 (``gpt2.lora.Bf16Base``, gpt2-generate's ``--dtype bf16``): half the memory, and a
+decoding step, which reads every weight once, takes the products with the weights
+widened in registers (``kernels.bf16.matmul_forward_w16``, float32 activations and
+sums).
 
 ``python -m gpt2.generate`` is the gpt2-generate command.
 """
@@ -39,7 +43,7 @@ if __name__ == "__main__":
 import numpy as np
 
 from gpt2.families import family_of
-from kernels import layers, llama, matmul
+from kernels import bf16, layers, llama, matmul
 
 
 class Decoder:
@@ -97,15 +101,18 @@ class Decoder:
     # -- the operations ---------------------------------------------------------------
 
     def embed(self, ids, wte, wpe):
-        x = wte[ids]
+        x = _float32(wte[ids])
         if wpe is not None:
-            x += wpe[self.length:self.length + ids.size]
+            x += _float32(wpe[self.length:self.length + ids.size])
         return x
 
     @staticmethod
     def linear(x, weight, bias):
         out = np.empty((x.shape[0], weight.shape[0]), np.float32)
-        matmul.matmul_forward(out, x, weight, bias)
+        if weight.dtype == np.uint16:        # bf16: widened in registers
+            bf16.matmul_forward_w16(out, x, weight, bias)
+        else:
+            matmul.matmul_forward(out, x, weight, bias)
         return out
 
     @staticmethod
@@ -176,6 +183,15 @@ class Decoder:
         out = np.matmul(scores.reshape(kv, group * n, held), values[:, :held])
         return np.ascontiguousarray(out.reshape(kv, group, n, hd).transpose(2, 0, 1, 3)
                                     .reshape(n, n_q * hd))
+
+
+def _float32(rows):
+    """Rows of a float32 or bf16 (uint16) matrix, as float32 (bf16 widened: a copy)."""
+    if rows.dtype != np.uint16:
+        return rows
+    out = np.empty(rows.shape, np.float32)
+    bf16.from_bf16(out, np.ascontiguousarray(rows))
+    return out
 
 
 class Weights:

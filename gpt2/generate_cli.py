@@ -101,6 +101,10 @@ def build_parser(prog=None):
     o.add_argument("--print-ids", action="store_true",
                    help="print the generated token ids (the end-of-sequence one included), "
                         "not their text")
+    o.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the weights in memory: fp32, or bf16 (half the memory and faster "
+                        "decoding, the products still float32; a Hugging Face directory is "
+                        "read as bf16 tensor by tensor) (default: %(default)s)")
     o.add_argument("--threads", type=positive_int, metavar="N", default=None,
                    help="OpenMP threads (default: OMP_NUM_THREADS, or all cores)")
     o.add_argument("--debug", action="store_true",
@@ -150,7 +154,7 @@ class Source:
 
     def __init__(self, args):
         self.name = args.model
-        params, named_tokenizer, self.model_dir = _read_weights(args.model)
+        params, named_tokenizer, self.model_dir = _read_weights(args.model, args.dtype)
         self.config = params.config
         from gpt2.generate import Weights
         self.weights = Weights(params)
@@ -175,8 +179,23 @@ class Source:
                                                  self.model_dir)
 
 
-def _read_weights(path):
-    """(ParamArena, the tokenizer the file names or None, the Hugging Face directory or None)."""
+def _read_weights(path, dtype="fp32"):
+    """(the weights: a ParamArena, or with dtype "bf16" a gpt2.lora.Bf16Base; the tokenizer
+    the file names or None; the Hugging Face directory or None)."""
+    params, tokenizer, directory = _read_float32_weights(path, dtype)
+    if dtype == "bf16" and not isinstance(params, _bf16_base()):
+        params = _bf16_base().from_arena(params)
+    return params, tokenizer, directory
+
+
+def _bf16_base():
+    from gpt2.lora import Bf16Base
+    return Bf16Base
+
+
+def _read_float32_weights(path, dtype):
+    """_read_weights' float32 weights, or for a Hugging Face directory read as bf16 (a
+    Bf16Base, tensor by tensor: no float32 copy of the model)."""
     from gpt2 import checkpoint as ckpt
     from gpt2 import tokenizer as tok
     with blame(path):
@@ -186,7 +205,8 @@ def _read_weights(path):
             return params, tok.find_tokenizer(base_dir), base_dir
         if os.path.isdir(path):
             from gpt2 import hf
-            return hf.load_dir(path), tok.find_tokenizer(path), path
+            params = _bf16_base().load_hf(path) if dtype == "bf16" else hf.load_dir(path)
+            return params, tok.find_tokenizer(path), path
         with open(path, "rb") as f:
             head = f.read(len(ckpt.CHECKPOINT_MAGIC))
         if head == ckpt.CHECKPOINT_MAGIC:

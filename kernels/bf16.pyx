@@ -10,6 +10,9 @@ back (exact).  The products are ``kernels.matmul``'s, with the operands in bf16:
         dinp += bf16(dout) @ weight, dweight += bf16(dout).T @ inp, dbias += sum(dout)
 
 ``inp`` and ``weight`` are bf16; ``out``, ``bias``, ``dout`` and the gradients float32.
+``matmul_forward_w16(out, inp, weight, bias)`` takes the weight alone in bf16 and a
+float32 ``inp`` (not rounded): decoding from bf16 weights (gpt2-generate --dtype bf16),
+where the time is reading the weights (kernels.gemm's gemm_w16).
 The caller keeps the float32 master weights and converts each weight to bf16 once per
 step (after the optimizer's update), passing that copy to the forward and the
 backward; it converts the layer's input once and keeps the bf16 copy for the backward
@@ -40,7 +43,7 @@ cimport numpy as cnp
 from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t, uint32_t
 
-from kernels.gemm cimport gemm
+from kernels.gemm cimport gemm, gemm_w16
 from kernels._common cimport check_disjoint, checked_data, overwrite_flags, resolve_threads
 
 import numpy as np
@@ -686,6 +689,26 @@ def matmul_forward_bf16(out, inp, weight, bias, *, n_threads=None):
     cdef int nt = resolve_threads(n_threads)
     with nogil:
         matmul_forward_bf16_c(out_p, inp_p, w_p, b_p, N, C, OC, nt)
+
+
+def matmul_forward_w16(out, inp, weight, bias, *, n_threads=None):
+    """out = inp @ weight.T + bias with the weight alone in bf16: inp (N, C) or (B, T, C)
+    float32 (not rounded), weight (OC, C) uint16 (bf16), bias (OC,) float32 or None,
+    out float32, overwritten.  The weight is read once at two bytes an element and
+    widened (exact) in cache, the products and sums float32: for decoding from bf16
+    weights, where reading the weights is the time (``kernels.gemm``'s gemm_w16)."""
+    cdef Py_ssize_t N, C, OC
+    lead, N, C, OC = _matmul_shapes(inp, weight)
+    cdef float* inp_p = <float*>checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
+    cdef uint16_t* w_p = <uint16_t*>_bf16_data("weight", weight, (OC, C), False)
+    cdef float* b_p = NULL
+    if bias is not None:
+        b_p = <float*>checked_data("bias", bias, cnp.NPY_FLOAT32, (OC,), False)
+    cdef float* out_p = <float*>checked_data("out", out, cnp.NPY_FLOAT32, lead + (OC,), True)
+    check_disjoint((("out", out),), (("inp", inp), ("weight", weight), ("bias", bias)))
+    cdef int nt = resolve_threads(n_threads)
+    with nogil:
+        gemm_w16(N, OC, C, inp_p, C, w_p, C, b_p, out_p, OC, nt)
 
 
 def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,

@@ -11,9 +11,11 @@ it, and adds the bias to that block in the same parallel region.
 cimport numpy as cnp
 from cython.parallel cimport prange
 from scipy.linalg.cython_blas cimport sgemm
+from libc.stdint cimport uint16_t
 from libc.string cimport memcpy
 
 from kernels._common cimport check_disjoint, checked_data, resolve_threads
+from kernels._openmp cimport omp_get_thread_num_safe
 
 cdef extern from "<stdlib.h>" nogil:
     void* aligned_alloc(size_t alignment, size_t size)
@@ -161,6 +163,31 @@ cdef extern from *:
         }
     }
 
+    /* skinny_nt_w16 (kernels/skinny.h) in the CPU's width. */
+    static void skinny_w16(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K,
+                           const float* A, ptrdiff_t lda, const uint16_t* W, ptrdiff_t ldw,
+                           float* C, ptrdiff_t ldc) {
+        ADT_LANES_CALL(SK_WIDE, skinny_nt_w16, (M, j0, j1, K, A, lda, W, ldw, C, ldc));
+    }
+
+    /* dst[0:n] = the bf16 src[0:n] (the top halves of float32s) widened, exact. */
+    ADT_MULTIVERSION
+    static void w16_widen(float* restrict dst, const uint16_t* restrict src, ptrdiff_t n) {
+        for (ptrdiff_t i = 0; i < n; i++) {
+            uint32_t bits = (uint32_t)src[i] << 16;
+            memcpy(dst + i, &bits, sizeof(float));
+        }
+    }
+
+    /* Rows of W that gemm_w16_cols widens at a time for skinny_nt: about 128 KiB of
+       them (6 to 24 rows, a multiple of both widths' row groups); for BLAS, past
+       skinny_nt's rows of A, W16_GEMM_ROWS. */
+    static ptrdiff_t w16_rows(ptrdiff_t K) {
+        ptrdiff_t rows = ((ptrdiff_t)1 << 15) / (K > 0 ? K : 1) / 6 * 6;
+        return rows < 6 ? 6 : rows > 24 ? 24 : rows;
+    }
+    #define W16_GEMM_ROWS 128
+
     /* C[i, j] (+)= alpha * sum_p A[p, i] B[p, j]  for i0 <= i < i1, j0 <= j < j1. */
     static void skinny_tn(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K,
                           float alpha, const float* A, ptrdiff_t lda, const float* B,
@@ -188,6 +215,12 @@ cdef extern from *:
     Py_ssize_t set_bc_max_m(Py_ssize_t m) nogil
     void skinny_set_narrow(int narrow) nogil
     int skinny_wide() nogil
+    void w16_widen(float* dst, const uint16_t* src, Py_ssize_t n) nogil
+    void skinny_w16(Py_ssize_t M, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t K, const float* A,
+                    Py_ssize_t lda, const uint16_t* W, Py_ssize_t ldw, float* C,
+                    Py_ssize_t ldc) nogil
+    Py_ssize_t w16_rows(Py_ssize_t K) nogil
+    enum: W16_GEMM_ROWS
     int packed_gemm(int trans_a, int trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                     float alpha, const float* A, Py_ssize_t lda, const float* B,
                     Py_ssize_t ldb, float beta, float* C, Py_ssize_t ldc,
@@ -473,6 +506,70 @@ cdef bint gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_
                       NULL if by_columns and lo > 0 else a_sums, by_columns, lo, hi):
             missed_p[0] = 1
     return not missed
+
+
+cdef enum:
+    # gemm_w16: up to this many rows of A, W widened in registers (skinny_nt_w16), in
+    # groups of this many rows of W a task.
+    W16_FUSED_MAX_M = 4
+    W16_FUSED_ROWS = 64
+
+
+cdef int gemm_w16(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, const float* A, Py_ssize_t lda,
+                  const uint16_t* W, Py_ssize_t ldw, const float* bias, float* C,
+                  Py_ssize_t ldc, int n_threads) except -1 nogil:
+    """C (M, N) = A (M, K) @ W.T (+ bias), A float32, W (N, K) bf16 (uint16): a
+    weight-only bf16 product, for decoding from bf16 weights (gpt2.generate).  W is
+    read once from memory at two bytes an element, its rows widened (exact) a group at
+    a time into per-thread float32 scratch, and each group multiplied as float32:
+    skinny_nt for the few rows of a decoding step, BLAS for a prompt's many.  The
+    groups are cut from column 0 whatever the thread count, so the bits do not depend
+    on it."""
+    cdef bint fused = M <= W16_FUSED_MAX_M
+    cdef bint skinny = M <= skinny_nt_limit(_skinny_max_m)
+    cdef Py_ssize_t step = (W16_FUSED_ROWS if fused else w16_rows(K) if skinny
+                            else W16_GEMM_ROWS)
+    cdef Py_ssize_t groups = (N + step - 1) // step, gi, j, g, r, i, c
+    cdef int nt = n_threads
+    cdef float* scratch
+    cdef float* mine
+    if M == 0 or N == 0:
+        return 0
+    if K == 0:
+        for i in range(M):
+            for c in range(N):
+                C[i * ldc + c] = 0.0 if bias == NULL else bias[c]
+        return 0
+    if M * N * K < PARALLEL_MIN_FLOPS:
+        nt = 1
+    if nt > groups:
+        nt = <int>groups
+    scratch = <float*>aligned_alloc(64, (<size_t>(0 if fused else nt * step * K) * sizeof(float)
+                                         + 63) // 64 * 64 + 64)
+    if scratch == NULL:
+        with gil:
+            raise MemoryError(f"gemm_w16: cannot allocate {nt} x {step} x {K} floats of scratch")
+    for gi in prange(groups, schedule='static', nogil=True, num_threads=nt):
+        j = gi * step
+        g = min(step, N - j)
+        mine = scratch + omp_get_thread_num_safe() * step * K
+        if fused:
+            skinny_w16(M, j, j + g, K, A, lda, W, ldw, C, ldc)
+        else:
+            for r in range(g):
+                w16_widen(mine + r * K, W + (j + r) * ldw, K)
+        if fused:
+            pass
+        elif skinny:
+            skinny_nt(M, 0, g, K, 1.0, A, lda, mine, K, 0, C + j, ldc)
+        else:
+            sgemm_rowmajor(False, True, M, g, K, 1.0, A, lda, mine, K, 0.0, C + j, ldc)
+        if bias != NULL:
+            for i in range(M):
+                for c in range(g):
+                    C[i * ldc + j + c] = C[i * ldc + j + c] + bias[j + c]
+    free(scratch)
+    return 0
 
 
 def gemm_rowmajor(c, a, b, bias=None, *, bint trans_a=False, bint trans_b=False,

@@ -373,6 +373,87 @@ static void ADT_LANES_FN(skinny_tn)(ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, pt
     if (!accumulate && SK_STREAMS) SK_FENCE();   /* the streamed stores, before anyone reads */
 }
 
+/* C[i, j] = sum_p A[i, p] W[j, p]  for i < M, j0 <= j < j1, with W in bf16 (uint16, the
+   top halves of float32s), for the few rows of a decoding step (gemm_w16): W read once
+   from memory at two bytes an element and widened in registers (exact), the products
+   and sums float32.  SK_W16_NR rows of W against two rows of A at a time (M = 3 or 4
+   goes over W's rows twice, from L1), or twice as many rows of W against one row of
+   A; ADT_W lanes along p, a horizontal sum per output at the end. */
+#define SK_W16_NR 4
+typedef uint16_t ADT_CAT(ADT_VT, h) __attribute__((vector_size(2 * ADT_W), aligned(2)));
+ADT_LANES_INLINE ADT_VT ADT_LANES_FN(sk_widen)(const uint16_t* p) {
+    ADT_CAT(ADT_VT, h) h;
+    memcpy(&h, p, sizeof h);
+    ADT_VI bits = __builtin_convertvector(h, ADT_VI) << 16;
+    return (ADT_VT)bits;
+}
+ADT_LANES_ATTR
+static void ADT_LANES_FN(skinny_nt_w16)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K,
+                                          const float* A, ptrdiff_t lda, const uint16_t* W,
+                                          ptrdiff_t ldw, float* C, ptrdiff_t ldc) {
+    ptrdiff_t K8 = K & ~(ptrdiff_t)(ADT_W - 1);
+    if (M == 1) {
+        /* One row of A (a decoding step): twice the rows of W, half the FMAs a widened
+           vector of W. */
+        for (ptrdiff_t j = j0; j < j1; j += 2 * SK_W16_NR) {
+            ptrdiff_t nr = j1 - j < 2 * SK_W16_NR ? j1 - j : 2 * SK_W16_NR;
+            const uint16_t* w[2 * SK_W16_NR];
+            for (int c = 0; c < 2 * SK_W16_NR; c++) w[c] = W + (j + (c < nr ? c : nr - 1)) * ldw;
+            ADT_VT acc[2 * SK_W16_NR];
+            for (int c = 0; c < 2 * SK_W16_NR; c++) acc[c] = (ADT_VT){0};
+            for (ptrdiff_t p = 0; p < K8; p += ADT_W) {
+                ADT_VT x = ADT_V(load)(A + p);
+                for (int c = 0; c < 2 * SK_W16_NR; c++)
+                    acc[c] += x * ADT_LANES_FN(sk_widen)(w[c] + p);
+            }
+            for (int c = 0; c < nr; c++) {
+                float s = ADT_V(hsum)(acc[c]);
+                for (ptrdiff_t p = K8; p < K; p++) {
+                    uint32_t bits = (uint32_t)w[c][p] << 16;
+                    float y;
+                    memcpy(&y, &bits, sizeof y);
+                    s += A[p] * y;
+                }
+                C[j + c] = s;
+            }
+        }
+        return;
+    }
+    for (ptrdiff_t j = j0; j < j1; j += SK_W16_NR) {
+        ptrdiff_t nr = j1 - j < SK_W16_NR ? j1 - j : SK_W16_NR;
+        const uint16_t* w[SK_W16_NR];
+        for (int c = 0; c < SK_W16_NR; c++) w[c] = W + (j + (c < nr ? c : nr - 1)) * ldw;
+        for (ptrdiff_t i = 0; i < M; i += 2) {
+            ptrdiff_t mr = M - i < 2 ? M - i : 2;
+            const float* a0 = A + i * lda;
+            const float* a1 = A + (i + mr - 1) * lda;
+            ADT_VT acc0[SK_W16_NR], acc1[SK_W16_NR];
+            for (int c = 0; c < SK_W16_NR; c++) acc0[c] = acc1[c] = (ADT_VT){0};
+            for (ptrdiff_t p = 0; p < K8; p += ADT_W) {
+                ADT_VT x0 = ADT_V(load)(a0 + p), x1 = ADT_V(load)(a1 + p);
+                for (int c = 0; c < SK_W16_NR; c++) {
+                    ADT_VT y = ADT_LANES_FN(sk_widen)(w[c] + p);
+                    acc0[c] += x0 * y;
+                    acc1[c] += x1 * y;
+                }
+            }
+            for (int c = 0; c < nr; c++) {
+                float s0 = ADT_V(hsum)(acc0[c]), s1 = ADT_V(hsum)(acc1[c]);
+                for (ptrdiff_t p = K8; p < K; p++) {
+                    uint32_t bits = (uint32_t)w[c][p] << 16;
+                    float y;
+                    memcpy(&y, &bits, sizeof y);
+                    s0 += a0[p] * y;
+                    s1 += a1[p] * y;
+                }
+                C[i * ldc + j + c] = s0;
+                if (mr > 1) C[(i + 1) * ldc + j + c] = s1;
+            }
+        }
+    }
+}
+#undef SK_W16_NR
+
 #undef SK_COLS
 #undef SK_NT_NR
 #undef SK_NK_NV

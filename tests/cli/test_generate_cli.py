@@ -143,6 +143,35 @@ def test_greedy_equals_transformers_generate(dirs, capsys, family, prompt):
     assert "tokens/s" in err
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_bf16_weights_greedy_equals_transformers_generate(dirs, capsys, tmp_path, family):
+    # --dtype bf16: the matrices held in bf16. From weights that are bf16 values (the
+    # directory's model rounded, computing in float32), the same tokens as transformers;
+    # a checkpoint of them read with --dtype bf16 too.
+    src, _, tok = dirs[family]
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).to(torch.bfloat16).float()
+    path = tmp_path / family
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    prompt_ids = tok("def f(x):")["input_ids"]
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt_ids]), do_sample=False,
+                                max_new_tokens=N_TOKENS, attention_mask=torch.ones(
+                                    1, len(prompt_ids), dtype=torch.long))[0, len(prompt_ids):]
+    status, out, err = run_main(capsys, path, "--prompt", "def f(x):", "--temperature", "0",
+                                "-n", N_TOKENS, "--print-ids", "--dtype", "bf16")
+    assert status == 0, err
+    assert ids_of(out) == theirs.tolist()
+    ckpt = tmp_path / "checkpoint.bin"
+    save_checkpoint(str(ckpt), load_dir(str(path)), step=1)
+    status, out, err = run_main(capsys, ckpt, "--tokenizer", path / "tokenizer.json",
+                                "--prompt", "def f(x):",
+                                "--temperature", "0", "-n", N_TOKENS, "--print-ids",
+                                "--dtype", "bf16")
+    assert status == 0, err
+    assert ids_of(out) == theirs.tolist()
+
+
 def test_greedy_stops_where_transformers_does(dirs, capsys, tmp_path):
     """generation_config.json's end-of-sequence ids (here: a list of two, one of them a token
     the greedy text reaches) end both; --no-stop goes on; the text leaves the id out."""

@@ -142,3 +142,41 @@ def test_decoder_refuses_bad_input(make_model):
     with pytest.raises(ValueError, match="overflow the cache of 16 positions"):
         decoder.extend(list(range(7)))
     assert decoder.length == 10     # nothing taken from the refused call
+
+
+def bf16_exact(model):
+    """Round the model's parameters to bf16 values in place (float32 arena), and return a
+    Weights of its bf16 copy (gpt2.lora.Bf16Base: matrices uint16, the rest float32)."""
+    from gpt2.generate import Weights
+    from gpt2.lora import Bf16Base
+    from kernels import bf16
+    flat = model.params.flat
+    rounded = np.empty(flat.shape, np.uint16)
+    bf16.to_bf16(rounded, flat)
+    bf16.from_bf16(flat, rounded)
+    return Weights(Bf16Base.from_arena(model.params))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("prefill", [1, 7])
+def test_bf16_weights_give_the_float32_models_logits(make_model, name, prefill):
+    # A model whose weights are bf16 values: held as bf16 (half the bytes, the products
+    # widening them in registers), its cached logits are the float32 model's.
+    model = make_model(CONFIGS[name])
+    weights = bf16_exact(model)
+    assert weights.params.views["wte"].dtype == np.uint16
+    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, 24)
+    decoder = Decoder(weights, capacity=24)
+    got = [decoder.extend(ids[:prefill], all_positions=True)]
+    got += [decoder.extend(ids[t:t + 1]) for t in range(prefill, 24)]
+    assert_close(np.concatenate(got), full_logits(model, ids))
+
+
+@pytest.mark.parametrize("config", [CONFIGS["gpt2-tiny"], CONFIGS["llama3-mqa"], SHORT["llama"]],
+                         ids=["gpt2-tiny", "llama3-mqa", "llama-block16"])
+def test_bf16_weights_decode_greedily_as_float32(make_model, config):
+    model = make_model(config, seed=5)
+    weights = bf16_exact(model)
+    prompt = np.random.default_rng(6).integers(0, config.vocab_size, 5).tolist()
+    assert generate(weights, prompt, 30, temperature=0) == generate(model, prompt, 30,
+                                                                     temperature=0)

@@ -551,3 +551,46 @@ def test_a_frozen_weight_needs_no_input(path):
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     with pytest.raises(ValueError, match="dweight"):
         bf16.matmul_backward_bf16(got[0], np.zeros((OC, C), np.float32), None, dout, None, wb)
+
+
+# ---------------------------------------------------------- weight-only bf16 (decoding)
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4, 5, 17, 65, 130])
+@pytest.mark.parametrize("C,OC", [(7, 3), (64, 70), (257, 200), (1030, 33)])
+def test_weight_only_bf16_forward_within_the_float32_bound(N, C, OC):
+    # float32 inp (not rounded) times a bf16 weight widened exactly: the float32
+    # accumulation bound on the exact product; the fused kernel (up to 4 rows), the
+    # widened groups through skinny_nt and through BLAS; odd depths take the tails.
+    rng = np.random.default_rng(N * 1000 + C)
+    x = rng.standard_normal((N, C)).astype(np.float32)
+    _, wb, bias, _ = operands(rng, (N,), C, OC)
+    for b in (bias, None):
+        out = np.full((N, OC), np.nan, np.float32)
+        bf16.matmul_forward_w16(out, x, wb, b)
+        bb = np.zeros(OC) if b is None else b.astype(np.float64)
+        exact = x.astype(np.float64) @ f64(wb).T + bb
+        magnitude = np.abs(x.astype(np.float64)) @ np.abs(f64(wb)).T + np.abs(bb)
+        check_within(out, exact, magnitude, C + 1, "out")
+
+
+def test_weight_only_bf16_forward_shapes_threads_and_errors():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    _, wb, bias, _ = operands(rng, (6,), 40, 300)
+    outs = []
+    for n in (1, 2):
+        out = np.empty((2, 3, 300), np.float32)
+        bf16.matmul_forward_w16(out, x, wb, bias, n_threads=n)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])       # the groups do not follow the threads
+    flat = np.empty((6, 300), np.float32)
+    bf16.matmul_forward_w16(flat, x.reshape(6, 40), wb, bias)
+    assert np.array_equal(flat, outs[0].reshape(6, 300))
+    with pytest.raises(TypeError, match="weight must be an aligned native uint16"):
+        bf16.matmul_forward_w16(flat, x.reshape(6, 40), ref_from_bf16(wb), bias)
+    with pytest.raises(ValueError):
+        bf16.matmul_forward_w16(flat, x.reshape(6, 40)[:, :39].copy(), wb, bias)
+    empty = np.full((2, 300), np.nan, np.float32)
+    bf16.matmul_forward_w16(empty, np.zeros((2, 0), np.float32), np.zeros((300, 0), np.uint16),
+                            bias)
+    assert np.array_equal(empty, np.broadcast_to(bias, (2, 300)))
