@@ -182,20 +182,17 @@ class Source:
 def _read_weights(path, dtype="fp32"):
     """(the weights: a ParamArena, or with dtype "bf16" a gpt2.lora.Bf16Base; the tokenizer
     the file names or None; the Hugging Face directory or None)."""
-    params, tokenizer, directory = _read_float32_weights(path, dtype)
-    if dtype == "bf16" and not isinstance(params, _bf16_base()):
-        params = _bf16_base().from_arena(params)
+    from gpt2.lora import Bf16Base
+    params, tokenizer, directory = _read_model(path, dtype)
+    if dtype == "bf16" and not isinstance(params, Bf16Base):
+        params = Bf16Base.from_arena(params)
     return params, tokenizer, directory
 
 
-def _bf16_base():
-    from gpt2.lora import Bf16Base
-    return Bf16Base
-
-
-def _read_float32_weights(path, dtype):
-    """_read_weights' float32 weights, or for a Hugging Face directory read as bf16 (a
-    Bf16Base, tensor by tensor: no float32 copy of the model)."""
+def _read_model(path, dtype):
+    """_read_weights' answer, the weights a float32 ParamArena, or with dtype "bf16" for a
+    Hugging Face directory a Bf16Base read tensor by tensor (no float32 copy of the
+    model)."""
     from gpt2 import checkpoint as ckpt
     from gpt2 import tokenizer as tok
     with blame(path):
@@ -205,7 +202,8 @@ def _read_float32_weights(path, dtype):
             return params, tok.find_tokenizer(base_dir), base_dir
         if os.path.isdir(path):
             from gpt2 import hf
-            params = _bf16_base().load_hf(path) if dtype == "bf16" else hf.load_dir(path)
+            from gpt2.lora import Bf16Base
+            params = Bf16Base.load_hf(path) if dtype == "bf16" else hf.load_dir(path)
             return params, tok.find_tokenizer(path), path
         with open(path, "rb") as f:
             head = f.read(len(ckpt.CHECKPOINT_MAGIC))

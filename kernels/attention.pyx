@@ -160,13 +160,16 @@ cdef extern from *:
     }
     /* The two-pass backward (attention_backward_c): its preparation, a key block's dk
        and dv, a query block's dq. */
-    static void attn_prepare_backward(int wide, float* pkt, float* pvt, float* pk,
-                                      const float* k, const float* v, float* pq, float* pdo,
-                                      float* drow, const float* q, const float* dO,
-                                      const float* o, ptrdiff_t T, ptrdiff_t ldq,
-                                      ptrdiff_t ldo, ptrdiff_t hs, ptrdiff_t i0) {
-        ADT_LANES_CALL(wide, attn_prepare_backward, (pkt, pvt, pk, k, v, pq, pdo, drow, q, dO,
-                                                     o, T, ldq, ldo, hs, i0));
+    static void attn_prepare_kv(int wide, float* pkt, float* pvt, float* pk, const float* k,
+                                const float* v, ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t hs) {
+        ADT_LANES_CALL(wide, attn_prepare_kv_task, (pkt, pvt, pk, k, v, T, ldq, hs));
+    }
+    static void attn_prepare_query(int wide, float* pq, float* pdo, float* drow,
+                                   const float* q, const float* dO, const float* o,
+                                   ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
+                                   ptrdiff_t i0) {
+        ADT_LANES_CALL(wide, attn_prepare_query_task, (pq, pdo, drow, q, dO, o, T, ldq, ldo,
+                                                       hs, i0));
     }
     static void attn_key_backward(int wide, float* dk, float* dv, const float* dO,
                                   const float* q, const float* lse, ptrdiff_t T, ptrdiff_t ldq,
@@ -206,11 +209,12 @@ cdef extern from *:
                           Py_ssize_t kcol, Py_ssize_t vcol, float scale, bint overwrite,
                           float* pkt, float* pvt, float* pk, float* pq, float* pdo,
                           float* ptile, float* dstile, float* drow) noexcept nogil
-    void attn_prepare_backward(bint wide, float* pkt, float* pvt, float* pk, const float* k,
-                               const float* v, float* pq, float* pdo, float* drow,
-                               const float* q, const float* dO, const float* o, Py_ssize_t T,
-                               Py_ssize_t ldq, Py_ssize_t ldo, Py_ssize_t hs,
-                               Py_ssize_t i0) noexcept nogil
+    void attn_prepare_kv(bint wide, float* pkt, float* pvt, float* pk, const float* k,
+                         const float* v, Py_ssize_t T, Py_ssize_t ldq,
+                         Py_ssize_t hs) noexcept nogil
+    void attn_prepare_query(bint wide, float* pq, float* pdo, float* drow, const float* q,
+                            const float* dO, const float* o, Py_ssize_t T, Py_ssize_t ldq,
+                            Py_ssize_t ldo, Py_ssize_t hs, Py_ssize_t i0) noexcept nogil
     void attn_key_backward(bint wide, float* dk, float* dv, const float* dO, const float* q,
                            const float* lse, Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo,
                            Py_ssize_t hs, float scale, Py_ssize_t rep, bint overwrite_kv,
@@ -361,19 +365,18 @@ cdef int _backward_two_passes(float* dqkv, const float* dout, const float* qkv,
             b = x // NKV
             g = x % NKV
             kvp = shared + x * 3 * pack
-            attn_prepare_backward(wide, kvp, kvp + pack, kvp + 2 * pack,
-                                  qkv + b * T * ldq + C + g * hs,
-                                  qkv + b * T * ldq + C + (NKV + g) * hs, NULL, NULL, NULL,
-                                  NULL, NULL, NULL, T, ldq, C, hs, 0)
+            attn_prepare_kv(wide, kvp, kvp + pack, kvp + 2 * pack,
+                            qkv + b * T * ldq + C + g * hs,
+                            qkv + b * T * ldq + C + (NKV + g) * hs, T, ldq, hs)
         else:
             y = x - B * NKV                       # (batch * head, query block)
             b = y // (NH * nqb)
             h = y // nqb % NH
             blk = y % nqb
-            attn_prepare_backward(wide, NULL, NULL, NULL, NULL, NULL, pq + y * panel,
-                                  pdo + y * panel, drows + (b * NH + h) * T + blk * ATTN_BQ,
-                                  qkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
-                                  out + b * T * C + h * hs, T, ldq, C, hs, blk * ATTN_BQ)
+            attn_prepare_query(wide, pq + y * panel, pdo + y * panel,
+                               drows + (b * NH + h) * T + blk * ATTN_BQ,
+                               qkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
+                               out + b * T * C + h * hs, T, ldq, C, hs, blk * ATTN_BQ)
     for x in prange(B * NKV * nkb, schedule='dynamic', nogil=True, num_threads=n_threads):
         blk = x // (B * NKV)                      # key blocks in order: the largest first
         b = x % (B * NKV) // NKV

@@ -385,22 +385,33 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_pack_kv_backward)(float* pkt, float* pvt
     ADT_LANES_FN(attn_pack_b)(pk, k, ldq, 0, T, hs);   /* K (T, hs) */
 }
 
-/* The two-pass backward's shared operands: a kv head's K^T, V^T and K (pack_kv), or a
-   query block's Q and dO panels and its D_i (pq, pdo and drow non-NULL). */
+/* Query block i0's operands of the backward: its D_i (drow), and its Q and dO packed
+   (pq, pdo). */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_prepare_query)(float* pq, float* pdo, float* drow,
+                                                       const float* q, const float* dO,
+                                                       const float* o, ptrdiff_t T,
+                                                       ptrdiff_t ldq, ptrdiff_t ldo,
+                                                       ptrdiff_t hs, ptrdiff_t i0) {
+    ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
+    ADT_LANES_FN(attn_drow)(drow, dO, o, ldo, hs, i0, rows);
+    ADT_LANES_FN(attn_pack_b)(pq, q + i0 * ldq, ldq, 0, rows, hs);
+    ADT_LANES_FN(attn_pack_b)(pdo, dO + i0 * ldo, ldo, 0, rows, hs);
+}
+
+/* The two-pass backward's shared operands, as tasks of their own: a kv head's K^T, V^T
+   and K, and a query block's Q and dO panels and D_i. */
 ADT_LANES_ATTR
-static void ADT_LANES_FN(attn_prepare_backward)(float* pkt, float* pvt, float* pk,
-                                                const float* k, const float* v, float* pq,
-                                                float* pdo, float* drow, const float* q,
-                                                const float* dO, const float* o, ptrdiff_t T,
-                                                ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
-                                                ptrdiff_t i0) {
-    if (pkt != NULL) ADT_LANES_FN(attn_pack_kv_backward)(pkt, pvt, pk, k, v, T, ldq, hs);
-    if (pq != NULL) {
-        ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ;
-        ADT_LANES_FN(attn_drow)(drow, dO, o, ldo, hs, i0, rows);
-        ADT_LANES_FN(attn_pack_b)(pq, q + i0 * ldq, ldq, 0, rows, hs);
-        ADT_LANES_FN(attn_pack_b)(pdo, dO + i0 * ldo, ldo, 0, rows, hs);
-    }
+static void ADT_LANES_FN(attn_prepare_kv_task)(float* pkt, float* pvt, float* pk,
+                                               const float* k, const float* v, ptrdiff_t T,
+                                               ptrdiff_t ldq, ptrdiff_t hs) {
+    ADT_LANES_FN(attn_pack_kv_backward)(pkt, pvt, pk, k, v, T, ldq, hs);
+}
+ADT_LANES_ATTR
+static void ADT_LANES_FN(attn_prepare_query_task)(float* pq, float* pdo, float* drow,
+                                                  const float* q, const float* dO,
+                                                  const float* o, ptrdiff_t T, ptrdiff_t ldq,
+                                                  ptrdiff_t ldo, ptrdiff_t hs, ptrdiff_t i0) {
+    ADT_LANES_FN(attn_prepare_query)(pq, pdo, drow, q, dO, o, T, ldq, ldo, hs, i0);
 }
 
 /* One (batch, query head), all of it: for each query block i and key block j <= i,
@@ -424,9 +435,7 @@ static void ADT_LANES_FN(attn_head_backward)(float* dq, float* dk, float* dv, co
     if (pack_kv) ADT_LANES_FN(attn_pack_kv_backward)(pkt, pvt, pk, k, v, T, ldq, hs);
     for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
         ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, kend = i0 + rows;
-        ADT_LANES_FN(attn_drow)(drow, dO, o, ldo, hs, i0, rows);
-        ADT_LANES_FN(attn_pack_b)(pq, q + i0 * ldq, ldq, 0, rows, hs);
-        ADT_LANES_FN(attn_pack_b)(pdo, dO + i0 * ldo, ldo, 0, rows, hs);
+        ADT_LANES_FN(attn_prepare_query)(pq, pdo, drow, q, dO, o, T, ldq, ldo, hs, i0);
         for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
             ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
             ADT_LANES_FN(attn_bwd_tile)(q, dO, pkt, pvt, lse, drow, T, ldq, ldo, hs, scale, i0,

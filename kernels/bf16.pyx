@@ -673,22 +673,37 @@ def from_bf16(out, inp, *, n_threads=None):
         from_bf16_c(dst, src, n, nt)
 
 
+cdef int _forward_operands(out, inp, weight, bias, bint bf16_inp, void** inp_p,
+                           uint16_t** w_p, float** b_p, float** out_p,
+                           Py_ssize_t* dims) except -1:
+    # The forwards' checks: inp (N, C) or (B, T, C), bf16 or float32; weight (OC, C)
+    # bf16; bias (OC,) float32 or None; out float32; dims = N, C, OC.
+    lead, dims[0], dims[1], dims[2] = _matmul_shapes(inp, weight)
+    shape = lead + (dims[1],)
+    inp_p[0] = (_bf16_data("inp", inp, shape, False) if bf16_inp else
+                checked_data("inp", inp, cnp.NPY_FLOAT32, shape, False))
+    w_p[0] = <uint16_t*>_bf16_data("weight", weight, (dims[2], dims[1]), False)
+    b_p[0] = NULL
+    if bias is not None:
+        b_p[0] = <float*>checked_data("bias", bias, cnp.NPY_FLOAT32, (dims[2],), False)
+    out_p[0] = <float*>checked_data("out", out, cnp.NPY_FLOAT32, lead + (dims[2],), True)
+    check_disjoint((("out", out),), (("inp", inp), ("weight", weight), ("bias", bias)))
+    return 0
+
+
 def matmul_forward_bf16(out, inp, weight, bias, *, n_threads=None):
     """out = inp @ weight.T + bias with bf16 operands and float32 sums.  inp (N, C) or
     (B, T, C) and weight (OC, C) uint16 (bf16); bias (OC,) float32 or None; out (N, OC)
     or (B, T, OC) float32, overwritten."""
-    cdef Py_ssize_t N, C, OC
-    lead, N, C, OC = _matmul_shapes(inp, weight)
-    cdef uint16_t* inp_p = <uint16_t*>_bf16_data("inp", inp, lead + (C,), False)
-    cdef uint16_t* w_p = <uint16_t*>_bf16_data("weight", weight, (OC, C), False)
-    cdef float* b_p = NULL
-    if bias is not None:
-        b_p = <float*>checked_data("bias", bias, cnp.NPY_FLOAT32, (OC,), False)
-    cdef float* out_p = <float*>checked_data("out", out, cnp.NPY_FLOAT32, lead + (OC,), True)
-    check_disjoint((("out", out),), (("inp", inp), ("weight", weight), ("bias", bias)))
+    cdef void* inp_p
+    cdef uint16_t* w_p
+    cdef float* b_p
+    cdef float* out_p
+    cdef Py_ssize_t dims[3]
+    _forward_operands(out, inp, weight, bias, True, &inp_p, &w_p, &b_p, &out_p, dims)
     cdef int nt = resolve_threads(n_threads)
     with nogil:
-        matmul_forward_bf16_c(out_p, inp_p, w_p, b_p, N, C, OC, nt)
+        matmul_forward_bf16_c(out_p, <uint16_t*>inp_p, w_p, b_p, dims[0], dims[1], dims[2], nt)
 
 
 def matmul_forward_w16(out, inp, weight, bias, *, n_threads=None):
@@ -697,18 +712,16 @@ def matmul_forward_w16(out, inp, weight, bias, *, n_threads=None):
     out float32, overwritten.  The weight is read once at two bytes an element and
     widened (exact) in cache, the products and sums float32: for decoding from bf16
     weights, where reading the weights is the time (``kernels.gemm``'s gemm_w16)."""
-    cdef Py_ssize_t N, C, OC
-    lead, N, C, OC = _matmul_shapes(inp, weight)
-    cdef float* inp_p = <float*>checked_data("inp", inp, cnp.NPY_FLOAT32, lead + (C,), False)
-    cdef uint16_t* w_p = <uint16_t*>_bf16_data("weight", weight, (OC, C), False)
-    cdef float* b_p = NULL
-    if bias is not None:
-        b_p = <float*>checked_data("bias", bias, cnp.NPY_FLOAT32, (OC,), False)
-    cdef float* out_p = <float*>checked_data("out", out, cnp.NPY_FLOAT32, lead + (OC,), True)
-    check_disjoint((("out", out),), (("inp", inp), ("weight", weight), ("bias", bias)))
+    cdef void* inp_p
+    cdef uint16_t* w_p
+    cdef float* b_p
+    cdef float* out_p
+    cdef Py_ssize_t dims[3]
+    _forward_operands(out, inp, weight, bias, False, &inp_p, &w_p, &b_p, &out_p, dims)
     cdef int nt = resolve_threads(n_threads)
     with nogil:
-        gemm_w16(N, OC, C, inp_p, C, w_p, C, b_p, out_p, OC, nt)
+        gemm_w16(dims[0], dims[2], dims[1], <float*>inp_p, dims[1], w_p, dims[1], b_p, out_p,
+                 dims[2], nt)
 
 
 def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, *, overwrite=False,

@@ -179,9 +179,9 @@ cdef extern from *:
         }
     }
 
-    /* Rows of W that gemm_w16_cols widens at a time for skinny_nt: about 128 KiB of
-       them (6 to 24 rows, a multiple of both widths' row groups); for BLAS, past
-       skinny_nt's rows of A, W16_GEMM_ROWS. */
+    /* Rows of W that gemm_w16 widens at a time where skinny_nt takes the rows of A:
+       about 128 KiB of them (6 to 24 rows, a multiple of both widths' row groups);
+       W16_GEMM_ROWS past skinny_nt's rows. */
     static ptrdiff_t w16_rows(ptrdiff_t K) {
         ptrdiff_t rows = ((ptrdiff_t)1 << 15) / (K > 0 ? K : 1) / 6 * 6;
         return rows < 6 ? 6 : rows > 24 ? 24 : rows;
@@ -520,18 +520,20 @@ cdef int gemm_w16(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, const float* A, Py_s
                   Py_ssize_t ldc, int n_threads) except -1 nogil:
     """C (M, N) = A (M, K) @ W.T (+ bias), A float32, W (N, K) bf16 (uint16): a
     weight-only bf16 product, for decoding from bf16 weights (gpt2.generate).  W is
-    read once from memory at two bytes an element, its rows widened (exact) a group at
-    a time into per-thread float32 scratch, and each group multiplied as float32:
-    skinny_nt for the few rows of a decoding step, BLAS for a prompt's many.  The
-    groups are cut from column 0 whatever the thread count, so the bits do not depend
-    on it."""
+    read once from memory at two bytes an element: up to W16_FUSED_MAX_M rows of A it
+    is widened (exact) in registers (skinny_nt_w16); past them a group of its rows at a
+    time into per-thread float32 scratch, each group then multiplied by skinny_nt, or
+    by BLAS past skinny_nt's rows (gemm()'s own routing, the packed GEMM at 41-256 rows,
+    made a prompt's 128 rows 0.78-0.89x of float32 against BLAS's 0.95-1.17x: it packs
+    A again for every group).  The groups are cut
+    from column 0 whatever the thread count, so the bits do not depend on it."""
     cdef bint fused = M <= W16_FUSED_MAX_M
     cdef bint skinny = M <= skinny_nt_limit(_skinny_max_m)
     cdef Py_ssize_t step = (W16_FUSED_ROWS if fused else w16_rows(K) if skinny
                             else W16_GEMM_ROWS)
     cdef Py_ssize_t groups = (N + step - 1) // step, gi, j, g, r, i, c
     cdef int nt = n_threads
-    cdef float* scratch
+    cdef float* scratch = NULL
     cdef float* mine
     if M == 0 or N == 0:
         return 0
@@ -544,26 +546,25 @@ cdef int gemm_w16(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, const float* A, Py_s
         nt = 1
     if nt > groups:
         nt = <int>groups
-    scratch = <float*>aligned_alloc(64, (<size_t>(0 if fused else nt * step * K) * sizeof(float)
-                                         + 63) // 64 * 64 + 64)
-    if scratch == NULL:
-        with gil:
-            raise MemoryError(f"gemm_w16: cannot allocate {nt} x {step} x {K} floats of scratch")
+    if not fused:
+        scratch = <float*>aligned_alloc(64, (<size_t>nt * step * K * sizeof(float) + 63) // 64 * 64)
+        if scratch == NULL:
+            with gil:
+                raise MemoryError(f"gemm_w16: cannot allocate {nt} x {step} x {K} floats of "
+                                  f"scratch")
     for gi in prange(groups, schedule='static', nogil=True, num_threads=nt):
         j = gi * step
         g = min(step, N - j)
-        mine = scratch + omp_get_thread_num_safe() * step * K
         if fused:
             skinny_w16(M, j, j + g, K, A, lda, W, ldw, C, ldc)
         else:
+            mine = scratch + omp_get_thread_num_safe() * step * K
             for r in range(g):
                 w16_widen(mine + r * K, W + (j + r) * ldw, K)
-        if fused:
-            pass
-        elif skinny:
-            skinny_nt(M, 0, g, K, 1.0, A, lda, mine, K, 0, C + j, ldc)
-        else:
-            sgemm_rowmajor(False, True, M, g, K, 1.0, A, lda, mine, K, 0.0, C + j, ldc)
+            if skinny:
+                skinny_nt(M, 0, g, K, 1.0, A, lda, mine, K, 0, C + j, ldc)
+            else:
+                sgemm_rowmajor(False, True, M, g, K, 1.0, A, lda, mine, K, 0.0, C + j, ldc)
         if bias != NULL:
             for i in range(M):
                 for c in range(g):

@@ -387,6 +387,12 @@ ADT_LANES_INLINE ADT_VT ADT_LANES_FN(sk_widen)(const uint16_t* p) {
     ADT_VI bits = __builtin_convertvector(h, ADT_VI) << 16;
     return (ADT_VT)bits;
 }
+ADT_LANES_INLINE float ADT_LANES_FN(sk_widen1)(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float y;
+    memcpy(&y, &bits, sizeof y);
+    return y;
+}
 ADT_LANES_ATTR
 static void ADT_LANES_FN(skinny_nt_w16)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t K,
                                           const float* A, ptrdiff_t lda, const uint16_t* W,
@@ -408,12 +414,7 @@ static void ADT_LANES_FN(skinny_nt_w16)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1,
             }
             for (int c = 0; c < nr; c++) {
                 float s = ADT_V(hsum)(acc[c]);
-                for (ptrdiff_t p = K8; p < K; p++) {
-                    uint32_t bits = (uint32_t)w[c][p] << 16;
-                    float y;
-                    memcpy(&y, &bits, sizeof y);
-                    s += A[p] * y;
-                }
+                for (ptrdiff_t p = K8; p < K; p++) s += A[p] * ADT_LANES_FN(sk_widen1)(w[c][p]);
                 C[j + c] = s;
             }
         }
@@ -440,9 +441,7 @@ static void ADT_LANES_FN(skinny_nt_w16)(ptrdiff_t M, ptrdiff_t j0, ptrdiff_t j1,
             for (int c = 0; c < nr; c++) {
                 float s0 = ADT_V(hsum)(acc0[c]), s1 = ADT_V(hsum)(acc1[c]);
                 for (ptrdiff_t p = K8; p < K; p++) {
-                    uint32_t bits = (uint32_t)w[c][p] << 16;
-                    float y;
-                    memcpy(&y, &bits, sizeof y);
+                    float y = ADT_LANES_FN(sk_widen1)(w[c][p]);
                     s0 += a0[p] * y;
                     s1 += a1[p] * y;
                 }
