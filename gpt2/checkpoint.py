@@ -564,14 +564,28 @@ def to_bfloat16(arr):
     return rounded
 
 
+# Values write_safetensors converts and writes at once.
+WRITE_CHUNK_VALUES = 1 << 22
 # The floating-point formats write_safetensors converts to, by their safetensors names.
 _FLOAT_WRITERS = {"F32": lambda a: a.astype("<f4", copy=False),
                   "F16": lambda a: a.astype("<f2"),
                   "BF16": to_bfloat16}
 
 
+class Deferred:
+    """A tensor ``write_safetensors`` reads only when it writes it: its ``shape`` and
+    ``dtype`` known up front, its values ``read()`` (so that a model merged or widened a
+    tensor at a time is never whole in memory)."""
+
+    __slots__ = ("shape", "dtype", "read")
+
+    def __init__(self, shape, dtype, read):
+        self.shape, self.dtype, self.read = tuple(shape), np.dtype(dtype), read
+
+
 def write_safetensors(path, tensors, metadata=None, dtype=None):
-    """Write dict name -> numpy array (float32/float16/float64/ints) as a safetensors file.
+    """Write dict name -> numpy array (float32/float16/float64/ints) or ``Deferred`` as a
+    safetensors file.
 
     dtype: None keeps each array's own; "F32", "F16" or "BF16" stores every floating-point
     array in that format (bfloat16 rounded to nearest even), one tensor at a time.
@@ -584,7 +598,8 @@ def write_safetensors(path, tensors, metadata=None, dtype=None):
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for name, arr in tensors.items():
-        arr = np.asarray(arr)
+        if not isinstance(arr, Deferred):
+            arr = np.asarray(arr)
         if dtype is not None and arr.dtype.kind == "f":
             code, convert = dtype, _FLOAT_WRITERS[dtype]
         else:
@@ -594,7 +609,7 @@ def write_safetensors(path, tensors, metadata=None, dtype=None):
                 raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, which "
                                  "write_safetensors does not store")
             convert = None
-        nbytes = arr.size * SAFETENSORS_DTYPES[code].itemsize
+        nbytes = math.prod(arr.shape) * SAFETENSORS_DTYPES[code].itemsize
         header[name] = {"dtype": code, "shape": list(arr.shape),
                         "data_offsets": [offset, offset + nbytes]}
         arrays.append((arr, code, convert))
@@ -605,9 +620,17 @@ def write_safetensors(path, tensors, metadata=None, dtype=None):
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for arr, code, convert in arrays:
-            out = (convert(arr) if convert is not None
-                   else arr.astype(SAFETENSORS_DTYPES[code], copy=False))
-            f.write(memoryview(np.ascontiguousarray(out)).cast("B"))
+            if isinstance(arr, Deferred):
+                shape, arr = arr.shape, np.asarray(arr.read(), dtype=arr.dtype)
+                if arr.shape != shape:      # the header already said otherwise
+                    raise ValueError(f"a deferred tensor read as {arr.shape}, not {shape}")
+            # Converted a chunk at a time: the temporaries of a conversion stay small.
+            flat = np.ascontiguousarray(arr).reshape(-1)
+            for start in range(0, flat.size, WRITE_CHUNK_VALUES):
+                piece = flat[start:start + WRITE_CHUNK_VALUES]
+                out = (convert(piece) if convert is not None
+                       else piece.astype(SAFETENSORS_DTYPES[code], copy=False))
+                f.write(memoryview(np.ascontiguousarray(out)).cast("B"))
 
 
 def check_fits_in_memory(config, source, bytes_per_parameter=4):

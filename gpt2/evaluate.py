@@ -52,7 +52,9 @@ of training's DataLoader, in order: non-overlapping windows of T+1 tokens, B per
 tokens after the last whole window (fewer than T) are evaluated as one shorter window, so
 the whole file is every token but the first.  The loss is the mean cross-entropy in nats
 per token over all of them (no masking, as in training) and the perplexity its exponential.
-The products run in float32.
+The products run in float32; with --dtype bf16 the weights are held in bf16 (a Hugging Face
+directory read tensor by tensor) and widened in the products, each window a pass of
+gpt2-generate's decoder.
 
 Exit status: 0 on success, 2 on a bad option or input (one line on stderr; --debug shows
 the traceback), 130 when interrupted.
@@ -85,6 +87,11 @@ def build_parser(prog=None):
                         f"model's block size up to {DEFAULT_MAX_SEQ_LEN})")
     p.add_argument("--max-batches", type=positive_int, metavar="N", default=None,
                    help="evaluate only the first N batches (default: the whole file)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the weights in memory: fp32, or bf16 (half the memory: an 8B model "
+                        "in 16 GB; the products widen them to float32 in registers, the "
+                        "activations stay float32; a LoRA adapter runs unmerged over the "
+                        "bf16 base) (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, metavar="N", default=None,
                    help="OpenMP threads (default: OMP_NUM_THREADS, or all cores)")
     p.add_argument("--json", action="store_true",
@@ -217,16 +224,15 @@ def open_model(path):
     from gpt2 import checkpoint as ckpt
     from gpt2 import hf, lora, tokenizer as tok
     if lora.is_adapter_dir(path):     # a peft adapter: merged into its base
-        arena, base_dir = lora.merged_adapter(path)
+        base_dir = lora.adapter_base_dir(path)
         found = tok.find_tokenizer(base_dir)
-        return ModelSource(path, f"peft adapter on {base_dir}", arena.config,
-                           lambda: arena, tokenizer=found,
+        return ModelSource(path, f"peft adapter on {base_dir}", hf.read_config(base_dir),
+                           lambda: lora.merged_adapter(path)[0], tokenizer=found,
                            tokenizer_known=found is not None)
     if os.path.isdir(path):
-        arena = hf.load_dir(path)
         found = tok.find_tokenizer(path)
-        return ModelSource(path, "Hugging Face directory", arena.config,
-                           lambda: arena, tokenizer=found,
+        return ModelSource(path, "Hugging Face directory", hf.read_config(path),
+                           lambda: hf.load_dir(path), tokenizer=found,
                            tokenizer_known=found is not None)
     with open(path, "rb") as f:
         magic = f.read(len(ckpt.CHECKPOINT_MAGIC))
@@ -238,9 +244,8 @@ def open_model(path):
         header = ckpt.read_checkpoint_header(path)
         saved = (header.extra or {}).get("args") or {}
         if header.lora is not None:     # a LoRA run: its base with the adapters merged
-            arena = lora.merged_checkpoint(path, header)
             return ModelSource(path, f"LoRA checkpoint at step {header.step}", header.config,
-                               lambda: arena,
+                               lambda: lora.merged_checkpoint(path, header),
                                tokenizer=saved.get("tokenizer") or "bytes",
                                seq_len=saved.get("seq_len"), tokenizer_known=True)
 
@@ -323,13 +328,18 @@ def run(args, progress_bar=True):
             n_threads = threads.set_num_threads(args.threads)
         _openmp.set_flush_denormal(True, n_threads)
         with blame("MODEL " + args.model):
-            model = Model.for_inference(source.params())
+            if args.dtype == "bf16":    # gpt2-generate's decoder over bf16 weights
+                from gpt2.generate import Weights, read_weights
+                model = Weights(*read_weights(args.model, "bf16")[:2])
+            else:
+                model = Model.for_inference(source.params())
         try:
             if not args.json:
                 print(f"{config.family_name} {config.preset_name() or ''}".rstrip()
                       + f" ({source.kind} {args.model}): "
                         f"{num_parameters(config) / 1e6:.2f}M parameters, {config.describe()}; "
-                        f"-B {batch_size} -T {seq_len}, {n_threads} threads", flush=True)
+                        f"-B {batch_size} -T {seq_len}, {n_threads} threads"
+                      + (", weights in bf16" if args.dtype == "bf16" else ""), flush=True)
                 print(f"data: {args.data}, {tokens.size:,} tokens (tokenizer {tokenizer_name}): "
                       + (f"{found.describe_kinds()}, {source_data.describe()}; "
                          if examples else "")
@@ -345,7 +355,8 @@ def run(args, progress_bar=True):
             _openmp.set_flush_denormal(ftz_before, n_threads)
     whole = len(chosen) == len(batches)
     return {"model": args.model, "model_kind": source.kind, "data": args.data,
-            "tokenizer": tokenizer_name, "B": batch_size, "T": seq_len, "threads": n_threads,
+            "tokenizer": tokenizer_name, "dtype": args.dtype, "B": batch_size, "T": seq_len,
+            "threads": n_threads,
             "loss": result.loss, "perplexity": result.perplexity,
             "tokens": result.tokens, "file_tokens": int(tokens.size),
             "predictable_tokens": predictable, "whole_file": whole,

@@ -43,7 +43,8 @@ if __name__ == "__main__":
 import numpy as np
 
 from gpt2.families import family_of
-from kernels import bf16, layers, llama, matmul
+from gpt2.lora import LoraWeight, block_weights
+from kernels import bf16, layers, llama, lora, matmul
 
 
 class Decoder:
@@ -57,9 +58,7 @@ class Decoder:
     def __init__(self, model, capacity=None):
         cfg = model.config
         self.config = cfg
-        self.leaves = model.param_arena().views
-        self.layers = [{name: self.leaves[name][l] for name in cfg.per_layer}
-                       for l in range(cfg.n_layer)]
+        self.leaves, self.layers = _weights_of(model)
         self.ops = family_of(cfg).ops(cfg, self)
         self.n_kv_head = cfg.n_kv_head
         self.head_dim = cfg.head_dim
@@ -108,11 +107,18 @@ class Decoder:
 
     @staticmethod
     def linear(x, weight, bias):
-        out = np.empty((x.shape[0], weight.shape[0]), np.float32)
-        if weight.dtype == np.uint16:        # bf16: widened in registers
-            bf16.matmul_forward_w16(out, x, weight, bias)
+        adapted = type(weight) is LoraWeight
+        base = weight.base if adapted else weight
+        out = np.empty((x.shape[0], base.shape[0]), np.float32)
+        if base.dtype == np.uint16:        # bf16: widened in registers
+            bf16.matmul_forward_w16(out, x, base, bias)
         else:
-            matmul.matmul_forward(out, x, weight, bias)
+            matmul.matmul_forward(out, x, base, bias)
+        if adapted:     # + scale * (x A^T) B^T in the adapted rows, in float32
+            xa = np.empty((x.shape[0], weight.a.shape[0]), np.float32)
+            matmul.matmul_forward(xa, x, weight.a, None)
+            xa *= np.float32(weight.scale)
+            lora.lora_forward(out, xa, weight.b, weight.splits)
         return out
 
     @staticmethod
@@ -185,6 +191,15 @@ class Decoder:
                                     .reshape(n, n_q * hd))
 
 
+def _weights_of(model):
+    """(the parameters outside the blocks by name, each block's by name) of ``model``: its
+    ``decoder_weights()`` where it has them (a LoRA model: the base and its adapters,
+    unmerged), else its ``param_arena()``'s views."""
+    if hasattr(model, "decoder_weights"):
+        return model.decoder_weights()
+    return block_weights(model.param_arena())
+
+
 def _float32(rows):
     """Rows of a float32 or bf16 (uint16) matrix, as float32 (bf16 widened: a copy)."""
     if rows.dtype != np.uint16:
@@ -195,21 +210,93 @@ def _float32(rows):
 
 
 class Weights:
-    """A model to generate from: a ParamArena and its config, no gradients nor optimizer
-    state.  Its ``forward`` (for when generation outgrows the cache) is a fresh Decoder's
-    over the sequence."""
+    """A model to generate from: a ParamArena (or a bf16 ``gpt2.lora.Bf16Base``) and its
+    config, no gradients nor optimizer state; with ``adapters`` (a ``gpt2.lora.LoraState``)
+    the base and its LoRA adapters, run unmerged (no copy of the base; a bf16 base keeps
+    every bit of the adapters' update, which merging would round away).  Its ``forward``
+    (for when generation outgrows the cache) is a fresh Decoder's over the sequence."""
 
-    def __init__(self, params):
+    def __init__(self, params, adapters=None):
         self.config = params.config
         self.params = params
+        self.adapters = adapters
 
-    def param_arena(self):
-        return self.params
+    def decoder_weights(self):
+        return block_weights(self.params, self.adapters)
 
-    def forward(self, inputs):
-        """(logits (1, T, V) of every position of the one sequence ``inputs`` (1, T), None)."""
-        ids = np.asarray(inputs)[0]
-        return Decoder(self, capacity=ids.size).extend(ids, all_positions=True)[None], None
+    def forward(self, inputs, targets=None, logits=True):
+        """(logits (B, T, V) or None, the mean loss over the targets that are not
+        IGNORE_INDEX or None) of the sequences ``inputs`` (B, T), each a fresh Decoder's
+        pass, as ``gpt2.model.Model.forward`` gives them (gpt2-eval --dtype bf16 runs it)."""
+        from kernels import loss as loss_kernels
+        inputs = np.asarray(inputs)
+        if inputs.ndim != 2 or (targets is not None and np.shape(targets) != inputs.shape):
+            raise ValueError(f"inputs must be (B, T) and targets the same shape, got "
+                             f"{inputs.shape} and {np.shape(targets)}")
+        rows, total, counted = [], 0.0, 0
+        for b, ids in enumerate(inputs):
+            out = Decoder(self, capacity=ids.size).extend(ids, all_positions=True)
+            if targets is not None:
+                row = np.ascontiguousarray(targets[b], dtype=np.int32)
+                losses, lse = np.empty((2, row.size), np.float32)
+                loss_kernels.softmax_crossentropy_forward(losses, lse, out, row,
+                                                          self.config.vocab_size)
+                total += float(losses.sum(dtype=np.float64))
+                counted += int(np.count_nonzero(row != loss_kernels.IGNORE_INDEX))
+            if logits:
+                rows.append(out)
+        loss = None
+        if targets is not None:
+            loss = np.float32(total / counted) if counted else np.float32(0)
+        return (np.stack(rows) if logits else None), loss
+
+    def close(self):
+        pass
+
+
+def read_weights(path, dtype="fp32"):
+    """(the weights: a ParamArena, or with dtype "bf16" a gpt2.lora.Bf16Base; a LoRA
+    source's adapters (a gpt2.lora.LoraState, run unmerged over those weights) or None;
+    the tokenizer the file names or None; the Hugging Face directory or None).  A Hugging
+    Face directory (or an adapter's base) in bf16 is read tensor by tensor: no float32
+    copy of the model."""
+    from gpt2 import checkpoint as ckpt
+    from gpt2 import lora
+    from gpt2 import tokenizer as tok
+    from gpt2.lora import Bf16Base
+    from gpt2.train_options import blame
+    with blame(path):
+        if lora.is_adapter_dir(path):     # a peft adapter over its base
+            params, adapters, base_dir = lora.adapter_parts(path, dtype)
+            return params, adapters, tok.find_tokenizer(base_dir), base_dir
+        if os.path.isdir(path):
+            from gpt2 import hf
+            params = Bf16Base.load_hf(path) if dtype == "bf16" else hf.load_dir(path)
+            return params, None, tok.find_tokenizer(path), path
+        with open(path, "rb") as f:
+            head = f.read(len(ckpt.CHECKPOINT_MAGIC))
+        if head == ckpt.CHECKPOINT_MAGIC:
+            header = ckpt.read_checkpoint_header(path)
+            tokenizer = ((header.extra or {}).get("args") or {}).get("tokenizer")
+            if header.lora is not None:     # a LoRA run: its base and the adapters
+                params, adapters = lora.checkpoint_parts(path, header, dtype)
+                return params, adapters, tokenizer, None
+            params = ckpt.load_checkpoint(path, optimizer=False).params
+            directory = None
+        elif int.from_bytes(head[:4], "little") == ckpt.LLMC_MODEL_MAGIC:
+            params, tokenizer, directory = ckpt.import_llmc(path), None, None
+        elif path.endswith(".safetensors"):
+            if not os.path.exists(ckpt.hf_config_path(path)):
+                raise ValueError(f"a safetensors file needs the model's config.json beside it, "
+                                 f"at {ckpt.hf_config_path(path)}")
+            directory = os.path.dirname(path) or "."
+            params, tokenizer = ckpt.import_hf_gpt2(path), tok.find_tokenizer(directory)
+        else:
+            raise ValueError("not a model: neither a checkpoint.bin, an llm.c model file, a "
+                             ".safetensors file nor a Hugging Face model directory")
+    if dtype == "bf16":
+        params = Bf16Base.from_arena(params)
+    return params, None, tokenizer, directory
 
 
 def pick_token(logits, temperature, top_k, rng, top_p=1.0):

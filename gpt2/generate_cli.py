@@ -154,10 +154,10 @@ class Source:
 
     def __init__(self, args):
         self.name = args.model
-        params, named_tokenizer, self.model_dir = _read_weights(args.model, args.dtype)
+        from gpt2.generate import Weights, read_weights
+        params, adapters, named_tokenizer, self.model_dir = read_weights(args.model, args.dtype)
         self.config = params.config
-        from gpt2.generate import Weights
-        self.weights = Weights(params)
+        self.weights = Weights(params, adapters)
         self.tokenizer, tokenizer_dir = _read_tokenizer(args, named_tokenizer, self.config)
         from gpt2 import chat
         with blame(f"the tokenizer's directory {tokenizer_dir}"):
@@ -177,53 +177,6 @@ class Source:
         from gpt2.generate import sequence_ids
         self.eos_ids, self.bos_id = sequence_ids(self.tokenizer, self.special_tokens,
                                                  self.model_dir)
-
-
-def _read_weights(path, dtype="fp32"):
-    """(the weights: a ParamArena, or with dtype "bf16" a gpt2.lora.Bf16Base; the tokenizer
-    the file names or None; the Hugging Face directory or None)."""
-    from gpt2.lora import Bf16Base
-    params, tokenizer, directory = _read_model(path, dtype)
-    if dtype == "bf16" and not isinstance(params, Bf16Base):
-        params = Bf16Base.from_arena(params)
-    return params, tokenizer, directory
-
-
-def _read_model(path, dtype):
-    """_read_weights' answer, the weights a float32 ParamArena, or with dtype "bf16" for a
-    Hugging Face directory a Bf16Base read tensor by tensor (no float32 copy of the
-    model)."""
-    from gpt2 import checkpoint as ckpt
-    from gpt2 import tokenizer as tok
-    with blame(path):
-        from gpt2 import lora
-        if lora.is_adapter_dir(path):     # a peft adapter: merged into its base
-            params, base_dir = lora.merged_adapter(path)
-            return params, tok.find_tokenizer(base_dir), base_dir
-        if os.path.isdir(path):
-            from gpt2 import hf
-            from gpt2.lora import Bf16Base
-            params = Bf16Base.load_hf(path) if dtype == "bf16" else hf.load_dir(path)
-            return params, tok.find_tokenizer(path), path
-        with open(path, "rb") as f:
-            head = f.read(len(ckpt.CHECKPOINT_MAGIC))
-        if head == ckpt.CHECKPOINT_MAGIC:
-            header = ckpt.read_checkpoint_header(path)
-            tokenizer = ((header.extra or {}).get("args") or {}).get("tokenizer")
-            if header.lora is not None:     # a LoRA run: its base with the adapters merged
-                return lora.merged_checkpoint(path, header), tokenizer, None
-            state = ckpt.load_checkpoint(path, optimizer=False)
-            return state.params, tokenizer, None
-        if int.from_bytes(head[:4], "little") == ckpt.LLMC_MODEL_MAGIC:
-            return ckpt.import_llmc(path), None, None
-        if path.endswith(".safetensors"):
-            if not os.path.exists(ckpt.hf_config_path(path)):
-                raise ValueError(f"a safetensors file needs the model's config.json beside it, "
-                                 f"at {ckpt.hf_config_path(path)}")
-            directory = os.path.dirname(path) or "."
-            return ckpt.import_hf_gpt2(path), tok.find_tokenizer(directory), directory
-        raise ValueError("not a model: neither a checkpoint.bin, an llm.c model file, a "
-                         ".safetensors file nor a Hugging Face model directory")
 
 
 def _read_tokenizer(args, named, config):

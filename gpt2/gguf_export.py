@@ -509,7 +509,8 @@ def check_gguf_export(path, config, dtype="f16", tokenizer=None):
 
 
 def save_gguf(path, config, params, dtype="f16", tokenizer_dir=None, name=None):
-    """Write ``params`` (a ParamArena of ``config``) to the GGUF file ``path`` as llama.cpp's
+    """Write ``params`` (a ParamArena of ``config``, or a LoRA model's
+    ``gpt2.lora.MergedParams``) to the GGUF file ``path`` as llama.cpp's
     converter would write the model (see the module's docstring).
 
     dtype: f32, f16, bf16 or q8_0, the type of the 2-D weights; tokenizer_dir: a Hugging
@@ -518,13 +519,15 @@ def save_gguf(path, config, params, dtype="f16", tokenizer_dir=None, name=None):
     general.name (default: the file's name without its extension).  Returns ``path``.
     """
     from gpt2.checkpoint import atomic_writer
+    from gpt2.lora import MergedParams
     from gpt2.params import ParamArena
     gguf = _gguf()
     _check_type(dtype)
-    if not isinstance(params, ParamArena) or params.config != config:
+    kinds = (ParamArena, MergedParams)     # MergedParams: merged a block at a time
+    if not isinstance(params, kinds) or params.config != config:
         raise ValueError(f"params must be a ParamArena of the config given, got "
                          f"{type(params).__name__}"
-                         + (" of another config" if isinstance(params, ParamArena) else ""))
+                         + (" of another config" if isinstance(params, kinds) else ""))
     arch = architecture(config)
     path = _check_path(path)
     vocab = _Tokenizer(tokenizer_dir, config, arch)

@@ -162,15 +162,101 @@ class LoraState(ArenaState):
         return out
 
     def merged(self, params):
-        """A copy of the base ``params`` (a float32 ParamArena) with every adapter added
-        into its weight: the model the adapters make, for export and generation."""
-        from gpt2.params import ParamArena
-        out = ParamArena(params.config).copy_(params)
-        for weight, _ in self.lora.groups(self.config):
-            for layer in range(self.config.n_layer):
-                for (start, rows), d in self.delta(weight, layer).items():
-                    out.views[weight][layer, start:start + rows] += d
+        """A copy of the base ``params`` (a float32 ParamArena or a Bf16Base) with every
+        adapter added into its weight: the model the adapters make, as a float32
+        ParamArena (``MergedParams`` reads it a tensor at a time)."""
+        return MergedParams(params, self).to_arena()
+
+
+class MergedParams:
+    """The model a base (a float32 ParamArena or a Bf16Base) and its adapters (a
+    LoraState) make, read a tensor at a time, for the exports that write one tensor at a
+    time (``gpt2.hf.save_dir``, ``gpt2.gguf_export.save_gguf``): ``views[name][layer]``
+    of a block weight is that block's float32 matrix with the adapters merged (the base
+    widened where it is bf16, ``scale * B @ A`` added to the adapted rows), computed when
+    read; ``views[name]`` of any other tensor its float32 values.  No float32 copy of
+    the whole model is made: an 8B model held in bf16 exports in its own 16 GB."""
+
+    layer_major = False
+
+    def __init__(self, base, adapters):
+        if base.config != adapters.config:
+            raise ValueError("MergedParams: the base and the adapters are of other models")
+        self.config, self.base, self.adapters = base.config, base, adapters
+        self.views = _MergedViews(self)
+
+    def in_llmc_order(self):
+        return self
+
+    def block(self, name, layer):
+        """Block ``layer``'s ``name``, float32, the adapters merged: a new array."""
+        view = self.base.views[name][layer]
+        out = _widen(view) if view.dtype == np.uint16 else np.array(view, dtype=np.float32)
+        if name in self._adapted:
+            for (start, rows), d in self.adapters.delta(name, layer).items():
+                out[start:start + rows] += d
         return out
+
+    def tensor(self, name):
+        """A tensor outside the blocks, float32 (a bf16 one widened)."""
+        view = self.base.views[name]
+        return _widen(view) if view.dtype == np.uint16 else view
+
+    @property
+    def _adapted(self):
+        return {weight for weight, _ in self.adapters.lora.groups(self.config)}
+
+    def to_arena(self):
+        """Every tensor in a float32 ParamArena (the one float32 copy of the model)."""
+        from gpt2.params import ParamArena
+        arena = ParamArena(self.config)
+        for name, view in arena.views.items():
+            if name in self.config.per_layer:
+                for layer in range(self.config.n_layer):
+                    view[layer] = self.block(name, layer)
+            else:
+                view[...] = self.tensor(name)
+        return arena
+
+
+class _MergedViews:
+    """``MergedParams.views``: name -> the float32 tensor, or for a block weight an object
+    indexed by block."""
+
+    def __init__(self, merged):
+        self._merged = merged
+
+    def __getitem__(self, name):
+        merged = self._merged
+        if name in merged.config.per_layer:
+            return _MergedBlocks(merged, name)
+        return merged.tensor(name)
+
+    def __iter__(self):
+        return iter(self._merged.config.param_shapes())
+
+    def __len__(self):
+        return len(self._merged.config.param_shapes())
+
+    def keys(self):
+        return self._merged.config.param_shapes().keys()
+
+
+class _MergedBlocks:
+    """The blocks of one weight of ``MergedParams``: ``[layer]`` merges that block."""
+
+    def __init__(self, merged, name):
+        self._merged, self._name = merged, name
+        self.shape = merged.config.param_shapes()[name]
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, layer):
+        if not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"{self._name} of a merged model is read a block at a time, "
+                            f"not [{layer!r}]")
+        return self._merged.block(self._name, int(layer))
 
 
 # -- the base held in bf16 --------------------------------------------------------------------
@@ -285,6 +371,24 @@ class LoraWeight:
     def __init__(self, base, a, b, splits, scale, dropout, rng):
         self.base, self.a, self.b, self.splits = base, a, b, splits
         self.scale, self.dropout, self.rng = scale, dropout, rng
+
+
+def block_weights(params, adapters=None):
+    """(the parameters outside the blocks by name, each block's by name) of ``params`` (a
+    ParamArena or Bf16Base), each weight ``adapters`` (a LoraState, or None) adapts a
+    ``LoraWeight`` of arrays (no dropout): what ``gpt2.generate.Decoder`` runs, the
+    adapters unmerged, so that no copy of the base is made."""
+    config, views = params.config, params.views
+    layers = [{name: views[name][l] for name in config.per_layer}
+              for l in range(config.n_layer)]
+    groups = adapters.lora.groups(config) if adapters is not None else ()
+    for weight, parts in groups:
+        splits = tuple((start, rows) for _, _, start, rows in parts)
+        a, b = (adapters.params.views[f"{weight}.lora_{x}"] for x in "AB")
+        for l, layer in enumerate(layers):
+            layer[weight] = LoraWeight(layer[weight], a[l], b[l], splits, adapters.lora.scale,
+                                       0.0, None)
+    return views, layers
 
 
 class LoraRecorded(Recorded):
@@ -450,21 +554,32 @@ def load_adapter(directory, state):
 
 # -- using a LoRA run's output ------------------------------------------------------------------
 
-def load_base(source, config, seed=0):
-    """The float32 base a LoRA run started from: its --init-from ``source`` (a Hugging
-    Face directory, a checkpoint.bin, an llm.c file or a GPT-2 model.safetensors), or
-    with ``source`` None the random initialization of ``seed``."""
+def load_base(source, config, seed=0, dtype="fp32", trained_in="fp32"):
+    """The base a LoRA run started from: its --init-from ``source`` (a Hugging Face
+    directory, a checkpoint.bin, an llm.c file or a GPT-2 model.safetensors), or with
+    ``source`` None the random initialization of ``seed``; a float32 ParamArena, or with
+    ``dtype`` "bf16" a Bf16Base (a Llama-family directory read tensor by tensor: no float32
+    copy).  ``trained_in``: the run's --base-dtype; a run that held its base in bf16 trained
+    on the rounded values, and its float32 base is rounded so."""
     import os
 
     from gpt2 import checkpoint as ckpt
     from gpt2 import hf
     from gpt2.params import ParamArena, init_params_
     if source is None:
-        return init_params_(ParamArena(config), seed)
-    if not os.path.exists(source):
+        if dtype == "bf16":
+            return Bf16Base.random(config, seed)
+        arena = init_params_(ParamArena(config), seed)
+    elif not os.path.exists(source):
         raise ValueError(f"the LoRA run's base model {source} (its --init-from) is gone; the "
                          f"adapters alone are not the model")
-    if os.path.isdir(source):
+    elif os.path.isdir(source):
+        if dtype == "bf16":
+            base = Bf16Base.load_hf(source)
+            if base.config != config:
+                raise ValueError(f"the LoRA run's base {source} now holds another model than "
+                                 f"the adapters were trained on")
+            return base
         arena = hf.load_dir(source)
     elif ckpt.is_checkpoint(source):
         arena = ckpt.load_checkpoint(source, optimizer=False).params
@@ -475,18 +590,42 @@ def load_base(source, config, seed=0):
     if arena.config != config:
         raise ValueError(f"the LoRA run's base {source} now holds another model than the "
                          f"adapters were trained on")
+    if dtype == "bf16":
+        return Bf16Base.from_arena(arena)
+    return _round_matrices_(arena) if trained_in == "bf16" else arena
+
+
+def _round_matrices_(arena):
+    """``arena`` with the matrices a Bf16Base holds in bf16 rounded so, in place."""
+    from kernels import bf16
+    for name, view in arena.views.items():
+        if Bf16Base._is_matrix(arena.config, name):
+            for part in (view if name in arena.config.per_layer else (view,)):
+                u16 = buffers.empty(part.shape, np.uint16)
+                bf16.to_bf16(u16, part)
+                bf16.from_bf16(part, u16)
     return arena
 
 
-def merged_checkpoint(path, header=None):
-    """The model a LoRA run's checkpoint.bin stands for, as a float32 ParamArena: its
-    base (``load_base`` of the run's --init-from, or its seed) with the adapters merged."""
+def checkpoint_parts(path, header=None, dtype="fp32"):
+    """(the base, the adapters: a LoraState) a LoRA run's checkpoint.bin stands for: the
+    base ``load_base`` reads (a ParamArena, or with ``dtype`` "bf16" a Bf16Base) and the
+    checkpoint's adapters."""
     from gpt2 import checkpoint as ckpt
     header = header or ckpt.read_checkpoint_header(path)
     saved = (header.extra or {}).get("args") or {}
     state = LoraState(header.config, header.lora)
     ckpt.load_checkpoint(path, header.config, params=state.params, optimizer=False, lora=True)
-    return state.merged(load_base(saved.get("init_from"), header.config, saved.get("seed", 0)))
+    base = load_base(saved.get("init_from"), header.config, saved.get("seed", 0), dtype,
+                     saved.get("base_dtype") or "fp32")
+    return base, state
+
+
+def merged_checkpoint(path, header=None):
+    """The model a LoRA run's checkpoint.bin stands for, as a float32 ParamArena: its
+    base (``load_base`` of the run's --init-from, or its seed) with the adapters merged."""
+    base, state = checkpoint_parts(path, header)
+    return state.merged(base)
 
 
 def is_adapter_dir(path):
@@ -494,20 +633,34 @@ def is_adapter_dir(path):
     return os.path.isdir(path) and os.path.exists(os.path.join(path, ADAPTER_CONFIG))
 
 
-def merged_adapter(directory):
-    """(the merged float32 ParamArena, the base's directory) of a peft adapter directory
-    whose ``base_model_name_or_path`` is a local Hugging Face directory."""
+def adapter_base_dir(directory):
+    """The ``base_model_name_or_path`` of a peft adapter directory, which must be a local
+    Hugging Face directory."""
     import json
     import os
-
-    from gpt2 import hf
     with open(os.path.join(directory, ADAPTER_CONFIG), encoding="utf-8") as f:
         base_dir = json.load(f).get("base_model_name_or_path")
     if not base_dir or not os.path.isdir(base_dir):
         raise ValueError(f"{directory}: its base_model_name_or_path {base_dir!r} is not a "
                          f"local model directory; merge it with gpt2-train --init-from BASE "
                          f"--lora-from {directory} --steps 1 --lr 0 --save-hf DIR")
-    base = hf.load_dir(base_dir)
+    return base_dir
+
+
+def adapter_parts(directory, dtype="fp32"):
+    """(the base: a float32 ParamArena, or with ``dtype`` "bf16" a Bf16Base; the adapters:
+    a LoraState; the base's directory) of a peft adapter directory whose
+    ``base_model_name_or_path`` is a local Hugging Face directory."""
+    from gpt2 import hf
+    base_dir = adapter_base_dir(directory)
+    base = Bf16Base.load_hf(base_dir) if dtype == "bf16" else hf.load_dir(base_dir)
     state = LoraState(base.config, read_adapter_config(directory, base.config))
     load_adapter(directory, state)
+    return base, state, base_dir
+
+
+def merged_adapter(directory):
+    """(the merged float32 ParamArena, the base's directory) of a peft adapter directory
+    (``adapter_parts``)."""
+    base, state, base_dir = adapter_parts(directory)
     return state.merged(base), base_dir

@@ -368,10 +368,26 @@ class Model:
         """Every parameter as a ParamArena: the model's own, or with offload="all" a copy
         read from disk, or with LoRA the base with the adapters merged (for sampling and
         exports)."""
+        return self.merged_params().to_arena() if self.base is not None \
+            else self.state.param_arena()
+
+    def merged_params(self):
+        """The model for an export that reads it a tensor at a time: ``param_arena()``, or
+        with LoRA a ``gpt2.lora.MergedParams`` that merges each block as it is read (no
+        float32 copy of the model: a bf16 8B base exports in its own 16 GB)."""
         if self.base is None:
             return self.state.param_arena()
-        base = self.base
-        return self.state.merged(base if isinstance(base, ParamArena) else base.to_arena())
+        from gpt2.lora import MergedParams
+        return MergedParams(self.base, self.state)
+
+    def decoder_weights(self):
+        """What ``gpt2.generate.Decoder`` runs: the parameters outside the blocks by name
+        and each block's by name; with LoRA the base and its adapters unmerged (no float32
+        copy of a bf16 base, none of a float32 one either)."""
+        from gpt2.lora import block_weights
+        if self.base is None:
+            return block_weights(self.param_arena())
+        return block_weights(self.base, self.state)
 
     def set_params(self, arena):
         """Copy a ParamArena's values into the model's parameters (with LoRA: its base)."""

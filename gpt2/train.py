@@ -659,7 +659,7 @@ def _export_checkpoint(args, resumed):
                           base_dtype=args.base_dtype, base=_lora_base(args, resumed))
             ckpt.load_checkpoint(args.resume, resumed.config, params=model.adapter.params,
                                  optimizer=False, lora=True)
-            params = model.param_arena()
+            params = model.merged_params()
     dtype = _save_hf(args, params, _export_source(resumed.extra))
     print(f"{args.resume} is at step {resumed.step} of --steps {args.steps}: nothing left to "
           f"train; wrote its model to {args.save_hf} ({dtype})", flush=True)
@@ -1110,9 +1110,9 @@ def _train_model(args, inputs, model, n_threads, comm=None):
                 save_adapter()
             model.finish_update()
             if args.save_hf and writer:
-                _save_hf(args, model.param_arena(), inputs.export_source, inputs.own_save_hf)
+                _save_hf(args, model.merged_params(), inputs.export_source, inputs.own_save_hf)
             if args.save_gguf and writer:
-                _save_gguf(args, model.param_arena())
+                _save_gguf(args, model.merged_params())
             # A first signal during the last step or the final saves: they are done, the
             # summary and the sample are not.
             signum = stop.signum or 0

@@ -199,6 +199,8 @@ def export_hf_gpt2(path, params, write_config=False, dtype="F32", extra_config=N
     """
     from gpt2.checkpoint import atomic_writer, hf_config_path, write_safetensors
     from gpt2.params import ParamArena
+    if hasattr(params, "to_arena") and not isinstance(params, ParamArena):
+        params = params.to_arena()      # a merged LoRA model (at most GPT-2 XL's 6 GB)
     if not isinstance(params, ParamArena):
         raise TypeError(f"params must be a ParamArena, got {type(params).__name__}")
     c = params.config

@@ -7,6 +7,7 @@ The Hugging Face map packs each block's q, k and v projections into our one ``qk
 q | k | v, Hugging Face's rotate-half layout kept as it is, so no permutation), gate and up
 into ``gateupw`` (rows gate | up).
 """
+import functools
 import json
 import math
 import os
@@ -448,14 +449,16 @@ def export_hf_llama(directory, params, dtype="F32", extra_config=None):
     """Write ``params`` as a Hugging Face directory (config.json, model.safetensors in
     ``dtype``: F32, F16 or BF16) that transformers loads with
     ``AutoModelForCausalLM.from_pretrained``; ``extra_config`` adds fields to config.json."""
-    from gpt2.checkpoint import atomic_writer, write_safetensors
+    from gpt2.checkpoint import Deferred, atomic_writer, write_safetensors
     from gpt2.hf import WEIGHTS_NAME
     config = params.config
     os.makedirs(directory, exist_ok=True)
-    tensors = {}
-    for name, (ours, layer, piece, _) in hf_tensors(config).items():
-        view = params.views[ours] if layer is None else params.views[ours][layer]
-        tensors[name] = view[piece]
+    def read(ours, layer, piece):
+        return (params.views[ours] if layer is None else params.views[ours][layer])[piece]
+
+    # Read as written: a gpt2.lora.MergedParams merges a block when it is written.
+    tensors = {name: Deferred(shape, np.float32, functools.partial(read, ours, layer, piece))
+               for name, (ours, layer, piece, shape) in hf_tensors(config).items()}
     write_safetensors(os.path.join(directory, WEIGHTS_NAME), tensors, metadata={"format": "pt"},
                       dtype=dtype)
     with atomic_writer(os.path.join(directory, "config.json")) as f:

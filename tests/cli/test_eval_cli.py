@@ -97,6 +97,23 @@ def test_whole_file_loss_equals_transformers_on_the_same_windows(config, text_fi
     assert abs(got["loss"] - expected) <= REL * expected
 
 
+def test_bf16_weights_give_transformers_loss_on_a_bf16_model(text_file, tmp_path, capsys):
+    # --dtype bf16: the matrices held in bf16 and widened in the products. A model whose
+    # weights are bf16 values loses what transformers computes in float32.
+    config = LlamaConfig.preset("llama-tiny")
+    theirs = hf_model_dir(config, tmp_path / "hf")
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    theirs.save_pretrained(tmp_path / "hf")
+    tokens = np.frombuffer(text_file.read_bytes(), dtype=np.uint8).astype(np.int64)
+    expected, count = torch_loss(theirs, tokens, 2, 41)
+    got = eval_json(capsys, tmp_path / "hf", "--data", text_file, "--tokenizer", "bytes",
+                    "-B", 2, "-T", 41, "--dtype", "bf16")
+    assert got["dtype"] == "bf16" and got["tokens"] == count
+    assert abs(got["loss"] - expected) <= REL * expected
+
+
 def test_text_output_and_defaults(text_file, tmp_path, capsys):
     hf_model_dir(gpt2_config(), tmp_path / "hf")
     assert evaluate.main([str(tmp_path / "hf"), "--data", str(text_file), "--tokenizer",

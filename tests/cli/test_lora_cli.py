@@ -131,3 +131,30 @@ def test_generate_and_eval_read_a_lora_run_as_its_merged_model(base_dir, tmp_pat
                                   "--temperature", "0", "--print-ids"]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] == outs[2] and outs[0].strip()
+
+
+def test_a_bf16_base_run_generates_evaluates_and_exports_in_bf16(base_dir, tmp_path, capsys):
+    # A run on a bf16 base: its checkpoint and adapter read with --dtype bf16 (the base in
+    # bf16, the adapters unmerged over it) give the loss and tokens of the float32 model it
+    # trained (the rounded base, the adapters merged), and so does its --save-hf directory.
+    from gpt2 import evaluate, generate_cli
+    train.run(common(base_dir, tmp_path / "run", "--lora", "4", "--steps", "3",
+                     "--base-dtype", "bf16", "--save-hf", str(tmp_path / "merged")))
+    capsys.readouterr()
+    text = tmp_path / "text.txt"
+    text.write_text("A bf16 base keeps every bit of its adapters' update.\n" * 6)
+    sources = (tmp_path / "run" / "checkpoint.bin", tmp_path / "run" / "adapter")
+    runs = [(source, dtype) for source in sources for dtype in ("fp32", "bf16")]
+    runs.append((tmp_path / "merged", "fp32"))
+    losses, outs = [], []
+    for model, dtype in runs:
+        assert evaluate.main([str(model), "--data", str(text), "--tokenizer", "bytes",
+                              "--json", "--no-progress", "-T", "16", "--dtype", dtype]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["dtype"] == dtype
+        losses.append(result["loss"])
+        assert generate_cli.main([str(model), "--tokenizer", "bytes", "-p", "LoRA", "-n", "12",
+                                  "--temperature", "0", "--print-ids", "--dtype", dtype]) == 0
+        outs.append(capsys.readouterr().out)
+    assert max(losses) - min(losses) <= 1e-5 * losses[0], losses
+    assert all(out == outs[0] for out in outs) and outs[0].strip()
