@@ -59,12 +59,14 @@ def train(out_dir):
         reference = None
         if rank == 0:
             reference = Model(CONFIG, seed=SEED, lora=LORA, base_dtype=base_dtype)
-            # A bf16 base's products round the gradients to bf16 on their way, where the
-            # last bits of float32 sums decide: the one process runs the ranks' rows as
-            # its micro-batches, in rank order, as the ranks' sum adds them.
+            # The one process runs the ranks' rows as its micro-batches, in rank order, as
+            # the ranks' reduction adds them: the same float32 sums (on the whole batch
+            # at once they differ in the last bits, which AdamW's division by the root of
+            # near-zero second moments magnifies, and a bf16 base's rounding of the
+            # gradients to bf16 can turn into whole bf16 steps).
             ref_steps = [reference.train_step(x, y, LR, weight_decay=WEIGHT_DECAY,
                                               grad_clip=GRAD_CLIP,
-                                              grad_accum=RANKS if base_dtype == "bf16" else 1)
+                                              grad_accum=RANKS)
                          for x, y in batches()]
         model = Model(CONFIG, seed=SEED + rank, lora=LORA, base_dtype=base_dtype)
         dp = distributed.DataParallelTrainer(model, comm, zero=zero, bucket_bytes=BUCKET_BYTES)
@@ -88,6 +90,8 @@ def train(out_dir):
                 norms=relative([s[1] for s in steps], [s[1] for s in ref_steps]),
                 clipped=min(s[1] for s in ref_steps) > GRAD_CLIP,
                 adapters=relative(model.adapter.params.flat, reference.adapter.params.flat),
+                adapters_equal=bool(np.array_equal(model.adapter.params.flat,
+                                                   reference.adapter.params.flat)),
                 saved_adapters=relative(saved.params.flat, reference.adapter.params.flat),
                 saved_adam_v=relative(saved.adam_v.flat, reference.adapter.adam_v.flat),
                 saved_extra=saved.extra)
