@@ -53,12 +53,13 @@ class Decoder:
 
     It is the operations its family's ops run on (``gpt2.families.base``): each takes and
     gives float32 (n, C) arrays of the n new positions, ``attention`` reads and extends the
-    cache of the block being run."""
+    cache of the block being run.  ``model``: a ``gpt2.model.Model`` or ``Weights``, whose
+    ``decoder_weights()`` give the parameters (``gpt2.lora.block_weights``)."""
 
     def __init__(self, model, capacity=None):
         cfg = model.config
         self.config = cfg
-        self.leaves, self.layers = _weights_of(model)
+        self.leaves, self.layers = model.decoder_weights()
         self.ops = family_of(cfg).ops(cfg, self)
         self.n_kv_head = cfg.n_kv_head
         self.head_dim = cfg.head_dim
@@ -189,15 +190,6 @@ class Decoder:
         out = np.matmul(scores.reshape(kv, group * n, held), values[:, :held])
         return np.ascontiguousarray(out.reshape(kv, group, n, hd).transpose(2, 0, 1, 3)
                                     .reshape(n, n_q * hd))
-
-
-def _weights_of(model):
-    """(the parameters outside the blocks by name, each block's by name) of ``model``: its
-    ``decoder_weights()`` where it has them (a LoRA model: the base and its adapters,
-    unmerged), else its ``param_arena()``'s views."""
-    if hasattr(model, "decoder_weights"):
-        return model.decoder_weights()
-    return block_weights(model.param_arena())
 
 
 def _float32(rows):

@@ -16,6 +16,7 @@ every adapter, its gradients and its moments, each one flat float32 arena;
 ``gpt2.peft_io`` reads and writes them in peft's format.
 """
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -183,6 +184,7 @@ class MergedParams:
         if base.config != adapters.config:
             raise ValueError("MergedParams: the base and the adapters are of other models")
         self.config, self.base, self.adapters = base.config, base, adapters
+        self._adapted = {weight for weight, _ in adapters.lora.groups(self.config)}
         self.views = _MergedViews(self)
 
     def in_llmc_order(self):
@@ -202,10 +204,6 @@ class MergedParams:
         view = self.base.views[name]
         return _widen(view) if view.dtype == np.uint16 else view
 
-    @property
-    def _adapted(self):
-        return {weight for weight, _ in self.adapters.lora.groups(self.config)}
-
     def to_arena(self):
         """Every tensor in a float32 ParamArena (the one float32 copy of the model)."""
         from gpt2.params import ParamArena
@@ -219,7 +217,7 @@ class MergedParams:
         return arena
 
 
-class _MergedViews:
+class _MergedViews(Mapping):
     """``MergedParams.views``: name -> the float32 tensor, or for a block weight an object
     indexed by block."""
 
@@ -237,9 +235,6 @@ class _MergedViews:
 
     def __len__(self):
         return len(self._merged.config.param_shapes())
-
-    def keys(self):
-        return self._merged.config.param_shapes().keys()
 
 
 class _MergedBlocks:
@@ -569,30 +564,26 @@ def load_base(source, config, seed=0, dtype="fp32", trained_in="fp32"):
     if source is None:
         if dtype == "bf16":
             return Bf16Base.random(config, seed)
-        arena = init_params_(ParamArena(config), seed)
+        base = init_params_(ParamArena(config), seed)
     elif not os.path.exists(source):
         raise ValueError(f"the LoRA run's base model {source} (its --init-from) is gone; the "
                          f"adapters alone are not the model")
     elif os.path.isdir(source):
-        if dtype == "bf16":
-            base = Bf16Base.load_hf(source)
-            if base.config != config:
-                raise ValueError(f"the LoRA run's base {source} now holds another model than "
-                                 f"the adapters were trained on")
-            return base
-        arena = hf.load_dir(source)
+        base = Bf16Base.load_hf(source) if dtype == "bf16" else hf.load_dir(source)
     elif ckpt.is_checkpoint(source):
-        arena = ckpt.load_checkpoint(source, optimizer=False).params
+        base = ckpt.load_checkpoint(source, optimizer=False).params
     elif source.endswith(".bin"):
-        arena = ckpt.import_llmc(source)
+        base = ckpt.import_llmc(source)
     else:
-        arena = ckpt.import_hf_gpt2(source)
-    if arena.config != config:
+        base = ckpt.import_hf_gpt2(source)
+    if base.config != config:
         raise ValueError(f"the LoRA run's base {source} now holds another model than the "
                          f"adapters were trained on")
+    if isinstance(base, Bf16Base):
+        return base
     if dtype == "bf16":
-        return Bf16Base.from_arena(arena)
-    return _round_matrices_(arena) if trained_in == "bf16" else arena
+        return Bf16Base.from_arena(base)
+    return _round_matrices_(base) if trained_in == "bf16" else base
 
 
 def _round_matrices_(arena):
