@@ -135,7 +135,9 @@ static int bf16_cpu_native(void) { return 0; }
 
 #define BF_MR 8          /* rows of a tile */
 #define BF_NR 32         /* columns of a tile: two vectors of sixteen */
+#ifndef BF_KC
 #define BF_KC 512        /* depths of a block (256 pairs): a B panel is 32 KiB */
+#endif
 _Static_assert(BF_KC % 2 == 0, "bf16.h: a block holds whole pairs");
 
 typedef uint32_t bf_pairs __attribute__((vector_size(64)));
@@ -203,6 +205,8 @@ typedef struct {
     ptrdiff_t mch, nch;        /* rows and columns of a chunk (multiples of 32) */
     ptrdiff_t mchunks, nchunks;
     ptrdiff_t tile_m, tile_n;  /* a task's block of C */
+    ptrdiff_t b_slices;        /* depth slices of a B pack task (a narrow chunk's B is
+                                  laid out by several threads) */
     uint32_t* pa;              /* A's chunk packed (mch rows of kpad pairs), or its tail */
     uint32_t* pb;              /* B's chunk packed (nch / 32 panels) */
 } bf_sprod;
@@ -242,6 +246,12 @@ static size_t bf_sp_init(bf_sprod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
         tile /= 2;
     p->tile_m = bf_sp_tiles[0] > 0 ? bf_sp_tiles[0] : tile;
     p->tile_n = bf_sp_tiles[1] > 0 ? bf_sp_tiles[1] : tile;
+    /* B's pack tasks: cut by depth (slices of at least 256 pairs) until there are about
+       four a thread (a chunk of 64 columns of a deep B: one task of 6 MiB otherwise) */
+    ptrdiff_t b_tasks = bf_ceil(p->nch, BF_NR * BF_SP_PANELS), most_slices = p->kpad / 256;
+    p->b_slices = bf_ceil(4 * (ptrdiff_t)n_threads, b_tasks);
+    if (p->b_slices > most_slices) p->b_slices = most_slices;
+    if (p->b_slices < 1) p->b_slices = 1;
     return a_pairs + (size_t)p->nch * (size_t)p->kpad;
 }
 
@@ -308,13 +318,74 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
     }
 }
 
-/* The pack tasks of a chunk: B's panels, BF_SP_PANELS a task (where the chunk needs
-   them: each chunk of columns once, or at every chunk of rows where there are several
-   of columns), then A's rows, 32 a task (at a chunk's first columns), or A's tail. */
+/* ---- packing's transposes ---- */
+
+/* dst[j ds + i] = src[i ss + j] for i, j < 16: a 16 x 16 block of uint32 (src may be a
+   bf16 array read as pairs: 2-byte aligned). */
+static inline void bf_tr16_plain(const void* src, ptrdiff_t ss, uint32_t* dst, ptrdiff_t ds) {
+    const char* s = (const char*)src;
+    for (ptrdiff_t i = 0; i < 16; i++)
+        for (ptrdiff_t j = 0; j < 16; j++)
+            memcpy(&dst[j * ds + i], s + (i * ss + j) * (ptrdiff_t)sizeof(uint32_t),
+                   sizeof(uint32_t));
+}
+
+#if BF_HAVE_NATIVE
+/* The same in zmm registers: 32-bit then 64-bit unpacks (a 4 x 4 transpose in each
+   128-bit lane of each group of four rows), then two rounds of 128-bit lane shuffles
+   (the 4 x 4 transpose of the lanes). */
+__attribute__((target("avx512f")))
+static void bf_tr16_avx512(const void* src, ptrdiff_t ss, uint32_t* dst, ptrdiff_t ds) {
+    const uint32_t* s = (const uint32_t*)src;
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void*)(s + i * ss));
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4 g + c]: in lane L, column 4 L + c of rows 4 g to 4 g + 3 */
+    for (int g = 0; g < 4; g++) {
+        __m512i* q = t + 4 * g;
+        r[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
+        r[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
+        r[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
+        r[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i a = r[c], b = r[4 + c], e = r[8 + c], f = r[12 + c];
+        __m512i v0 = _mm512_shuffle_i32x4(a, b, 0x44), v1 = _mm512_shuffle_i32x4(a, b, 0xEE);
+        __m512i v2 = _mm512_shuffle_i32x4(e, f, 0x44), v3 = _mm512_shuffle_i32x4(e, f, 0xEE);
+        _mm512_storeu_si512((void*)(dst + (0 + c) * ds), _mm512_shuffle_i32x4(v0, v2, 0x88));
+        _mm512_storeu_si512((void*)(dst + (4 + c) * ds), _mm512_shuffle_i32x4(v0, v2, 0xDD));
+        _mm512_storeu_si512((void*)(dst + (8 + c) * ds), _mm512_shuffle_i32x4(v1, v3, 0x88));
+        _mm512_storeu_si512((void*)(dst + (12 + c) * ds), _mm512_shuffle_i32x4(v1, v3, 0xDD));
+    }
+}
+#endif
+
+/* for the tests (bf16.pyx's _set_plain_transposes): the plain loops on any CPU */
+static int bf_sp_plain_transposes = 0;
+
+/* bf_tr16_plain's block, in registers where the CPU has AVX-512 (every CPU that runs a
+   packed path but the twins' elsewhere). */
+static inline void bf_tr16(const void* src, ptrdiff_t ss, uint32_t* dst, ptrdiff_t ds) {
+#if BF_HAVE_NATIVE
+    if (bf16_cpu_native() && !bf_sp_plain_transposes) {
+        bf_tr16_avx512(src, ss, dst, ds);
+        return;
+    }
+#endif
+    bf_tr16_plain(src, ss, dst, ds);
+}
+
+/* The pack tasks of a chunk: B's panels, BF_SP_PANELS a task, each cut by depth into
+   p->b_slices slices (where the chunk needs them: each chunk of columns once, or at
+   every chunk of rows where there are several of columns), then A's rows, 32 a task
+   (at a chunk's first columns), or A's tail. */
 static ptrdiff_t bf_sp_pack_b_tasks(const bf_sprod* p, ptrdiff_t chunk) {
     bf_sp_span s = bf_sp_chunk_span(p, chunk);
     if (p->nchunks == 1 && chunk > 0) return 0;
-    return bf_ceil(s.j1 - s.j0, BF_NR * BF_SP_PANELS);
+    return bf_ceil(s.j1 - s.j0, BF_NR * BF_SP_PANELS) * p->b_slices;
 }
 static ptrdiff_t bf_sp_pack_tasks(const bf_sprod* p, ptrdiff_t chunk) {
     bf_sp_span s = bf_sp_chunk_span(p, chunk);
@@ -331,51 +402,59 @@ static ptrdiff_t bf_sp_tile_tasks(const bf_sprod* p, ptrdiff_t chunk) {
     return bf_ceil(s.i1 - s.i0, p->tile_m) * bf_ceil(s.j1 - s.j0, p->tile_n);
 }
 
-/* Lays out the panel of op(B)'s columns j to j + 32 (those below j_end) at panel. */
+/* Lays out the depth pairs q0 to q1 (multiples of 16, q1 at most kpad) of the panel of
+   op(B)'s columns j to j + 32 (those below j_end) at panel. */
 ADT_MULTIVERSION
-static void bf_sp_pack_panel(const bf_sprod* p, ptrdiff_t j, ptrdiff_t j_end,
-                              uint32_t* restrict panel) {
+static void bf_sp_pack_panel(const bf_sprod* p, ptrdiff_t j, ptrdiff_t j_end, ptrdiff_t q0,
+                             ptrdiff_t q1, uint32_t* restrict panel) {
     ptrdiff_t K = p->K, kp = (K + 1) / 2, kfull = K / 2;
     ptrdiff_t nr = j_end - j < BF_NR ? j_end - j : BF_NR;
     const uint16_t* b = p->B + j * p->b_cs;
-    ptrdiff_t b_rs = p->b_rs, b_cs = p->b_cs;
+    ptrdiff_t b_rs = p->b_rs, b_cs = p->b_cs, qe = q1 < kp ? q1 : kp;
     if (b_rs == 1) {
         /* columns along the depth (the forward's weight): a column's pairs are its bf16
-           in order (little-endian: the even depth in the low half), 16 of them at a time
-           so that the panel's rows being written stay in L1 */
-        for (ptrdiff_t q0 = 0; q0 < kp; q0 += BF_AMX_KP) {
-            ptrdiff_t q1 = q0 + BF_AMX_KP < kfull ? q0 + BF_AMX_KP : kfull;
-            for (ptrdiff_t c = 0; c < nr; c++) {
+           in order (little-endian: the even depth in the low half); 16 columns by 16
+           pairs transposed at a time */
+        for (ptrdiff_t g = q0; g < qe; g += BF_AMX_KP) {
+            ptrdiff_t ge = g + BF_AMX_KP < kfull ? g + BF_AMX_KP : kfull, c = 0;
+            if (ge - g == BF_AMX_KP && b_cs % 2 == 0)
+                for (; c + 16 <= nr; c += 16)
+                    bf_tr16(b + c * b_cs + 2 * g, b_cs / 2, panel + g * BF_NR + c, BF_NR);
+            for (; c < nr; c++) {
                 const uint16_t* col = b + c * b_cs;
-                for (ptrdiff_t q = q0; q < q1; q++)
+                for (ptrdiff_t q = g; q < ge; q++)
                     memcpy(&panel[q * BF_NR + c], col + 2 * q, sizeof(uint32_t));
-                if (kp > kfull && q0 <= kfull && kfull < q0 + BF_AMX_KP)   /* odd K */
-                    panel[kfull * BF_NR + c] = col[2 * kfull];
             }
         }
+        if (kp > kfull && q0 <= kfull && kfull < qe)     /* odd K */
+            for (ptrdiff_t c = 0; c < nr; c++) panel[kfull * BF_NR + c] = b[c * b_cs + 2 * kfull];
     } else {
         /* rows along the columns (the weight in dout @ W, x in dout^T x): two rows
            interleaved at a time */
-        for (ptrdiff_t q = 0; q < kp; q++) {
+        for (ptrdiff_t q = q0; q < qe; q++) {
             const uint16_t* lo = b + 2 * q * b_rs;
             const uint16_t* hi = lo + b_rs;
             uint32_t* row = panel + q * BF_NR;
-            if (2 * q + 1 < K)
+            if (2 * q + 1 >= K)
+                for (ptrdiff_t c = 0; c < nr; c++) row[c] = lo[c * b_cs];
+            else if (b_cs == 1)
+                for (ptrdiff_t c = 0; c < nr; c++) row[c] = (uint32_t)lo[c] | (uint32_t)hi[c] << 16;
+            else
                 for (ptrdiff_t c = 0; c < nr; c++)
                     row[c] = (uint32_t)lo[c * b_cs] | (uint32_t)hi[c * b_cs] << 16;
-            else
-                for (ptrdiff_t c = 0; c < nr; c++) row[c] = lo[c * b_cs];
         }
     }
-    for (ptrdiff_t q = 0; q < kp; q++)
-        for (ptrdiff_t c = nr; c < BF_NR; c++) panel[q * BF_NR + c] = 0;
-    memset(panel + kp * BF_NR, 0, (size_t)(p->kpad - kp) * BF_NR * sizeof *panel);
+    if (nr < BF_NR)
+        for (ptrdiff_t q = q0; q < qe; q++)
+            for (ptrdiff_t c = nr; c < BF_NR; c++) panel[q * BF_NR + c] = 0;
+    if (q1 > qe)
+        memset(panel + qe * BF_NR, 0, (size_t)(q1 - qe) * BF_NR * sizeof *panel);
 }
 
 /* Lays out op(A)'s rows i to i + 32 (those below i_end; zeros past them) at rows. */
 ADT_MULTIVERSION
 static void bf_sp_pack_rows(const bf_sprod* p, ptrdiff_t i, ptrdiff_t i_end,
-                             uint32_t* restrict rows) {
+                            uint32_t* restrict rows) {
     ptrdiff_t K = p->K, kp = (K + 1) / 2, kfull = K / 2, kpad = p->kpad;
     ptrdiff_t mr = i_end - i < BF_AMX_MR ? i_end - i : BF_AMX_MR;
     ptrdiff_t a_rs = p->a_rs, a_cs = p->a_cs;
@@ -397,14 +476,22 @@ static void bf_sp_pack_rows(const bf_sprod* p, ptrdiff_t i, ptrdiff_t i_end,
             for (ptrdiff_t q = 0; q < nq; q++) {
                 const uint16_t* lo = a + 2 * (q0 + q) * a_cs;
                 const uint16_t* hi = lo + a_cs;
-                if (2 * (q0 + q) + 1 < K)
+                if (2 * (q0 + q) + 1 >= K)
+                    for (ptrdiff_t r = 0; r < mr; r++) t[q][r] = lo[r * a_rs];
+                else if (a_rs == 1)
+                    for (ptrdiff_t r = 0; r < mr; r++)
+                        t[q][r] = (uint32_t)lo[r] | (uint32_t)hi[r] << 16;
+                else
                     for (ptrdiff_t r = 0; r < mr; r++)
                         t[q][r] = (uint32_t)lo[r * a_rs] | (uint32_t)hi[r * a_rs] << 16;
-                else
-                    for (ptrdiff_t r = 0; r < mr; r++) t[q][r] = lo[r * a_rs];
             }
-            for (ptrdiff_t r = 0; r < mr; r++)
-                for (ptrdiff_t q = 0; q < nq; q++) rows[r * kpad + q0 + q] = t[q][r];
+            if (nq == BF_AMX_KP && mr == BF_AMX_MR) {
+                bf_tr16(&t[0][0], BF_AMX_MR, rows + q0, kpad);
+                bf_tr16(&t[0][16], BF_AMX_MR, rows + 16 * kpad + q0, kpad);
+            } else {
+                for (ptrdiff_t r = 0; r < mr; r++)
+                    for (ptrdiff_t q = 0; q < nq; q++) rows[r * kpad + q0 + q] = t[q][r];
+            }
         }
     }
     for (ptrdiff_t r = 0; r < mr; r++)
@@ -417,9 +504,12 @@ static void bf_sp_pack(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t) {
     bf_sp_span s = bf_sp_chunk_span(p, chunk);
     ptrdiff_t nb = bf_sp_pack_b_tasks(p, chunk);
     if (t < nb) {
-        ptrdiff_t j = s.j0 + t * BF_NR * BF_SP_PANELS;
-        for (int k = 0; k < BF_SP_PANELS && j < s.j1; k++, j += BF_NR)
-            bf_sp_pack_panel(p, j, s.j1, p->pb + (j - s.j0) / BF_NR * p->kpad * BF_NR);
+        ptrdiff_t slice = bf_ceil(p->kpad / BF_AMX_KP, p->b_slices) * BF_AMX_KP;
+        ptrdiff_t q0 = t % p->b_slices * slice, q1 = q0 + slice < p->kpad ? q0 + slice : p->kpad;
+        ptrdiff_t j = s.j0 + t / p->b_slices * BF_NR * BF_SP_PANELS;
+        for (int k = 0; k < BF_SP_PANELS && j < s.j1 && q0 < q1; k++, j += BF_NR)
+            bf_sp_pack_panel(p, j, s.j1, q0, q1,
+                             p->pb + (j - s.j0) / BF_NR * p->kpad * BF_NR);
     } else if (p->a_direct) {
         bf_sp_pack_rows(p, p->m_full, p->M, p->pa);
     } else {

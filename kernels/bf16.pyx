@@ -80,6 +80,7 @@ cdef extern from "bf16.h" nogil:
     void bf_sp_run_task(int path, const bf_sprod* p, Py_ssize_t chunk, Py_ssize_t t)
     Py_ssize_t bf_sp_chunk_pairs
     Py_ssize_t bf_sp_tiles[2]
+    int bf_sp_plain_transposes
 
 cdef enum:
     PATH_EMULATED = 0
@@ -186,6 +187,16 @@ def _set_task_tiles(Py_ssize_t tile_m=0, Py_ssize_t tile_n=0):
         raise ValueError(f"tiles must be multiples of 32 (or 0), got {tile_m} x {tile_n}")
     bf_sp_tiles[0] = tile_m
     bf_sp_tiles[1] = tile_n
+
+
+def _set_plain_transposes(bint plain):
+    """Lay the packed paths' operands out with plain loops (True) instead of the
+    AVX-512 transposes where the CPU has them, for the tests (the same layout: the
+    results' bits do not depend on it).  Returns the previous setting."""
+    global bf_sp_plain_transposes
+    old = bool(bf_sp_plain_transposes)
+    bf_sp_plain_transposes = plain
+    return old
 
 
 def _packed_bytes(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint a_rows_along_depth):

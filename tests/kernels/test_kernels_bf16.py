@@ -309,7 +309,7 @@ def test_empty_sizes(path):
 
 
 @pytest.mark.parametrize("N, C, OC", [(300, 200, 520), (520, 200, 96), (40, 700, 300),
-                                      (2000, 64, 64)])
+                                      (2000, 64, 64), (40, 2049, 70), (1100, 96, 40)])
 def test_results_do_not_depend_on_the_thread_count(path, N, C, OC):
     rng = np.random.default_rng(N + C + OC)
     xb, wb, bias, dout = operands(rng, (N,), C, OC)
@@ -361,6 +361,32 @@ def test_products_in_chunks_give_the_same_bits(packed, N, C, OC):
         bf16._set_chunk_pairs(0)
     with pytest.raises(ValueError, match="multiples of 32"):
         bf16._set_task_tiles(48, 0)
+
+
+@pytest.mark.parametrize("packed", packed_paths())
+def test_layouts_by_plain_loops_give_the_same_bits(packed):
+    # The packing transposes 16 x 16 blocks of pairs in AVX-512 registers where the CPU
+    # has it, with plain loops elsewhere (and for the twins on CPUs without it): the
+    # same layout.  Deep narrow B (its pack cut by depth, an odd depth), whole and
+    # partial blocks of 16 columns and of 32 rows of dout^T.
+    shapes = [(40, 2049, 70), (97, 1024, 48), (64, 768, 96), (1100, 96, 40), (33, 32, 33)]
+    rng = np.random.default_rng(11)
+    old = bf16.set_bf16_path(packed)
+    try:
+        for N, C, OC in shapes:
+            xb, wb, bias, dout = operands(rng, (N,), C, OC)
+            runs = []
+            for plain in (False, True):
+                previous = bf16._set_plain_transposes(plain)
+                try:
+                    runs.append((forward_check(xb, wb, bias),)
+                                + backward_check(xb, wb, dout, prefill=1.0))
+                finally:
+                    bf16._set_plain_transposes(previous)
+            for a, b in zip(*runs):
+                np.testing.assert_array_equal(a, b)
+    finally:
+        bf16.set_bf16_path(old)
 
 
 def test_native_matches_its_twin_bit_for_bit():
