@@ -177,6 +177,9 @@ static ptrdiff_t bf_sp_chunk_pairs = (ptrdiff_t)1 << 21;
 /* for the benchmarks (bf16.pyx's _set_task_tiles): a task's rows and columns of C
    (multiples of 32; 0: chosen by the shape and the threads) */
 static ptrdiff_t bf_sp_tiles[2] = {0, 0};
+/* for the tests (bf16.pyx's _set_plain_transposes): packing's transposes and transposed
+   stores in plain loops on any CPU */
+static int bf_sp_plain_transposes = 0;
 _Static_assert(BF_NR == 32 && BF_KB % BF_AMX_KP == 0,
                "bf16.h: the blocks must hold whole AMX tiles");
 
@@ -207,6 +210,8 @@ typedef struct {
     ptrdiff_t tile_m, tile_n;  /* a task's block of C */
     ptrdiff_t b_slices;        /* depth slices of a B pack task (a narrow chunk's B is
                                   laid out by several threads) */
+    int c_trans;               /* C stored transposed: element (i, j) at C[j ldc + i],
+                                  the bias per row (bf_sp_trans_c) */
     uint32_t* pa;              /* A's chunk packed (mch rows of kpad pairs), or its tail */
     uint32_t* pb;              /* B's chunk packed (nch / 32 panels) */
 } bf_sprod;
@@ -255,6 +260,10 @@ static size_t bf_sp_init(bf_sprod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
     return a_pairs + (size_t)p->nch * (size_t)p->kpad;
 }
 
+/* C of p is stored transposed (element (i, j) at C[j ldc + i]) and its bias is per row
+   i: out^T = W x^T, where laying out x (few rows) costs less than laying out W. */
+static void bf_sp_trans_c(bf_sprod* p) { p->c_trans = 1; }
+
 /* Gives p its packing buffer (bf_sp_init's pairs, 64-byte aligned). */
 static void bf_sp_attach(bf_sprod* p, uint32_t* buf) {
     p->pb = buf;
@@ -284,6 +293,55 @@ static inline const char* bf_sp_a_rows(const bf_sprod* p, ptrdiff_t i0, ptrdiff_
     return (const char*)(p->pa + (i - (p->a_direct ? p->m_full : i0)) * p->kpad);
 }
 
+#if BF_HAVE_NATIVE
+/* bf_sp_store_trans of a whole VDPBF16PS tile (8 x 32): four 8 x 8 transposes in ymm
+   registers (unpacks, shuffles, 128-bit lane permutes) */
+__attribute__((target("avx2")))
+static void bf_store_trans8(const float* t, float* c, ptrdiff_t ldc, int add,
+                            const float* bias) {
+    __m256 b = bias != NULL ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int j0 = 0; j0 < BF_NR; j0 += 8) {
+        __m256 r[8], u[8], v[8];
+        for (int k = 0; k < 8; k++) r[k] = _mm256_load_ps(t + k * BF_NR + j0);
+        for (int k = 0; k < 8; k += 2) {
+            u[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+            u[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+        }
+        for (int k = 0; k < 8; k += 4) {
+            v[k] = _mm256_shuffle_ps(u[k], u[k + 2], 0x44);
+            v[k + 1] = _mm256_shuffle_ps(u[k], u[k + 2], 0xEE);
+            v[k + 2] = _mm256_shuffle_ps(u[k + 1], u[k + 3], 0x44);
+            v[k + 3] = _mm256_shuffle_ps(u[k + 1], u[k + 3], 0xEE);
+        }
+        for (int k = 0; k < 8; k++) {
+            /* column j0 + k: v[k % 4]'s and v[4 + k % 4]'s lane k / 4 */
+            __m256 col = _mm256_permute2f128_ps(v[k % 4], v[4 + k % 4], k < 4 ? 0x20 : 0x31);
+            float* out = c + (j0 + k) * ldc;
+            if (bias != NULL) col = _mm256_add_ps(col, b);
+            if (add) col = _mm256_add_ps(_mm256_loadu_ps(out), col);
+            _mm256_storeu_ps(out, col);
+        }
+    }
+}
+#endif
+
+/* C[j ldc + r] = t[r][j] (+ bias[r] where not NULL) (+ C[j ldc + r] where add) for r <
+   mr, j < nr: a tile's sums (rows of BF_NR in t) stored transposed. */
+static void bf_sp_store_trans(const float* t, float* c, ptrdiff_t ldc, int add,
+                              const float* bias, ptrdiff_t mr, ptrdiff_t nr) {
+#if BF_HAVE_NATIVE
+    if (mr == BF_MR && nr == BF_NR && bf16_cpu_native() && !bf_sp_plain_transposes) {
+        bf_store_trans8(t, c, ldc, add, bias);
+        return;
+    }
+#endif
+    for (ptrdiff_t j = 0; j < nr; j++)
+        for (ptrdiff_t r = 0; r < mr; r++) {
+            float v = bias != NULL ? t[r * BF_NR + j] + bias[r] : t[r * BF_NR + j];
+            c[j * ldc + r] = add ? c[j * ldc + r] + v : v;
+        }
+}
+
 /* A build's tile of C: mr x nr (at most rows x 32) at c over kp depth pairs, A's rows
    at a (stride a_stride bytes), B's panel at panel; C = the sum + bias (where not
    NULL) (+ C where add). */
@@ -309,10 +367,18 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
             const float* bias = k0 == 0 && p->bias != NULL ? p->bias + j : NULL;
             ptrdiff_t nr = c1 - j < BF_NR ? c1 - j : BF_NR;
             for (ptrdiff_t i = r0; i < r1; i += rows) {
-                ptrdiff_t stride;
+                ptrdiff_t stride, mr = r1 - i < rows ? r1 - i : rows;
                 const char* a = bf_sp_a_rows(p, s.i0, i, &stride) + k0 * sizeof(uint32_t);
-                tile(kp, a, stride, panel, p->C + i * p->ldc + j, p->ldc, add, bias,
-                     r1 - i < rows ? r1 - i : rows, nr);
+                if (p->c_trans) {
+                    /* the tile's sums into a buffer, then C^T = them (+ C) (+ bias): the
+                       same sums, the same roundings */
+                    float buf[BF_AMX_MR * BF_NR] __attribute__((aligned(64)));
+                    tile(kp, a, stride, panel, buf, BF_NR, 0, NULL, mr, nr);
+                    bf_sp_store_trans(buf, p->C + j * p->ldc + i, p->ldc, add,
+                                      k0 == 0 && p->bias != NULL ? p->bias + i : NULL, mr, nr);
+                } else {
+                    tile(kp, a, stride, panel, p->C + i * p->ldc + j, p->ldc, add, bias, mr, nr);
+                }
             }
         }
     }
@@ -362,9 +428,6 @@ static void bf_tr16_avx512(const void* src, ptrdiff_t ss, uint32_t* dst, ptrdiff
     }
 }
 #endif
-
-/* for the tests (bf16.pyx's _set_plain_transposes): the plain loops on any CPU */
-static int bf_sp_plain_transposes = 0;
 
 /* bf_tr16_plain's block, in registers where the CPU has AVX-512 (every CPU that runs a
    packed path but the twins' elsewhere). */

@@ -73,6 +73,7 @@ cdef extern from "bf16.h" nogil:
                        Py_ssize_t b_rs, Py_ssize_t b_cs, int accumulate, float* C,
                        Py_ssize_t ldc, const float* bias, int n_threads)
     void bf_sp_attach(bf_sprod* p, uint32_t* buf)
+    void bf_sp_trans_c(bf_sprod* p)
     Py_ssize_t bf_sp_chunks(const bf_sprod* p)
     Py_ssize_t bf_sp_pack_tasks(const bf_sprod* p, Py_ssize_t chunk)
     Py_ssize_t bf_sp_tile_tasks(const bf_sprod* p, Py_ssize_t chunk)
@@ -196,6 +197,26 @@ def _set_plain_transposes(bint plain):
     global bf_sp_plain_transposes
     old = bool(bf_sp_plain_transposes)
     bf_sp_plain_transposes = plain
+    return old
+
+
+def forward_transposed(Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC):
+    """Whether ``matmul_forward_bf16`` of N rows, C inputs and OC outputs runs as out^T
+    = W x^T on this path (x laid out, the weight's rows read in place) rather than out
+    = x W^T (the weight laid out): for the memory planner's figure of its buffer."""
+    return _forward_transposed(_path, N, C, OC)
+
+
+def _set_forward_layout(str layout):
+    """The VDPBF16PS paths' forward: "auto" (by the shape), "x_wt" (out = x W^T, the
+    weight laid out) or "w_xt" (out^T = W x^T, x laid out), for the tests and
+    benchmarks: the results' bits do not depend on it.  Returns the previous one."""
+    global _forward_layout
+    names = ("auto", "x_wt", "w_xt")
+    if layout not in names:
+        raise ValueError(f"layout must be one of {names}, got {layout!r}")
+    old = names[_forward_layout]
+    _forward_layout = names.index(layout)
     return old
 
 
@@ -582,14 +603,40 @@ cdef bint _packed_run(int path, const Convert* conv, int nconv, bf_sprod* prods,
     return True
 
 
+# The VDPBF16PS forward's orientation: 0 chosen by the shape, 1 out = x W^T, 2 out^T = W
+# x^T (_set_forward_layout, for the tests and benchmarks)
+cdef int _forward_layout = 0
+
+
+cdef bint _forward_transposed(int path, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC) noexcept nogil:
+    # Whether the forward runs as out^T = W x^T: the operand laid out is then x (N x C),
+    # not the weight (OC x C), and W's rows are read where they lie.  The VDPBF16PS
+    # paths (the AMX tiles' loads read A in place either way), where the weight's rows
+    # can be read in place (C a multiple of 32) and there are fewer rows than outputs:
+    # up to 256 rows, or 8 times fewer (the LM head).  Zen 4, 2 threads, GPT-2's five
+    # forwards, 12 weights from memory, medians of 7 interleaved: 1.13-1.43x the rate
+    # at 64 rows, 1.03-1.25x at 128, 0.96-1.20x at 256; at 512-4096 rows 0.86-1.04x but
+    # for the head's 1.05-1.09x.
+    if path != PATH_NATIVE and path != PATH_TWIN:
+        return False
+    if _forward_layout != 0:
+        return _forward_layout == 2
+    return C % 32 == 0 and N < OC and (N <= 256 or 8 * N <= OC)
+
+
 cdef int _packed_forward(int path, float* out, const uint16_t* inp, const uint16_t* weight,
                          const float* bias, Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC,
                          int n_threads) except -1 nogil:
-    # out = inp @ weight.T + bias: inp read in place, weight laid out once
+    # out = inp @ weight.T + bias: inp read in place, weight laid out once; or out^T =
+    # weight @ inp.T + bias (per row): weight read in place, inp laid out once
     cdef bf_sprod p
     cdef int nt = _packed_threads(N * C * OC, 0, n_threads)
-    cdef size_t pairs = bf_sp_init(&p, N, OC, C, inp, C, 1, weight, 1, C, False, out, OC,
-                                   bias, nt)
+    cdef size_t pairs
+    if _forward_transposed(path, N, C, OC):
+        pairs = bf_sp_init(&p, OC, N, C, weight, C, 1, inp, 1, C, False, out, OC, bias, nt)
+        bf_sp_trans_c(&p)
+    else:
+        pairs = bf_sp_init(&p, N, OC, C, inp, C, 1, weight, 1, C, False, out, OC, bias, nt)
     if not _packed_run(path, NULL, 0, &p, 1, &pairs, NULL, nt):
         _out_of_memory("the packed operands")
     return 0

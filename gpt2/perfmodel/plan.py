@@ -201,13 +201,27 @@ def bf16_backward_scratch(rows, fan_in, fan_out, emulated, weight_gradient=True)
             + ([4.0 * rows * fan_in] if weight_gradient else []))
 
 
+def bf16_forward_transposed(rows, fan_in, fan_out):
+    """Whether this machine's kernels.bf16 runs the forward as out^T = W x^T (the input
+    laid out, the weight read in place: few rows on the VDPBF16PS paths); False where
+    the kernels are not built."""
+    try:
+        from kernels import bf16
+    except ImportError:
+        return False
+    return bf16.forward_transposed(rows, fan_in, fan_out)
+
+
 def bf16_forward_scratch(rows, fan_in, fan_out, emulated):
     """[bytes] of each scratch array kernels.bf16's forward product allocates: where the
     products are ``emulated``, both operands widened to float32 (the weight a block of rows
     at a time); else the laid-out weight (and the input where it cannot be read in
-    place)."""
+    place), or where the kernels run it transposed the laid-out input (and the weight's
+    last rows short of a tile)."""
     if emulated:
         return [4.0 * rows * fan_in, _widened_weight(fan_in, fan_out)]
+    if bf16_forward_transposed(rows, fan_in, fan_out):
+        return [bf16_packed_bytes(fan_out, rows, fan_in, True)]
     return [bf16_packed_bytes(rows, fan_out, fan_in, True)]
 
 

@@ -389,6 +389,61 @@ def test_layouts_by_plain_loops_give_the_same_bits(packed):
         bf16.set_bf16_path(old)
 
 
+@pytest.mark.parametrize("packed", packed_paths())
+def test_forward_layouts_give_the_same_bits(packed):
+    # The VDPBF16PS paths run a forward of few rows as out^T = W x^T (x laid out, W's
+    # rows read in place, the tiles stored transposed with a per-row bias): the same
+    # sums, the same bits as out = x W^T, whole and edge tiles, with and without bias,
+    # in registers and in plain loops.  The AMX paths ignore the setting.
+    shapes = [(64, 768, 300), (37, 64, 100), (1, 32, 40), (300, 96, 3000), (33, 64, 33),
+              (100, 1024, 2048)]
+    rng = np.random.default_rng(12)
+    old = bf16.set_bf16_path(packed)
+    try:
+        for N, C, OC in shapes:
+            xb, wb, bias, _ = operands(rng, (N,), C, OC)
+            runs = []
+            for layout in ("x_wt", "w_xt", "auto"):
+                for plain in (False, True):
+                    previous = (bf16._set_forward_layout(layout),
+                                bf16._set_plain_transposes(plain))
+                    try:
+                        runs.append((forward_check(xb, wb, bias), forward_check(xb, wb, None)))
+                    finally:
+                        bf16._set_forward_layout(previous[0])
+                        bf16._set_plain_transposes(previous[1])
+            for run in runs[1:]:
+                for a, b in zip(runs[0], run):
+                    np.testing.assert_array_equal(a, b)
+    finally:
+        bf16.set_bf16_path(old)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        bf16._set_forward_layout("wx")
+
+
+def test_forward_layout_choice():
+    # out^T = W x^T on the VDPBF16PS paths where the weight's rows can be read in place
+    # and there are fewer rows than outputs: up to 256, or 8 times fewer; never on the
+    # AMX or emulated paths.  The planner's figure of the forward's buffer follows it.
+    from gpt2.perfmodel.plan import bf16_forward_scratch, bf16_packed_bytes
+    old = bf16.bf16_path()
+    try:
+        bf16.set_bf16_path("twin")
+        cases = {(64, 768, 2304): True, (256, 768, 768): True, (512, 768, 3072): False,
+                 (1024, 768, 50304): True, (4096, 768, 50304): True, (8192, 768, 50304): False,
+                 (64, 33, 2304): False, (300, 768, 200): False, (64, 768, 64): False}
+        for (N, C, OC), transposed in cases.items():
+            assert bf16.forward_transposed(N, C, OC) == transposed, (N, C, OC)
+            laid_out = (bf16_packed_bytes(OC, N, C, True) if transposed
+                        else bf16_packed_bytes(N, OC, C, True))
+            assert bf16_forward_scratch(N, C, OC, emulated=False) == [laid_out]
+        for path in ("amx_twin", "emulated"):
+            bf16.set_bf16_path(path)
+            assert not bf16.forward_transposed(64, 768, 2304)
+    finally:
+        bf16.set_bf16_path(old)
+
+
 def test_native_matches_its_twin_bit_for_bit():
     # VDPBF16PS against the twin's two float32 multiply-adds per pair: the same bits
     # on normal numbers (the products are exact; each step rounds once)
