@@ -40,17 +40,33 @@ GPT2 = ModelSpec(12, 12, 768, 50257)
 class Block:
     """One transformer block's buffers and the kernel sequence of its forward and backward."""
 
-    def __init__(self, spec, b, t, rng):
+    def __init__(self, spec, b, t, rng, aligned=True):
         from kernels import attention, layers, matmul
         self.k_att, self.k_layers, self.k_mm = attention, layers, matmul
         C, F, nh = spec.n_embd, spec.ffn_hidden, spec.n_head
         self.nh = nh
-        f = lambda *s, scale=0.02: (rng.standard_normal(s, dtype=np.float32) * scale)  # noqa: E731
-        z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
-        self.w = {"ln1w": np.ones(C, np.float32), "ln1b": z(C), "qkvw": f(3 * C, C), "qkvb": z(3 * C),
-                  "attprojw": f(C, C), "attprojb": z(C), "ln2w": np.ones(C, np.float32), "ln2b": z(C),
+        from adtape import buffers
+
+        # 64-byte aligned, as the training's arenas and buffers (with numpy's 16-byte
+        # alignment the block took 20.4 ms against 15.5 at B=2, T=32 on Zen 4); numpy's
+        # lazily mapped zeros for the RSS check (``aligned=False``), where the forward's
+        # first writes are what RSS sees grow
+        def f(*shape, scale=0.02):
+            out = buffers.empty(shape) if aligned else np.empty(shape, np.float32)
+            out[...] = rng.standard_normal(shape, dtype=np.float32) * scale
+            return out
+
+        def z(*shape, value=0.0):
+            if not aligned and value == 0.0:
+                return np.zeros(shape, np.float32)
+            out = buffers.empty(shape) if aligned else np.empty(shape, np.float32)
+            out[...] = value
+            return out
+
+        self.w = {"ln1w": z(C, value=1.0), "ln1b": z(C), "qkvw": f(3 * C, C), "qkvb": z(3 * C),
+                  "attprojw": f(C, C), "attprojb": z(C), "ln2w": z(C, value=1.0), "ln2b": z(C),
                   "fcw": f(F, C), "fcb": z(F), "fcprojw": f(C, F), "fcprojb": z(C)}
-        self.g = {k: np.zeros_like(v) for k, v in self.w.items()}
+        self.g = {k: z(*v.shape) for k, v in self.w.items()}
         self.x = f(b, t, C, scale=1.0)
         # Saved activations (what backward reads), exactly the adtape layout of graph.py.
         self.saved = {"ln1": z(b, t, C), "ln1_mean": z(b, t), "ln1_rstd": z(b, t), "qkv": z(b, t, 3 * C),
@@ -75,21 +91,24 @@ class Block:
         L.residual_forward(self.y, s["res2"], self.tmp)
 
     def backward(self):
+        # As a training step runs it: every gradient written where it is first produced
+        # (overwrite: the weights' gradients too, deferred zeroing), added where a second
+        # contribution arrives (the layer norms' input gradients into the residual's)
         L, M, A, s, w, g, d = self.k_layers, self.k_mm, self.k_att, self.saved, self.w, self.g, self.d
-        for k in ("res2", "ln2", "fch", "fch_gelu", "atty", "qkv", "ln1", "x"):
-            d[k].fill(0.0)
-        L.residual_backward(d["res2"], self.tmp, d["out"])
-        M.matmul_backward(d["fch_gelu"], g["fcprojw"], g["fcprojb"], self.tmp, s["fch_gelu"], w["fcprojw"])
-        L.gelu_backward(d["fch"], s["fch"], d["fch_gelu"])
-        M.matmul_backward(d["ln2"], g["fcw"], g["fcb"], d["fch"], s["ln2"], w["fcw"])
+        L.residual_backward(d["res2"], self.tmp, d["out"], overwrite=True)
+        M.matmul_backward(d["fch_gelu"], g["fcprojw"], g["fcprojb"], self.tmp, s["fch_gelu"], w["fcprojw"],
+                          overwrite=True)
+        L.gelu_backward(d["fch"], s["fch"], d["fch_gelu"], overwrite=True)
+        M.matmul_backward(d["ln2"], g["fcw"], g["fcb"], d["fch"], s["ln2"], w["fcw"], overwrite=True)
         L.layernorm_backward(d["res2"], g["ln2w"], g["ln2b"], d["ln2"], s["res2"], w["ln2w"], s["ln2_mean"],
-                             s["ln2_rstd"])
-        L.residual_backward(d["x"], self.tmp, d["res2"])
-        M.matmul_backward(d["atty"], g["attprojw"], g["attprojb"], self.tmp, s["atty"], w["attprojw"])
-        A.attention_backward(d["qkv"], d["atty"], s["qkv"], s["atty"], s["att_lse"], self.nh)
-        M.matmul_backward(d["ln1"], g["qkvw"], g["qkvb"], d["qkv"], s["ln1"], w["qkvw"])
+                             s["ln2_rstd"], overwrite=(False, True, True))
+        L.residual_backward(d["x"], self.tmp, d["res2"], overwrite=True)
+        M.matmul_backward(d["atty"], g["attprojw"], g["attprojb"], self.tmp, s["atty"], w["attprojw"],
+                          overwrite=True)
+        A.attention_backward(d["qkv"], d["atty"], s["qkv"], s["atty"], s["att_lse"], self.nh, overwrite=True)
+        M.matmul_backward(d["ln1"], g["qkvw"], g["qkvb"], d["qkv"], s["ln1"], w["qkvw"], overwrite=True)
         L.layernorm_backward(d["x"], g["ln1w"], g["ln1b"], d["ln1"], self.x, w["ln1w"], s["ln1_mean"],
-                             s["ln1_rstd"])
+                             s["ln1_rstd"], overwrite=(False, True, True))
 
     def step(self):
         self.forward()
@@ -107,7 +126,9 @@ def block_time_checks(profile, repeats):
     for blk in blocks.values():
         blk.step()
     samples = {cfg: [] for cfg in HELD_OUT}
-    for _ in range(repeats):
+    # three times the step's repeats: a block takes 16-120 ms, and on the shared VMs the
+    # median of 7 of the 64-token block moved 15% between runs (of 21: 5%)
+    for _ in range(3 * repeats):
         for cfg, blk in blocks.items():
             t0 = time.perf_counter()
             blk.step()
@@ -116,7 +137,7 @@ def block_time_checks(profile, repeats):
     for (b, t), times in samples.items():
         measured = float(np.median(times))
         out.append(record(f"block_fwd_bwd_time_B{b}_T{t}", predicted_block_time(GPT2, b, t, profile), measured,
-                          "s", "our kernels, GPT-2 124M block, median of interleaved runs",
+                          "s", f"our kernels, GPT-2 124M block, median of {3 * repeats} interleaved runs",
                           f"held out from calibration configs {list(FULL_CONFIGS)}; "
                           f"spread {min(times):.4g}..{max(times):.4g} s"))
     return out
@@ -135,8 +156,8 @@ def block_rss_growth(b, t):
     proc = psutil.Process()
     # A first forward of the same shape: the OpenMP threads' stacks and the kernels' packing
     # and per-thread scratch are the runtime's, not the block's (freed arrays are unmapped).
-    Block(GPT2, b, t, np.random.default_rng(0)).forward()
-    blk = Block(GPT2, b, t, np.random.default_rng(1))
+    Block(GPT2, b, t, np.random.default_rng(0), aligned=False).forward()
+    blk = Block(GPT2, b, t, np.random.default_rng(1), aligned=False)
     # np.zeros maps pages lazily: the forward's first writes are what RSS sees grow.  The
     # block's input x (saved by the first layernorm) was written at construction.
     rss0 = proc.memory_info().rss
@@ -245,8 +266,9 @@ def main(argv=None):
         step_child(*map(int, args.step_child.split(",")), args.repeats)
         return 0
     profile = load_profile(args.profile)
-    from kernels import threads
+    from kernels import _openmp, threads
     threads.set_num_threads(profile.threads or None)
+    _openmp.set_malloc_retention()      # the block's kernels as calibration and training run them
     records = published_checks()
     records += block_time_checks(profile, args.repeats)
     records += block_memory_checks(4, 128)

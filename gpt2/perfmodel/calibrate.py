@@ -85,7 +85,7 @@ def measure_peak(size, repeats):
     from kernels.gemm import gemm_rowmajor
     rng = np.random.default_rng(0)
     a, b = _random(rng, size, size), _random(rng, size, size)
-    c = np.empty_like(a)
+    c = _array(a.shape)
     t = median_times({"peak": lambda: gemm_rowmajor(c, a, b, trans_b=True)}, repeats)["peak"]
     return 2.0 * size ** 3 / t
 
@@ -101,10 +101,10 @@ def measure_bf16_peak(size, repeats):
         return None
     rng = np.random.default_rng(0)
     a, b = _random(rng, size, size), _random(rng, size, size)
-    ab, bb = np.empty(a.shape, np.uint16), np.empty(b.shape, np.uint16)
+    ab, bb = _array(a.shape, np.uint16), _array(b.shape, np.uint16)
     bf16.to_bf16(ab, a)
     bf16.to_bf16(bb, b)
-    c = np.empty_like(a)
+    c = _array(a.shape)
     t = median_times({"peak": lambda: bf16.matmul_forward_bf16(c, ab, bb, None)}, repeats)["peak"]
     return 2.0 * size ** 3 / t
 
@@ -124,11 +124,26 @@ def measure_physical_peak(threads, seconds, repeats):
     return flops, figures
 
 
+def _array(shape, dtype=np.float32, fill=None):
+    """A 64-byte aligned array (adtape.buffers, numpy's where adtape is not built), as the
+    training's arenas and buffers are, filled with ``fill`` where given.  With numpy's own
+    16-byte alignment a GPT-2 block's kernels took 20.4 ms against 15.5 aligned at
+    B=2, T=32 (Zen 4, 2 threads), and the products measured here were the slower ones."""
+    try:
+        from adtape import buffers
+        out = buffers.empty(tuple(shape), dtype)
+    except ImportError:
+        out = np.empty(shape, dtype)
+    if fill is not None:
+        out[...] = fill
+    return out
+
+
 def _random(rng, *shape):
     """A float32 array of standard normal values at the speed of a copy: one random block of
     64 Ki values repeated (the timings need values that are not constant, not independent
-    ones, and drawing hundreds of millions would take seconds)."""
-    out = np.empty(shape, np.float32)
+    ones, and drawing hundreds of millions would take seconds); aligned (``_array``)."""
+    out = _array(shape)
     flat = out.reshape(-1)
     block = rng.standard_normal(min(1 << 16, flat.size), dtype=np.float32)
     whole = flat.size - flat.size % block.size
@@ -143,14 +158,14 @@ def _gemm_task(variant, rows, fan_in, fan_out, rng):
     from kernels.gemm import gemm_rowmajor
     if variant == "fwd":
         inp, weight = _random(rng, rows, fan_in), _random(rng, fan_out, fan_in)
-        out = np.empty((rows, fan_out), np.float32)
+        out = _array((rows, fan_out))
         return lambda: gemm_rowmajor(out, inp, weight, trans_b=True)
     if variant == "bwd_input":
         dout, weight = _random(rng, rows, fan_out), _random(rng, fan_out, fan_in)
-        dinp = np.empty((rows, fan_in), np.float32)
+        dinp = _array((rows, fan_in))
         return lambda: gemm_rowmajor(dinp, dout, weight)
     dout, inp = _random(rng, rows, fan_out), _random(rng, rows, fan_in)
-    dweight = np.empty((fan_out, fan_in), np.float32)
+    dweight = _array((fan_out, fan_in))
     return lambda: gemm_rowmajor(dweight, dout, inp, trans_a=True)
 
 
@@ -217,8 +232,8 @@ def measure_memory(sizes, repeats, threads=1):
     tasks = {}
     with ThreadPoolExecutor(threads) as pool:
         for n in sizes:
-            src = np.ones(n // 4, np.float32)
-            dst = np.empty_like(src)
+            src = _array((n // 4,), fill=1.0)
+            dst = _array((n // 4,))
             if n < PARALLEL_COPY_MIN or threads == 1:
                 tasks[n] = (lambda s=src, d=dst: np.copyto(d, s))
             else:
@@ -272,14 +287,14 @@ def _kernel_tasks(spec, b, t, rng):
     from kernels import layers
     C, N, F, nh = spec.n_embd, b * t, spec.ffn_hidden, spec.n_head
     f = lambda *shape: _random(rng, *shape)   # noqa: E731
-    x, y, dx = f(b, t, C), np.empty((b, t, C), np.float32), f(b, t, C)
-    w, bias, dw, db = f(C), f(C), np.zeros(C, np.float32), np.zeros(C, np.float32)
-    mean, rstd = np.empty((b, t), np.float32), np.empty((b, t), np.float32)
+    x, y, dx = f(b, t, C), _array((b, t, C)), f(b, t, C)
+    w, bias, dw, db = f(C), f(C), _array((C,), fill=0.0), _array((C,), fill=0.0)
+    mean, rstd = _array((b, t)), _array((b, t))
     layers.layernorm_forward(y, mean, rstd, x, w, bias)
-    h, hy, dh = f(b, t, F), np.empty((b, t, F), np.float32), f(b, t, F)
+    h, hy, dh = f(b, t, F), _array((b, t, F)), f(b, t, F)
     ids = rng.integers(0, spec.vocab_size, (b, t), dtype=np.int32)
     wte, wpe = f(spec.padded_vocab, C), f(spec.block_size, C)
-    dwte, dwpe = np.zeros_like(wte), np.zeros_like(wpe)
+    dwte, dwpe = _array(wte.shape, fill=0.0), _array(wpe.shape, fill=0.0)
     tasks = {
         ("ln1", "fwd"): lambda: layers.layernorm_forward(y, mean, rstd, x, w, bias),
         ("ln1", "bwd"): lambda: layers.layernorm_backward(dx, dw, db, y, x, w, mean, rstd),
@@ -292,8 +307,9 @@ def _kernel_tasks(spec, b, t, rng):
     }
     try:
         from kernels import attention
-        qkv, dqkv = f(b, t, 3 * C) * 0.1, np.zeros((b, t, 3 * C), np.float32)
-        att_lse, out = np.empty((b, nh, t), np.float32), np.empty((b, t, C), np.float32)
+        qkv, dqkv = f(b, t, 3 * C), _array((b, t, 3 * C), fill=0.0)
+        qkv *= np.float32(0.1)
+        att_lse, out = _array((b, nh, t)), _array((b, t, C))
         attention.attention_forward(out, att_lse, qkv, nh)
         tasks[("attention", "fwd")] = lambda: attention.attention_forward(out, att_lse, qkv, nh)
         tasks[("attention", "bwd")] = lambda: attention.attention_backward(dqkv, x, qkv, out,
@@ -303,9 +319,8 @@ def _kernel_tasks(spec, b, t, rng):
     try:
         from kernels import loss
         V, Vp = spec.vocab_size, spec.padded_vocab
-        logits, dlogits = f(b, t, Vp), np.zeros((b, t, Vp), np.float32)
-        losses, lse, dlosses = np.empty((b, t), np.float32), np.empty((b, t), np.float32), np.full(
-            (b, t), 1.0 / N, np.float32)
+        logits, dlogits = f(b, t, Vp), _array((b, t, Vp), fill=0.0)
+        losses, lse, dlosses = _array((b, t)), _array((b, t)), _array((b, t), fill=1.0 / N)
         tasks[("loss", "fwd")] = lambda: loss.softmax_crossentropy_forward(losses, lse, logits, ids, V)
         tasks[("loss", "bwd")] = lambda: loss.softmax_crossentropy_backward(dlogits, dlosses, logits, lse, ids, V)
         loss.softmax_crossentropy_forward(losses, lse, logits, ids, V)
@@ -322,7 +337,7 @@ def _optimizer_tasks(spec, rng):
     n = spec.num_parameters()
     p, g = _random(rng, n), _random(rng, n)
     g *= np.float32(1e-3)
-    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    m, v = _array((n,), fill=0.0), _array((n,), fill=0.0)
     return {("adamw", "optim"): lambda: optim.adamw_step(p, g, m, v, 1, 1e-4, weight_decay=0.1)}, n
 
 
@@ -619,6 +634,14 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress):
     import psutil
     settings = QUICK if quick else FULL
     spec = spec or GPT2_124M
+    # The allocator as training sets it (gpt2.tape_engine, gpt2.train): freed blocks kept
+    # for reuse.  With glibc's defaults the products' scratch (a 64-row input gradient's
+    # per-thread buffers) was mapped and faulted in afresh at each call as the shapes
+    # took turns: Zen 4, 2 threads, 64 x 768 x 2304 dout @ W measured 127 GFLOP/s
+    # interleaved against 170 with the training's setting, and the step at (1, 64) was
+    # predicted 412 ms against 340 measured.
+    from kernels import _openmp
+    _openmp.set_malloc_retention()
     configs = tuple(configs or settings["configs"])
     repeats = repeats or settings["repeats"]
     progress("peak")
