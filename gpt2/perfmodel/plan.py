@@ -66,8 +66,8 @@ HUGE_BYTES = 1 << 62
 # with the moments on disk: 1866.7 MiB against 1776.7 predicted (+5.1%, 90 MiB).
 MARGIN_FRACTION = 0.05
 MARGIN_BYTES = 16 << 20
-# glibc's M_MMAP_THRESHOLD as kernels._openmp.set_malloc_retention sets it.
-MMAP_THRESHOLD_BYTES = 256 << 20
+# glibc's M_MMAP_THRESHOLD as kernels._openmp.set_malloc_retention sets it by default.
+MMAP_THRESHOLD_BYTES = 1 << 30
 # Tape budgets listed beside the largest one that fits: these shares of the activations.
 BUDGET_SHARES = (2, 4, 8)
 # Offloaded AdamW moments (gpt2.offload; what they hold in RAM: gpt2.state.planned_nbytes):
@@ -260,7 +260,7 @@ class _Accounting:
     its mmap threshold from the heap and, with the engine's malloc retention, keeps
     what they free for the next allocation: the heap stays at the most it held at any
     moment of the step (its high water), also while other arrays peak.  Arrays above
-    the threshold (the logits and their gradient past ~1300 tokens at GPT-2's
+    the threshold (the logits and their gradient past ~5300 tokens at GPT-2's
     vocabulary) are mapped and unmapped.  So the step peaks at the loss's backward -
     the logits' gradient mapped - on top of the heap's high water, wherever in the
     step that was (measured with /proc/self/smaps and mallinfo2 at the peak; against

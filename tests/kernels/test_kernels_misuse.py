@@ -452,6 +452,37 @@ def test_the_cap_itself_runs():
     assert run.returncode == 0, run.stderr
 
 
+def test_malloc_retention_keeps_large_buffers_for_the_next_step():
+    # Two 300 MB arrays written, freed and allocated again (a Llama head's logits and
+    # their gradient, step after step): with the retention set they come back from the
+    # heap, no page faulted in again (past a 256 MiB mmap threshold each was mapped
+    # afresh, ~150 k faults a round, and on a VM a host fault each).  In a child: the
+    # setting is process-wide.
+    run = _child("import resource\n"
+                 "from adtape import buffers\n"
+                 "from kernels import _openmp\n"
+                 "assert _openmp.malloc_mmap_threshold() is None\n"
+                 "assert _openmp.set_malloc_retention()\n"
+                 "assert _openmp.malloc_mmap_threshold() == 1 << 30\n"
+                 "def round_():\n"
+                 "    a = buffers.empty(75 << 20); a[...] = 1.0\n"
+                 "    b = buffers.empty(75 << 20); b[...] = 2.0\n"
+                 "    del a, b\n"
+                 "round_()\n"
+                 "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+                 "round_(); round_()\n"
+                 "faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before\n"
+                 "assert faults < 1000, faults\n"
+                 "for bad in (-1, 1 << 31):\n"
+                 "    try:\n"
+                 "        _openmp.set_malloc_retention(bad)\n"
+                 "    except ValueError as e:\n"
+                 "        assert 'nbytes must lie in' in str(e)\n"
+                 "    else:\n"
+                 "        raise AssertionError(bad)\n")
+    assert run.returncode == 0, run.stderr
+
+
 # --------------------------------------------------------------------------- item 9
 
 def case_read_only(name, twin, output):
