@@ -339,6 +339,12 @@ def random_batch(config, B, T, seed):
             np.ascontiguousarray(tokens[:, 1:], dtype=np.int32))
 
 
+def fits(need):
+    """Whether ``need`` bytes with the margin fit in the memory available now."""
+    import psutil
+    return need * MEMORY_MARGIN <= psutil.virtual_memory().available
+
+
 def too_big(result, need, what):
     """Record the estimate; True (with the reason in ``result``) when ``need`` bytes
     with the margin do not fit in the memory available now."""
@@ -390,14 +396,32 @@ def bf16_sides(args, torch, ours, baseline, step_ours, t_inputs, t_targets):
                                                       autocast=torch.bfloat16)}
 
 
-def check_bf16_losses(warm_loss, reference):
-    """The bf16 sides' first-step losses against the float32 ``reference`` side's."""
+def check_bf16_losses(warm_loss, reference, shared_refs=None):
+    """The bf16 sides' first-step losses against the float32 ``reference`` side's, or
+    where they train the float32 sides' models (``shared_refs``: {side: the float32 loss
+    of the weights its warm-up step started from}) against those."""
     for s in BF16_SIDES:
-        if s in warm_loss and (abs(warm_loss[s] - warm_loss[reference])
-                               > BF16_LOSS_TOLERANCE * abs(warm_loss[reference])):
+        if s not in warm_loss:
+            continue
+        if shared_refs:
+            ref, name = shared_refs[s], "the float32 loss of the same weights"
+        else:
+            ref, name = warm_loss[reference], f"{reference}'s"
+        if abs(warm_loss[s] - ref) > BF16_LOSS_TOLERANCE * abs(ref):
             raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
-                               f"{reference}'s ({warm_loss[reference]:.6f}) by more than "
-                               f"{BF16_LOSS_TOLERANCE:.0%}")
+                               f"{name} ({ref:.6f}) by more than {BF16_LOSS_TOLERANCE:.0%}")
+
+
+def warm_up(steps, sides, shared_refs):
+    """{side: its first (untimed) step's loss}, and where ``shared_refs`` is {side:
+    callable} (the bf16 sides train the float32 sides' models) {side: the float32 loss
+    of the weights that side's step starts from}, each taken just before it."""
+    warm, refs = {}, {}
+    for s in sides:
+        if s in shared_refs:
+            refs[s] = shared_refs[s]()
+        warm[s] = steps[s]()
+    return warm, refs
 
 
 def run_step_worker(args):
@@ -418,8 +442,17 @@ def run_step_worker(args):
     both = args.precision == "both"
     result = {"B": B, "T": T, "ftz": ftz, "threads": n, "engines": engines,
               "precision": args.precision}
-    if too_big(result, memory_estimate(config, B, T, engines + ["bf16"] * both, 1 + both),
-               f"{len(engines) + both} model(s) of ours + {1 + both} of PyTorch"):
+    need = memory_estimate(config, B, T, engines + ["bf16"] * both, 1 + both)
+    what = f"{len(engines) + both} model(s) of ours + {1 + both} of PyTorch"
+    # Where five models do not fit (GPT-2 (4, 1024): 28 GiB), the bf16 sides train the
+    # float32 sides' models (ours bf16 the tape engine's, autocast PyTorch's, with an
+    # optimizer of its own): the same work per step, in one run.
+    shared = both and not fits(need) and fits(memory_estimate(config, B, T, engines, 1))
+    if shared:
+        need = memory_estimate(config, B, T, engines, 1)
+        what = f"{len(engines)} model(s) of ours + 1 of PyTorch, shared by the bf16 sides"
+    result["shared_models"] = shared
+    if too_big(result, need, what):
         return result
     result["flush_check_before"] = check_flush(ftz, torch)
 
@@ -439,15 +472,21 @@ def run_step_worker(args):
              for e in engines}
     steps["torch"] = lambda: torch_gpt2.train_step(t_model, t_opt, t_inputs, t_targets)
     if both:
-        models["bf16"] = GPT2(config, seed=args.seed)
+        if not shared:
+            models["bf16"] = GPT2(config, seed=args.seed)
         steps.update(bf16_sides(
-            args, torch, models["bf16"], torch_gpt2.build_model(config, first.params),
+            args, torch, first if shared else models["bf16"],
+            t_model if shared else torch_gpt2.build_model(config, first.params),
             lambda m: m.train_step(inputs, targets, LR, weight_decay=args.weight_decay,
                                    grad_clip=None)[0], t_inputs, t_targets))
     sides = list(steps)
 
-    warm_loss = {s: steps[s]() for s in sides}
-    check_bf16_losses(warm_loss, "torch")
+    shared_refs = {}
+    if shared:
+        shared_refs = {"bf16": lambda: first.forward(inputs, targets, logits=False)[1],
+                       "autocast": lambda: torch_gpt2.forward(t_model, inputs, targets)[1]}
+    warm_loss, refs = warm_up(steps, sides, shared_refs)
+    check_bf16_losses(warm_loss, "torch", refs)
     for s in engines:
         if abs(warm_loss[s] - warm_loss["torch"]) > 1e-3 * abs(warm_loss["torch"]):
             raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
@@ -481,11 +520,20 @@ def run_llama_worker(args):
     from gpt2.model import GPT2
 
     config = model_config(args.model)
-    sides = list(LLAMA_SIDES) + (list(BF16_SIDES) if args.precision == "both" else [])
+    both = args.precision == "both"
+    sides = list(LLAMA_SIDES) + (list(BF16_SIDES) if both else [])
     result = {"model": args.model, "B": B, "T": T, "ftz": ftz, "threads": n, "sides": sides,
               "precision": args.precision}
-    if too_big(result, llama_memory_estimate(config, B, T, len(sides)),
-               f"{len(sides)} sides' model states, one side's activations"):
+    # Where every side's model does not fit, the bf16 sides train the float32 sides'
+    # (ours bf16 ours', autocast PyTorch eager's, with an optimizer of its own).
+    models = len(sides)
+    shared = (both and not fits(llama_memory_estimate(config, B, T, models))
+              and fits(llama_memory_estimate(config, B, T, len(LLAMA_SIDES))))
+    if shared:
+        models = len(LLAMA_SIDES)
+    result["shared_models"] = shared
+    if too_big(result, llama_memory_estimate(config, B, T, models),
+               f"{models} sides' model states, one side's activations"):
         return result
     result["flush_check_before"] = check_flush(ftz, torch)
 
@@ -503,21 +551,26 @@ def run_llama_worker(args):
     for s in baselines:
         steps[s] = (lambda m=baselines[s], o=optimizers[s]:
                     torch_gpt2.train_step(m, o, t_inputs, t_targets))
-    if args.precision == "both":
-        model_bf16 = GPT2(config, seed=args.seed)
+    if both:
+        model_bf16 = model if shared else GPT2(config, seed=args.seed)
         steps.update(bf16_sides(
-            args, torch, model_bf16, torch_llama.build_model(config, model.params),
+            args, torch, model_bf16,
+            baselines["torch"] if shared else torch_llama.build_model(config, model.params),
             lambda m: m.train_step(inputs, targets, LR, weight_decay=args.weight_decay)[0],
             t_inputs, t_targets))
 
     # The warm-up step is the first step of each side from the same weights: the
     # same maths gives the same loss, to float32 rounding.
-    warm_loss, rss = {}, {}
+    warm_loss, rss, refs = {}, {}, {}
     for s in sides:
+        if shared and s == "bf16":
+            refs[s] = model.forward(inputs, targets, logits=False)[1]
+        elif shared and s == "autocast":
+            refs[s] = torch_gpt2.forward(baselines["torch"], inputs, targets)[1]
         with RssSampler(interval=0.005) as sampler:
             warm_loss[s] = steps[s]()
         rss[s] = {"before": sampler.before, "peak": sampler.peak}
-    check_bf16_losses(warm_loss, "tape")
+    check_bf16_losses(warm_loss, "tape", refs)
     for s in LLAMA_SIDES[1:]:
         if abs(warm_loss[s] - warm_loss["tape"]) > LLAMA_LOSS_TOLERANCE:
             raise RuntimeError(f"first-step loss of {s} ({warm_loss[s]:.6f}) differs from "
@@ -528,7 +581,7 @@ def run_llama_worker(args):
     result["warmup_rss_bytes"] = rss
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model.close()
-    if args.precision == "both":
+    if both and not shared:
         model_bf16.close()
     return result
 
@@ -631,7 +684,9 @@ def bf16_fields(raw, flops, limits, torch_side, ours_side):
             "autocast_over_ours_paired": paired("autocast", ours_side),
             "ours_over_bf16_paired": paired(ours_side, "bf16"),
             "bf16_first_step_loss": raw["warmup_loss"]["bf16"],
-            "autocast_first_step_loss": raw["warmup_loss"]["autocast"]}
+            "autocast_first_step_loss": raw["warmup_loss"]["autocast"],
+            # the bf16 sides trained the float32 sides' models (memory)
+            "shared_models": bool(raw.get("shared_models"))}
 
 
 def summarize_llama(raw, config, limits):
@@ -664,9 +719,10 @@ def summarize_llama(raw, config, limits):
         "first_step_loss": warm,
         "first_step_loss_max_diff": max(abs(warm[s] - warm["tape"]) for s in LLAMA_SIDES),
         # Each side's own losses over the timed steps (the same batch again and again):
-        # how far the three trajectories drift apart after a few AdamW updates.
-        "timed_loss_max_diff": max(abs(a - b) for s in LLAMA_SIDES[1:]
-                                   for a, b in zip(raw["loss"][s], raw["loss"]["tape"])),
+        # how far the three trajectories drift apart after a few AdamW updates (None
+        # where the bf16 sides also trained the models: two updates a round).
+        "timed_loss_max_diff": None if raw.get("shared_models") else max(
+            abs(a - b) for s in LLAMA_SIDES[1:] for a, b in zip(raw["loss"][s], raw["loss"]["tape"])),
         "peak_rss_bytes": raw["peak_rss_bytes"],
         "warmup_peak_rss_bytes": {s: v["peak"] for s, v in raw["warmup_rss_bytes"].items()},
     })
@@ -709,7 +765,8 @@ def print_bf16_table(records):
               f"{r['autocast_ms']:>11.1f} {r['torch_over_bf16_paired']:>9.2f}x "
               f"{r['autocast_over_bf16_paired']:>9.2f}x {r['autocast_over_ours_paired']:>9.2f}x "
               f"{r['ours_over_bf16_paired']:>8.2f}x {r['bf16_gflops']:>8.1f} "
-              f"{100 * r['bf16_share']:>9.1f}%")
+              f"{100 * r['bf16_share']:>9.1f}%"
+              + ("  (bf16 sides on the fp32 sides' models)" if r.get("shared_models") else ""))
 
 
 def print_table_llama(records, skipped):
@@ -909,9 +966,10 @@ def main(argv=None):
                 ratios = [r[f"{s}_over_ours_paired"] for r in recs]
                 print(f"FTZ {'on' if ftz else 'off'}: {s} time / ours (paired) "
                       f"{min(ratios):.2f}x to {max(ratios):.2f}x")
+            drift = [r["timed_loss_max_diff"] for r in recs if r["timed_loss_max_diff"] is not None]
             print(f"  first-step losses agree within "
-                  f"{max(r['first_step_loss_max_diff'] for r in recs):.1e}; timed steps "
-                  f"within {max(r['timed_loss_max_diff'] for r in recs):.1e}")
+                  f"{max(r['first_step_loss_max_diff'] for r in recs):.1e}"
+                  + (f"; timed steps within {max(drift):.1e}" if drift else ""))
             continue
         engine = recs[0]["ours_engine"]
         met = [r for r in recs if r["speedup"] >= TARGET_SPEEDUP]

@@ -21,6 +21,7 @@ every test on the native path as well, and checks it against the twin bit for bi
 with AMX-BF16 runs them on the AMX path too (its tiles sum a pair's two products in
 another order than VDPBF16PS: the bound, not the twin's bits, is its check).
 """
+import contextlib
 import pathlib
 import subprocess
 import sys
@@ -363,30 +364,49 @@ def test_products_in_chunks_give_the_same_bits(packed, N, C, OC):
         bf16._set_task_tiles(48, 0)
 
 
+@contextlib.contextmanager
+def kernel_modes(plain=None, layout=None):
+    """The packing's plain loops (``plain``) and the forward's layout (``layout``) set
+    for the block, restored after."""
+    setters = [(bf16._set_plain_transposes, plain), (bf16._set_forward_layout, layout)]
+    previous = [(setter, setter(value)) for setter, value in setters if value is not None]
+    try:
+        yield
+    finally:
+        for setter, value in previous:
+            setter(value)
+
+
+def assert_same_bits_in_modes(packed, shapes, seed, modes, products):
+    """``products(xb, wb, bias, dout)`` on path ``packed`` under each of ``modes``
+    (kernel_modes' arguments) gives the same bits, for every (N, C, OC) of ``shapes``."""
+    rng = np.random.default_rng(seed)
+    old = bf16.set_bf16_path(packed)
+    try:
+        for N, C, OC in shapes:
+            args = operands(rng, (N,), C, OC)
+            runs = []
+            for mode in modes:
+                with kernel_modes(**mode):
+                    runs.append(products(*args))
+            for run in runs[1:]:
+                for a, b in zip(runs[0], run):
+                    np.testing.assert_array_equal(a, b)
+    finally:
+        bf16.set_bf16_path(old)
+
+
 @pytest.mark.parametrize("packed", packed_paths())
 def test_layouts_by_plain_loops_give_the_same_bits(packed):
     # The packing transposes 16 x 16 blocks of pairs in AVX-512 registers where the CPU
     # has it, with plain loops elsewhere (and for the twins on CPUs without it): the
     # same layout.  Deep narrow B (its pack cut by depth, an odd depth), whole and
     # partial blocks of 16 columns and of 32 rows of dout^T.
-    shapes = [(40, 2049, 70), (97, 1024, 48), (64, 768, 96), (1100, 96, 40), (33, 32, 33)]
-    rng = np.random.default_rng(11)
-    old = bf16.set_bf16_path(packed)
-    try:
-        for N, C, OC in shapes:
-            xb, wb, bias, dout = operands(rng, (N,), C, OC)
-            runs = []
-            for plain in (False, True):
-                previous = bf16._set_plain_transposes(plain)
-                try:
-                    runs.append((forward_check(xb, wb, bias),)
-                                + backward_check(xb, wb, dout, prefill=1.0))
-                finally:
-                    bf16._set_plain_transposes(previous)
-            for a, b in zip(*runs):
-                np.testing.assert_array_equal(a, b)
-    finally:
-        bf16.set_bf16_path(old)
+    assert_same_bits_in_modes(
+        packed, [(40, 2049, 70), (97, 1024, 48), (64, 768, 96), (1100, 96, 40), (33, 32, 33)],
+        11, [{"plain": False}, {"plain": True}],
+        lambda xb, wb, bias, dout: ((forward_check(xb, wb, bias),)
+                                    + backward_check(xb, wb, dout, prefill=1.0)))
 
 
 @pytest.mark.parametrize("packed", packed_paths())
@@ -395,28 +415,12 @@ def test_forward_layouts_give_the_same_bits(packed):
     # rows read in place, the tiles stored transposed with a per-row bias): the same
     # sums, the same bits as out = x W^T, whole and edge tiles, with and without bias,
     # in registers and in plain loops.  The AMX paths ignore the setting.
-    shapes = [(64, 768, 300), (37, 64, 100), (1, 32, 40), (300, 96, 3000), (33, 64, 33),
-              (100, 1024, 2048)]
-    rng = np.random.default_rng(12)
-    old = bf16.set_bf16_path(packed)
-    try:
-        for N, C, OC in shapes:
-            xb, wb, bias, _ = operands(rng, (N,), C, OC)
-            runs = []
-            for layout in ("x_wt", "w_xt", "auto"):
-                for plain in (False, True):
-                    previous = (bf16._set_forward_layout(layout),
-                                bf16._set_plain_transposes(plain))
-                    try:
-                        runs.append((forward_check(xb, wb, bias), forward_check(xb, wb, None)))
-                    finally:
-                        bf16._set_forward_layout(previous[0])
-                        bf16._set_plain_transposes(previous[1])
-            for run in runs[1:]:
-                for a, b in zip(runs[0], run):
-                    np.testing.assert_array_equal(a, b)
-    finally:
-        bf16.set_bf16_path(old)
+    assert_same_bits_in_modes(
+        packed, [(64, 768, 300), (37, 64, 100), (1, 32, 40), (300, 96, 3000), (33, 64, 33),
+                 (100, 1024, 2048)],
+        12, [{"layout": layout, "plain": plain} for layout in ("x_wt", "w_xt", "auto")
+             for plain in (False, True)],
+        lambda xb, wb, bias, dout: (forward_check(xb, wb, bias), forward_check(xb, wb, None)))
     with pytest.raises(ValueError, match="layout must be one of"):
         bf16._set_forward_layout("wx")
 
