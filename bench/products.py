@@ -8,7 +8,10 @@ Every linear layer of the model (GPT-2: qkv, attention projection, fc, fc projec
 and the tied LM head; a Llama preset: q|k|v, o, gate|up, down and the head) at B*T =
 each of --tokens rows, three products each: the forward (out = x @ w.T, kernels.matmul
 or kernels.bf16), the weight gradient (dw = g.T @ x) and the whole backward (dx = g @ w
-and dw together, the call a step makes: 4*M*N*K FLOPs).  A product's rate is its FLOPs
+and dw together, the call a step makes: 4*M*N*K FLOPs).  As in a step, each product
+reads its weight from memory: the calls take the layers' n_layer weights in turn (the
+head's one; with one weight reused, the 64-row products ran from the cache).  A
+product's rate is its FLOPs
 (2*M*N*K each) over the median (--stat best: the least) of --reps timings after one warm
 call; --rounds R runs the whole table R times and keeps each product's best (--stat
 median: median) of the rounds, since a shared machine's noisy stretches last minutes.
@@ -87,38 +90,50 @@ def seconds(fn, reps, stat="median"):
     return min(times) if stat == "best" else statistics.median(times)
 
 
-def measure(precision, M, K, N, n, reps, rng, stat="median"):
-    """{product: seconds} of one layer at M rows in ``precision``."""
+def measure(precision, M, K, N, n, reps, rng, stat="median", copies=1):
+    """{product: seconds} of one layer at M rows in ``precision``: each call takes the
+    next of ``copies`` weights in turn (a step's layers: each product reads its weight
+    from memory, not from the cache the previous call left it in)."""
+    import itertools
+
     import numpy as np
     from adtape import buffers
     from scipy.linalg.blas import sgemm
     from threadpoolctl import threadpool_limits
 
     from kernels import bf16, matmul
-    x, w, g = buffers.empty((M, K)), buffers.empty((N, K)), buffers.empty((M, N))
+    x, g = buffers.empty((M, K)), buffers.empty((M, N))
     x[...] = rng.standard_normal((M, K), dtype=np.float32)
-    w[...] = rng.standard_normal((N, K), dtype=np.float32) * 0.02
     g[...] = rng.standard_normal((M, N), dtype=np.float32) * 1e-3
+    weights = []
+    for _ in range(copies):
+        w = buffers.empty((N, K))
+        w[...] = rng.standard_normal((N, K), dtype=np.float32) * 0.02
+        weights.append(w)
     out, dx, dw = buffers.empty((M, N)), buffers.empty((M, K)), buffers.empty((N, K))
     if precision == "fp32":
         fwd, bwd = matmul.matmul_forward, matmul.matmul_backward
-        xs, ws, conv = x, w, None
+        xs, ws, conv = x, weights, None
     else:
-        xs, ws = buffers.empty((M, K), np.uint16), buffers.empty((N, K), np.uint16)
+        xs, ws = buffers.empty((M, K), np.uint16), []
         bf16.to_bf16(xs, x, n_threads=n)
-        bf16.to_bf16(ws, w, n_threads=n)
+        for w in weights:
+            ws.append(buffers.empty((N, K), np.uint16))
+            bf16.to_bf16(ws[-1], w, n_threads=n)
         fwd, bwd = bf16.matmul_forward_bf16, bf16.matmul_backward_bf16
         conv = seconds(lambda: bf16.to_bf16(xs, x, n_threads=n), reps, stat)
-    t = {"forward": seconds(lambda: fwd(out, xs, ws, None, n_threads=n), reps, stat)}
-    t["dw"] = seconds(lambda: bwd(None, dw, None, g, xs, ws, overwrite=True, n_threads=n),
-                      reps, stat)
-    both = seconds(lambda: bwd(dx, dw, None, g, xs, ws, overwrite=True, n_threads=n), reps,
-                   stat)
+    turn, fp32_turn = itertools.cycle(ws), itertools.cycle(weights)
+    t = {"forward": seconds(lambda: fwd(out, xs, next(turn), None, n_threads=n), reps, stat)}
+    t["dw"] = seconds(lambda: bwd(None, dw, None, g, xs, next(turn), overwrite=True,
+                                  n_threads=n), reps, stat)
+    both = seconds(lambda: bwd(dx, dw, None, g, xs, next(turn), overwrite=True, n_threads=n),
+                   reps, stat)
     t["backward"] = both
     # SciPy's sgemm of out.T = w @ x.T in Fortran order: the same memory, no copies; on
     # n threads of BLAS's own (the kernels keep it at one, kernels.threads).
     with threadpool_limits(n, user_api="blas"):
-        t["blas_forward"] = seconds(lambda: sgemm(1.0, w.T, x.T, trans_a=True), reps, stat)
+        t["blas_forward"] = seconds(lambda: sgemm(1.0, next(fp32_turn).T, x.T, trans_a=True),
+                                    reps, stat)
     return t, conv
 
 
@@ -183,7 +198,8 @@ def main(argv=None):
         for precision in precisions:
             for M in args.tokens:
                 for name, K, N in layers(config):
-                    t, conv = measure(precision, M, K, N, n, args.reps, rng, args.stat)
+                    t, conv = measure(precision, M, K, N, n, args.reps, rng, args.stat,
+                                      1 if name == "head" else config.n_layer)
                     timings.setdefault((precision, M, name), []).append((t, conv))
                     print(row(record(args.model, precision, name, M, K, N, n, t, conv,
                                      limit[precision])), flush=True)
