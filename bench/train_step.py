@@ -61,6 +61,7 @@ The peak RSS of the worker during each side's warm-up step is recorded.  Records
 train_step.json beside GPT-2's; the raw data and plot to train_step_<preset>_raw.json, .png.
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -349,10 +350,10 @@ def too_big(result, need, what):
     """Record the estimate; True (with the reason in ``result``) when ``need`` bytes
     with the margin do not fit in the memory available now."""
     import psutil
-    available = psutil.virtual_memory().available
     result["memory_estimate_bytes"] = int(need)
-    if need * MEMORY_MARGIN <= available:
+    if fits(need):
         return False
+    available = psutil.virtual_memory().available
     result["skipped"] = (f"needs about {need / GiB:.1f} GiB ({what}), "
                          f"{need * MEMORY_MARGIN / GiB:.1f} GiB with the x{MEMORY_MARGIN} "
                          f"margin; {available / GiB:.1f} GiB available")
@@ -561,15 +562,20 @@ def run_llama_worker(args):
 
     # The warm-up step is the first step of each side from the same weights: the
     # same maths gives the same loss, to float32 rounding.
-    warm_loss, rss, refs = {}, {}, {}
-    for s in sides:
-        if shared and s == "bf16":
-            refs[s] = model.forward(inputs, targets, logits=False)[1]
-        elif shared and s == "autocast":
-            refs[s] = torch_gpt2.forward(baselines["torch"], inputs, targets)[1]
+    rss = {}
+
+    def sampled(s):
         with RssSampler(interval=0.005) as sampler:
-            warm_loss[s] = steps[s]()
+            loss = steps[s]()
         rss[s] = {"before": sampler.before, "peak": sampler.peak}
+        return loss
+    shared_refs = {}
+    if shared:
+        shared_refs = {"bf16": lambda: model.forward(inputs, targets, logits=False)[1],
+                       "autocast": lambda: torch_gpt2.forward(baselines["torch"], inputs,
+                                                              targets)[1]}
+    warm_loss, refs = warm_up({s: functools.partial(sampled, s) for s in sides}, sides,
+                              shared_refs)
     check_bf16_losses(warm_loss, "tape", refs)
     for s in LLAMA_SIDES[1:]:
         if abs(warm_loss[s] - warm_loss["tape"]) > LLAMA_LOSS_TOLERANCE:

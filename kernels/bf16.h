@@ -135,9 +135,7 @@ static int bf16_cpu_native(void) { return 0; }
 
 #define BF_MR 8          /* rows of a tile */
 #define BF_NR 32         /* columns of a tile: two vectors of sixteen */
-#ifndef BF_KC
 #define BF_KC 512        /* depths of a block (256 pairs): a B panel is 32 KiB */
-#endif
 _Static_assert(BF_KC % 2 == 0, "bf16.h: a block holds whole pairs");
 
 typedef uint32_t bf_pairs __attribute__((vector_size(64)));
@@ -180,6 +178,11 @@ static ptrdiff_t bf_sp_tiles[2] = {0, 0};
 /* for the tests (bf16.pyx's _set_plain_transposes): packing's transposes and transposed
    stores in plain loops on any CPU */
 static int bf_sp_plain_transposes = 0;
+/* Whether the transposes run in vector registers: every CPU with a packed path but the
+   twins' elsewhere (AVX-512), unless the tests ask for the plain loops. */
+static inline int bf_sp_vector_transposes(void) {
+    return bf16_cpu_native() && !bf_sp_plain_transposes;
+}
 _Static_assert(BF_NR == 32 && BF_KB % BF_AMX_KP == 0,
                "bf16.h: the blocks must hold whole AMX tiles");
 
@@ -330,7 +333,7 @@ static void bf_store_trans8(const float* t, float* c, ptrdiff_t ldc, int add,
 static void bf_sp_store_trans(const float* t, float* c, ptrdiff_t ldc, int add,
                               const float* bias, ptrdiff_t mr, ptrdiff_t nr) {
 #if BF_HAVE_NATIVE
-    if (mr == BF_MR && nr == BF_NR && bf16_cpu_native() && !bf_sp_plain_transposes) {
+    if (mr == BF_MR && nr == BF_NR && bf_sp_vector_transposes()) {
         bf_store_trans8(t, c, ldc, add, bias);
         return;
     }
@@ -433,7 +436,7 @@ static void bf_tr16_avx512(const void* src, ptrdiff_t ss, uint32_t* dst, ptrdiff
    packed path but the twins' elsewhere). */
 static inline void bf_tr16(const void* src, ptrdiff_t ss, uint32_t* dst, ptrdiff_t ds) {
 #if BF_HAVE_NATIVE
-    if (bf16_cpu_native() && !bf_sp_plain_transposes) {
+    if (bf_sp_vector_transposes()) {
         bf_tr16_avx512(src, ss, dst, ds);
         return;
     }
