@@ -9,7 +9,7 @@ registered with ``overwrite=True``: a buffer that holds no gradient yet (a new
 intermediate's, or a leaf's after ``zero_grad(deferred=True)``) is handed over
 uninitialised and the kernel writes it (its ``overwrite`` flag) rather than
 adding into zeros, which saves zeroing it and reading it back.  Everything is
-float32 (the linear layers' products take bf16 operands under
+float32 (the linear layers' and attention's products take bf16 operands under
 ``set_precision("bf16")``); the kernels check shapes and dtypes and name the offending
 argument.
 """
@@ -77,17 +77,19 @@ def _or_scratch(dest, fresh, like):
 # -- precision of the matrix products ---------------------------------------------
 # "fp32": float32 operands.  "bf16": the products take bf16 operands (inputs rounded to
 # nearest even) and sum in float32 (kernels.bf16: VDPBF16PS where the CPU has it,
-# exact widening and fp32 FMAs elsewhere); everything else stays float32.  A linear
-# layer saves its input for the backward in bf16 (half the bytes), the weights' bf16
-# copies are made once per forward pass (``weights_changed`` drops them).
+# exact widening and fp32 FMAs elsewhere), attention's too (kernels.attention's
+# precision="bf16": q, k, v and the probabilities rounded, the softmax float32);
+# everything else stays float32.  A linear layer saves its input for the backward in
+# bf16 (half the bytes), the weights' bf16 copies are made once per forward pass
+# (``weights_changed`` drops them).
 PRECISIONS = ("fp32", "bf16")
 _precision = "fp32"
 _bf16_weights = {}          # id(weight array) -> (weight array, its bf16 copy)
 
 
 def set_precision(name):
-    """Run the linear layers' products in ``name`` ("fp32" or "bf16"); returns the
-    previous one.  Drops the weights' bf16 copies."""
+    """Run the linear layers' and attention's products in ``name`` ("fp32" or "bf16");
+    returns the previous one.  Drops the weights' bf16 copies."""
     global _precision
     if name not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {name!r}")
@@ -299,7 +301,9 @@ def _gelu_linear_bwd(g, dests, fresh, x, weight):
 
 
 def _attention_forward(op, qd, n_head, n_kv_head):
-    """(output, log-sum-exps) of causal attention over a contiguous packed ``qkv``."""
+    """(output, log-sum-exps) of causal attention over a contiguous packed ``qkv``, its
+    products in the current precision (bf16: q, k, v and the probabilities rounded, the
+    softmax in float32; the backward takes the same)."""
     try:
         B, T, n_head, n_kv_head, hs = _attention.attention_shapes(qd, n_head, n_kv_head)
     except ValueError as e:
@@ -308,7 +312,8 @@ def _attention_forward(op, qd, n_head, n_kv_head):
     # Each query's log-sum-exp: with qkv and out, all the backward needs (it
     # recomputes the probabilities), O(T) per head where they are O(T^2).
     lse = _buffers.empty((B, n_head, T))
-    _attention.attention_forward(out, lse, qd, n_head, n_kv_head=n_kv_head)
+    _attention.attention_forward(out, lse, qd, n_head, n_kv_head=n_kv_head,
+                                 precision=_precision)
     return out, lse
 
 
@@ -320,13 +325,14 @@ def attention(qkv, n_head, n_kv_head=None):
     out, lse = _attention_forward("attention", qd, n_head, n_kv_head)
     if _needs_grad(qkv):
         return _record(ATTENTION, out, (qkv,),
-                       (qkv if qd is _data(qkv) else qd, out, lse, n_head, n_kv_head), None)
+                       (qkv if qd is _data(qkv) else qd, out, lse, n_head, n_kv_head,
+                        _precision), None)
     return _constant(out)
 
 
-def _attention_bwd(g, dests, fresh, qkv, out, lse, n_head, n_kv_head):
+def _attention_bwd(g, dests, fresh, qkv, out, lse, n_head, n_kv_head, precision):
     _attention.attention_backward(dests[0], _contiguous(g), qkv, out, lse, n_head,
-                                  n_kv_head=n_kv_head, overwrite=fresh[0])
+                                  n_kv_head=n_kv_head, overwrite=fresh[0], precision=precision)
 
 
 def attention_linear(qkv, n_head, weight, bias=None, n_kv_head=None):
@@ -340,12 +346,12 @@ def attention_linear(qkv, n_head, weight, bias=None, n_kv_head=None):
     _product_forward(out, a, wd, None if bias is None else _data(bias))
     if _needs_grad(qkv, weight, bias):
         return _record(ATTENTION_LINEAR, out, (qkv, weight, bias),
-                       (qkv if qd is _data(qkv) else qd, a, lse, weight, n_head, n_kv_head),
-                       None)
+                       (qkv if qd is _data(qkv) else qd, a, lse, weight, n_head, n_kv_head,
+                        _precision), None)
     return _constant(out)
 
 
-def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head, n_kv_head):
+def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head, n_kv_head, precision):
     da = None if dests[0] is None else _buffers.empty_like(a)
     dw, ow_w = dests[1], fresh[1]
     _product_backward(da, dw, dests[2], _contiguous(g),
@@ -353,7 +359,7 @@ def _attention_linear_bwd(g, dests, fresh, qkv, a, lse, weight, n_head, n_kv_hea
                       weight, (True, ow_w, fresh[2]))
     if da is not None:
         _attention.attention_backward(dests[0], da, qkv, a, lse, n_head, n_kv_head=n_kv_head,
-                                      overwrite=fresh[0])
+                                      overwrite=fresh[0], precision=precision)
 
 
 # The target of a position that takes no loss (padding, a prompt): PyTorch's ignore_index.

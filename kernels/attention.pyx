@@ -51,14 +51,20 @@ with V there; the backward works on 64 x 64 tiles of queries by keys (in L1).
 The softmax uses kernels/simd.h's vector exp (Cody-Waite range reduction +
 Cephes' polynomial, within 2 ulp, exactly 0 far below the row max).
 
-Each kernel has a ``_naive`` twin (plain serial loops, float32 or float64) used
-by the tests and for finite-difference checks.
+With ``precision="bf16"`` (``--precision bf16``) the five products take bf16 operands
+(kernels/attention_bf16.h): q, k, v, dout and the probabilities P and dS rounded to
+nearest even, summed in float32 by VDPBF16PS where kernels.bf16 runs the CPU's bf16
+instructions, by its float32 twin elsewhere; the softmax and the log-sum-exps stay
+float32.  Same tasks and blocks; each element one sum over its depth pairs in order.
+
+Each kernel has a ``_naive`` twin (plain serial loops, float32 or float64; bf16 on
+rounded operands) used by the tests and for finite-difference checks.
 """
 cimport numpy as cnp
 from cython cimport floating
 from cython.parallel cimport prange
 from libc.math cimport exp, log, sqrt
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport uint32_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 cdef extern from "<stdlib.h>" nogil:
@@ -69,6 +75,8 @@ from kernels._common cimport (check_disjoint, checked_data, float_type, lanes_wi
                               overwrite_flags, resolve_threads)
 
 import numpy as np
+
+from kernels import bf16 as _bf16
 
 cnp.import_array()
 
@@ -113,6 +121,135 @@ cdef extern from *:
     #include "attention_lanes.h"
     #undef ADT_W
     #endif
+
+    /* The bf16 builds (kernels/attention_bf16.h): VDPBF16PS where the CPU has
+       AVX512_BF16, its float32 twin elsewhere (the same bits where no subnormal
+       occurs). */
+    #define ABF_FN(f) f##_twin
+    #define ABF_ATTR ADT_MULTIVERSION
+    #define ABF_INL
+    #define ABF_DOT(acc, a, b) bf_dot_twin(acc, a, b)
+    #include "attention_bf16.h"
+    #if BF_HAVE_NATIVE
+    #define ABF_FN(f) f##_nat
+    #define ABF_ATTR BF_TARGET
+    #define ABF_INL BF_TARGET
+    #define ABF_DOT(acc, a, b) bf_dot_nat(acc, a, b)
+    #include "attention_bf16.h"
+    #define ABF_CALL(nat, f, args) ((nat) ? f##_nat args : f##_twin args)
+    #else
+    #define ABF_CALL(nat, f, args) (f##_twin args)
+    #endif
+    static inline ptrdiff_t abf_lines(ptrdiff_t words) { return (words + 15) / 16 * 16; }
+
+    /* Words of a thread's bf16 forward scratch: K^T and V packed, a query block's
+       scores and probabilities (float32), its Q and P in bf16 rows. */
+    static ptrdiff_t abf_forward_words(ptrdiff_t T, ptrdiff_t hs) {
+        return abf_lines(abf_packed_words(hs, T)) + abf_lines(abf_packed_words(T, hs))
+               + ATTN_BQ * attn_score_ld(T) + abf_lines(ATTN_BQ * abf_pairs(hs))
+               + abf_lines(ATTN_BQ * attn_score_ld(T) / 2);
+    }
+    /* attn_head_forward's bf16 twin; nat: the VDPBF16PS build. */
+    static void abf_head_forward(int nat, float* out, float* lse, const float* q,
+                                 const float* k, const float* v, ptrdiff_t T, ptrdiff_t ldq,
+                                 ptrdiff_t ldo, ptrdiff_t hs, float scale, int pack_kv,
+                                 float* work) {
+        uint32_t* pk = (uint32_t*)work;
+        uint32_t* pv = pk + abf_lines(abf_packed_words(hs, T));
+        float* scores = (float*)(pv + abf_lines(abf_packed_words(T, hs)));
+        uint32_t* qw = (uint32_t*)(scores + ATTN_BQ * attn_score_ld(T));
+        uint32_t* pw = qw + abf_lines(ATTN_BQ * abf_pairs(hs));
+        ABF_CALL(nat, abf_head_forward, (out, lse, q, k, v, T, ldq, ldo, hs, scale, pack_kv,
+                                         pk, pv, scores, qw, pw));
+    }
+    /* The backward's tiles: P and dS in float32, P^T, dS^T and dS in bf16; words. */
+    static ptrdiff_t abf_tile_words(void) {
+        return 2 * ATTN_BQ * ATTN_BK + 2 * abf_pairs(ATTN_BQ) * ATTN_BK
+               + ATTN_BQ * ATTN_BK / 2;
+    }
+    static void abf_tiles(abf_bwd_ops* o, float* work) {
+        o->ptile = work;
+        o->dstile = work + ATTN_BQ * ATTN_BK;
+        o->pt = (uint32_t*)(o->dstile + ATTN_BQ * ATTN_BK);
+        o->dst = o->pt + abf_pairs(ATTN_BQ) * ATTN_BK;
+        o->dsw = o->dst + abf_pairs(ATTN_BQ) * ATTN_BK;
+    }
+    /* Words of a kv head's packed K^T, V^T and K. */
+    static ptrdiff_t abf_kv_words(ptrdiff_t T, ptrdiff_t hs) {
+        return 2 * abf_lines(abf_packed_words(hs, T)) + abf_lines(abf_packed_words(T, hs));
+    }
+    static void abf_kv_ops(abf_bwd_ops* o, uint32_t* kv, ptrdiff_t T, ptrdiff_t hs) {
+        o->pkt = kv;
+        o->pvt = kv + abf_lines(abf_packed_words(hs, T));
+        o->pk = o->pvt + abf_lines(abf_packed_words(hs, T));
+    }
+    /* Words of a thread's one-pass bf16 backward scratch: the kv head's operands, a
+       query block's four panels, the tiles, D_i. */
+    static ptrdiff_t abf_backward_words(ptrdiff_t T, ptrdiff_t hs) {
+        return abf_kv_words(T, hs) + 4 * abf_panel_words(ATTN_BQ, hs) + abf_tile_words()
+               + ATTN_BQ;
+    }
+    /* attn_kv_backward's bf16 twin, on scratch of abf_backward_words. */
+    static void abf_kv_backward(int nat, float* dqkv, const float* dout, const float* qkv,
+                                const float* out, const float* lse, ptrdiff_t T,
+                                ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs, ptrdiff_t h0,
+                                ptrdiff_t rep, ptrdiff_t kcol, ptrdiff_t vcol, float scale,
+                                int overwrite, float* work) {
+        abf_bwd_ops o;
+        ptrdiff_t panel = abf_panel_words(ATTN_BQ, hs);
+        abf_kv_ops(&o, (uint32_t*)work, T, hs);
+        o.qw = o.pk + abf_lines(abf_packed_words(T, hs));
+        o.dow = o.qw + panel, o.pq = o.dow + panel, o.pdo = o.pq + panel;
+        abf_tiles(&o, (float*)(o.pdo + panel));
+        float* drow = o.ptile + abf_tile_words();
+        o.drow = drow;
+        for (ptrdiff_t h = h0; h < h0 + rep; h++)
+            ABF_CALL(nat, abf_head_backward,
+                     (dqkv + h * hs, dqkv + kcol, dqkv + vcol, dout + h * hs, qkv + h * hs,
+                      qkv + kcol, qkv + vcol, out + h * hs, lse + h * T, T, ldq, ldo, hs,
+                      scale, overwrite, overwrite && h == h0, h == h0, &o,
+                      drow));
+    }
+    /* The two-pass bf16 backward's parts: shared operands (kv: a kv head's
+       abf_kv_words; qw, dow, pq, pdo: panels of abf_panel_words, the group's first
+       head's first query block, nblk a head), per-thread tiles of abf_tile_words. */
+    static void abf_prepare_kv(int nat, uint32_t* kv, const float* k, const float* v,
+                               ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t hs) {
+        abf_bwd_ops o;
+        abf_kv_ops(&o, kv, T, hs);
+        ABF_CALL(nat, abf_prepare_kv, (o.pkt, o.pvt, o.pk, k, v, T, ldq, hs));
+    }
+    static void abf_prepare_query(int nat, uint32_t* qw, uint32_t* dow, uint32_t* pq,
+                                  uint32_t* pdo, float* drow, const float* q,
+                                  const float* dO, const float* o, ptrdiff_t T,
+                                  ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs, ptrdiff_t i0) {
+        ABF_CALL(nat, abf_prepare_query, (qw, dow, pq, pdo, drow, q, dO, o, T, ldq, ldo, hs,
+                                          i0));
+    }
+    static void abf_key_backward(int nat, float* dk, float* dv, const float* lse, ptrdiff_t T,
+                                 ptrdiff_t ldq, ptrdiff_t hs, float scale, ptrdiff_t rep,
+                                 int overwrite_kv, ptrdiff_t j0, uint32_t* kv, uint32_t* qw,
+                                 uint32_t* dow, uint32_t* pq, uint32_t* pdo, ptrdiff_t nblk,
+                                 const float* drows, float* tiles) {
+        abf_bwd_ops sh, tl;
+        abf_kv_ops(&sh, kv, T, hs);
+        sh.qw = qw, sh.dow = dow, sh.pq = pq, sh.pdo = pdo;
+        abf_tiles(&tl, tiles);
+        ABF_CALL(nat, abf_key_backward, (dk, dv, lse, T, ldq, hs, scale, rep, overwrite_kv,
+                                         j0, &sh, abf_panel_words(ATTN_BQ, hs),
+                                         nblk, drows, &tl));
+    }
+    static void abf_query_backward(int nat, float* dq, const float* lse, ptrdiff_t T,
+                                   ptrdiff_t ldq, ptrdiff_t hs, float scale, int overwrite_q,
+                                   ptrdiff_t i0, uint32_t* kv, uint32_t* qw, uint32_t* dow,
+                                   const float* drow, float* tiles) {
+        abf_bwd_ops sh, tl;
+        abf_kv_ops(&sh, kv, T, hs);
+        sh.qw = qw, sh.dow = dow;
+        abf_tiles(&tl, tiles);
+        ABF_CALL(nat, abf_query_backward, (dq, lse, T, ldq, hs, scale, overwrite_q, i0,
+                                           &sh, drow, &tl));
+    }
 
     /* Floats of a (K, N) operand packed by attn_pack_b for the widest tile (32
        columns): its last depth block is laid out as a whole one. */
@@ -196,6 +333,34 @@ cdef extern from *:
     enum:
         ATTN_BQ
         ATTN_BK
+    Py_ssize_t abf_forward_words(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
+    void abf_head_forward(bint nat, float* out, float* lse, const float* q, const float* k,
+                          const float* v, Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo,
+                          Py_ssize_t hs, float scale, bint pack_kv, float* work) noexcept nogil
+    Py_ssize_t abf_backward_words(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
+    void abf_kv_backward(bint nat, float* dqkv, const float* dout, const float* qkv,
+                         const float* out, const float* lse, Py_ssize_t T, Py_ssize_t ldq,
+                         Py_ssize_t ldo, Py_ssize_t hs, Py_ssize_t h0, Py_ssize_t rep,
+                         Py_ssize_t kcol, Py_ssize_t vcol, float scale, bint overwrite,
+                         float* work) noexcept nogil
+    Py_ssize_t abf_kv_words(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
+    Py_ssize_t abf_panel_words(Py_ssize_t bq, Py_ssize_t hs) noexcept nogil
+    Py_ssize_t abf_tile_words() noexcept nogil
+    void abf_prepare_kv(bint nat, uint32_t* kv, const float* k, const float* v, Py_ssize_t T,
+                        Py_ssize_t ldq, Py_ssize_t hs) noexcept nogil
+    void abf_prepare_query(bint nat, uint32_t* qw, uint32_t* dow, uint32_t* pq, uint32_t* pdo,
+                           float* drow, const float* q, const float* dO, const float* o,
+                           Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo, Py_ssize_t hs,
+                           Py_ssize_t i0) noexcept nogil
+    void abf_key_backward(bint nat, float* dk, float* dv, const float* lse, Py_ssize_t T,
+                          Py_ssize_t ldq, Py_ssize_t hs, float scale, Py_ssize_t rep,
+                          bint overwrite_kv, Py_ssize_t j0, uint32_t* kv, uint32_t* qw,
+                          uint32_t* dow, uint32_t* pq, uint32_t* pdo, Py_ssize_t nblk,
+                          const float* drows, float* tiles) noexcept nogil
+    void abf_query_backward(bint nat, float* dq, const float* lse, Py_ssize_t T,
+                            Py_ssize_t ldq, Py_ssize_t hs, float scale, bint overwrite_q,
+                            Py_ssize_t i0, uint32_t* kv, uint32_t* qw, uint32_t* dow,
+                            const float* drow, float* tiles) noexcept nogil
     Py_ssize_t attn_pack_floats(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
     Py_ssize_t attn_panel_floats(Py_ssize_t hs) noexcept nogil
     Py_ssize_t attn_score_ld(Py_ssize_t T) noexcept nogil
@@ -259,9 +424,17 @@ cdef inline Py_ssize_t _lines(Py_ssize_t floats) noexcept nogil:
     return (floats + 15) // 16 * 16
 
 
+# bf16 operands: not (BF_NONE, float32's kernels), by VDPBF16PS (BF_NATIVE) or by its
+# float32 twin (BF_TWIN).
+cdef enum:
+    BF_NONE = 0
+    BF_NATIVE = 1
+    BF_TWIN = 2
+
+
 cdef int attention_forward_c(float* out, float* lse, const float* qkv,
                              Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH,
-                             Py_ssize_t NKV, int n_threads) except -1 nogil:
+                             Py_ssize_t NKV, int n_threads, int bf) except -1 nogil:
     # One task per (batch, query head).  A thread packs K and V only when its task's kv
     # head is not the one its scratch holds: the static schedule gives each thread a
     # run of consecutive query heads, mostly of one group.
@@ -274,7 +447,8 @@ cdef int attention_forward_c(float* out, float* lse, const float* qkv,
     cdef Scratch s
     cdef Py_ssize_t pack = _lines(attn_pack_floats(T, hs))
     cdef bint wide = lanes_wide()
-    _scratch_alloc(&s, n_threads, 2 * pack + ATTN_BQ * attn_score_ld(T))
+    _scratch_alloc(&s, n_threads, abf_forward_words(T, hs) if bf != BF_NONE
+                   else 2 * pack + ATTN_BQ * attn_score_ld(T))
     for bh in prange(B * NH, schedule='static', nogil=True, num_threads=n_threads):
         b = bh // NH
         h = bh % NH
@@ -284,9 +458,14 @@ cdef int attention_forward_c(float* out, float* lse, const float* qkv,
         s.held_kv[8 * t] = kv
         work = s.base + t * s.per_thread
         k = qkv + b * T * ldq + C + (h // rep) * hs
-        attn_head_forward(wide, out + b * T * C + h * hs, lse + bh * T,
-                          qkv + b * T * ldq + h * hs, k, k + NKV * hs, T, ldq, C, hs, scale,
-                          pack_kv, work, work + pack, work + 2 * pack)
+        if bf != BF_NONE:
+            abf_head_forward(bf == BF_NATIVE, out + b * T * C + h * hs, lse + bh * T,
+                             qkv + b * T * ldq + h * hs, k, k + NKV * hs, T, ldq, C, hs,
+                             scale, pack_kv, work)
+        else:
+            attn_head_forward(wide, out + b * T * C + h * hs, lse + bh * T,
+                              qkv + b * T * ldq + h * hs, k, k + NKV * hs, T, ldq, C, hs,
+                              scale, pack_kv, work, work + pack, work + 2 * pack)
     free(s.raw)
     return 0
 
@@ -322,7 +501,7 @@ cdef inline bint _two_passes(Py_ssize_t tasks, Py_ssize_t T, int n_threads) noex
 cdef int _backward_two_passes(float* dqkv, const float* dout, const float* qkv,
                               const float* out, const float* lse, Py_ssize_t B, Py_ssize_t T,
                               Py_ssize_t C, Py_ssize_t NH, Py_ssize_t NKV, bint overwrite,
-                              int n_threads) except -1 nogil:
+                              int n_threads, int bf) except -1 nogil:
     # For fewer (batch, kv head) tasks than threads (a batch of one and a few kv heads:
     # Qwen2.5-1.5B has 2): the first pass's tasks are (key block, batch, kv head), each
     # owning key block j's dk and dv over its group's query heads and the query blocks
@@ -348,6 +527,9 @@ cdef int _backward_two_passes(float* dqkv, const float* dout, const float* qkv,
     cdef float* pdo
     cdef float* drows
     cdef Scratch s
+    if bf != BF_NONE:
+        return _backward_two_passes_bf16(dqkv, dout, qkv, out, lse, B, T, C, NH, NKV,
+                                         overwrite, n_threads, bf)
     _scratch_alloc(&s, n_threads, 2 * tile)
     shared = <float*>aligned_alloc(64, ((kv_floats + 2 * panels_floats + B * NH * T)
                                         * sizeof(float) + 63) // 64 * 64)
@@ -406,16 +588,93 @@ cdef int _backward_two_passes(float* dqkv, const float* dout, const float* qkv,
     return 0
 
 
+cdef int _backward_two_passes_bf16(float* dqkv, const float* dout, const float* qkv,
+                                   const float* out, const float* lse, Py_ssize_t B,
+                                   Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, Py_ssize_t NKV,
+                                   bint overwrite, int n_threads, int bf) except -1 nogil:
+    # _backward_two_passes with bf16 operands (kernels/attention_bf16.h): the same tasks
+    # and order; shared, each kv head's K^T, V^T and K packed, and each query block's Q
+    # and dO as rows and packed.
+    cdef Py_ssize_t hs = C // NH, rep = NH // NKV, ldq = C + 2 * NKV * hs
+    cdef float scale = 1.0 / sqrt(<double>hs)
+    cdef Py_ssize_t kvw = abf_kv_words(T, hs), panel = abf_panel_words(ATTN_BQ, hs)
+    cdef Py_ssize_t nqb = (T + ATTN_BQ - 1) // ATTN_BQ, nkb = (T + ATTN_BK - 1) // ATTN_BK
+    cdef Py_ssize_t x, y, b, g, h, blk, i0, at
+    cdef Py_ssize_t kv_words = B * NKV * kvw, panels = B * NH * nqb * panel
+    cdef bint nat = bf == BF_NATIVE
+    cdef float* work
+    cdef uint32_t* shared
+    cdef uint32_t* qw
+    cdef uint32_t* dow
+    cdef uint32_t* pq
+    cdef uint32_t* pdo
+    cdef float* drows
+    cdef Scratch s
+    _scratch_alloc(&s, n_threads, abf_tile_words())
+    shared = <uint32_t*>aligned_alloc(64, ((kv_words + 4 * panels + B * NH * T) * 4 + 63)
+                                      // 64 * 64)
+    if shared == NULL:
+        free(s.raw)
+        with gil:
+            raise MemoryError(f"attention: cannot allocate the backward's packed operands "
+                              f"({kv_words + 4 * panels + B * NH * T} words)")
+    qw = shared + kv_words
+    dow = qw + panels
+    pq = dow + panels
+    pdo = pq + panels
+    drows = <float*>(pdo + panels)
+    for x in prange(B * NKV + B * NH * nqb, schedule='dynamic', nogil=True,
+                    num_threads=n_threads):
+        if x < B * NKV:
+            b = x // NKV
+            g = x % NKV
+            abf_prepare_kv(nat, shared + x * kvw, qkv + b * T * ldq + C + g * hs,
+                           qkv + b * T * ldq + C + (NKV + g) * hs, T, ldq, hs)
+        else:
+            y = x - B * NKV                       # (batch * head, query block)
+            b = y // (NH * nqb)
+            h = y // nqb % NH
+            blk = y % nqb
+            abf_prepare_query(nat, qw + y * panel, dow + y * panel, pq + y * panel,
+                              pdo + y * panel, drows + (b * NH + h) * T + blk * ATTN_BQ,
+                              qkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
+                              out + b * T * C + h * hs, T, ldq, C, hs, blk * ATTN_BQ)
+    for x in prange(B * NKV * nkb, schedule='dynamic', nogil=True, num_threads=n_threads):
+        blk = x // (B * NKV)                      # key blocks in order: the largest first
+        b = x % (B * NKV) // NKV
+        g = x % NKV
+        work = s.base + omp_get_thread_num_safe() * s.per_thread
+        at = (b * NH + g * rep) * nqb * panel
+        abf_key_backward(nat, dqkv + b * T * ldq + C + g * hs,
+                         dqkv + b * T * ldq + C + (NKV + g) * hs,
+                         lse + (b * NH + g * rep) * T, T, ldq, hs, scale, rep, overwrite,
+                         blk * ATTN_BK, shared + (b * NKV + g) * kvw, qw + at, dow + at,
+                         pq + at, pdo + at, nqb, drows + (b * NH + g * rep) * T, work)
+    for x in prange(B * NH * nqb, schedule='dynamic', nogil=True, num_threads=n_threads):
+        blk = nqb - 1 - x // (B * NH)             # query blocks from the last: the largest
+        b = x % (B * NH) // NH
+        h = x % NH
+        i0 = blk * ATTN_BQ
+        work = s.base + omp_get_thread_num_safe() * s.per_thread
+        at = ((b * NH + h) * nqb + blk) * panel
+        abf_query_backward(nat, dqkv + b * T * ldq + h * hs, lse + (b * NH + h) * T, T, ldq,
+                           hs, scale, overwrite, i0, shared + (b * NKV + h // rep) * kvw,
+                           qw + at, dow + at, drows + (b * NH + h) * T + i0, work)
+    free(s.raw)
+    free(shared)
+    return 0
+
+
 cdef int attention_backward_c(float* dqkv, const float* dout, const float* qkv,
                               const float* out, const float* lse, Py_ssize_t B, Py_ssize_t T,
                               Py_ssize_t C, Py_ssize_t NH, Py_ssize_t NKV, bint overwrite,
-                              int n_threads) except -1 nogil:
+                              int n_threads, int bf) except -1 nogil:
     # One task per (batch, kv head), owning the kv head's dk and dv and its group's dq
     # (attn_kv_backward): B * NKV tasks, B * NH for GPT-2.  Where that leaves threads
     # idle, two passes over finer tasks (_backward_two_passes).
     if _two_passes(B * NKV, T, n_threads):
         return _backward_two_passes(dqkv, dout, qkv, out, lse, B, T, C, NH, NKV, overwrite,
-                                    n_threads)
+                                    n_threads, bf)
     cdef Py_ssize_t hs = C // NH, rep = NH // NKV, ldq = C + 2 * NKV * hs
     cdef float scale = 1.0 / sqrt(<double>hs)
     cdef Py_ssize_t bg, b, g
@@ -426,17 +685,24 @@ cdef int attention_backward_c(float* dqkv, const float* dout, const float* qkv,
     cdef Py_ssize_t tile = ATTN_BQ * ATTN_BK
     cdef Py_ssize_t tiles = 3 * pack + 2 * panel
     cdef bint wide = lanes_wide()
-    _scratch_alloc(&s, n_threads, tiles + 2 * tile + ATTN_BQ)
+    _scratch_alloc(&s, n_threads, abf_backward_words(T, hs) if bf != BF_NONE
+                   else tiles + 2 * tile + ATTN_BQ)
     for bg in prange(B * NKV, schedule='static', nogil=True, num_threads=n_threads):
         b = bg // NKV
         g = bg % NKV
         work = s.base + omp_get_thread_num_safe() * s.per_thread
-        attn_kv_backward(wide, dqkv + b * T * ldq, dout + b * T * C, qkv + b * T * ldq,
-                         out + b * T * C, lse + b * NH * T, T, ldq, C, hs, g * rep, rep,
-                         C + g * hs, C + (NKV + g) * hs, scale, overwrite,
-                         work, work + pack, work + 2 * pack, work + 3 * pack,
-                         work + 3 * pack + panel, work + tiles, work + tiles + tile,
-                         work + tiles + 2 * tile)
+        if bf != BF_NONE:
+            abf_kv_backward(bf == BF_NATIVE, dqkv + b * T * ldq, dout + b * T * C,
+                            qkv + b * T * ldq, out + b * T * C, lse + b * NH * T, T, ldq, C,
+                            hs, g * rep, rep, C + g * hs, C + (NKV + g) * hs, scale,
+                            overwrite, work)
+        else:
+            attn_kv_backward(wide, dqkv + b * T * ldq, dout + b * T * C, qkv + b * T * ldq,
+                             out + b * T * C, lse + b * NH * T, T, ldq, C, hs, g * rep, rep,
+                             C + g * hs, C + (NKV + g) * hs, scale, overwrite,
+                             work, work + pack, work + 2 * pack, work + 3 * pack,
+                             work + 3 * pack + panel, work + tiles, work + tiles + tile,
+                             work + tiles + 2 * tile)
     free(s.raw)
     return 0
 
@@ -501,12 +767,30 @@ def _threads_for(n_threads, B, T, C):
     return resolve_threads(n_threads)
 
 
-def attention_forward(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None):
+PRECISIONS = ("fp32", "bf16")
+
+
+def _bf_mode(precision):
+    """BF_NONE for "fp32"; for "bf16" the VDPBF16PS build where the linear layers' bf16
+    products run on the CPU's bf16 instructions (kernels.bf16.bf16_native()), else its
+    float32 twin."""
+    if precision == "fp32":
+        return BF_NONE
+    if precision != "bf16":
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return BF_NATIVE if _bf16.bf16_native() and _bf16.cpu_has_avx512_bf16() else BF_TWIN
+
+
+def attention_forward(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None,
+                      precision="fp32"):
     """Causal attention: out (B, T, C) and lse (B, n_head, T), each query's
     log-sum-exp of its scaled scores (what the backward needs), from qkv (B, T,
     C + 2 n_kv_head hs), C = n_head hs; both overwritten.  Query head h reads kv head
     h // (n_head // n_kv_head) (grouped-query attention; n_kv_head None: n_head, each
-    query head its own, GPT-2's qkv (B, T, 3C))."""
+    query head its own, GPT-2's qkv (B, T, 3C)).  precision="bf16": the two products
+    take bf16 operands (q, k, v and the probabilities rounded to nearest even) and sum
+    in float32; the softmax stays float32."""
+    cdef int bf = _bf_mode(precision)
     cdef Py_ssize_t B, T, NH, NKV, hs
     B, T, NH, NKV, hs = _check_forward(out, lse, qkv, n_head, n_kv_head, cnp.NPY_FLOAT32)
     cdef int nt = _threads_for(n_threads, B, T, NH * hs)
@@ -516,15 +800,17 @@ def attention_forward(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None):
     cdef float* lse_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
     cdef const float* qkv_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>qkv)
     with nogil:
-        attention_forward_c(out_p, lse_p, qkv_p, B, T, NH * hs, NH, NKV, nt)
+        attention_forward_c(out_p, lse_p, qkv_p, B, T, NH * hs, NH, NKV, nt, bf)
 
 
 def attention_backward(dqkv, dout, qkv, out, lse, n_head, *, n_kv_head=None, overwrite=False,
-                       n_threads=None):
+                       n_threads=None, precision="fp32"):
     """Accumulate into dqkv (shaped as qkv) the gradient of attention_forward's out,
     given dout (B, T, C), the forward's qkv, and its out and lse (``overwrite``: dqkv is
     set instead, whatever it held).  The probabilities are recomputed, tile by tile; a
-    kv head's dk and dv sum over its group's query heads."""
+    kv head's dk and dv sum over its group's query heads.  precision="bf16": the five
+    products take bf16 operands (q, k, v, dout, P and dS rounded), as the forward's."""
+    cdef int bf = _bf_mode(precision)
     ow, = overwrite_flags(overwrite, ("dqkv",))
     cdef Py_ssize_t B, T, NH, NKV, hs
     B, T, NH, NKV, hs = _check_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head,
@@ -540,13 +826,27 @@ def attention_backward(dqkv, dout, qkv, out, lse, n_head, *, n_kv_head=None, ove
     cdef bint overwrite_c = ow
     with nogil:
         attention_backward_c(dqkv_p, dout_p, qkv_p, out_p, lse_p, B, T, NH * hs, NH, NKV,
-                             overwrite_c, nt)
+                             overwrite_c, nt, bf)
 
 
 # ---------------------------------------------------------------- naive twins
 
+cdef inline double _op(double x, bint bf) noexcept nogil:
+    # x as a product's operand: itself, or with bf its float32 rounded to bf16 (nearest
+    # even, NaN kept), as the kernels round it
+    if not bf:
+        return x
+    cdef float f = <float>x
+    cdef uint32_t u = (<uint32_t*>&f)[0]
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return x
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return (<float*>&u)[0]
+
+
 cdef void _forward_naive(floating[:, :, ::1] out, floating[:, :, ::1] lse,
-                         floating[:, :, ::1] qkv, Py_ssize_t NH, Py_ssize_t NKV) noexcept nogil:
+                         floating[:, :, ::1] qkv, Py_ssize_t NH, Py_ssize_t NKV,
+                         bint bf) noexcept nogil:
     cdef Py_ssize_t B = qkv.shape[0], T = qkv.shape[1], hs = qkv.shape[2] // (NH + 2 * NKV)
     cdef Py_ssize_t C = NH * hs
     cdef double scale = 1.0 / sqrt(<double>hs)
@@ -562,7 +862,7 @@ cdef void _forward_naive(floating[:, :, ::1] out, floating[:, :, ::1] lse,
                 for j in range(i + 1):
                     s = 0.0
                     for d in range(hs):
-                        s += qkv[b, i, h * hs + d] * qkv[b, j, kc + d]
+                        s += _op(qkv[b, i, h * hs + d], bf) * _op(qkv[b, j, kc + d], bf)
                     p[j] = s * scale
                     mx = max(mx, p[j])
                 total = 0.0
@@ -573,17 +873,19 @@ cdef void _forward_naive(floating[:, :, ::1] out, floating[:, :, ::1] lse,
                 for d in range(hs):
                     s = 0.0
                     for j in range(i + 1):
-                        s += p[j] / total * qkv[b, j, vc + d]
+                        s += _op(p[j] / total, bf) * _op(qkv[b, j, vc + d], bf)
                     out[b, i, h * hs + d] = s
     free(p)
 
 
 cdef void _backward_naive(floating[:, :, ::1] dqkv, floating[:, :, ::1] dout,
                           floating[:, :, ::1] qkv, floating[:, :, ::1] out,
-                          floating[:, :, ::1] lse, Py_ssize_t NH, Py_ssize_t NKV) noexcept nogil:
+                          floating[:, :, ::1] lse, Py_ssize_t NH, Py_ssize_t NKV,
+                          bint bf) noexcept nogil:
     # The same recomputation as the kernel, in plain loops: P[i, j] = exp(s[i, j] -
     # lse[i]), D[i] = dout[i] . out[i], dS = P (dout[i] . v[j] - D[i]) * scale; a kv
-    # head's dk and dv gather the terms of every query head of its group.
+    # head's dk and dv gather the terms of every query head of its group.  With bf
+    # each product's operands (q, k, v, dout, P, dS) are rounded to bf16; D is not.
     cdef Py_ssize_t B = qkv.shape[0], T = qkv.shape[1], hs = qkv.shape[2] // (NH + 2 * NKV)
     cdef Py_ssize_t C = NH * hs
     cdef double scale = 1.0 / sqrt(<double>hs)
@@ -601,30 +903,35 @@ cdef void _backward_naive(floating[:, :, ::1] dqkv, floating[:, :, ::1] dout,
                     s = 0.0
                     dp = 0.0
                     for d in range(hs):
-                        s += qkv[b, i, h * hs + d] * qkv[b, j, kc + d]
-                        dp += dout[b, i, h * hs + d] * qkv[b, j, vc + d]
+                        s += _op(qkv[b, i, h * hs + d], bf) * _op(qkv[b, j, kc + d], bf)
+                        dp += _op(dout[b, i, h * hs + d], bf) * _op(qkv[b, j, vc + d], bf)
                     p = exp(s * scale - lse[b, h, i])
                     ds = p * (dp - dsum) * scale
                     for d in range(hs):
-                        dqkv[b, j, vc + d] += p * dout[b, i, h * hs + d]
-                        dqkv[b, i, h * hs + d] += ds * qkv[b, j, kc + d]
-                        dqkv[b, j, kc + d] += ds * qkv[b, i, h * hs + d]
+                        dqkv[b, j, vc + d] += _op(p, bf) * _op(dout[b, i, h * hs + d], bf)
+                        dqkv[b, i, h * hs + d] += _op(ds, bf) * _op(qkv[b, j, kc + d], bf)
+                        dqkv[b, j, kc + d] += _op(ds, bf) * _op(qkv[b, i, h * hs + d], bf)
 
 
-def attention_forward_naive(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None):
-    """Plain-loop twin of ``attention_forward`` (serial; float32 or float64)."""
+def attention_forward_naive(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None,
+                            precision="fp32"):
+    """Plain-loop twin of ``attention_forward`` (serial; float32 or float64; bf16: the
+    products' operands rounded to bf16, each from its float32 value)."""
+    cdef bint bf = _bf_mode(precision) != BF_NONE
     cdef int ft = float_type(qkv)
     B, T, NH, NKV, hs = _check_forward(out, lse, qkv, n_head, n_kv_head, ft)
     resolve_threads(n_threads)
     if ft == cnp.NPY_FLOAT32:
-        _forward_naive[float](out, lse, qkv, NH, NKV)
+        _forward_naive[float](out, lse, qkv, NH, NKV, bf)
     else:
-        _forward_naive[double](out, lse, qkv, NH, NKV)
+        _forward_naive[double](out, lse, qkv, NH, NKV, bf)
 
 
 def attention_backward_naive(dqkv, dout, qkv, out, lse, n_head, *, n_kv_head=None,
-                             overwrite=False, n_threads=None):
-    """Plain-loop twin of ``attention_backward`` (serial; float32 or float64)."""
+                             overwrite=False, n_threads=None, precision="fp32"):
+    """Plain-loop twin of ``attention_backward`` (serial; float32 or float64; bf16 as
+    ``attention_forward_naive``'s)."""
+    cdef bint bf = _bf_mode(precision) != BF_NONE
     ow, = overwrite_flags(overwrite, ("dqkv",))
     cdef int ft = float_type(qkv)
     B, T, NH, NKV, hs = _check_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head, ft)
@@ -632,6 +939,6 @@ def attention_backward_naive(dqkv, dout, qkv, out, lse, n_head, *, n_kv_head=Non
     if ow:
         dqkv[...] = 0
     if ft == cnp.NPY_FLOAT32:
-        _backward_naive[float](dqkv, dout, qkv, out, lse, NH, NKV)
+        _backward_naive[float](dqkv, dout, qkv, out, lse, NH, NKV, bf)
     else:
-        _backward_naive[double](dqkv, dout, qkv, out, lse, NH, NKV)
+        _backward_naive[double](dqkv, dout, qkv, out, lse, NH, NKV, bf)

@@ -49,7 +49,7 @@ from collections import defaultdict
 import numpy as np
 
 from . import collectives
-from .graph import step_graph
+from .graph import BF16_CURVE, step_graph
 from .hardware import (EfficiencyCurve, HardwareProfile, Interconnect, cpu_identity, load_profile, profile_cache_dir,
                        resolve_threads, save_profile, shape_key, this_machine_name, this_machine_path,
                        this_machine_profile)
@@ -314,6 +314,11 @@ def _kernel_tasks(spec, b, t, rng):
         tasks[("attention", "fwd")] = lambda: attention.attention_forward(out, att_lse, qkv, nh)
         tasks[("attention", "bwd")] = lambda: attention.attention_backward(dqkv, x, qkv, out,
                                                                            att_lse, nh)
+        # and with bf16 operands, as --precision bf16 runs it (its own curves)
+        tasks[("attention" + BF16_CURVE, "fwd")] = lambda: attention.attention_forward(
+            out, att_lse, qkv, nh, precision="bf16")
+        tasks[("attention" + BF16_CURVE, "bwd")] = lambda: attention.attention_backward(
+            dqkv, x, qkv, out, att_lse, nh, precision="bf16")
     except ImportError:
         pass
     try:
@@ -360,12 +365,13 @@ def measure_kernels(spec, configs, peak, overhead, repeats):
                     for op in step_graph(spec, Workload(b, t), ParallelConfig()) if op.layer in (-1, 0)})
         tasks.update({(b, t) + key: task for key, task in _kernel_tasks(spec, b, t, rng).items()})
         tasks.update({(b, t) + key: task for key, task in opt_tasks.items()} if (b, t) == configs[0] else {})
-    for key, seconds in median_times(tasks, repeats).items():
-        op = ops[key]
+    for (b, t, name, phase), seconds in median_times(tasks, repeats).items():
+        bf16 = name.endswith(BF16_CURVE)
+        op = ops[(b, t, name[:-len(BF16_CURVE)] if bf16 else name, phase)]
         if op.flops <= 0:
             continue
         work = max(seconds - overhead, seconds * 0.05)
-        points[f"{op.op_class}.{'fwd' if op.phase == 'fwd' else op.phase}"].append(
+        points[f"{op.op_class}{BF16_CURVE if bf16 else ''}.{'fwd' if op.phase == 'fwd' else op.phase}"].append(
             (op.flops, op.flops / (peak * work)))
     for missing in ("attention", "loss", "optimizer"):
         if not any(k.startswith(missing) for k in points):

@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import collectives
-from .graph import GraphOptions, engine_bf16, model_flops_per_token, step_graph, trainable_parameters
+from .graph import BF16_CURVE, GraphOptions, engine_bf16, model_flops_per_token, step_graph, trainable_parameters
 from .memory import memory_breakdown
 
 
@@ -84,7 +84,11 @@ def op_time(op, hardware, precision):
         compute = hardware.matmul_time(op.flops, op.variant, op.precision or precision, op.dims)
     elif op.flops > 0:
         phase = "fwd" if op.phase == "recompute" else op.phase
-        curve = hardware.kernel_efficiency.get(f"{op.op_class}.{phase}")
+        if op.precision == "bf16":
+            # our attention with bf16 operands: its own curve where calibration measured it
+            curve = hardware.kernel_efficiency.get(f"{op.op_class}{BF16_CURVE}.{phase}")
+        if curve is None:
+            curve = hardware.kernel_efficiency.get(f"{op.op_class}.{phase}")
         if curve is not None:
             compute = op.flops / (hardware.peak("fp32") * curve(op.flops))
         else:

@@ -45,6 +45,9 @@ from .spec import LoraSpec
 LAYOUTS = ("adtape", "megatron")
 ENGINE_PRECISIONS = ("fp32", "bf16")     # our engine's --precision (gpt2.precision), auto resolved
 OP_CLASSES = ("matmul", "attention", "layernorm", "elementwise", "embedding", "loss", "optimizer")
+# The suffix of an op class's calibrated curve measured with bf16 operands
+# ("attention_bf16.fwd": our attention under --precision bf16).
+BF16_CURVE = "_bf16"
 
 # FLOPs per element of the non-matmul kernels (counted from the kernels' arithmetic).
 LAYERNORM_FWD_FLOPS = 8
@@ -83,7 +86,7 @@ class Op:
     gemm_flops: float = 0.0      # FLOPs of its dense matrix products (what Megatron's formula counts)
     convert_bytes: float = 0.0   # bf16 products: bytes its operands' conversions move (float32 read, bf16
     weight_convert_bytes: float = 0.0   # written), of its inputs / of its weight (once per forward pass)
-    precision: str = ""          # matmul: the precision of its product ("": the step's)
+    precision: str = ""          # matmul, our attention: its products' precision ("": the step's)
     dims: tuple = ()             # matmul: (rows, fan_in, fan_out) of its one product; () for others
 
     @property
@@ -161,6 +164,9 @@ class _Builder:
         # A bf16 LoRA base runs its products in bf16 whatever the engine's precision.
         self.base_bf16 = self.lora is not None and self.lora.base_dtype == "bf16"
         self.bf16 = bf16 or self.base_bf16
+        # Our attention kernel takes bf16 operands in the engine's bf16 mode only (the
+        # precision of nn's ops; a bf16 base alone leaves it float32).
+        self.attention_precision = "bf16" if bf16 else "fp32"
         self.adapted = {} if self.lora is None else {name: (k, rows) for name, k, rows in self.lora.adapted}
         self.tp, self.sp, self.flash, self.options = tp, sp, flash, options
         self.sram_bytes = sram_bytes
@@ -367,9 +373,11 @@ class _Builder:
             saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.out", e * out_elems),
                      Saved("attn.lse", lse_bytes))
             fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft,
-                     e * (qkv_elems + out_elems) + lse_bytes, "", saved, 1, 2 * mm)
+                     e * (qkv_elems + out_elems) + lse_bytes, "", saved, 1, 2 * mm,
+                     precision=self.attention_precision)
             bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft,
-                     e * (2 * qkv_elems + 2 * out_elems) + lse_bytes, gemm_flops=4 * mm)
+                     e * (2 * qkv_elems + 2 * out_elems) + lse_bytes, gemm_flops=4 * mm,
+                     precision=self.attention_precision)
             return [fwd], [bwd]
         # Megatron: QK^T (saves q, k), softmax (saves output), dropout (mask), AV (saves
         # dropout output and v).

@@ -136,7 +136,7 @@ def test_the_base_is_frozen_and_carries_no_training_state():
     model.close()
 
 
-def test_a_bf16_base_is_the_float32_base_rounded():
+def test_a_bf16_base_is_the_float32_base_rounded(monkeypatch):
     config = CONFIGS["qwen2"]
     rounded = Bf16Base.random(config, seed=5)
     assert all(a.dtype == np.uint16 for n, a in rounded.views.items()
@@ -149,19 +149,42 @@ def test_a_bf16_base_is_the_float32_base_rounded():
     x, y = batch(config)
     half = Model(config, lora=lora, base_dtype="bf16", seed=5)
     assert half.params.nbytes < 0.6 * ParamArena(config).nbytes
-    nn.set_precision("bf16")
-    try:
-        full = Model(config, lora=lora, base=rounded.to_arena(), seed=5)
-        want = full.forward(x, y)[0].copy()
-        full.zero_grad()
-        full.loss_and_grad(x, y)
-    finally:
-        nn.set_precision("fp32")
-    # The bf16 base's products run in bf16 whatever the precision: the same bits.
+    full = Model(config, lora=lora, base=rounded.to_arena(), seed=5)
+
+    def bf16_products(attention_precision):
+        """loss and adapter gradients of ``full`` with bf16 linear products, its
+        attention's products in ``attention_precision``"""
+        with monkeypatch.context() as m:
+            for name in ("attention_forward", "attention_backward"):
+                kernel = getattr(nn._attention, name)
+                m.setattr(nn._attention, name,
+                          lambda *a, precision, k=kernel, **kw: k(*a, precision=attention_precision,
+                                                                   **kw))
+            nn.set_precision("bf16")
+            try:
+                loss = full.forward(x, y)[0].copy()
+                full.zero_grad()
+                full.loss_and_grad(x, y)
+            finally:
+                nn.set_precision("fp32")
+        return loss, full.adapter.grads.flat.copy()
+
+    # The bf16 base's products run in bf16 whatever the precision (attention, which has
+    # no weight, in the precision's): the same bits.
+    want, grads = bf16_products("fp32")
     assert np.array_equal(half.forward(x, y)[0], want)
     half.zero_grad()
     half.loss_and_grad(x, y)
-    assert np.array_equal(half.adapter.grads.flat, full.adapter.grads.flat)
+    assert np.array_equal(half.adapter.grads.flat, grads)
+    want, grads = bf16_products("bf16")
+    nn.set_precision("bf16")
+    try:
+        assert np.array_equal(half.forward(x, y)[0], want)
+        half.zero_grad()
+        half.loss_and_grad(x, y)
+    finally:
+        nn.set_precision("fp32")
+    assert np.array_equal(half.adapter.grads.flat, grads)
     half.close()
     full.close()
 

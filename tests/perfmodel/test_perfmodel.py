@@ -436,6 +436,34 @@ def test_bf16_products_run_at_the_bf16_rate_or_fp32_where_the_profile_has_none()
     assert same.optimizer == fp32.optimizer
 
 
+def test_bf16_attention_runs_at_its_own_calibrated_curve():
+    # Under the engine's bf16 mode our attention takes bf16 operands: its time is the
+    # "attention_bf16" curve where the profile measured one, float32's otherwise; a bf16
+    # LoRA base alone leaves attention float32.
+    from gpt2.config import preset
+    from gpt2.lora import LoraConfig
+    from gpt2.perfmodel.spec import LoraSpec
+    w = Workload(4, 1024)
+    fp32_curves = {"attention.fwd": EfficiencyCurve(0.4, 0.0), "attention.bwd": EfficiencyCurve(0.4, 0.0)}
+    both = CPU.with_changes(kernel_efficiency={**fp32_curves, "attention_bf16.fwd": EfficiencyCurve(0.8, 0.0),
+                                               "attention_bf16.bwd": EfficiencyCurve(0.8, 0.0)})
+    only_fp32 = CPU.with_changes(kernel_efficiency=fp32_curves)
+
+    def attention(hw, options=GraphOptions()):
+        est = estimate(GPT2, w, ParallelConfig(), hw, options)
+        return sum(v for (_, c), v in est.compute.items() if c == "attention")
+    assert attention(both, BF16) == pytest.approx(attention(both) / 2, rel=1e-3)
+    assert attention(only_fp32, BF16) == attention(only_fp32)
+    config = preset("smollm2-135m")
+    llama = ModelSpec.from_config(config)
+    base = GraphOptions(lora=LoraSpec.from_config(config, LoraConfig(r=8), "bf16"))
+    assert sum(v for (_, c), v in estimate(llama, w, ParallelConfig(), both, base).compute.items()
+               if c == "attention") == pytest.approx(
+        sum(v for (_, c), v in estimate(llama, w, ParallelConfig(), both).compute.items() if c == "attention"))
+    assert [op.precision for op in step_graph(GPT2, w, ParallelConfig(), BF16)
+            if op.op_class == "attention"][:2] == ["bf16", "bf16"]
+
+
 def test_bf16_memory_estimate_is_smaller_with_the_weights_bf16_copies():
     from gpt2.perfmodel.graph import product_weight_params
     w = Workload(8, 1024)
