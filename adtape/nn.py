@@ -301,20 +301,31 @@ def _gelu_linear_bwd(g, dests, fresh, x, weight):
 
 
 def _attention_forward(op, qd, n_head, n_kv_head):
-    """(output, log-sum-exps) of causal attention over a contiguous packed ``qkv``, its
-    products in the current precision (bf16: q, k, v and the probabilities rounded, the
-    softmax in float32; the backward takes the same)."""
+    """(output, log-sum-exps, the qkv the backward reads) of causal attention over a
+    contiguous packed ``qkv``, its products in the current precision.  bf16: q, k, v and
+    the probabilities rounded, the softmax in float32, and qkv kept in bf16 for the
+    backward, what its products read (half the bytes on the tape)."""
     try:
         B, T, n_head, n_kv_head, hs = _attention.attention_shapes(qd, n_head, n_kv_head)
     except ValueError as e:
         raise ValueError(f"{op}: {e}") from None
+    precision = _attention_precision()
+    if precision == "bf16" and qd.dtype == np.float32:
+        qb = _buffers.empty(qd.shape, np.uint16)
+        _bf16.to_bf16(qb, qd)
+        qd = qb
     out = _buffers.empty((B, T, n_head * hs))
     # Each query's log-sum-exp: with qkv and out, all the backward needs (it
     # recomputes the probabilities), O(T) per head where they are O(T^2).
     lse = _buffers.empty((B, n_head, T))
-    _attention.attention_forward(out, lse, qd, n_head, n_kv_head=n_kv_head,
-                                 precision=_precision)
-    return out, lse
+    _attention.attention_forward(out, lse, qd, n_head, n_kv_head=n_kv_head, precision=precision)
+    return out, lse, qd, precision
+
+
+def _attention_precision():
+    """The precision of attention's products: the linear layers' (a bf16 LoRA base's
+    products are bf16 whatever it is; attention has no weight and follows it)."""
+    return _precision
 
 
 def attention(qkv, n_head, n_kv_head=None):
@@ -322,11 +333,11 @@ def attention(qkv, n_head, n_kv_head=None):
     returns (B, T, n_head hs).  Query head h reads kv head h // (n_head // n_kv_head)
     (grouped-query attention); n_kv_head None: n_head, GPT-2's (B, T, 3C)."""
     qd = np.ascontiguousarray(_data(qkv))
-    out, lse = _attention_forward("attention", qd, n_head, n_kv_head)
+    out, lse, saved, precision = _attention_forward("attention", qd, n_head, n_kv_head)
     if _needs_grad(qkv):
         return _record(ATTENTION, out, (qkv,),
-                       (qkv if qd is _data(qkv) else qd, out, lse, n_head, n_kv_head,
-                        _precision), None)
+                       (qkv if saved is _data(qkv) else saved, out, lse, n_head, n_kv_head,
+                        precision), None)
     return _constant(out)
 
 
@@ -341,13 +352,13 @@ def attention_linear(qkv, n_head, weight, bias=None, n_kv_head=None):
     for its backward, the projection as its input)."""
     qd = np.ascontiguousarray(_data(qkv))
     wd = _data(weight)
-    a, lse = _attention_forward("attention_linear", qd, n_head, n_kv_head)
+    a, lse, saved, precision = _attention_forward("attention_linear", qd, n_head, n_kv_head)
     out = _buffers.empty(a.shape[:2] + (wd.shape[0],))
     _product_forward(out, a, wd, None if bias is None else _data(bias))
     if _needs_grad(qkv, weight, bias):
         return _record(ATTENTION_LINEAR, out, (qkv, weight, bias),
-                       (qkv if qd is _data(qkv) else qd, a, lse, weight, n_head, n_kv_head,
-                        _precision), None)
+                       (qkv if saved is _data(qkv) else saved, a, lse, weight, n_head,
+                        n_kv_head, precision), None)
     return _constant(out)
 
 

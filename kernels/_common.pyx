@@ -124,7 +124,8 @@ def set_stream_min_bytes(n):
 # ---------------------------------------------------------------------------
 # Boundary checks
 
-_TYPE_NAMES = {cnp.NPY_FLOAT32: "float32", cnp.NPY_FLOAT64: "float64", cnp.NPY_INT32: "int32"}
+_TYPE_NAMES = {cnp.NPY_FLOAT32: "float32", cnp.NPY_FLOAT64: "float64", cnp.NPY_INT32: "int32",
+               cnp.NPY_UINT16: "uint16 (bf16)"}
 
 
 cdef void* checked_data(str name, object arr, int typenum, tuple shape, bint writable) except? NULL:

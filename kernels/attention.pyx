@@ -149,18 +149,25 @@ cdef extern from *:
                + ATTN_BQ * attn_score_ld(T) + abf_lines(ATTN_BQ * abf_pairs(hs))
                + abf_lines(ATTN_BQ * attn_score_ld(T) / 2);
     }
-    /* attn_head_forward's bf16 twin; nat: the VDPBF16PS build. */
-    static void abf_head_forward(int nat, float* out, float* lse, const float* q,
-                                 const float* k, const float* v, ptrdiff_t T, ptrdiff_t ldq,
-                                 ptrdiff_t ldo, ptrdiff_t hs, float scale, int pack_kv,
-                                 float* work) {
+    /* bf: ABF_NATIVE (the VDPBF16PS build) or ABF_TWIN, | ABF_QKV16 where qkv holds
+       bf16 (already rounded) instead of float32; offsets into qkv in elements. */
+    enum { ABF_NATIVE = 1, ABF_TWIN = 2, ABF_QKV16 = 4 };
+    #define ABF_NAT(bf) (((bf) & 3) == ABF_NATIVE)
+    #define ABF_Q16(bf) (((bf) & ABF_QKV16) != 0)
+    /* attn_head_forward's bf16 twin: q, k, v at elements qo, ko, vo of qkv. */
+    static void abf_head_forward(int bf, float* out, float* lse, const void* qkv,
+                                 ptrdiff_t qo, ptrdiff_t ko, ptrdiff_t vo, ptrdiff_t T,
+                                 ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs, float scale,
+                                 int pack_kv, float* work) {
+        int x16 = ABF_Q16(bf);
         uint32_t* pk = (uint32_t*)work;
         uint32_t* pv = pk + abf_lines(abf_packed_words(hs, T));
         float* scores = (float*)(pv + abf_lines(abf_packed_words(T, hs)));
         uint32_t* qw = (uint32_t*)(scores + ATTN_BQ * attn_score_ld(T));
         uint32_t* pw = qw + abf_lines(ATTN_BQ * abf_pairs(hs));
-        ABF_CALL(nat, abf_head_forward, (out, lse, q, k, v, T, ldq, ldo, hs, scale, pack_kv,
-                                         pk, pv, scores, qw, pw));
+        ABF_CALL(ABF_NAT(bf), abf_head_forward,
+                 (out, lse, abf_at(qkv, x16, qo), abf_at(qkv, x16, ko), abf_at(qkv, x16, vo),
+                  x16, T, ldq, ldo, hs, scale, pack_kv, pk, pv, scores, qw, pw));
     }
     /* The backward's tiles: P and dS in float32, P^T, dS^T and dS in bf16; words. */
     static ptrdiff_t abf_tile_words(void) {
@@ -189,9 +196,10 @@ cdef extern from *:
         return abf_kv_words(T, hs) + 4 * abf_panel_words(ATTN_BQ, hs) + abf_tile_words()
                + ATTN_BQ;
     }
-    /* attn_kv_backward's bf16 twin, on scratch of abf_backward_words. */
-    static void abf_kv_backward(int nat, float* dqkv, const float* dout, const float* qkv,
-                                const float* out, const float* lse, ptrdiff_t T,
+    /* attn_kv_backward's bf16 twin, on scratch of abf_backward_words; the batch's qkv
+       rows from element qkv0 of qkv. */
+    static void abf_kv_backward(int bf, float* dqkv, const float* dout, const void* qkv,
+                                ptrdiff_t qkv0, const float* out, const float* lse, ptrdiff_t T,
                                 ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs, ptrdiff_t h0,
                                 ptrdiff_t rep, ptrdiff_t kcol, ptrdiff_t vcol, float scale,
                                 int overwrite, float* work) {
@@ -203,30 +211,34 @@ cdef extern from *:
         abf_tiles(&o, (float*)(o.pdo + panel));
         float* drow = o.ptile + abf_tile_words();
         o.drow = drow;
+        int x16 = ABF_Q16(bf);
         for (ptrdiff_t h = h0; h < h0 + rep; h++)
-            ABF_CALL(nat, abf_head_backward,
-                     (dqkv + h * hs, dqkv + kcol, dqkv + vcol, dout + h * hs, qkv + h * hs,
-                      qkv + kcol, qkv + vcol, out + h * hs, lse + h * T, T, ldq, ldo, hs,
-                      scale, overwrite, overwrite && h == h0, h == h0, &o,
-                      drow));
+            ABF_CALL(ABF_NAT(bf), abf_head_backward,
+                     (dqkv + h * hs, dqkv + kcol, dqkv + vcol, dout + h * hs,
+                      abf_at(qkv, x16, qkv0 + h * hs), abf_at(qkv, x16, qkv0 + kcol),
+                      abf_at(qkv, x16, qkv0 + vcol), x16, out + h * hs, lse + h * T, T, ldq,
+                      ldo, hs, scale, overwrite, overwrite && h == h0, h == h0, &o, drow));
     }
     /* The two-pass bf16 backward's parts: shared operands (kv: a kv head's
        abf_kv_words; qw, dow, pq, pdo: panels of abf_panel_words, the group's first
        head's first query block, nblk a head), per-thread tiles of abf_tile_words. */
-    static void abf_prepare_kv(int nat, uint32_t* kv, const float* k, const float* v,
-                               ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t hs) {
+    static void abf_prepare_kv(int bf, uint32_t* kv, const void* qkv, ptrdiff_t ko,
+                               ptrdiff_t vo, ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t hs) {
         abf_bwd_ops o;
+        int x16 = ABF_Q16(bf);
         abf_kv_ops(&o, kv, T, hs);
-        ABF_CALL(nat, abf_prepare_kv, (o.pkt, o.pvt, o.pk, k, v, T, ldq, hs));
+        ABF_CALL(ABF_NAT(bf), abf_prepare_kv, (o.pkt, o.pvt, o.pk, abf_at(qkv, x16, ko),
+                                               abf_at(qkv, x16, vo), x16, T, ldq, hs));
     }
-    static void abf_prepare_query(int nat, uint32_t* qw, uint32_t* dow, uint32_t* pq,
-                                  uint32_t* pdo, float* drow, const float* q,
+    static void abf_prepare_query(int bf, uint32_t* qw, uint32_t* dow, uint32_t* pq,
+                                  uint32_t* pdo, float* drow, const void* qkv, ptrdiff_t qo,
                                   const float* dO, const float* o, ptrdiff_t T,
                                   ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs, ptrdiff_t i0) {
-        ABF_CALL(nat, abf_prepare_query, (qw, dow, pq, pdo, drow, q, dO, o, T, ldq, ldo, hs,
-                                          i0));
+        int x16 = ABF_Q16(bf);
+        ABF_CALL(ABF_NAT(bf), abf_prepare_query, (qw, dow, pq, pdo, drow, abf_at(qkv, x16, qo),
+                                                  x16, dO, o, T, ldq, ldo, hs, i0));
     }
-    static void abf_key_backward(int nat, float* dk, float* dv, const float* lse, ptrdiff_t T,
+    static void abf_key_backward(int bf, float* dk, float* dv, const float* lse, ptrdiff_t T,
                                  ptrdiff_t ldq, ptrdiff_t hs, float scale, ptrdiff_t rep,
                                  int overwrite_kv, ptrdiff_t j0, uint32_t* kv, uint32_t* qw,
                                  uint32_t* dow, uint32_t* pq, uint32_t* pdo, ptrdiff_t nblk,
@@ -235,11 +247,11 @@ cdef extern from *:
         abf_kv_ops(&sh, kv, T, hs);
         sh.qw = qw, sh.dow = dow, sh.pq = pq, sh.pdo = pdo;
         abf_tiles(&tl, tiles);
-        ABF_CALL(nat, abf_key_backward, (dk, dv, lse, T, ldq, hs, scale, rep, overwrite_kv,
+        ABF_CALL(ABF_NAT(bf), abf_key_backward, (dk, dv, lse, T, ldq, hs, scale, rep, overwrite_kv,
                                          j0, &sh, abf_panel_words(ATTN_BQ, hs),
                                          nblk, drows, &tl));
     }
-    static void abf_query_backward(int nat, float* dq, const float* lse, ptrdiff_t T,
+    static void abf_query_backward(int bf, float* dq, const float* lse, ptrdiff_t T,
                                    ptrdiff_t ldq, ptrdiff_t hs, float scale, int overwrite_q,
                                    ptrdiff_t i0, uint32_t* kv, uint32_t* qw, uint32_t* dow,
                                    const float* drow, float* tiles) {
@@ -247,7 +259,7 @@ cdef extern from *:
         abf_kv_ops(&sh, kv, T, hs);
         sh.qw = qw, sh.dow = dow;
         abf_tiles(&tl, tiles);
-        ABF_CALL(nat, abf_query_backward, (dq, lse, T, ldq, hs, scale, overwrite_q, i0,
+        ABF_CALL(ABF_NAT(bf), abf_query_backward, (dq, lse, T, ldq, hs, scale, overwrite_q, i0,
                                            &sh, drow, &tl));
     }
 
@@ -334,30 +346,32 @@ cdef extern from *:
         ATTN_BQ
         ATTN_BK
     Py_ssize_t abf_forward_words(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
-    void abf_head_forward(bint nat, float* out, float* lse, const float* q, const float* k,
-                          const float* v, Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo,
-                          Py_ssize_t hs, float scale, bint pack_kv, float* work) noexcept nogil
+    void abf_head_forward(int bf, float* out, float* lse, const void* qkv, Py_ssize_t qo,
+                          Py_ssize_t ko, Py_ssize_t vo, Py_ssize_t T, Py_ssize_t ldq,
+                          Py_ssize_t ldo, Py_ssize_t hs, float scale, bint pack_kv,
+                          float* work) noexcept nogil
     Py_ssize_t abf_backward_words(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
-    void abf_kv_backward(bint nat, float* dqkv, const float* dout, const float* qkv,
-                         const float* out, const float* lse, Py_ssize_t T, Py_ssize_t ldq,
+    void abf_kv_backward(int bf, float* dqkv, const float* dout, const void* qkv,
+                         Py_ssize_t qkv0, const float* out, const float* lse, Py_ssize_t T, Py_ssize_t ldq,
                          Py_ssize_t ldo, Py_ssize_t hs, Py_ssize_t h0, Py_ssize_t rep,
                          Py_ssize_t kcol, Py_ssize_t vcol, float scale, bint overwrite,
                          float* work) noexcept nogil
     Py_ssize_t abf_kv_words(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
     Py_ssize_t abf_panel_words(Py_ssize_t bq, Py_ssize_t hs) noexcept nogil
     Py_ssize_t abf_tile_words() noexcept nogil
-    void abf_prepare_kv(bint nat, uint32_t* kv, const float* k, const float* v, Py_ssize_t T,
-                        Py_ssize_t ldq, Py_ssize_t hs) noexcept nogil
-    void abf_prepare_query(bint nat, uint32_t* qw, uint32_t* dow, uint32_t* pq, uint32_t* pdo,
-                           float* drow, const float* q, const float* dO, const float* o,
+    void abf_prepare_kv(int bf, uint32_t* kv, const void* qkv, Py_ssize_t ko, Py_ssize_t vo,
+                        Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t hs) noexcept nogil
+    void abf_prepare_query(int bf, uint32_t* qw, uint32_t* dow, uint32_t* pq, uint32_t* pdo,
+                           float* drow, const void* qkv, Py_ssize_t qo, const float* dO,
+                           const float* o,
                            Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo, Py_ssize_t hs,
                            Py_ssize_t i0) noexcept nogil
-    void abf_key_backward(bint nat, float* dk, float* dv, const float* lse, Py_ssize_t T,
+    void abf_key_backward(int bf, float* dk, float* dv, const float* lse, Py_ssize_t T,
                           Py_ssize_t ldq, Py_ssize_t hs, float scale, Py_ssize_t rep,
                           bint overwrite_kv, Py_ssize_t j0, uint32_t* kv, uint32_t* qw,
                           uint32_t* dow, uint32_t* pq, uint32_t* pdo, Py_ssize_t nblk,
                           const float* drows, float* tiles) noexcept nogil
-    void abf_query_backward(bint nat, float* dq, const float* lse, Py_ssize_t T,
+    void abf_query_backward(int bf, float* dq, const float* lse, Py_ssize_t T,
                             Py_ssize_t ldq, Py_ssize_t hs, float scale, bint overwrite_q,
                             Py_ssize_t i0, uint32_t* kv, uint32_t* qw, uint32_t* dow,
                             const float* drow, float* tiles) noexcept nogil
@@ -425,11 +439,12 @@ cdef inline Py_ssize_t _lines(Py_ssize_t floats) noexcept nogil:
 
 
 # bf16 operands: not (BF_NONE, float32's kernels), by VDPBF16PS (BF_NATIVE) or by its
-# float32 twin (BF_TWIN).
+# float32 twin (BF_TWIN); with BF_QKV16 added, qkv holds bf16 (uint16), not float32.
 cdef enum:
     BF_NONE = 0
     BF_NATIVE = 1
     BF_TWIN = 2
+    BF_QKV16 = 4
 
 
 cdef int attention_forward_c(float* out, float* lse, const float* qkv,
@@ -459,9 +474,10 @@ cdef int attention_forward_c(float* out, float* lse, const float* qkv,
         work = s.base + t * s.per_thread
         k = qkv + b * T * ldq + C + (h // rep) * hs
         if bf != BF_NONE:
-            abf_head_forward(bf == BF_NATIVE, out + b * T * C + h * hs, lse + bh * T,
-                             qkv + b * T * ldq + h * hs, k, k + NKV * hs, T, ldq, C, hs,
-                             scale, pack_kv, work)
+            abf_head_forward(bf, out + b * T * C + h * hs, lse + bh * T, qkv,
+                             b * T * ldq + h * hs, b * T * ldq + C + (h // rep) * hs,
+                             b * T * ldq + C + (NKV + h // rep) * hs, T, ldq, C, hs, scale,
+                             pack_kv, work)
         else:
             attn_head_forward(wide, out + b * T * C + h * hs, lse + bh * T,
                               qkv + b * T * ldq + h * hs, k, k + NKV * hs, T, ldq, C, hs,
@@ -601,7 +617,6 @@ cdef int _backward_two_passes_bf16(float* dqkv, const float* dout, const float* 
     cdef Py_ssize_t nqb = (T + ATTN_BQ - 1) // ATTN_BQ, nkb = (T + ATTN_BK - 1) // ATTN_BK
     cdef Py_ssize_t x, y, b, g, h, blk, i0, at
     cdef Py_ssize_t kv_words = B * NKV * kvw, panels = B * NH * nqb * panel
-    cdef bint nat = bf == BF_NATIVE
     cdef float* work
     cdef uint32_t* shared
     cdef uint32_t* qw
@@ -628,16 +643,16 @@ cdef int _backward_two_passes_bf16(float* dqkv, const float* dout, const float* 
         if x < B * NKV:
             b = x // NKV
             g = x % NKV
-            abf_prepare_kv(nat, shared + x * kvw, qkv + b * T * ldq + C + g * hs,
-                           qkv + b * T * ldq + C + (NKV + g) * hs, T, ldq, hs)
+            abf_prepare_kv(bf, shared + x * kvw, qkv, b * T * ldq + C + g * hs,
+                           b * T * ldq + C + (NKV + g) * hs, T, ldq, hs)
         else:
             y = x - B * NKV                       # (batch * head, query block)
             b = y // (NH * nqb)
             h = y // nqb % NH
             blk = y % nqb
-            abf_prepare_query(nat, qw + y * panel, dow + y * panel, pq + y * panel,
+            abf_prepare_query(bf, qw + y * panel, dow + y * panel, pq + y * panel,
                               pdo + y * panel, drows + (b * NH + h) * T + blk * ATTN_BQ,
-                              qkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
+                              qkv, b * T * ldq + h * hs, dout + b * T * C + h * hs,
                               out + b * T * C + h * hs, T, ldq, C, hs, blk * ATTN_BQ)
     for x in prange(B * NKV * nkb, schedule='dynamic', nogil=True, num_threads=n_threads):
         blk = x // (B * NKV)                      # key blocks in order: the largest first
@@ -645,7 +660,7 @@ cdef int _backward_two_passes_bf16(float* dqkv, const float* dout, const float* 
         g = x % NKV
         work = s.base + omp_get_thread_num_safe() * s.per_thread
         at = (b * NH + g * rep) * nqb * panel
-        abf_key_backward(nat, dqkv + b * T * ldq + C + g * hs,
+        abf_key_backward(bf, dqkv + b * T * ldq + C + g * hs,
                          dqkv + b * T * ldq + C + (NKV + g) * hs,
                          lse + (b * NH + g * rep) * T, T, ldq, hs, scale, rep, overwrite,
                          blk * ATTN_BK, shared + (b * NKV + g) * kvw, qw + at, dow + at,
@@ -657,7 +672,7 @@ cdef int _backward_two_passes_bf16(float* dqkv, const float* dout, const float* 
         i0 = blk * ATTN_BQ
         work = s.base + omp_get_thread_num_safe() * s.per_thread
         at = ((b * NH + h) * nqb + blk) * panel
-        abf_query_backward(nat, dqkv + b * T * ldq + h * hs, lse + (b * NH + h) * T, T, ldq,
+        abf_query_backward(bf, dqkv + b * T * ldq + h * hs, lse + (b * NH + h) * T, T, ldq,
                            hs, scale, overwrite, i0, shared + (b * NKV + h // rep) * kvw,
                            qw + at, dow + at, drows + (b * NH + h) * T + i0, work)
     free(s.raw)
@@ -692,8 +707,8 @@ cdef int attention_backward_c(float* dqkv, const float* dout, const float* qkv,
         g = bg % NKV
         work = s.base + omp_get_thread_num_safe() * s.per_thread
         if bf != BF_NONE:
-            abf_kv_backward(bf == BF_NATIVE, dqkv + b * T * ldq, dout + b * T * C,
-                            qkv + b * T * ldq, out + b * T * C, lse + b * NH * T, T, ldq, C,
+            abf_kv_backward(bf, dqkv + b * T * ldq, dout + b * T * C, qkv, b * T * ldq,
+                            out + b * T * C, lse + b * NH * T, T, ldq, C,
                             hs, g * rep, rep, C + g * hs, C + (NKV + g) * hs, scale,
                             overwrite, work)
         else:
@@ -738,18 +753,18 @@ def attention_shapes(qkv, n_head, n_kv_head=None):
     return B, T, NH, NKV, W // heads
 
 
-def _check_forward(out, lse, qkv, n_head, n_kv_head, int ft):
+def _check_forward(out, lse, qkv, n_head, n_kv_head, int ft, int qkv_ft=-1):
     B, T, NH, NKV, hs = attention_shapes(qkv, n_head, n_kv_head)
-    checked_data("qkv", qkv, ft, (B, T, (NH + 2 * NKV) * hs), False)
+    checked_data("qkv", qkv, ft if qkv_ft < 0 else qkv_ft, (B, T, (NH + 2 * NKV) * hs), False)
     checked_data("out", out, ft, (B, T, NH * hs), True)
     checked_data("lse", lse, ft, (B, NH, T), True)
     check_disjoint((("out", out), ("lse", lse)), (("qkv", qkv),))
     return B, T, NH, NKV, hs
 
 
-def _check_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head, int ft):
+def _check_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head, int ft, int qkv_ft=-1):
     B, T, NH, NKV, hs = attention_shapes(qkv, n_head, n_kv_head)
-    checked_data("qkv", qkv, ft, (B, T, (NH + 2 * NKV) * hs), False)
+    checked_data("qkv", qkv, ft if qkv_ft < 0 else qkv_ft, (B, T, (NH + 2 * NKV) * hs), False)
     checked_data("dout", dout, ft, (B, T, NH * hs), False)
     checked_data("out", out, ft, (B, T, NH * hs), False)
     checked_data("lse", lse, ft, (B, NH, T), False)
@@ -781,6 +796,19 @@ def _bf_mode(precision):
     return BF_NATIVE if _bf16.bf16_native() and _bf16.cpu_has_avx512_bf16() else BF_TWIN
 
 
+cdef int _qkv_mode(int bf, qkv, int* qkv_ft) except -1:
+    # bf with BF_QKV16 where qkv is bf16 (uint16, kernels.bf16.to_bf16's: the operand
+    # already rounded; precision="bf16" only), and the dtype the checks expect of it
+    qkv_ft[0] = cnp.NPY_FLOAT32
+    if not (isinstance(qkv, np.ndarray) and qkv.dtype == np.uint16):
+        return bf
+    if bf == BF_NONE:
+        raise TypeError("qkv is bf16 (uint16): that takes precision='bf16' (float32 products "
+                        "read a float32 qkv)")
+    qkv_ft[0] = cnp.NPY_UINT16
+    return bf | BF_QKV16
+
+
 def attention_forward(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None,
                       precision="fp32"):
     """Causal attention: out (B, T, C) and lse (B, n_head, T), each query's
@@ -790,9 +818,11 @@ def attention_forward(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None,
     query head its own, GPT-2's qkv (B, T, 3C)).  precision="bf16": the two products
     take bf16 operands (q, k, v and the probabilities rounded to nearest even) and sum
     in float32; the softmax stays float32."""
-    cdef int bf = _bf_mode(precision)
+    cdef int qkv_ft
+    cdef int bf = _qkv_mode(_bf_mode(precision), qkv, &qkv_ft)
     cdef Py_ssize_t B, T, NH, NKV, hs
-    B, T, NH, NKV, hs = _check_forward(out, lse, qkv, n_head, n_kv_head, cnp.NPY_FLOAT32)
+    B, T, NH, NKV, hs = _check_forward(out, lse, qkv, n_head, n_kv_head, cnp.NPY_FLOAT32,
+                                       qkv_ft)
     cdef int nt = _threads_for(n_threads, B, T, NH * hs)
     if B == 0 or T == 0:
         return
@@ -810,11 +840,12 @@ def attention_backward(dqkv, dout, qkv, out, lse, n_head, *, n_kv_head=None, ove
     set instead, whatever it held).  The probabilities are recomputed, tile by tile; a
     kv head's dk and dv sum over its group's query heads.  precision="bf16": the five
     products take bf16 operands (q, k, v, dout, P and dS rounded), as the forward's."""
-    cdef int bf = _bf_mode(precision)
+    cdef int qkv_ft
+    cdef int bf = _qkv_mode(_bf_mode(precision), qkv, &qkv_ft)
     ow, = overwrite_flags(overwrite, ("dqkv",))
     cdef Py_ssize_t B, T, NH, NKV, hs
     B, T, NH, NKV, hs = _check_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head,
-                                        cnp.NPY_FLOAT32)
+                                        cnp.NPY_FLOAT32, qkv_ft)
     cdef int nt = _threads_for(n_threads, B, T, NH * hs)
     if B == 0 or T == 0:
         return

@@ -49,21 +49,32 @@ static inline ptrdiff_t abf_packed_words(ptrdiff_t K, ptrdiff_t N) {
    apart in memory, which the hardware prefetchers do not follow (attention_lanes.h's
    packing does the same). */
 #define ABF_AHEAD 8
-ADT_INLINE void abf_fetch_ahead(const float* x, ptrdiff_t ldx, ptrdiff_t rows, ptrdiff_t n) {
+ADT_INLINE void abf_fetch_ahead(const void* x, int x16, ptrdiff_t ldx, ptrdiff_t rows,
+                                ptrdiff_t n) {
+    ptrdiff_t size = x16 ? 2 : 4;
     for (ptrdiff_t r = 0; r < rows; r++)
-        for (ptrdiff_t p = 0; p < n; p += 16)
-            __builtin_prefetch(x + (ABF_AHEAD + r) * ldx + p, 0, 3);
+        for (ptrdiff_t p = 0; p < n * size; p += 64)
+            __builtin_prefetch((const char*)x + (ABF_AHEAD + r) * ldx * size + p, 0, 3);
+}
+
+/* Element n of an operand held in float32 or (x16) in bf16. */
+ADT_INLINE const void* abf_at(const void* x, int x16, ptrdiff_t n) {
+    return (const char*)x + n * (x16 ? 2 : 4);
 }
 
 /* aw[i ldw + q] = (X[i][2q], X[i][2q+1]) for i < M, q < ceil(K/2) (zero past K): an A
    operand whose rows run along the depth (Q, dO, P, dS), each row X's rounded to bf16
    (the pairs are a bf16 row read as words). */
-static void abf_rows(uint32_t* restrict aw, ptrdiff_t ldw, const float* X, ptrdiff_t ldx,
-                     ptrdiff_t M, ptrdiff_t K) {
+static void abf_rows(uint32_t* restrict aw, ptrdiff_t ldw, const void* X, int x16,
+                     ptrdiff_t ldx, ptrdiff_t M, ptrdiff_t K) {
     for (ptrdiff_t i = 0; i < M; i++) {
         uint16_t* dst = (uint16_t*)(aw + i * ldw);
-        abf_fetch_ahead(X + i * ldx, ldx, 1, K);
-        bf16_round_span(dst, X + i * ldx, K);
+        const void* x = abf_at(X, x16, i * ldx);
+        abf_fetch_ahead(x, x16, ldx, 1, K);
+        if (x16)
+            memcpy(dst, x, (size_t)K * sizeof(uint16_t));
+        else
+            bf16_round_span(dst, (const float*)x, K);
         if (K % 2) dst[K] = 0;
     }
 }
@@ -71,13 +82,13 @@ static void abf_rows(uint32_t* restrict aw, ptrdiff_t ldw, const float* X, ptrdi
 /* B(k, j) = X[j ldx + k] (K^T, V^T: X's N rows of K along the depth), packed: sixteen
    rows at a time rounded into bf16 rows, then transposed as words in 16 x 16 blocks
    (bf16.h's bf_tr16). */
-static void abf_pack_t(uint32_t* restrict pb, const float* X, ptrdiff_t ldx, ptrdiff_t N,
-                       ptrdiff_t K) {
+static void abf_pack_t(uint32_t* restrict pb, const void* X, int x16, ptrdiff_t ldx,
+                       ptrdiff_t N, ptrdiff_t K) {
     ptrdiff_t kp = abf_pairs(K), kp16 = kp / 16 * 16, npad = abf_npad(N);
     uint32_t rows[16 * kp];
     for (ptrdiff_t j0 = 0; j0 < npad; j0 += 16) {
         ptrdiff_t n = N - j0 < 16 ? (N - j0 > 0 ? N - j0 : 0) : 16;
-        abf_rows(rows, kp, X + j0 * ldx, ldx, n, K);
+        abf_rows(rows, kp, abf_at(X, x16, j0 * ldx), x16, ldx, n, K);
         memset(rows + n * kp, 0, (size_t)(16 - n) * (size_t)kp * sizeof(uint32_t));
         uint32_t* dst = pb + j0 / ABF_NR * kp * ABF_NR + j0 % ABF_NR;
         for (ptrdiff_t q = 0; q < kp16; q += 16)
@@ -92,13 +103,23 @@ static void abf_pack_t(uint32_t* restrict pb, const float* X, ptrdiff_t ldx, ptr
    dS^T: rs = 1, cs = ldw), and, sliver by sliver, a B operand whose rows run along the
    depth (abf_pack_n). */
 ADT_MULTIVERSION
-static void abf_rowpairs(uint32_t* restrict aw, ptrdiff_t ldw, const float* X, ptrdiff_t ldx,
-                         ptrdiff_t M, ptrdiff_t N, ptrdiff_t npad) {
+static void abf_rowpairs(uint32_t* restrict aw, ptrdiff_t ldw, const void* X, int x16,
+                         ptrdiff_t ldx, ptrdiff_t M, ptrdiff_t N, ptrdiff_t npad) {
     for (ptrdiff_t q = 0; q < abf_pairs(M); q++) {
-        const float* r0 = X + 2 * q * ldx;
-        const float* r1 = r0 + ldx;
         uint32_t* dst = aw + q * ldw;
-        abf_fetch_ahead(r0, ldx, 2, N);
+        abf_fetch_ahead(abf_at(X, x16, 2 * q * ldx), x16, ldx, 2, N);
+        if (x16) {
+            const uint16_t* h0 = (const uint16_t*)X + 2 * q * ldx;
+            const uint16_t* h1 = h0 + ldx;
+            if (2 * q + 1 < M)
+                for (ptrdiff_t j = 0; j < N; j++) dst[j] = h0[j] | ((uint32_t)h1[j] << 16);
+            else
+                for (ptrdiff_t j = 0; j < N; j++) dst[j] = h0[j];
+            for (ptrdiff_t j = N; j < npad; j++) dst[j] = 0;
+            continue;
+        }
+        const float* r0 = (const float*)X + 2 * q * ldx;
+        const float* r1 = r0 + ldx;
         if (2 * q + 1 < M)
             for (ptrdiff_t j = 0; j < N; j++) dst[j] = abf_pair(r0[j], r1[j]);
         else
@@ -109,12 +130,12 @@ static void abf_rowpairs(uint32_t* restrict aw, ptrdiff_t ldw, const float* X, p
 
 /* B(k, j) = X[k ldx + j] (V, K, a query block's Q or dO: X's K rows along the depth),
    packed. */
-static void abf_pack_n(uint32_t* restrict pb, const float* X, ptrdiff_t ldx, ptrdiff_t K,
-                       ptrdiff_t N) {
+static void abf_pack_n(uint32_t* restrict pb, const void* X, int x16, ptrdiff_t ldx,
+                       ptrdiff_t K, ptrdiff_t N) {
     ptrdiff_t kp = abf_pairs(K);
     for (ptrdiff_t j0 = 0; j0 < N; j0 += ABF_NR)
-        abf_rowpairs(pb + j0 * kp, ABF_NR, X + j0, ldx, K, N - j0 < ABF_NR ? N - j0 : ABF_NR,
-                     ABF_NR);
+        abf_rowpairs(pb + j0 * kp, ABF_NR, abf_at(X, x16, j0), x16, ldx, K,
+                     N - j0 < ABF_NR ? N - j0 : ABF_NR, ABF_NR);
 }
 
 /* Words of each operand a query block needs (its Q and dO as rows and packed), and of
@@ -255,26 +276,27 @@ float ABF_FN(abf_softmax_row)(float* s, ptrdiff_t n, ptrdiff_t kpad) {
    likewise; pk (K^T) and pv (V) are packed unless pack_kv is 0; scores (BQ rows of
    attn_score_ld(T) floats) a query block's scores and probabilities in float32, qw its
    Q in bf16 rows, pw its P. */
-ABF_ATTR static void ABF_FN(abf_head_forward)(float* out, float* lse, const float* q,
-                                              const float* k, const float* v, ptrdiff_t T,
-                                              ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
-                                              float scale, int pack_kv, uint32_t* pk,
+ABF_ATTR static void ABF_FN(abf_head_forward)(float* out, float* lse, const void* q,
+                                              const void* k, const void* v, int qkv16,
+                                              ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t ldo,
+                                              ptrdiff_t hs, float scale, int pack_kv,
+                                              uint32_t* pk,
                                               uint32_t* pv, float* scores, uint32_t* qw,
                                               uint32_t* pw) {
     ptrdiff_t lds = attn_score_ld(T), hp = abf_pairs(hs), ldp = lds / 2;
     if (pack_kv) {
-        abf_pack_t(pk, k, ldq, T, hs);   /* K^T (hs, T) */
-        abf_pack_n(pv, v, ldq, T, hs);   /* V (T, hs) */
+        abf_pack_t(pk, k, qkv16, ldq, T, hs);   /* K^T (hs, T) */
+        abf_pack_n(pv, v, qkv16, ldq, T, hs);   /* V (T, hs) */
     }
     for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
         ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, kend = i0 + rows;
         ptrdiff_t kpad = abf_npad(kend);
-        abf_rows(qw, hp, q + i0 * ldq, ldq, rows, hs);
+        abf_rows(qw, hp, abf_at(q, qkv16, i0 * ldq), qkv16, ldq, rows, hs);
         ABF_FN(abf_gemm)(rows, kpad, hs, scale, qw, hp, 1, pk, hp * ABF_NR, 0, scores, lds,
                          ATTN_TRI_C, i0);
         for (ptrdiff_t r = 0; r < rows; r++)
             lse[i0 + r] = ABF_FN(abf_softmax_row)(scores + r * lds, i0 + r + 1, kpad);
-        abf_rows(pw, ldp, scores, lds, rows, kpad);
+        abf_rows(pw, ldp, scores, 0, lds, rows, kpad);
         ABF_FN(abf_gemm)(rows, hs, kend, 1.0f, pw, ldp, 1, pv, abf_pairs(T) * ABF_NR, 0,
                          out + i0 * ldo, ldo, ATTN_TRI_UPTO, i0);
     }
@@ -309,9 +331,9 @@ void ABF_FN(abf_bwd_tile)(const abf_bwd_ops* o, const float* lse, ptrdiff_t T,
                                              zero));
         }
     }
-    abf_rowpairs(o->pt, ATTN_BK, o->ptile, ATTN_BK, rows, cpad, cpad);
-    abf_rowpairs(o->dst, ATTN_BK, o->dstile, ATTN_BK, rows, cpad, cpad);
-    abf_rows(o->dsw, ATTN_BK / 2, o->dstile, ATTN_BK, rows, cpad);
+    abf_rowpairs(o->pt, ATTN_BK, o->ptile, 0, ATTN_BK, rows, cpad, cpad);
+    abf_rowpairs(o->dst, ATTN_BK, o->dstile, 0, ATTN_BK, rows, cpad, cpad);
+    abf_rows(o->dsw, ATTN_BK / 2, o->dstile, 0, ATTN_BK, rows, cpad);
 }
 
 /* dV_j += P^T dO_i, dK_j += dS^T Q_i (write with add_kv 0). */
@@ -338,20 +360,20 @@ void ABF_FN(abf_bwd_q)(const abf_bwd_ops* o, float* dq, ptrdiff_t T, ptrdiff_t l
 
 /* The kv head's K^T, V^T and K packed (pkt, pvt, pk). */
 ABF_ATTR static void ABF_FN(abf_prepare_kv)(uint32_t* pkt, uint32_t* pvt, uint32_t* pk,
-                                            const float* k, const float* v, ptrdiff_t T,
-                                            ptrdiff_t ldq, ptrdiff_t hs) {
-    abf_pack_t(pkt, k, ldq, T, hs);
-    abf_pack_t(pvt, v, ldq, T, hs);
-    abf_pack_n(pk, k, ldq, T, hs);
+                                            const void* k, const void* v, int qkv16,
+                                            ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t hs) {
+    abf_pack_t(pkt, k, qkv16, ldq, T, hs);
+    abf_pack_t(pvt, v, qkv16, ldq, T, hs);
+    abf_pack_n(pk, k, qkv16, ldq, T, hs);
 }
 
 /* Query block i0's D_i (drow, float32 from dO and O) and its Q and dO as rows and
    packed. */
 ABF_ATTR static void ABF_FN(abf_prepare_query)(uint32_t* qw, uint32_t* dow, uint32_t* pq,
-                                               uint32_t* pdo, float* drow, const float* q,
-                                               const float* dO, const float* o, ptrdiff_t T,
-                                               ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
-                                               ptrdiff_t i0) {
+                                               uint32_t* pdo, float* drow, const void* q,
+                                               int qkv16, const float* dO, const float* o,
+                                               ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t ldo,
+                                               ptrdiff_t hs, ptrdiff_t i0) {
     ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, hp = abf_pairs(hs);
     for (ptrdiff_t r = 0; r < rows; r++) {
         const float* x = dO + (i0 + r) * ldo;
@@ -363,27 +385,27 @@ ABF_ATTR static void ABF_FN(abf_prepare_query)(uint32_t* qw, uint32_t* dow, uint
         for (; j < hs; j++) s += x[j] * y[j];
         drow[r] = adt_hsum16(acc) + s;
     }
-    abf_rows(qw, hp, q + i0 * ldq, ldq, rows, hs);
-    abf_rows(dow, hp, dO + i0 * ldo, ldo, rows, hs);
-    abf_pack_n(pq, q + i0 * ldq, ldq, rows, hs);
-    abf_pack_n(pdo, dO + i0 * ldo, ldo, rows, hs);
+    abf_rows(qw, hp, abf_at(q, qkv16, i0 * ldq), qkv16, ldq, rows, hs);
+    abf_rows(dow, hp, dO + i0 * ldo, 0, ldo, rows, hs);
+    abf_pack_n(pq, abf_at(q, qkv16, i0 * ldq), qkv16, ldq, rows, hs);
+    abf_pack_n(pdo, dO + i0 * ldo, 0, ldo, rows, hs);
 }
 
 /* One (batch, query head), as attn_head_backward; the operands in o (its pkt, pvt and
    pk packed here unless pack_kv is 0, its query block's in place for each block). */
 ABF_ATTR static void ABF_FN(abf_head_backward)(float* dq, float* dk, float* dv,
-                                               const float* dO, const float* q,
-                                               const float* k, const float* v,
+                                               const float* dO, const void* q,
+                                               const void* k, const void* v, int qkv16,
                                                const float* o, const float* lse, ptrdiff_t T,
                                                ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
                                                float scale, int overwrite_q,
                                                int overwrite_kv, int pack_kv,
                                                const abf_bwd_ops* ops, float* drow) {
-    if (pack_kv) ABF_FN(abf_prepare_kv)(ops->pkt, ops->pvt, ops->pk, k, v, T, ldq, hs);
+    if (pack_kv) ABF_FN(abf_prepare_kv)(ops->pkt, ops->pvt, ops->pk, k, v, qkv16, T, ldq, hs);
     for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
         ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, kend = i0 + rows;
-        ABF_FN(abf_prepare_query)(ops->qw, ops->dow, ops->pq, ops->pdo, drow, q, dO, o, T,
-                                  ldq, ldo, hs, i0);
+        ABF_FN(abf_prepare_query)(ops->qw, ops->dow, ops->pq, ops->pdo, drow, q, qkv16, dO,
+                                  o, T, ldq, ldo, hs, i0);
         for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
             ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
             ABF_FN(abf_bwd_tile)(ops, lse, T, hs, scale, i0, rows, j0, abf_npad(cols));

@@ -369,14 +369,19 @@ class _Builder:
             # Our fused kernel (kernels/attention.pyx): scores and probabilities stay in
             # per-thread tiles; it keeps qkv, out and the log-sum-exps, and the backward
             # recomputes Q K^T: 5 products run, 4 counted as the formula's gemm FLOPs.
+            # In the bf16 mode it rounds qkv to bf16 first (a pass of its own), reads
+            # that, and keeps it for the backward: 2 bytes an element.
             lse_bytes = 4.0 * b * heads * s
-            saved = (Saved("attn.qkv", e * qkv_elems), Saved("attn.out", e * out_elems),
+            bf16 = self.attention_precision == "bf16"
+            q_bytes = 2.0 if bf16 else e
+            saved = (Saved("attn.qkv", q_bytes * qkv_elems), Saved("attn.out", e * out_elems),
                      Saved("attn.lse", lse_bytes))
             fwd = Op("attention", "attention", "fwd", layer, 2 * mm + soft,
-                     e * (qkv_elems + out_elems) + lse_bytes, "", saved, 1, 2 * mm,
+                     q_bytes * qkv_elems + e * out_elems + lse_bytes, "", saved, 1, 2 * mm,
+                     convert_bytes=(e + 2.0) * qkv_elems if bf16 else 0.0,
                      precision=self.attention_precision)
             bwd = Op("attention", "attention", "bwd", layer, 5 * mm + 2 * soft,
-                     e * (2 * qkv_elems + 2 * out_elems) + lse_bytes, gemm_flops=4 * mm,
+                     (q_bytes + e) * qkv_elems + 2 * e * out_elems + lse_bytes, gemm_flops=4 * mm,
                      precision=self.attention_precision)
             return [fwd], [bwd]
         # Megatron: QK^T (saves q, k), softmax (saves output), dropout (mask), AV (saves

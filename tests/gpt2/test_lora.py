@@ -155,11 +155,7 @@ def test_a_bf16_base_is_the_float32_base_rounded(monkeypatch):
         """loss and adapter gradients of ``full`` with bf16 linear products, its
         attention's products in ``attention_precision``"""
         with monkeypatch.context() as m:
-            for name in ("attention_forward", "attention_backward"):
-                kernel = getattr(nn._attention, name)
-                m.setattr(nn._attention, name,
-                          lambda *a, precision, k=kernel, **kw: k(*a, precision=attention_precision,
-                                                                   **kw))
+            m.setattr(nn, "_attention_precision", lambda: attention_precision)
             nn.set_precision("bf16")
             try:
                 loss = full.forward(x, y)[0].copy()

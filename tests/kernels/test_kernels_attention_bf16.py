@@ -157,3 +157,60 @@ def test_nn_attention_follows_the_precision():
         nn.set_precision(old)
     np.testing.assert_array_equal(np.asarray(y.data), out)
     np.testing.assert_array_equal(np.asarray(x.grad), dqkv)
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs", [(2, 37, 2, 1, 16), (1, 130, 2, 2, 64),
+                                             (2, 200, 4, 2, 32), (1, 5, 2, 1, 3)])
+def test_qkv_held_in_bf16_gives_the_float32_qkvs_bits(B, T, NH, NKV, hs, bf16_path):
+    # What nn keeps on the tape under bf16: qkv rounded once (kernels.bf16.to_bf16), which
+    # the kernels read as they are, in both backwards.
+    rng = np.random.default_rng(T + hs)
+    qkv = rng.standard_normal((B, T, (NH + 2 * NKV) * hs)).astype(np.float32)
+    dout = rng.standard_normal((B, T, NH * hs)).astype(np.float32)
+    q16 = np.empty(qkv.shape, np.uint16)
+    bf16.to_bf16(q16, qkv)
+    for passes in (1, 2):
+        old = attention.set_backward_passes(passes)
+        try:
+            for a, b in zip(run(qkv, dout, NH, NKV), run(q16, dout, NH, NKV)):
+                np.testing.assert_array_equal(a, b)
+        finally:
+            attention.set_backward_passes(old)
+
+
+def test_qkv_in_bf16_takes_precision_bf16():
+    q16 = np.zeros((1, 4, 6 * 8), np.uint16)
+    out, lse = np.empty((1, 4, 16), np.float32), np.empty((1, 2, 4), np.float32)
+    with pytest.raises(TypeError, match="qkv is bf16"):
+        attention_forward(out, lse, q16, 2)
+    with pytest.raises(TypeError, match="qkv is bf16"):
+        attention_backward(np.zeros(q16.shape, np.float32), out, q16, out, lse, 2)
+    with pytest.raises(TypeError, match="qkv must be an aligned native float32"):
+        attention_forward(out, lse, q16.astype(np.int32), 2, precision="bf16")
+
+
+def test_nn_keeps_qkv_in_bf16_under_bf16(monkeypatch):
+    # Half the bytes on the tape: the attention records its qkv rounded to bf16, and its
+    # backward reads that.
+    from adtape import nn
+    from adtape.tensor import Tensor
+    qkv = np.random.default_rng(2).standard_normal((1, 20, 3 * 16)).astype(np.float32)
+    dout = np.random.default_rng(3).standard_normal((1, 20, 16)).astype(np.float32)
+    read = []
+    backward = nn._attention.attention_backward
+
+    def spy(dqkv, g, q, *args, **kwargs):
+        read.append(q.dtype)
+        return backward(dqkv, g, q, *args, **kwargs)
+    monkeypatch.setattr(nn._attention, "attention_backward", spy)
+    grads = {}
+    for precision in ("fp32", "bf16"):
+        old = nn.set_precision(precision)
+        try:
+            x = Tensor(qkv.copy(), requires_grad=True)
+            nn.attention(x, 1).backward(seed=dout)
+            grads[precision] = np.asarray(x.grad)
+        finally:
+            nn.set_precision(old)
+    assert read == [np.float32, np.uint16]
+    np.testing.assert_array_equal(grads["bf16"], run(qkv, dout, 1, 1)[2])
