@@ -64,7 +64,7 @@ cimport numpy as cnp
 from cython cimport floating
 from cython.parallel cimport prange
 from libc.math cimport exp, log, sqrt
-from libc.stdint cimport uint32_t, uintptr_t
+from libc.stdint cimport uint16_t, uint32_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 cdef extern from "<stdlib.h>" nogil:
@@ -113,6 +113,7 @@ cdef extern from *:
     /* The per-head kernels in eight lanes, as target clones, and in sixteen for CPUs
        with AVX-512; each entry point takes the width from its caller
        (kernels._common's lanes_wide()). */
+    #include "bf16.h"
     #define ADT_W 8
     #include "attention_lanes.h"
     #undef ADT_W
@@ -280,12 +281,16 @@ cdef extern from *:
         return attn_packed_floats(ATTN_BQ, hs) + 16;
     }
 
+    /* wide: ATTN_WIDE (sixteen lanes), | ATTN_ROUND_BF16 for the emulated bf16 products
+       (P and dS rounded to bf16 values; the caller rounded q, k, v and dO). */
+    enum { ATTN_WIDE = 1, ATTN_ROUND_BF16 = 2 };
     static void attn_head_forward(int wide, float* out, float* lse, const float* q,
                                   const float* k, const float* v, ptrdiff_t T, ptrdiff_t ldq,
                                   ptrdiff_t ldo, ptrdiff_t hs, float scale, int pack_kv,
                                   float* pk, float* pv, float* scores) {
-        ADT_LANES_CALL(wide, attn_head_forward, (out, lse, q, k, v, T, ldq, ldo, hs, scale,
-                                                 pack_kv, pk, pv, scores));
+        ADT_LANES_CALL(wide & ATTN_WIDE, attn_head_forward,
+                       (out, lse, q, k, v, T, ldq, ldo, hs, scale, pack_kv, pk, pv, scores,
+                        (wide & ATTN_ROUND_BF16) != 0));
     }
     /* One (batch, kv head) task of the backward: the rep query heads of its group,
        h0 .. h0 + rep - 1, one after the other, each adding its share into the kv
@@ -301,23 +306,24 @@ cdef extern from *:
                                  int overwrite, float* pkt, float* pvt, float* pk, float* pq,
                                  float* pdo, float* ptile, float* dstile, float* drow) {
         for (ptrdiff_t h = h0; h < h0 + rep; h++)
-            ADT_LANES_CALL(wide, attn_head_backward,
+            ADT_LANES_CALL(wide & ATTN_WIDE, attn_head_backward,
                            (dqkv + h * hs, dqkv + kcol, dqkv + vcol, dout + h * hs,
                             qkv + h * hs, qkv + kcol, qkv + vcol, out + h * hs, lse + h * T,
                             T, ldq, ldo, hs, scale, overwrite, overwrite && h == h0, h == h0,
-                            pkt, pvt, pk, pq, pdo, ptile, dstile, drow));
+                            pkt, pvt, pk, pq, pdo, ptile, dstile, drow,
+                            (wide & ATTN_ROUND_BF16) != 0));
     }
     /* The two-pass backward (attention_backward_c): its preparation, a key block's dk
        and dv, a query block's dq. */
     static void attn_prepare_kv(int wide, float* pkt, float* pvt, float* pk, const float* k,
                                 const float* v, ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t hs) {
-        ADT_LANES_CALL(wide, attn_prepare_kv_task, (pkt, pvt, pk, k, v, T, ldq, hs));
+        ADT_LANES_CALL(wide & ATTN_WIDE, attn_prepare_kv_task, (pkt, pvt, pk, k, v, T, ldq, hs));
     }
     static void attn_prepare_query(int wide, float* pq, float* pdo, float* drow,
                                    const float* q, const float* dO, const float* o,
                                    ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
                                    ptrdiff_t i0) {
-        ADT_LANES_CALL(wide, attn_prepare_query_task, (pq, pdo, drow, q, dO, o, T, ldq, ldo,
+        ADT_LANES_CALL(wide & ATTN_WIDE, attn_prepare_query_task, (pq, pdo, drow, q, dO, o, T, ldq, ldo,
                                                        hs, i0));
     }
     static void attn_key_backward(int wide, float* dk, float* dv, const float* dO,
@@ -327,9 +333,10 @@ cdef extern from *:
                                   const float* pvt, const float* pq, const float* pdo,
                                   ptrdiff_t panel, ptrdiff_t nblk, const float* drows,
                                   float* ptile, float* dstile) {
-        ADT_LANES_CALL(wide, attn_key_backward, (dk, dv, dO, q, lse, T, ldq, ldo, hs, scale,
-                                                 rep, overwrite_kv, j0, pkt, pvt, pq, pdo,
-                                                 panel, nblk, drows, ptile, dstile));
+        ADT_LANES_CALL(wide & ATTN_WIDE, attn_key_backward,
+                       (dk, dv, dO, q, lse, T, ldq, ldo, hs, scale, rep, overwrite_kv, j0, pkt,
+                        pvt, pq, pdo, panel, nblk, drows, ptile, dstile,
+                        (wide & ATTN_ROUND_BF16) != 0));
     }
     static void attn_query_backward(int wide, float* dq, const float* dO, const float* q,
                                     const float* lse, ptrdiff_t T, ptrdiff_t ldq,
@@ -337,14 +344,17 @@ cdef extern from *:
                                     ptrdiff_t i0, const float* pkt, const float* pvt,
                                     const float* pk, const float* drow, float* ptile,
                                     float* dstile) {
-        ADT_LANES_CALL(wide, attn_query_backward, (dq, dO, q, lse, T, ldq, ldo, hs, scale,
-                                                   overwrite_q, i0, pkt, pvt, pk, drow, ptile,
-                                                   dstile));
+        ADT_LANES_CALL(wide & ATTN_WIDE, attn_query_backward,
+                       (dq, dO, q, lse, T, ldq, ldo, hs, scale, overwrite_q, i0, pkt, pvt, pk,
+                        drow, ptile, dstile, (wide & ATTN_ROUND_BF16) != 0));
     }
     """
     enum:
         ATTN_BQ
         ATTN_BK
+        ATTN_ROUND_BF16
+    void bf16_round_f32_span(float* out, const float* inp, Py_ssize_t n) noexcept nogil
+    void bf16_widen_span(float* out, const uint16_t* inp, Py_ssize_t n) noexcept nogil
     Py_ssize_t abf_forward_words(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
     void abf_head_forward(int bf, float* out, float* lse, const void* qkv, Py_ssize_t qo,
                           Py_ssize_t ko, Py_ssize_t vo, Py_ssize_t T, Py_ssize_t ldq,
@@ -378,29 +388,29 @@ cdef extern from *:
     Py_ssize_t attn_pack_floats(Py_ssize_t T, Py_ssize_t hs) noexcept nogil
     Py_ssize_t attn_panel_floats(Py_ssize_t hs) noexcept nogil
     Py_ssize_t attn_score_ld(Py_ssize_t T) noexcept nogil
-    void attn_head_forward(bint wide, float* out, float* lse, const float* q, const float* k,
+    void attn_head_forward(int wide, float* out, float* lse, const float* q, const float* k,
                            const float* v, Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo,
                            Py_ssize_t hs, float scale, bint pack_kv, float* pk, float* pv,
                            float* scores) noexcept nogil
-    void attn_kv_backward(bint wide, float* dqkv, const float* dout, const float* qkv,
+    void attn_kv_backward(int wide, float* dqkv, const float* dout, const float* qkv,
                           const float* out, const float* lse, Py_ssize_t T, Py_ssize_t ldq,
                           Py_ssize_t ldo, Py_ssize_t hs, Py_ssize_t h0, Py_ssize_t rep,
                           Py_ssize_t kcol, Py_ssize_t vcol, float scale, bint overwrite,
                           float* pkt, float* pvt, float* pk, float* pq, float* pdo,
                           float* ptile, float* dstile, float* drow) noexcept nogil
-    void attn_prepare_kv(bint wide, float* pkt, float* pvt, float* pk, const float* k,
+    void attn_prepare_kv(int wide, float* pkt, float* pvt, float* pk, const float* k,
                          const float* v, Py_ssize_t T, Py_ssize_t ldq,
                          Py_ssize_t hs) noexcept nogil
-    void attn_prepare_query(bint wide, float* pq, float* pdo, float* drow, const float* q,
+    void attn_prepare_query(int wide, float* pq, float* pdo, float* drow, const float* q,
                             const float* dO, const float* o, Py_ssize_t T, Py_ssize_t ldq,
                             Py_ssize_t ldo, Py_ssize_t hs, Py_ssize_t i0) noexcept nogil
-    void attn_key_backward(bint wide, float* dk, float* dv, const float* dO, const float* q,
+    void attn_key_backward(int wide, float* dk, float* dv, const float* dO, const float* q,
                            const float* lse, Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo,
                            Py_ssize_t hs, float scale, Py_ssize_t rep, bint overwrite_kv,
                            Py_ssize_t j0, const float* pkt, const float* pvt, const float* pq,
                            const float* pdo, Py_ssize_t panel, Py_ssize_t nblk,
                            const float* drows, float* ptile, float* dstile) noexcept nogil
-    void attn_query_backward(bint wide, float* dq, const float* dO, const float* q,
+    void attn_query_backward(int wide, float* dq, const float* dO, const float* q,
                              const float* lse, Py_ssize_t T, Py_ssize_t ldq, Py_ssize_t ldo,
                              Py_ssize_t hs, float scale, bint overwrite_q, Py_ssize_t i0,
                              const float* pkt, const float* pvt, const float* pk,
@@ -444,7 +454,18 @@ cdef enum:
     BF_NONE = 0
     BF_NATIVE = 1
     BF_TWIN = 2
+    BF_EMULATED = 3     # float32's kernels on rounded q, k, v, dout, rounding P and dS
     BF_QKV16 = 4
+
+
+cdef inline bint _packed_bf16(int bf) noexcept nogil:
+    # the bf16 kernels (kernels/attention_bf16.h): VDPBF16PS or its twin
+    return bf != BF_NONE and bf != BF_EMULATED
+
+
+cdef inline int _lanes(int bf) noexcept nogil:
+    # the float32 kernels' width, and whether they round P and dS (BF_EMULATED)
+    return lanes_wide() | (ATTN_ROUND_BF16 if bf == BF_EMULATED else 0)
 
 
 cdef int attention_forward_c(float* out, float* lse, const float* qkv,
@@ -461,8 +482,8 @@ cdef int attention_forward_c(float* out, float* lse, const float* qkv,
     cdef bint pack_kv
     cdef Scratch s
     cdef Py_ssize_t pack = _lines(attn_pack_floats(T, hs))
-    cdef bint wide = lanes_wide()
-    _scratch_alloc(&s, n_threads, abf_forward_words(T, hs) if bf != BF_NONE
+    cdef int wide = _lanes(bf)
+    _scratch_alloc(&s, n_threads, abf_forward_words(T, hs) if _packed_bf16(bf)
                    else 2 * pack + ATTN_BQ * attn_score_ld(T))
     for bh in prange(B * NH, schedule='static', nogil=True, num_threads=n_threads):
         b = bh // NH
@@ -473,7 +494,7 @@ cdef int attention_forward_c(float* out, float* lse, const float* qkv,
         s.held_kv[8 * t] = kv
         work = s.base + t * s.per_thread
         k = qkv + b * T * ldq + C + (h // rep) * hs
-        if bf != BF_NONE:
+        if _packed_bf16(bf):
             abf_head_forward(bf, out + b * T * C + h * hs, lse + bh * T, qkv,
                              b * T * ldq + h * hs, b * T * ldq + C + (h // rep) * hs,
                              b * T * ldq + C + (NKV + h // rep) * hs, T, ldq, C, hs, scale,
@@ -534,7 +555,7 @@ cdef int _backward_two_passes(float* dqkv, const float* dout, const float* qkv,
     cdef Py_ssize_t tile = ATTN_BQ * ATTN_BK
     cdef Py_ssize_t x, b, g, h, blk, i0, kv_floats = B * NKV * 3 * pack
     cdef Py_ssize_t panels_floats = B * NH * nqb * panel
-    cdef bint wide = lanes_wide()
+    cdef int wide = _lanes(bf)
     cdef float* work
     cdef float* kvp
     cdef Py_ssize_t y
@@ -543,7 +564,7 @@ cdef int _backward_two_passes(float* dqkv, const float* dout, const float* qkv,
     cdef float* pdo
     cdef float* drows
     cdef Scratch s
-    if bf != BF_NONE:
+    if _packed_bf16(bf):
         return _backward_two_passes_bf16(dqkv, dout, qkv, out, lse, B, T, C, NH, NKV,
                                          overwrite, n_threads, bf)
     _scratch_alloc(&s, n_threads, 2 * tile)
@@ -699,14 +720,14 @@ cdef int attention_backward_c(float* dqkv, const float* dout, const float* qkv,
     cdef Py_ssize_t panel = _lines(attn_panel_floats(hs))
     cdef Py_ssize_t tile = ATTN_BQ * ATTN_BK
     cdef Py_ssize_t tiles = 3 * pack + 2 * panel
-    cdef bint wide = lanes_wide()
-    _scratch_alloc(&s, n_threads, abf_backward_words(T, hs) if bf != BF_NONE
+    cdef int wide = _lanes(bf)
+    _scratch_alloc(&s, n_threads, abf_backward_words(T, hs) if _packed_bf16(bf)
                    else tiles + 2 * tile + ATTN_BQ)
     for bg in prange(B * NKV, schedule='static', nogil=True, num_threads=n_threads):
         b = bg // NKV
         g = bg % NKV
         work = s.base + omp_get_thread_num_safe() * s.per_thread
-        if bf != BF_NONE:
+        if _packed_bf16(bf):
             abf_kv_backward(bf, dqkv + b * T * ldq, dout + b * T * C, qkv, b * T * ldq,
                             out + b * T * C, lse + b * NH * T, T, ldq, C,
                             hs, g * rep, rep, C + g * hs, C + (NKV + g) * hs, scale,
@@ -786,14 +807,36 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def _bf_mode(precision):
-    """BF_NONE for "fp32"; for "bf16" the VDPBF16PS build where the linear layers' bf16
-    products run on the CPU's bf16 instructions (kernels.bf16.bf16_native()), else its
-    float32 twin."""
+    """BF_NONE for "fp32"; for "bf16" the path kernels.bf16 runs the linear layers' bf16
+    products on: VDPBF16PS where they run on the CPU's bf16 instructions ("native",
+    "amx"), its float32 twin for "twin" and "amx_twin" (tests), and for "emulated" (a
+    CPU without AVX512_BF16) float32's kernels on rounded operands, at float32's speed
+    (the twin runs 90x slower there)."""
     if precision == "fp32":
         return BF_NONE
     if precision != "bf16":
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return BF_NATIVE if _bf16.bf16_native() and _bf16.cpu_has_avx512_bf16() else BF_TWIN
+    if _bf16.bf16_native() and _bf16.cpu_has_avx512_bf16():
+        return BF_NATIVE
+    return BF_EMULATED if _bf16.bf16_path() == "emulated" else BF_TWIN
+
+
+def _rounded(x):
+    """A float32 copy of x holding its bf16 values (x float32: rounded to nearest even;
+    x bf16 (uint16): widened), the operand the emulated products read."""
+    cdef cnp.ndarray a = np.ascontiguousarray(x)
+    cdef cnp.ndarray r = np.empty(np.shape(x), np.float32)
+    cdef Py_ssize_t n = cnp.PyArray_SIZE(a)
+    if a.dtype == np.uint16:
+        with nogil:
+            bf16_widen_span(<float*>cnp.PyArray_DATA(r), <const uint16_t*>cnp.PyArray_DATA(a), n)
+    elif a.dtype == np.float32:
+        with nogil:
+            bf16_round_f32_span(<float*>cnp.PyArray_DATA(r), <const float*>cnp.PyArray_DATA(a),
+                                n)
+    else:
+        return x          # the checks name the dtype
+    return r
 
 
 cdef int _qkv_mode(int bf, qkv, int* qkv_ft) except -1:
@@ -806,6 +849,8 @@ cdef int _qkv_mode(int bf, qkv, int* qkv_ft) except -1:
         raise TypeError("qkv is bf16 (uint16): that takes precision='bf16' (float32 products "
                         "read a float32 qkv)")
     qkv_ft[0] = cnp.NPY_UINT16
+    if bf == BF_EMULATED:       # widened by the caller (_rounded)
+        return bf
     return bf | BF_QKV16
 
 
@@ -826,6 +871,8 @@ def attention_forward(out, lse, qkv, n_head, *, n_kv_head=None, n_threads=None,
     cdef int nt = _threads_for(n_threads, B, T, NH * hs)
     if B == 0 or T == 0:
         return
+    if bf == BF_EMULATED:
+        qkv = _rounded(qkv)
     cdef float* out_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>out)
     cdef float* lse_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>lse)
     cdef const float* qkv_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>qkv)
@@ -849,6 +896,8 @@ def attention_backward(dqkv, dout, qkv, out, lse, n_head, *, n_kv_head=None, ove
     cdef int nt = _threads_for(n_threads, B, T, NH * hs)
     if B == 0 or T == 0:
         return
+    if bf == BF_EMULATED:
+        qkv, dout = _rounded(qkv), _rounded(dout)
     cdef float* dqkv_p = <float*>cnp.PyArray_DATA(<cnp.ndarray>dqkv)
     cdef const float* dout_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>dout)
     cdef const float* qkv_p = <const float*>cnp.PyArray_DATA(<cnp.ndarray>qkv)
@@ -916,7 +965,8 @@ cdef void _backward_naive(floating[:, :, ::1] dqkv, floating[:, :, ::1] dout,
     # The same recomputation as the kernel, in plain loops: P[i, j] = exp(s[i, j] -
     # lse[i]), D[i] = dout[i] . out[i], dS = P (dout[i] . v[j] - D[i]) * scale; a kv
     # head's dk and dv gather the terms of every query head of its group.  With bf
-    # each product's operands (q, k, v, dout, P, dS) are rounded to bf16; D is not.
+    # each product's operands (q, k, v, dout, P, dS) are rounded to bf16, and D takes
+    # the rounded dout too (as PyTorch's bf16 flash attention, whose dout is bf16).
     cdef Py_ssize_t B = qkv.shape[0], T = qkv.shape[1], hs = qkv.shape[2] // (NH + 2 * NKV)
     cdef Py_ssize_t C = NH * hs
     cdef double scale = 1.0 / sqrt(<double>hs)
@@ -929,7 +979,7 @@ cdef void _backward_naive(floating[:, :, ::1] dqkv, floating[:, :, ::1] dout,
             for i in range(T):
                 dsum = 0.0
                 for d in range(hs):
-                    dsum += dout[b, i, h * hs + d] * out[b, i, h * hs + d]
+                    dsum += _op(dout[b, i, h * hs + d], bf) * out[b, i, h * hs + d]
                 for j in range(i + 1):
                     s = 0.0
                     dp = 0.0

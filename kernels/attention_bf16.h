@@ -4,7 +4,8 @@
  * as the linear layers' do under --precision bf16 (kernels/bf16.h): Q, K, V, dO and the
  * probabilities P and dS rounded to bf16 (nearest even), each product summed in float32
  * over pairs of depths by VDPBF16PS.  The softmax, the log-sum-exps, D_i = dO_i . O_i
- * and dS = P (dP - D) scale stay float32, as PyTorch's bf16 flash attention keeps them.
+ * (of the rounded dO) and dS = P (dP - D) scale stay float32, as PyTorch's bf16 flash
+ * attention keeps them.
  *
  * Operands are words of two bf16 (the even depth in the low half), laid out as
  * VDPBF16PS reads them:
@@ -375,18 +376,16 @@ ABF_ATTR static void ABF_FN(abf_prepare_query)(uint32_t* qw, uint32_t* dow, uint
                                                ptrdiff_t T, ptrdiff_t ldq, ptrdiff_t ldo,
                                                ptrdiff_t hs, ptrdiff_t i0) {
     ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, hp = abf_pairs(hs);
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        const float* x = dO + (i0 + r) * ldo;
-        const float* y = o + (i0 + r) * ldo;
-        adt_v16 acc = {0};
-        ptrdiff_t j = 0;
-        for (; j + 16 <= hs; j += 16) acc += adt_load16(x + j) * adt_load16(y + j);
-        float s = 0.0f;
-        for (; j < hs; j++) s += x[j] * y[j];
-        drow[r] = adt_hsum16(acc) + s;
-    }
     abf_rows(qw, hp, abf_at(q, qkv16, i0 * ldq), qkv16, ldq, rows, hs);
     abf_rows(dow, hp, dO + i0 * ldo, 0, ldo, rows, hs);
+    /* D_i from the rounded dO (the products' operand), in float32 */
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const uint16_t* x = (const uint16_t*)(dow + r * hp);
+        const float* y = o + (i0 + r) * ldo;
+        float s = 0.0f;
+        for (ptrdiff_t j = 0; j < hs; j++) s += bf16_bits_f32((uint32_t)x[j] << 16) * y[j];
+        drow[r] = s;
+    }
     abf_pack_n(pq, abf_at(q, qkv16, i0 * ldq), qkv16, ldq, rows, hs);
     abf_pack_n(pdo, dO + i0 * ldo, 0, ldo, rows, hs);
 }

@@ -251,6 +251,14 @@ ADT_LANES_INLINE float ADT_LANES_FN(attn_softmax_row)(float* s, ptrdiff_t n, ptr
     return mx + logf(total);
 }
 
+/* x[0..n) rounded to bf16 values in place (bf16.h's rounding): the emulated bf16
+   attention (attention.pyx's BF_EMULATED) rounds the probabilities and dS so, the
+   operands its float32 products then take. */
+ADT_LANES_INLINE void ADT_LANES_FN(attn_round_bf16)(float* x, ptrdiff_t n) {
+    for (ptrdiff_t j = 0; j < n; j++)
+        x[j] = bf16_bits_f32((uint32_t)bf16_from_bits(bf16_f32_bits(x[j])) << 16);
+}
+
 /* One (batch, query head): q, k and v point at the first column of this head's q and
    its kv head's k and v in the batch's qkv rows (ldq floats apart), out at the head's
    first column of the batch's out rows (ldo apart), lse at the head's T log-sum-exps.
@@ -264,7 +272,7 @@ static void ADT_LANES_FN(attn_head_forward)(float* out, float* lse, const float*
                                             const float* k, const float* v, ptrdiff_t T,
                                             ptrdiff_t ldq, ptrdiff_t ldo, ptrdiff_t hs,
                                             float scale, int pack_kv, float* pk, float* pv,
-                                            float* scores) {
+                                            float* scores, int round_bf) {
     ptrdiff_t lds = attn_score_ld(T);
     if (pack_kv) {
         ADT_LANES_FN(attn_pack_b)(pk, k, ldq, 1, hs, T);   /* K^T (hs, T) */
@@ -280,6 +288,9 @@ static void ADT_LANES_FN(attn_head_forward)(float* out, float* lse, const float*
                                 ADT_LANES_FN(attn_npad)(T), 0, scores, lds, ATTN_TRI_C, i0);
         for (ptrdiff_t r = 0; r < rows; r++)
             lse[i0 + r] = ADT_LANES_FN(attn_softmax_row)(scores + r * lds, i0 + r + 1, kpad);
+        if (round_bf)
+            for (ptrdiff_t r = 0; r < rows; r++)
+                ADT_LANES_FN(attn_round_bf16)(scores + r * lds, kpad);
         ADT_LANES_FN(attn_gemm)(rows, hs, kend, 1.0f, scores, lds, 1, pv, attn_kcs(T),
                                 ADT_LANES_FN(attn_npad)(hs), 0, out + i0 * ldo, ldo,
                                 ATTN_TRI_UPTO, i0);
@@ -312,7 +323,7 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_bwd_tile)(const float* q, const float* d
                                                   ptrdiff_t hs, float scale, ptrdiff_t i0,
                                                   ptrdiff_t rows, ptrdiff_t j0,
                                                   ptrdiff_t cpad, float* ptile,
-                                                  float* dstile) {
+                                                  float* dstile, int round_bf) {
     ptrdiff_t ks_hs = attn_kcs(hs), npad_T = ADT_LANES_FN(attn_npad)(T);
     ADT_VI lane;
     for (int l = 0; l < ADT_W; l++) lane[l] = l;
@@ -336,6 +347,10 @@ ADT_LANES_INLINE void ADT_LANES_FN(attn_bwd_tile)(const float* q, const float* d
             ADT_V(store)(p + c, e);
             ADT_V(store)(ds + c, ADT_V(select)(valid, e * (ADT_V(load)(ds + c) - d) * vscale,
                                                zero));
+        }
+        if (round_bf) {   /* dS from the float32 P; then both rounded for the products */
+            ADT_LANES_FN(attn_round_bf16)(p, cpad);
+            ADT_LANES_FN(attn_round_bf16)(ds, cpad);
         }
     }
 }
@@ -431,7 +446,7 @@ static void ADT_LANES_FN(attn_head_backward)(float* dq, float* dk, float* dv, co
                                              float scale, int overwrite_q, int overwrite_kv,
                                              int pack_kv, float* pkt, float* pvt, float* pk,
                                              float* pq, float* pdo, float* ptile,
-                                             float* dstile, float* drow) {
+                                             float* dstile, float* drow, int round_bf) {
     if (pack_kv) ADT_LANES_FN(attn_pack_kv_backward)(pkt, pvt, pk, k, v, T, ldq, hs);
     for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTN_BQ) {
         ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, kend = i0 + rows;
@@ -439,7 +454,8 @@ static void ADT_LANES_FN(attn_head_backward)(float* dq, float* dk, float* dv, co
         for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
             ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
             ADT_LANES_FN(attn_bwd_tile)(q, dO, pkt, pvt, lse, drow, T, ldq, ldo, hs, scale, i0,
-                                        rows, j0, ADT_LANES_FN(attn_npad)(cols), ptile, dstile);
+                                        rows, j0, ADT_LANES_FN(attn_npad)(cols), ptile, dstile,
+                                        round_bf);
             ADT_LANES_FN(attn_bwd_kv)(dk, dv, pq, pdo, ptile, dstile, ldq, hs, i0, rows, j0,
                                       cols, !(overwrite_kv && j0 >= i0));
             ADT_LANES_FN(attn_bwd_q)(dq, pk, dstile, T, ldq, hs, i0, rows, j0, cols,
@@ -469,7 +485,7 @@ static void ADT_LANES_FN(attn_key_backward)(float* dk, float* dv, const float* d
                                             const float* pq, const float* pdo,
                                             ptrdiff_t panel, ptrdiff_t nblk,
                                             const float* drows, float* ptile,
-                                            float* dstile) {
+                                            float* dstile, int round_bf) {
     ptrdiff_t cols = T - j0 < ATTN_BK ? T - j0 : ATTN_BK;
     for (ptrdiff_t h = 0; h < rep; h++)
         for (ptrdiff_t i0 = j0 / ATTN_BQ * ATTN_BQ; i0 < T; i0 += ATTN_BQ) {
@@ -477,7 +493,8 @@ static void ADT_LANES_FN(attn_key_backward)(float* dk, float* dv, const float* d
             ptrdiff_t c = kend - j0 < cols ? kend - j0 : cols, blk = i0 / ATTN_BQ;
             ADT_LANES_FN(attn_bwd_tile)(q + h * hs, dO + h * hs, pkt, pvt, lse + h * T,
                                         drows + h * T + i0, T, ldq, ldo, hs, scale, i0, rows,
-                                        j0, ADT_LANES_FN(attn_npad)(c), ptile, dstile);
+                                        j0, ADT_LANES_FN(attn_npad)(c), ptile, dstile,
+                                        round_bf);
             ADT_LANES_FN(attn_bwd_kv)(dk, dv, pq + (h * nblk + blk) * panel,
                                       pdo + (h * nblk + blk) * panel, ptile,
                                       dstile, ldq, hs, i0, rows, j0, c,
@@ -494,12 +511,13 @@ static void ADT_LANES_FN(attn_query_backward)(float* dq, const float* dO, const 
                                               int overwrite_q, ptrdiff_t i0,
                                               const float* pkt, const float* pvt,
                                               const float* pk, const float* drow,
-                                              float* ptile, float* dstile) {
+                                              float* ptile, float* dstile, int round_bf) {
     ptrdiff_t rows = T - i0 < ATTN_BQ ? T - i0 : ATTN_BQ, kend = i0 + rows;
     for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
         ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
         ADT_LANES_FN(attn_bwd_tile)(q, dO, pkt, pvt, lse, drow, T, ldq, ldo, hs, scale, i0,
-                                    rows, j0, ADT_LANES_FN(attn_npad)(cols), ptile, dstile);
+                                    rows, j0, ADT_LANES_FN(attn_npad)(cols), ptile, dstile,
+                                    round_bf);
         ADT_LANES_FN(attn_bwd_q)(dq, pk, dstile, T, ldq, hs, i0, rows, j0, cols,
                                  !(overwrite_q && j0 == 0));
     }

@@ -2,8 +2,8 @@
 float64 twin on the same bf16-rounded operands, on every path this CPU runs.
 
 The kernel rounds q, k, v, dout and the probabilities P and dS to bf16 and sums each
-product in float32; the float64 twin rounds the same operands (P and dS from its own
-float64 values, each first to float32).  Where the kernel's float32 P lands on the other
+product in float32 (D from the rounded dout); the float64 twin rounds the same operands
+(P and dS from its own float64 values, each first to float32).  Where the kernel's float32 P lands on the other
 side of a bf16 rounding boundary from the twin's, that one operand differs by a bf16
 ulp (2^-8 relative): rare, so nearly every element agrees to float32's accumulation
 error, and all of them within a bf16 ulp of the largest.  The float32 kernel, whose
@@ -19,9 +19,10 @@ from kernels.attention import (attention_backward, attention_backward_naive,
 
 
 def paths():
-    """The bf16 paths this CPU runs: the VDPBF16PS build where it has AVX512_BF16, and
-    the float32 twin everywhere."""
-    return (["native"] if bf16.cpu_has_avx512_bf16() else []) + ["twin"]
+    """The bf16 paths this CPU runs: the VDPBF16PS build where it has AVX512_BF16, its
+    float32 twin and the emulated path (float32's kernels on rounded operands)
+    everywhere."""
+    return (["native"] if bf16.cpu_has_avx512_bf16() else []) + ["twin", "emulated"]
 
 
 @pytest.fixture(params=paths())
@@ -92,11 +93,13 @@ def test_bf16_attention_against_the_float64_twin(B, T, NH, NKV, hs, bf16_path):
                                              (3, 100, 2, 2, 16)])
 def test_threads_passes_and_paths_give_the_same_bits(B, T, NH, NKV, hs):
     # Each element is one float32 sum over its depth pairs in order, whoever computes
-    # it: one thread or two, one pass or two, VDPBF16PS or its twin (no subnormals here).
+    # it: one thread or two, one pass or two, VDPBF16PS or its twin (no subnormals
+    # here).  The emulated path sums in float32's kernels' order: the same bits on
+    # one thread or two, one pass or two.
     rng = np.random.default_rng(5)
     qkv = rng.standard_normal((B, T, (NH + 2 * NKV) * hs)).astype(np.float32)
     dout = rng.standard_normal((B, T, NH * hs)).astype(np.float32)
-    results = []
+    results = {}
     old_path, old_mode = bf16.bf16_path(), attention.set_backward_passes(0)
     try:
         for path in paths():
@@ -104,13 +107,15 @@ def test_threads_passes_and_paths_give_the_same_bits(B, T, NH, NKV, hs):
             for passes in (1, 2):
                 attention.set_backward_passes(passes)
                 for nt in (1, 2):
-                    results.append(run(qkv, dout, NH, NKV, n_threads=nt))
+                    results.setdefault(path == "emulated", []).append(
+                        run(qkv, dout, NH, NKV, n_threads=nt))
     finally:
         bf16.set_bf16_path(old_path)
         attention.set_backward_passes(old_mode)
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            np.testing.assert_array_equal(a, b)
+    for group in results.values():
+        for other in group[1:]:
+            for a, b in zip(group[0], other):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_overwrite_equals_adding_into_zeros(bf16_path):
