@@ -546,156 +546,113 @@ cdef int _backward_two_passes(float* dqkv, const float* dout, const float* qkv,
     # block's dq.  Both recompute the tiles (7 products instead of 5) from operands
     # packed once beforehand and shared; each output element sums the same terms in the
     # same order as attn_head_backward's, so the bits are the one pass's.  Largest tasks
-    # first, handed out dynamically.
+    # first, handed out dynamically.  Shared, in 4-byte units: each kv head's packed K^T,
+    # V^T and K (kvw), then per query block its panels (float32: Q and dO packed; bf16
+    # operands: Q and dO as rows and packed), then each head's D.
     cdef Py_ssize_t hs = C // NH, rep = NH // NKV, ldq = C + 2 * NKV * hs
     cdef float scale = 1.0 / sqrt(<double>hs)
+    cdef bint vdp = _packed_bf16(bf)
     cdef Py_ssize_t pack = _lines(attn_pack_floats(T, hs))
-    cdef Py_ssize_t panel = _lines(attn_panel_floats(hs))
+    cdef Py_ssize_t kvw = abf_kv_words(T, hs) if vdp else 3 * pack
+    cdef Py_ssize_t panel = abf_panel_words(ATTN_BQ, hs) if vdp else _lines(attn_panel_floats(hs))
+    cdef Py_ssize_t n_panels = 4 if vdp else 2
     cdef Py_ssize_t nqb = (T + ATTN_BQ - 1) // ATTN_BQ, nkb = (T + ATTN_BK - 1) // ATTN_BK
     cdef Py_ssize_t tile = ATTN_BQ * ATTN_BK
-    cdef Py_ssize_t x, b, g, h, blk, i0, kv_floats = B * NKV * 3 * pack
-    cdef Py_ssize_t panels_floats = B * NH * nqb * panel
+    cdef Py_ssize_t x, y, b, g, h, blk, i0, at
+    cdef Py_ssize_t kv_floats = B * NKV * kvw, panels_floats = B * NH * nqb * panel
+    cdef Py_ssize_t shared_floats = kv_floats + n_panels * panels_floats + B * NH * T
     cdef int wide = _lanes(bf)
     cdef float* work
     cdef float* kvp
-    cdef Py_ssize_t y
     cdef float* shared
-    cdef float* pq
-    cdef float* pdo
+    cdef float* pan0
+    cdef float* pan1
+    cdef float* pan2
+    cdef float* pan3
     cdef float* drows
     cdef Scratch s
-    if _packed_bf16(bf):
-        return _backward_two_passes_bf16(dqkv, dout, qkv, out, lse, B, T, C, NH, NKV,
-                                         overwrite, n_threads, bf)
-    _scratch_alloc(&s, n_threads, 2 * tile)
-    shared = <float*>aligned_alloc(64, ((kv_floats + 2 * panels_floats + B * NH * T)
-                                        * sizeof(float) + 63) // 64 * 64)
+    _scratch_alloc(&s, n_threads, abf_tile_words() if vdp else 2 * tile)
+    shared = <float*>aligned_alloc(64, (shared_floats * sizeof(float) + 63) // 64 * 64)
     if shared == NULL:
         free(s.raw)
         with gil:
             raise MemoryError(f"attention: cannot allocate the backward's packed operands "
-                              f"({kv_floats + 2 * panels_floats + B * NH * T} floats)")
-    pq = shared + kv_floats
-    pdo = pq + panels_floats
-    drows = pdo + panels_floats
+                              f"({shared_floats} floats)")
+    pan0 = shared + kv_floats           # float32: pq, pdo; bf16: qw, dow, pq, pdo
+    pan1 = pan0 + panels_floats
+    pan2 = pan1 + panels_floats
+    pan3 = pan2 + panels_floats
+    drows = pan0 + n_panels * panels_floats
     for x in prange(B * NKV + B * NH * nqb, schedule='dynamic', nogil=True,
                     num_threads=n_threads):
         if x < B * NKV:
             b = x // NKV
             g = x % NKV
-            kvp = shared + x * 3 * pack
-            attn_prepare_kv(wide, kvp, kvp + pack, kvp + 2 * pack,
-                            qkv + b * T * ldq + C + g * hs,
-                            qkv + b * T * ldq + C + (NKV + g) * hs, T, ldq, hs)
+            kvp = shared + x * kvw
+            if vdp:
+                abf_prepare_kv(bf, <uint32_t*>kvp, qkv, b * T * ldq + C + g * hs,
+                               b * T * ldq + C + (NKV + g) * hs, T, ldq, hs)
+            else:
+                attn_prepare_kv(wide, kvp, kvp + pack, kvp + 2 * pack,
+                                qkv + b * T * ldq + C + g * hs,
+                                qkv + b * T * ldq + C + (NKV + g) * hs, T, ldq, hs)
         else:
             y = x - B * NKV                       # (batch * head, query block)
             b = y // (NH * nqb)
             h = y // nqb % NH
             blk = y % nqb
-            attn_prepare_query(wide, pq + y * panel, pdo + y * panel,
-                               drows + (b * NH + h) * T + blk * ATTN_BQ,
-                               qkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
-                               out + b * T * C + h * hs, T, ldq, C, hs, blk * ATTN_BQ)
+            if vdp:
+                abf_prepare_query(bf, <uint32_t*>(pan0 + y * panel),
+                                  <uint32_t*>(pan1 + y * panel), <uint32_t*>(pan2 + y * panel),
+                                  <uint32_t*>(pan3 + y * panel),
+                                  drows + (b * NH + h) * T + blk * ATTN_BQ, qkv,
+                                  b * T * ldq + h * hs, dout + b * T * C + h * hs,
+                                  out + b * T * C + h * hs, T, ldq, C, hs, blk * ATTN_BQ)
+            else:
+                attn_prepare_query(wide, pan0 + y * panel, pan1 + y * panel,
+                                   drows + (b * NH + h) * T + blk * ATTN_BQ,
+                                   qkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
+                                   out + b * T * C + h * hs, T, ldq, C, hs, blk * ATTN_BQ)
     for x in prange(B * NKV * nkb, schedule='dynamic', nogil=True, num_threads=n_threads):
         blk = x // (B * NKV)                      # key blocks in order: the largest first
         b = x % (B * NKV) // NKV
         g = x % NKV
         work = s.base + omp_get_thread_num_safe() * s.per_thread
-        kvp = shared + (b * NKV + g) * 3 * pack
-        attn_key_backward(wide, dqkv + b * T * ldq + C + g * hs,
-                          dqkv + b * T * ldq + C + (NKV + g) * hs,
-                          dout + b * T * C + g * rep * hs, qkv + b * T * ldq + g * rep * hs,
-                          lse + (b * NH + g * rep) * T, T, ldq, C, hs, scale, rep, overwrite,
-                          blk * ATTN_BK, kvp, kvp + pack, pq + (b * NH + g * rep) * nqb * panel,
-                          pdo + (b * NH + g * rep) * nqb * panel, panel, nqb,
-                          drows + (b * NH + g * rep) * T, work, work + tile)
-    for x in prange(B * NH * nqb, schedule='dynamic', nogil=True, num_threads=n_threads):
-        blk = nqb - 1 - x // (B * NH)             # query blocks from the last: the largest
-        b = x % (B * NH) // NH
-        h = x % NH
-        i0 = blk * ATTN_BQ
-        work = s.base + omp_get_thread_num_safe() * s.per_thread
-        kvp = shared + (b * NKV + h // rep) * 3 * pack
-        attn_query_backward(wide, dqkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
-                            qkv + b * T * ldq + h * hs, lse + (b * NH + h) * T, T, ldq, C, hs,
-                            scale, overwrite, i0, kvp, kvp + pack, kvp + 2 * pack,
-                            drows + (b * NH + h) * T + i0, work, work + tile)
-    free(s.raw)
-    free(shared)
-    return 0
-
-
-cdef int _backward_two_passes_bf16(float* dqkv, const float* dout, const float* qkv,
-                                   const float* out, const float* lse, Py_ssize_t B,
-                                   Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, Py_ssize_t NKV,
-                                   bint overwrite, int n_threads, int bf) except -1 nogil:
-    # _backward_two_passes with bf16 operands (kernels/attention_bf16.h): the same tasks
-    # and order; shared, each kv head's K^T, V^T and K packed, and each query block's Q
-    # and dO as rows and packed.
-    cdef Py_ssize_t hs = C // NH, rep = NH // NKV, ldq = C + 2 * NKV * hs
-    cdef float scale = 1.0 / sqrt(<double>hs)
-    cdef Py_ssize_t kvw = abf_kv_words(T, hs), panel = abf_panel_words(ATTN_BQ, hs)
-    cdef Py_ssize_t nqb = (T + ATTN_BQ - 1) // ATTN_BQ, nkb = (T + ATTN_BK - 1) // ATTN_BK
-    cdef Py_ssize_t x, y, b, g, h, blk, i0, at
-    cdef Py_ssize_t kv_words = B * NKV * kvw, panels = B * NH * nqb * panel
-    cdef float* work
-    cdef uint32_t* shared
-    cdef uint32_t* qw
-    cdef uint32_t* dow
-    cdef uint32_t* pq
-    cdef uint32_t* pdo
-    cdef float* drows
-    cdef Scratch s
-    _scratch_alloc(&s, n_threads, abf_tile_words())
-    shared = <uint32_t*>aligned_alloc(64, ((kv_words + 4 * panels + B * NH * T) * 4 + 63)
-                                      // 64 * 64)
-    if shared == NULL:
-        free(s.raw)
-        with gil:
-            raise MemoryError(f"attention: cannot allocate the backward's packed operands "
-                              f"({kv_words + 4 * panels + B * NH * T} words)")
-    qw = shared + kv_words
-    dow = qw + panels
-    pq = dow + panels
-    pdo = pq + panels
-    drows = <float*>(pdo + panels)
-    for x in prange(B * NKV + B * NH * nqb, schedule='dynamic', nogil=True,
-                    num_threads=n_threads):
-        if x < B * NKV:
-            b = x // NKV
-            g = x % NKV
-            abf_prepare_kv(bf, shared + x * kvw, qkv, b * T * ldq + C + g * hs,
-                           b * T * ldq + C + (NKV + g) * hs, T, ldq, hs)
-        else:
-            y = x - B * NKV                       # (batch * head, query block)
-            b = y // (NH * nqb)
-            h = y // nqb % NH
-            blk = y % nqb
-            abf_prepare_query(bf, qw + y * panel, dow + y * panel, pq + y * panel,
-                              pdo + y * panel, drows + (b * NH + h) * T + blk * ATTN_BQ,
-                              qkv, b * T * ldq + h * hs, dout + b * T * C + h * hs,
-                              out + b * T * C + h * hs, T, ldq, C, hs, blk * ATTN_BQ)
-    for x in prange(B * NKV * nkb, schedule='dynamic', nogil=True, num_threads=n_threads):
-        blk = x // (B * NKV)                      # key blocks in order: the largest first
-        b = x % (B * NKV) // NKV
-        g = x % NKV
-        work = s.base + omp_get_thread_num_safe() * s.per_thread
+        kvp = shared + (b * NKV + g) * kvw
         at = (b * NH + g * rep) * nqb * panel
-        abf_key_backward(bf, dqkv + b * T * ldq + C + g * hs,
-                         dqkv + b * T * ldq + C + (NKV + g) * hs,
-                         lse + (b * NH + g * rep) * T, T, ldq, hs, scale, rep, overwrite,
-                         blk * ATTN_BK, shared + (b * NKV + g) * kvw, qw + at, dow + at,
-                         pq + at, pdo + at, nqb, drows + (b * NH + g * rep) * T, work)
+        if vdp:
+            abf_key_backward(bf, dqkv + b * T * ldq + C + g * hs,
+                             dqkv + b * T * ldq + C + (NKV + g) * hs,
+                             lse + (b * NH + g * rep) * T, T, ldq, hs, scale, rep, overwrite,
+                             blk * ATTN_BK, <uint32_t*>kvp, <uint32_t*>(pan0 + at),
+                             <uint32_t*>(pan1 + at), <uint32_t*>(pan2 + at),
+                             <uint32_t*>(pan3 + at), nqb, drows + (b * NH + g * rep) * T,
+                             work)
+        else:
+            attn_key_backward(wide, dqkv + b * T * ldq + C + g * hs,
+                              dqkv + b * T * ldq + C + (NKV + g) * hs,
+                              dout + b * T * C + g * rep * hs, qkv + b * T * ldq + g * rep * hs,
+                              lse + (b * NH + g * rep) * T, T, ldq, C, hs, scale, rep,
+                              overwrite, blk * ATTN_BK, kvp, kvp + pack, pan0 + at, pan1 + at,
+                              panel, nqb, drows + (b * NH + g * rep) * T, work, work + tile)
     for x in prange(B * NH * nqb, schedule='dynamic', nogil=True, num_threads=n_threads):
         blk = nqb - 1 - x // (B * NH)             # query blocks from the last: the largest
         b = x % (B * NH) // NH
         h = x % NH
         i0 = blk * ATTN_BQ
         work = s.base + omp_get_thread_num_safe() * s.per_thread
-        at = ((b * NH + h) * nqb + blk) * panel
-        abf_query_backward(bf, dqkv + b * T * ldq + h * hs, lse + (b * NH + h) * T, T, ldq,
-                           hs, scale, overwrite, i0, shared + (b * NKV + h // rep) * kvw,
-                           qw + at, dow + at, drows + (b * NH + h) * T + i0, work)
+        kvp = shared + (b * NKV + h // rep) * kvw
+        if vdp:
+            at = ((b * NH + h) * nqb + blk) * panel
+            abf_query_backward(bf, dqkv + b * T * ldq + h * hs, lse + (b * NH + h) * T, T,
+                               ldq, hs, scale, overwrite, i0, <uint32_t*>kvp,
+                               <uint32_t*>(pan0 + at), <uint32_t*>(pan1 + at),
+                               drows + (b * NH + h) * T + i0, work)
+        else:
+            attn_query_backward(wide, dqkv + b * T * ldq + h * hs, dout + b * T * C + h * hs,
+                                qkv + b * T * ldq + h * hs, lse + (b * NH + h) * T, T, ldq, C,
+                                hs, scale, overwrite, i0, kvp, kvp + pack, kvp + 2 * pack,
+                                drows + (b * NH + h) * T + i0, work, work + tile)
     free(s.raw)
     free(shared)
     return 0

@@ -307,14 +307,13 @@ ABF_ATTR static void ABF_FN(abf_head_forward)(float* out, float* lse, const void
 /* P and dS of query block i0 (rows) and key block j0 (cpad columns, as attn_bwd_tile),
    in float32 and in the three bf16 layouts the products read. */
 ABF_INL static inline __attribute__((always_inline))
-void ABF_FN(abf_bwd_tile)(const abf_bwd_ops* o, const float* lse, ptrdiff_t T,
-                          ptrdiff_t hs, float scale, ptrdiff_t i0, ptrdiff_t rows,
-                          ptrdiff_t j0, ptrdiff_t cpad) {
+void ABF_FN(abf_bwd_tile)(const abf_bwd_ops* o, const float* lse, ptrdiff_t hs,
+                          float scale, ptrdiff_t i0, ptrdiff_t rows, ptrdiff_t j0,
+                          ptrdiff_t cpad) {
     ptrdiff_t hp = abf_pairs(hs);
     adt_v16i lane;
     for (int l = 0; l < 16; l++) lane[l] = l;
     adt_v16 zero = {0}, vscale = adt_splat16(scale);
-    (void)T;
     ABF_FN(abf_gemm)(rows, cpad, hs, scale, o->qw, hp, 1, o->pkt + j0 / ABF_NR * hp * ABF_NR,
                      hp * ABF_NR, 0, o->ptile, ATTN_BK, ATTN_TRI_C, i0 - j0);
     ABF_FN(abf_gemm)(rows, cpad, hs, 1.0f, o->dow, hp, 1, o->pvt + j0 / ABF_NR * hp * ABF_NR,
@@ -368,8 +367,8 @@ ABF_ATTR static void ABF_FN(abf_prepare_kv)(uint32_t* pkt, uint32_t* pvt, uint32
     abf_pack_n(pk, k, qkv16, ldq, T, hs);
 }
 
-/* Query block i0's D_i (drow, float32 from dO and O) and its Q and dO as rows and
-   packed. */
+/* Query block i0's Q and dO as rows and packed, and its D_i (drow: the rounded dO's
+   rows . O's, in float32). */
 ABF_ATTR static void ABF_FN(abf_prepare_query)(uint32_t* qw, uint32_t* dow, uint32_t* pq,
                                                uint32_t* pdo, float* drow, const void* q,
                                                int qkv16, const float* dO, const float* o,
@@ -407,7 +406,7 @@ ABF_ATTR static void ABF_FN(abf_head_backward)(float* dq, float* dk, float* dv,
                                   o, T, ldq, ldo, hs, i0);
         for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
             ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
-            ABF_FN(abf_bwd_tile)(ops, lse, T, hs, scale, i0, rows, j0, abf_npad(cols));
+            ABF_FN(abf_bwd_tile)(ops, lse, hs, scale, i0, rows, j0, abf_npad(cols));
             ABF_FN(abf_bwd_kv)(ops, dk, dv, ldq, hs, i0, rows, j0, cols,
                                !(overwrite_kv && j0 >= i0));
             ABF_FN(abf_bwd_q)(ops, dq, T, ldq, hs, i0, rows, j0, cols,
@@ -437,7 +436,7 @@ ABF_ATTR static void ABF_FN(abf_key_backward)(float* dk, float* dv, const float*
             ptrdiff_t at = (h * nblk + i0 / ATTN_BQ) * panel;
             o.qw = sh->qw + at, o.dow = sh->dow + at, o.pq = sh->pq + at, o.pdo = sh->pdo + at;
             o.drow = drows + h * T + i0;
-            ABF_FN(abf_bwd_tile)(&o, lse + h * T, T, hs, scale, i0, rows, j0, abf_npad(c));
+            ABF_FN(abf_bwd_tile)(&o, lse + h * T, hs, scale, i0, rows, j0, abf_npad(c));
             ABF_FN(abf_bwd_kv)(&o, dk, dv, ldq, hs, i0, rows, j0, c,
                                !(overwrite_kv && h == 0 && j0 >= i0));
         }
@@ -455,7 +454,7 @@ ABF_ATTR static void ABF_FN(abf_query_backward)(float* dq, const float* lse, ptr
     o.drow = drow;
     for (ptrdiff_t j0 = 0; j0 < kend; j0 += ATTN_BK) {
         ptrdiff_t cols = kend - j0 < ATTN_BK ? kend - j0 : ATTN_BK;
-        ABF_FN(abf_bwd_tile)(&o, lse, T, hs, scale, i0, rows, j0, abf_npad(cols));
+        ABF_FN(abf_bwd_tile)(&o, lse, hs, scale, i0, rows, j0, abf_npad(cols));
         ABF_FN(abf_bwd_q)(&o, dq, T, ldq, hs, i0, rows, j0, cols, !(overwrite_q && j0 == 0));
     }
 }
