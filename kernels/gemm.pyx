@@ -67,15 +67,16 @@ cdef extern from *:
     /* The packed GEMM (kernels/sgemm.h) for one block, in place of BLAS, the bias
        (NULL: none) added in its micro-kernel and op(A)'s row sums added into a_sums
        (NULL: none) as it is packed: returns -1 (nothing written) where it cannot
-       run.  In eight lanes a forward x @ W^T of up to bc_max_m rows (SG_BC_MAX_M,
-       set_broadcast_max_m) reads W where it lies instead (sg_bcast). */
+       run.  A forward x @ W^T of up to bc_max_m rows (SG_BC_MAX_M, set_broadcast_max_m)
+       reads W where it lies instead (sg_bcast, in either width). */
     static int packed_gemm(int trans_a, int trans_b, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                            float alpha, const float* A, ptrdiff_t lda, const float* B,
                            ptrdiff_t ldb, float beta, float* C, ptrdiff_t ldc,
                            const float* bias, double* a_sums) {
         if (K <= 0) return -1;
-        if (!SK_WIDE && trans_b && !trans_a && M <= bc_max_m && a_sums == NULL)
-            return sg_bcast_v8(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias);
+        if (trans_b && !trans_a && M <= bc_max_m && a_sums == NULL)
+            return ADT_LANES_CALL(SK_WIDE, sg_bcast, (M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,
+                                                      bias));
         return ADT_LANES_CALL(SK_WIDE, sg_gemm, (M, N, K, alpha, A, trans_a ? 1 : lda,
                                                  trans_a ? lda : 1, B, trans_b ? 1 : ldb,
                                                  trans_b ? ldb : 1, beta, C, ldc, bias,
@@ -257,9 +258,9 @@ def set_depth_split_max_m(Py_ssize_t m):
 
 
 def set_broadcast_max_m(Py_ssize_t m):
-    """In eight lanes, run the packed route's forward products x @ W^T of at most ``m``
-    rows (default 128; 0: none) through the W-broadcast kernel (kernels/sgemm.h's
-    sg_bcast), the others through the packed GEMM.
+    """Run the packed route's forward products x @ W^T of at most ``m`` rows (default
+    128; 0: none) through the W-broadcast kernel (kernels/sgemm.h's sg_bcast, in eight
+    or sixteen lanes), the others through the packed GEMM.
 
     For tests and benchmarks; returns the previous value."""
     if m < 0:
@@ -302,7 +303,11 @@ def set_skinny_lanes(int lanes):
 # The forward x @ W^T too, from 41 to 128 rows, once its transposed weight is packed
 # 16 x 16 at a time through registers: across 12 layers' weights from memory, 16.5
 # vs 20.8 ms (BLAS) at 64 x 2304 x 768, 7.7 vs 8.9 ms at 128 x 768 x 768; skinny_nt
-# stays faster up to 40 rows, BLAS from 256.
+# stays faster up to 40 rows, BLAS from 256.  That route now runs the W-broadcast
+# kernel (sg_bcast: W read where it lies, x packed): Zen 4, 2 threads, 12 weights
+# from memory, medians of 9 interleaved, against the packed GEMM: 1.08-1.33x at 64
+# rows (198-206 GFLOP/s, 84-88% of the physical peak), 1.13-1.49x at 41-48,
+# 0.99-1.16x at 128; one thread 1.08-1.19x at 64 rows (100-104 GFLOP/s).
 # Eight lanes (6 x 16 tiles), measured on a 2-core AMD EPYC (Zen 3, AVX2) against
 # OpenBLAS 0.3.30 (Haswell/Zen kernels) and the eight-lane skinny kernels, all four
 # products of 12 layers with their weights from memory, 2 threads: the input

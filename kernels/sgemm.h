@@ -609,6 +609,133 @@ static int ADT_LANES_FN(sg_bcast)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float a
 }
 #endif /* ADT_W == 8 */
 
+#if ADT_W == 16
+/* The same in sixteen lanes: a tile of 8 rows of W by 32 rows of x (two vectors), 16
+   accumulators, each depth broadcasting one float of each W row against x's two
+   vectors (10 loads for 16 FMAs; the packed GEMM's 8 x 32 tile, with B packed from W
+   transposed, paid that packing and its stall on every weight at few rows).  x is
+   packed 32 rows a depth; the depth block holds x's panels within 256 KiB of L2 and
+   at most 512 depths, so that a tile's 8 W rows (16 KiB) stay in L1 (32 KiB on Zen 4)
+   while the next panels of x take them again.  The accumulators hold C transposed;
+   one 16 x 16 register transpose per half (the W rows' vectors and 8 zeros) makes
+   rows of 8.  A last panel of at most 16 rows runs one vector of x (8 accumulators)
+   instead of padding it to 32. */
+#define SG_BC16_X_FLOATS 65536
+#define SG_BC16_MAX_KC 512
+
+/* The 32 x 8 tile: C[0:mr, 0:nr] = alpha acc + beta C (+ bias[0:nr]), from the W rows
+   w[r] (rows past nr repeat the last) and xp's 32 floats a depth; pf (NULL: none) the
+   next tile's first W row, whose 8 rows ldw apart are fetched as this one runs. */
+ADT_LANES_ATTR
+static __attribute__((noinline))
+void ADT_LANES_FN(sg_bcast_micro)(ptrdiff_t kc, const float* const* w, const float* restrict xp,
+                                  float* c, ptrdiff_t ldc, ptrdiff_t mr, ptrdiff_t nr, float alpha,
+                                  float beta, const float* bias, const float* pf, ptrdiff_t ldw) {
+    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
+    const float *w4 = w[4], *w5 = w[5], *w6 = w[6], *w7 = w[7];
+    adt_v16 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+    adt_v16 a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0}, a60 = {0}, a61 = {0}, a70 = {0}, a71 = {0};
+    if (mr > 16) {
+        for (ptrdiff_t k = 0; k < kc; k++, xp += 32) {
+            adt_v16 x0 = *(const adt_v16*)xp, x1 = *(const adt_v16*)(xp + 16);
+            float s;
+            s = w0[k]; a00 += s * x0; a01 += s * x1;
+            s = w1[k]; a10 += s * x0; a11 += s * x1;
+            s = w2[k]; a20 += s * x0; a21 += s * x1;
+            s = w3[k]; a30 += s * x0; a31 += s * x1;
+            s = w4[k]; a40 += s * x0; a41 += s * x1;
+            s = w5[k]; a50 += s * x0; a51 += s * x1;
+            s = w6[k]; a60 += s * x0; a61 += s * x1;
+            s = w7[k]; a70 += s * x0; a71 += s * x1;
+            if (pf != NULL && (k & 15) == 0)
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) __builtin_prefetch(pf + r * ldw + k, 0, 3);
+        }
+    } else {
+        /* a last panel of at most 16 rows, packed 16 floats a depth: its half alone */
+        for (ptrdiff_t k = 0; k < kc; k++, xp += 16) {
+            adt_v16 x0 = *(const adt_v16*)xp;
+            a00 += w0[k] * x0; a10 += w1[k] * x0; a20 += w2[k] * x0; a30 += w3[k] * x0;
+            a40 += w4[k] * x0; a50 += w5[k] * x0; a60 += w6[k] * x0; a70 += w7[k] * x0;
+            if (pf != NULL && (k & 15) == 0)
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) __builtin_prefetch(pf + r * ldw + k, 0, 3);
+        }
+    }
+    adt_v16 v[16], z = {0};
+    adt_v8 bv = {0};
+    if (bias != NULL)
+        for (ptrdiff_t n = 0; n < nr; n++) bv[n] = bias[n];
+    for (int h = 0; h < 2 && 16 * h < mr; h++) {
+        v[0] = h ? a01 : a00; v[1] = h ? a11 : a10; v[2] = h ? a21 : a20; v[3] = h ? a31 : a30;
+        v[4] = h ? a41 : a40; v[5] = h ? a51 : a50; v[6] = h ? a61 : a60; v[7] = h ? a71 : a70;
+#pragma GCC unroll 8
+        for (int r = 8; r < 16; r++) v[r] = z;
+        sg_transpose16(v);
+        ptrdiff_t rows = mr - 16 * h < 16 ? mr - 16 * h : 16;
+        for (ptrdiff_t i = 0; i < rows; i++) {
+            float* row = c + (16 * h + i) * ldc;
+            adt_v8 t = alpha * __builtin_shufflevector(v[i], v[i], 0, 1, 2, 3, 4, 5, 6, 7) + bv;
+            if (nr == 8 && beta == 0.0f) {
+                adt_store(row, t);
+            } else if (nr == 8) {
+                adt_store(row, t + beta * adt_load(row));
+            } else {
+                for (ptrdiff_t n = 0; n < nr; n++)
+                    row[n] = beta == 0.0f ? t[n] : t[n] + beta * row[n];
+            }
+        }
+    }
+}
+
+/* C = alpha x W^T + beta C (+ bias[j] in every column j where bias is not NULL) for x
+   (M x K, rows lda apart) and W (N x K, rows ldw apart), M <= SG_BC_MAX_M.  Returns -1,
+   having written nothing, when the packing buffer cannot be allocated. */
+ADT_LANES_ATTR
+static int ADT_LANES_FN(sg_bcast)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
+                                  const float* x, ptrdiff_t lda, const float* W, ptrdiff_t ldw,
+                                  float beta, float* C, ptrdiff_t ldc, const float* bias) {
+    ptrdiff_t panels = (M + 31) / 32;
+    ptrdiff_t kcb = SG_BC16_X_FLOATS / (32 * panels) / 16 * 16;
+    if (kcb > SG_BC16_MAX_KC) kcb = SG_BC16_MAX_KC;
+    if (kcb < 16) kcb = 16;                     /* more rows than it is meant for */
+    if ((size_t)(32 * panels * kcb) > SG_B_FLOATS) return -1;
+    float* xb = sg_thread_buffer();
+    if (xb == NULL) return -1;
+    for (ptrdiff_t k0 = 0; k0 < K; k0 += kcb) {
+        ptrdiff_t kc = K - k0 < kcb ? K - k0 : kcb;
+        /* x[:, k0:k0+kc] as panels of 32 rows, 32 floats a depth (a last panel of at
+           most 16 rows: 16); rows past M zero */
+        for (ptrdiff_t p = 0; p < panels; p++) {
+            float* d = xb + p * 32 * kc;
+            ptrdiff_t width = M - p * 32 <= 16 ? 16 : 32;
+            for (ptrdiff_t i = 0; i < width; i++) {
+                ptrdiff_t m = p * 32 + i;
+                const float* a = x + m * lda + k0;
+                if (m < M)
+                    for (ptrdiff_t k = 0; k < kc; k++) d[k * width + i] = a[k];
+                else
+                    for (ptrdiff_t k = 0; k < kc; k++) d[k * width + i] = 0.0f;
+            }
+        }
+        float bt = k0 == 0 ? beta : 1.0f;
+        for (ptrdiff_t n0 = 0; n0 < N; n0 += 8) {
+            ptrdiff_t nr = N - n0 < 8 ? N - n0 : 8;
+            const float* w[8];
+            for (int r = 0; r < 8; r++) w[r] = W + (n0 + (r < nr ? r : nr - 1)) * ldw + k0;
+            const float* pf = n0 + 16 <= N ? W + (n0 + 8) * ldw + k0 : NULL;
+            const float* bn = k0 == 0 && bias != NULL ? bias + n0 : NULL;
+            for (ptrdiff_t p = 0; p < panels; p++) {
+                ptrdiff_t mr = M - p * 32 < 32 ? M - p * 32 : 32;
+                ADT_LANES_FN(sg_bcast_micro)(kc, w, xb + p * 32 * kc, C + p * 32 * ldc + n0, ldc, mr, nr,
+                                             alpha, bt, bn, p == 0 ? pf : NULL, ldw);
+            }
+        }
+    }
+    return 0;
+}
+#endif /* ADT_W == 16 */
+
 #undef SG_MR
 #undef SG_NR
 #endif /* ADT_W == 8 || ADT_HAVE_V4 */

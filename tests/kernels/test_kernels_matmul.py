@@ -406,44 +406,54 @@ def test_packed_gemm_setting():
     assert old == 128 and gemm.set_broadcast_max_m(old) == 0
 
 
-@pytest.mark.parametrize("M", [16, 41, 64, 128])
-def test_broadcast_forward_equals_the_packed_gemm_within_rounding_and_across_threads(M):
-    # The eight-lane forward of up to 128 rows reads W where it lies (sg_bcast); the
-    # packed GEMM (its routing turned off) is the twin.  Same bits on 1 and 2 threads.
+@pytest.mark.parametrize("lanes", _skinny_lanes())
+@pytest.mark.parametrize("M,N,K", [(16, 200, 300), (41, 200, 300), (64, 200, 300), (128, 200, 300),
+                                   (33, 203, 1100), (100, 107, 530), (5, 9, 300)])
+def test_broadcast_forward_equals_the_packed_gemm_within_rounding_and_across_threads(M, N, K, lanes):
+    # The forward of up to 128 rows reads W where it lies (sg_bcast: 16 rows of x by 6
+    # of W in eight lanes, 32 by 8 in sixteen; N past a multiple of the tile, depth
+    # blocks of 512 in sixteen lanes, rows past the 16-row half); the packed GEMM (its
+    # routing turned off) is the twin.  Same bits on 1 and 2 threads, beta 0 and 1.
     from kernels import gemm
-    rng = np.random.default_rng(M)
-    x = rng.standard_normal((M, 300)).astype(np.float32)
-    w = rng.standard_normal((200, 300)).astype(np.float32)
-    bias = rng.standard_normal(200).astype(np.float32)
+    rng = np.random.default_rng(M + N + K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
     want = x.astype(np.float64) @ w.T.astype(np.float64) + bias
-    old_mode, old_m, old_lanes = gemm.set_packed_gemm(2), gemm.set_skinny_max_m(0), gemm.set_skinny_lanes(8)
-    got = {}
+    old_mode, old_m = gemm.set_packed_gemm(2), gemm.set_skinny_max_m(0)
+    old_lanes = gemm.set_skinny_lanes(lanes)
+    got, added = {}, {}
     try:
         for bc in (128, 0):
             gemm.set_broadcast_max_m(bc)
             for n in (1, 2):
-                c = np.full((M, 200), np.nan, np.float32)
+                c = np.full((M, N), np.nan, np.float32)
                 got[bc, n] = gemm.gemm_rowmajor(c, x, w, bias, trans_b=True, n_threads=n)
+                added[bc, n] = gemm.gemm_rowmajor(c0.copy(), x, w, trans_b=True, beta=1.0, n_threads=n)
     finally:
         gemm.set_broadcast_max_m(128)
         gemm.set_packed_gemm(old_mode)
         gemm.set_skinny_max_m(old_m)
         gemm.set_skinny_lanes(old_lanes)
     np.testing.assert_array_equal(got[128, 1], got[128, 2])
-    size = np.abs(x.astype(np.float64)) @ np.abs(w.T.astype(np.float64)) + np.abs(bias)
-    for c in got.values():
-        assert (np.abs(c - want) / size).max() < 1e-6
+    np.testing.assert_array_equal(added[128, 1], added[128, 2])
+    size = np.abs(x.astype(np.float64)) @ np.abs(w.T.astype(np.float64))
+    for key in got:
+        assert (np.abs(got[key] - want) / (size + np.abs(bias))).max() < 1e-6
+        assert (np.abs(added[key] - (want - bias + c0)) / (size + np.abs(c0))).max() < 1e-6
     assert not np.array_equal(got[128, 1], got[0, 1])    # two kernels, two roundings
 
 
-def test_broadcast_forward_past_its_rows_still_multiplies():
+@pytest.mark.parametrize("lanes", _skinny_lanes())
+def test_broadcast_forward_past_its_rows_still_multiplies(lanes):
     # set_broadcast_max_m lets any number of rows through (as many columns: a forward
     # with fewer columns than rows is split by rows, never packed): the x panels' depth
     # block shrinks to keep them within 256 KiB (104 deep at 600 rows, 32 at 2000, and
     # no less than 8: 8200 rows).
     from kernels import gemm
     rng = np.random.default_rng(5)
-    old_mode, old_lanes = gemm.set_packed_gemm(2), gemm.set_skinny_lanes(8)
+    old_mode, old_lanes = gemm.set_packed_gemm(2), gemm.set_skinny_lanes(lanes)
     old_m = gemm.set_broadcast_max_m(1 << 20)
     try:
         for M, K in ((600, 300), (2000, 300), (8200, 20)):
