@@ -1,6 +1,7 @@
 """Validate the performance model: published figures and our own measurements.
 
   python bench/perfmodel_validation.py [--profile this-machine] [--repeats 7] [--rounds 3]
+                                      [--precision fp32|bf16|both]
 
 Writes bench/results/perfmodel_validation.json: one record per check with name,
 predicted, measured and the signed relative error (predicted - measured) / measured,
@@ -13,7 +14,8 @@ calibrate.FULL_CONFIGS):
 - bytes of the block's saved activations: the arrays our kernels produce that their
   backward needs, pushed on an adtape.Tape (its byte counter) and the process RSS growth;
 - the full training step through ``gpt2.model.time_training_step`` (time, peak RSS,
-  tape bytes), each (B, T) in a fresh process, --rounds of them in turn.
+  tape bytes), each (B, T) in a fresh process, --rounds of them in turn, with float32
+  products and with bf16 ones (``--precision bf16``'s step: rows named ``..._bf16``).
 """
 import argparse
 import json
@@ -26,6 +28,7 @@ import numpy as np
 import psutil
 
 import _paths  # noqa: E402,F401  (import order: installed packages, source, bench/)
+from _runinfo import cpu_name, git_commit  # noqa: E402
 
 from gpt2.perfmodel import GraphOptions, ModelSpec, ParallelConfig, Workload, estimate, load_profile, op_time, \
     step_graph  # noqa: E402
@@ -198,39 +201,46 @@ def block_memory_checks(b, t):
                    "mmap threshold 64 KiB)", "arrays two ops save counted once")]
 
 
-def step_child(b, t, repeats):
-    """One training step's measurement in this (fresh) process, as JSON on stdout."""
+def step_child(b, t, repeats, precision):
+    """One training step's measurement in this (fresh) process, as JSON on stdout, its
+    products in ``precision`` (gpt2-train's --precision)."""
+    from adtape import nn
     from gpt2.config import GPT2Config
     from gpt2.model import time_training_step
+    nn.set_precision(precision)
     print(json.dumps(time_training_step(GPT2Config.preset("gpt2"), b, t, repeats)))
 
 
-def training_step_checks(profile, repeats, rounds):
-    """Whole-step checks through gpt2.model.time_training_step, each (B, T) in a fresh
-    process: the peak RSS is that of a run of this step alone, as gpt2-train's would be
-    (in this process the block checks' arrays set it first).  ``rounds`` passes over the
-    held-out shapes, one fresh process each, the shapes taking turns: the measured time
-    is the median of the rounds' medians (on the shared Zen 3 VM one round's times moved
-    10-15% from the next a minute later)."""
+def training_step_checks(profile, repeats, rounds, precisions):
+    """Whole-step checks through gpt2.model.time_training_step, each (B, T) and precision
+    in a fresh process: the peak RSS is that of a run of this step alone, as gpt2-train's
+    would be (in this process the block checks' arrays set it first).  ``rounds`` passes
+    over the held-out shapes, one fresh process each, the shapes and precisions taking
+    turns: the measured time is the median of the rounds' medians (on the shared Zen 3
+    VM one round's times moved 10-15% from the next a minute later).  A bf16 step is
+    predicted with ``GraphOptions(precision="bf16")``: the profile's bf16 product peak
+    and attention curves, the inputs saved in bf16, the conversions."""
     try:
         from gpt2.model import time_training_step  # noqa: F401
     except ImportError as exc:
         return [], [f"training step (time within 10%, memory within 5%): needs gpt2.model.time_training_step ({exc})"]
-    runs = {shape: [] for shape in HELD_OUT}
+    runs = {(shape, precision): [] for shape in HELD_OUT for precision in precisions}
     for _ in range(rounds):
-        for b, t in HELD_OUT:
-            runs[(b, t)].append(json.loads(run_child("--step-child", b, t, "--repeats", str(repeats))))
+        for (b, t), precision in runs:
+            runs[((b, t), precision)].append(json.loads(run_child(
+                "--step-child", b, t, "--repeats", str(repeats), "--precision", precision)))
     out = []
-    for (b, t), ms in runs.items():
+    for ((b, t), precision), ms in runs.items():
         seconds = sorted(m["seconds"] for m in ms)
-        est = estimate(GPT2, Workload(b, t), ParallelConfig(), profile, GraphOptions())
-        out.append(record(f"step_time_B{b}_T{t}", est.step_time, float(np.median(seconds)), "s",
-                          f"gpt2.model training step (median of {rounds} fresh processes' medians)",
-                          f"rounds {seconds[0]:.4g}..{seconds[-1]:.4g} s"))
-        out.append(record(f"step_peak_rss_B{b}_T{t}", est.memory.total, max(m["peak_rss"] for m in ms), "B",
+        est = estimate(GPT2, Workload(b, t), ParallelConfig(), profile, GraphOptions(precision=precision))
+        name = f"B{b}_T{t}" + ("" if precision == "fp32" else f"_{precision}")
+        out.append(record(f"step_time_{name}", est.step_time, float(np.median(seconds)), "s",
+                          f"gpt2.model training step, {precision} products (median of {rounds} fresh "
+                          f"processes' medians)", f"rounds {seconds[0]:.4g}..{seconds[-1]:.4g} s"))
+        out.append(record(f"step_peak_rss_{name}", est.memory.total, max(m["peak_rss"] for m in ms), "B",
                           "process peak RSS (fresh process, the largest of the rounds)"))
         if ms[0].get("tape_bytes"):
-            out.append(record(f"step_tape_bytes_B{b}_T{t}", est.memory.activations, ms[0]["tape_bytes"], "B",
+            out.append(record(f"step_tape_bytes_{name}", est.memory.activations, ms[0]["tape_bytes"], "B",
                               "adtape byte counter (held by reference: an array two ops save counts once)"))
     return out, []
 
@@ -256,6 +266,9 @@ def main(argv=None):
     p.add_argument("--profile", default="this-machine")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per training-step shape (default 3)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both",
+                   help="the training steps' products (default both: bf16 is predicted from the profile's "
+                        "bf16 rates; where the CPU has no AVX512_BF16 it measures the emulated path)")
     p.add_argument("--rss-child", metavar="B,T", help=argparse.SUPPRESS)
     p.add_argument("--step-child", metavar="B,T", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -265,7 +278,7 @@ def main(argv=None):
     if args.step_child:
         from kernels import threads
         threads.set_num_threads(load_profile(args.profile).threads or None)
-        step_child(*map(int, args.step_child.split(",")), args.repeats)
+        step_child(*map(int, args.step_child.split(",")), args.repeats, args.precision)
         return 0
     profile = load_profile(args.profile)
     from kernels import _openmp, threads
@@ -274,12 +287,13 @@ def main(argv=None):
     records = published_checks()
     records += block_time_checks(profile, args.repeats)
     records += block_memory_checks(4, 128)
-    step_records, pending = training_step_checks(profile, args.repeats, args.rounds)
+    precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
+    step_records, pending = training_step_checks(profile, args.repeats, args.rounds, precisions)
     records += step_records
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "perfmodel_validation.json"), "w") as f:
         json.dump({"profile": profile.name, "profile_source": profile.source, "threads": profile.threads,
-                   "records": records, "pending": pending}, f, indent=2)
+                   "cpu": cpu_name(), "commit": git_commit(), "precisions": list(precisions), "records": records, "pending": pending}, f, indent=2)
     plot(records, os.path.join(RESULTS, "perfmodel_validation.png"))
     print(f"{'check':<44}{'predicted':>14}{'measured':>14}{'error':>10}  unit")
     for r in records:

@@ -10,16 +10,16 @@ this-machine``, ``--plan`` and ``gpt2-train --max-memory`` read; --output writes
 --disk-only and --link-only update that file.
 
 Measures, at GPT-2 124M's shapes at a few (B, T): float32 sgemm throughput through the
-kernels' gemm for the forward product and both backward products, the peak on a large
-square sgemm and on the same product with bf16 operands (kernels.bf16, what
-``--precision bf16`` runs; the matmul curves are shared), the physical peak of the cores (kernels.peak: register-only multiply-add
+kernels' gemm for the forward product and both backward products, the same products
+with bf16 operands (kernels.bf16, what ``--precision bf16`` runs: curves of their own),
+the peak on a large square sgemm and on the same product in bf16, the physical peak of the cores (kernels.peak: register-only multiply-add
 loops of every ISA the CPU has, all threads at once; what MFU is taken against), memory bandwidth by array size (copied by all the threads), the fixed cost
 of one kernel call and of one tape record, our kernels' throughput by op class
 (attention, layernorm, GELU, residual, embedding, loss, optimizer: whichever are built),
 the spill device's sequential write and read rates (O_DIRECT: the disk, not the page
 cache) and the baseline RSS of a process that ran one tiny training step.  The machine is shared, so
 every figure is the median of several runs, interleaved across the shapes (one run of
-each shape per round).  --quick (what the first use of this-machine runs, ~15 s on two
+each shape per round).  --quick (what the first use of this-machine runs, ~30 s on two
 cores) times the same shapes with fewer repeats, probes 256 MB of disk and skips the
 link.  Each phase is one line on stderr, and a note says when other processes took more
 than a tenth of the CPU meanwhile (the figures are then too slow).
@@ -50,9 +50,9 @@ import numpy as np
 
 from . import collectives
 from .graph import BF16_CURVE, step_graph
-from .hardware import (EfficiencyCurve, HardwareProfile, Interconnect, cpu_identity, load_profile, profile_cache_dir,
-                       resolve_threads, save_profile, shape_key, this_machine_name, this_machine_path,
-                       this_machine_profile)
+from .hardware import (BF16_VARIANT, EfficiencyCurve, HardwareProfile, Interconnect, cpu_identity, load_profile,
+                       profile_cache_dir, resolve_threads, save_profile, shape_key, this_machine_name,
+                       this_machine_path, this_machine_profile)
 from .spec import ModelSpec, ParallelConfig, Workload
 from ..units import median_times
 
@@ -189,20 +189,65 @@ def matmul_shapes(spec, configs):
     return shapes
 
 
-def measure_matmuls(spec, configs, peak, repeats):
-    """({variant: curve by FLOPs}, {variant: {shape: curve by rows}}, {product: FLOP/s})."""
+def _bf16_tasks(rows, fan_in, fan_out, rng):
+    """{kind: callable} of one linear layer's bf16 products as --precision bf16 runs them
+    (kernels.bf16; the input and weight converted beforehand, as the model charges their
+    conversions apart): "fwd", the whole backward ("bwd": the input's and the weight's
+    gradients in one call, as a step makes it) and the rounding of dout to bf16 that the
+    backward makes ("round_dout")."""
+    from kernels import bf16
+    inp, weight, dout = _random(rng, rows, fan_in), _random(rng, fan_out, fan_in), _random(rng, rows, fan_out)
+    inp16, weight16, dout16 = (_array(a.shape, np.uint16) for a in (inp, weight, dout))
+    bf16.to_bf16(inp16, inp)
+    bf16.to_bf16(weight16, weight)
+    out, dinp, dweight = _array((rows, fan_out)), _array((rows, fan_in)), _array((fan_out, fan_in))
+    return {"fwd": lambda: bf16.matmul_forward_bf16(out, inp16, weight16, None),
+            "bwd": lambda: bf16.matmul_backward_bf16(dinp, dweight, None, dout, inp16, weight16, overwrite=True),
+            "round_dout": lambda: bf16.to_bf16(dout16, dout)}
+
+
+def _bf16_product_times(times, layer):
+    """{variant: seconds} of one layer's bf16 products from its ``_bf16_tasks`` timings
+    (``times[(layer, kind)]``): the forward's, and each backward product half of the
+    whole backward without its rounding of dout (the model charges that as the input
+    gradient's conversion).  Timing the input's gradient alone and taking the weight's
+    as the rest gave 0.37-1.10 of the peak for the two 64-row products of one layer
+    (Zen 4): the difference of two short calls is noise."""
+    t = {kind: times[(layer, kind)] for kind in ("fwd", "bwd", "round_dout")}
+    half = 0.5 * max(t["bwd"] - t["round_dout"], 0.5 * t["bwd"])
+    return {"fwd": t["fwd"], "bwd_input": half, "bwd_weight": half}
+
+
+def measure_matmuls(spec, configs, peak, repeats, bf16_peak=None):
+    """({variant: curve by FLOPs}, {variant: {shape: curve by rows}}, {product: FLOP/s}).
+
+    With ``bf16_peak`` (kernels.bf16 built) the same shapes with bf16 operands too, as
+    shares of it, under the variants' bf16 names ("fwd_bf16", ...: hardware.BF16_VARIANT):
+    at 64-512 rows on Zen 4 those products reach 55-85% of the bf16 peak where float32's
+    reach 66-91% of theirs, and the shared curves predicted the bf16 steps 8-10% fast."""
     rng = np.random.default_rng(1)
     shapes = matmul_shapes(spec, configs)
     tasks = {key: _gemm_task(*key, rng) for key in shapes}
+    layers = sorted({key[1:] for key in shapes}) if bf16_peak else []
+    for layer in layers:
+        for kind, task in _bf16_tasks(*layer, rng).items():
+            tasks[(layer, kind)] = task
     times = median_times(tasks, repeats)
+    samples = [(key, flops, times[key], peak) for key, flops in shapes.items()]
+    for layer in layers:
+        for variant, seconds in _bf16_product_times(times, layer).items():
+            flops = 2.0 * layer[0] * layer[1] * layer[2]
+            samples.append(((variant + BF16_VARIANT,) + layer, flops, seconds, bf16_peak))
     points, by_shape = defaultdict(list), defaultdict(lambda: defaultdict(list))
-    for key, flops in shapes.items():
-        efficiency = flops / (times[key] * peak)
+    rates = {}
+    for key, flops, seconds, top in samples:
+        efficiency = flops / (seconds * top)
         points[key[0]].append((flops, efficiency))
         by_shape[key[0]][shape_key(key[2], key[3])].append((key[1], efficiency))
+        rates[f"{key[0]} {key[1]}x{key[2]}x{key[3]}"] = flops / seconds
     return ({variant: _curve(pts) for variant, pts in points.items()},
             {variant: {shape: _curve(pts) for shape, pts in shapes_.items()} for variant, shapes_ in by_shape.items()},
-            {f"{k[0]} {k[1]}x{k[2]}x{k[3]}": flops / times[k] for k, flops in shapes.items()})
+            rates)
 
 
 def _curve(points):
@@ -655,7 +700,7 @@ def _calibrate(threads, quick, spec, configs, repeats, spill_dir, progress):
     bf16_peak = measure_bf16_peak(settings["peak_size"], repeats)
     physical, physical_figures = measure_physical_peak(threads, settings["peak_seconds"], min(repeats, 5))
     progress("matmuls")
-    matmul_curves, shape_curves, gemm_rates = measure_matmuls(spec, configs, peak, repeats)
+    matmul_curves, shape_curves, gemm_rates = measure_matmuls(spec, configs, peak, repeats, bf16_peak)
     progress("memory")
     bandwidth, memory_curve = measure_memory([1 << k for k in range(14, settings["max_array"] + 1, 2)], repeats,
                                              threads)
@@ -696,7 +741,7 @@ def calibrate_once(threads, stream, path):
         stream.write(text)
         stream.flush()
     t0 = time.perf_counter()
-    say(f"calibrating this machine for the performance model (once, ~15 s, {threads} thread"
+    say(f"calibrating this machine for the performance model (once, ~30 s, {threads} thread"
         f"{'s' if threads > 1 else ''}): ")
     try:
         run_quick_calibration(threads, path, lambda phase: say(f"{phase}... "))
@@ -791,7 +836,7 @@ def main(argv=None):
                    help="threads the profile is for: BLAS and OpenMP run with them (default: the kernels' "
                         "count, OMP_NUM_THREADS or all cores); --link-only shares them among the ranks")
     p.add_argument("--quick", action="store_true",
-                   help="fewer (B, T) and repeats, 256 MB of disk, no link (~15 s on two cores): what the "
+                   help="fewer (B, T) and repeats, 256 MB of disk, no link (~30 s on two cores): what the "
                         "first use of this-machine runs")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--output", default=None,

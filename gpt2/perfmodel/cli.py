@@ -85,7 +85,7 @@ def build_parser():
     h = p.add_argument_group("hardware and parallelism")
     h.add_argument("--hardware", default=None,
                    help=f"profile path or name: {', '.join(available_profiles())}, or {THIS_MACHINE} (this "
-                        f"machine's, for --threads, measured on first use in ~15 s and kept in the cache); "
+                        f"machine's, for --threads, measured on first use in ~30 s and kept in the cache); "
                         f"default: generic-cpu (approximate), {THIS_MACHINE} with --plan")
     for name in ("dp", "tp", "pp", "ep", "interleave"):
         h.add_argument(f"--{name}", type=int, default=1)

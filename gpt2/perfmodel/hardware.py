@@ -42,6 +42,11 @@ PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles
 THIS_MACHINE = "this-machine"
 
 MATMUL_VARIANTS = ("fwd", "bwd_input", "bwd_weight")
+# The suffix of a variant's curves measured with bf16 operands ("fwd_bf16": the products
+# --precision bf16 runs, shares of peak_flops["bf16"]); optional: a profile without
+# them takes the float32 curves for bf16 products too.
+BF16_VARIANT = "_bf16"
+CURVE_VARIANTS = MATMUL_VARIANTS + tuple(v + BF16_VARIANT for v in MATMUL_VARIANTS)
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
@@ -198,10 +203,14 @@ class HardwareProfile:
         missing = [v for v in MATMUL_VARIANTS if v not in self.matmul_efficiency]
         if missing:
             raise ValueError(f"profile {self.name!r}: matmul_efficiency lacks {missing}")
+        unknown = [v for v in self.matmul_efficiency if v not in CURVE_VARIANTS]
+        if unknown:
+            raise ValueError(f"profile {self.name!r}: matmul_efficiency has unknown variants {unknown} "
+                             f"(known: {', '.join(CURVE_VARIANTS)})")
         for variant, shapes in self.matmul_shape_efficiency.items():
-            if variant not in MATMUL_VARIANTS or not isinstance(shapes, dict):
+            if variant not in CURVE_VARIANTS or not isinstance(shapes, dict):
                 raise ValueError(f"profile {self.name!r}: matmul_shape_efficiency needs variants among "
-                                 f"{MATMUL_VARIANTS}, each a dict of shapes, got {variant!r}")
+                                 f"{CURVE_VARIANTS}, each a dict of shapes, got {variant!r}")
             for key, curve in shapes.items():
                 if shape_key(*_shape_of(key, self.name)) != key or not isinstance(curve, EfficiencyCurve):
                     raise ValueError(f"profile {self.name!r}: matmul_shape_efficiency[{variant!r}] needs "
@@ -254,9 +263,12 @@ class HardwareProfile:
     def matmul_time(self, flops, variant, precision, dims=()):
         """Seconds for a matmul of ``flops`` FLOPs, without the per-call overhead: at the
         efficiency its shape's curve gives its rows where ``dims`` = (rows, fan_in,
-        fan_out) names a measured shape, else at the variant's curve by FLOPs."""
+        fan_out) names a measured shape, else at the variant's curve by FLOPs.  A bf16
+        product takes the variant's bf16 curves where calibration measured them."""
         if flops <= 0:
             return 0.0
+        if precision == "bf16" and variant + BF16_VARIANT in self.matmul_efficiency:
+            variant += BF16_VARIANT
         curve = self.matmul_shape_efficiency.get(variant, {}).get(shape_key(*dims[1:])) if dims else None
         efficiency = curve(dims[0]) if curve is not None else self.matmul_efficiency[variant](flops)
         return flops / (self.matmul_peak(precision) * efficiency)
