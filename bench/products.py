@@ -78,6 +78,10 @@ def row(r):
             + ("-" if conv is None else f"{1e3 * conv:.2f}").rjust(7))
 
 
+# Long enough for OpenBLAS's spinning workers to sleep (its thread timeout: 2^28 cycles).
+BLAS_SPIN_SECONDS = 0.3
+
+
 def seconds(fn, reps, stat="median"):
     """The median (or with stat "best", the least) of ``reps`` timings of fn() after one
     untimed call."""
@@ -134,6 +138,10 @@ def measure(precision, M, K, N, n, reps, rng, stat="median", copies=1):
     with threadpool_limits(n, user_api="blas"):
         t["blas_forward"] = seconds(lambda: sgemm(1.0, next(fp32_turn).T, x.T, trans_a=True),
                                     reps, stat)
+    # OpenBLAS's worker threads spin for a while after a threaded call, on the cores the
+    # next layer's products then run on: the 512 x 768 x 768 forward (1 ms a call) that
+    # came next measured 86-118 GFLOP/s in the table and 201 alone (Zen 4, 2 threads).
+    time.sleep(BLAS_SPIN_SECONDS)
     return t, conv
 
 
