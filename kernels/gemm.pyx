@@ -98,10 +98,22 @@ cdef extern from *:
        weights from memory: 34.7 vs 40.0 ms at 16 rows, 51 vs 78 at 32, 81 vs 148 at
        64 (on a Xeon in eight lanes the depth split won up to 32 rows: 87 vs 65
        GFLOP/s at 16 x 768 x 2304).  set_depth_split_max_m overrides the default. */
+    /* On AMD's AVX-512 CPUs the split by depth stops at DS_AMD_MAX_M rows: past that the
+       packed GEMM split by columns is faster (Zen 4, 2 threads, 12 weights from memory,
+       medians of 9 interleaved, depth split vs packed: 114-171 vs 157-194 GFLOP/s at 64
+       rows, 108-147 vs 157-181 at 32, mixed at 24, 131-164 vs 128-154 at 16, 63-135 vs
+       49-79 at 8); the Xeon's measurements above (depth split 237 vs 228 at 64 rows)
+       keep it on the other CPUs. */
+    #define DS_AMD_MAX_M 16
     static ptrdiff_t ds_max_m = -1;
     static ptrdiff_t set_ds_max_m(ptrdiff_t m) { ptrdiff_t old = ds_max_m; ds_max_m = m; return old; }
+    static int ds_cpu_amd(void) {
+        static int amd = -1;
+        if (amd < 0) amd = __builtin_cpu_is("amd") ? 1 : 0;     /* benign race */
+        return amd;
+    }
     static ptrdiff_t depth_split_limit(ptrdiff_t m) {
-        ptrdiff_t limit = ds_max_m >= 0 ? ds_max_m : (SK_WIDE ? m : 0);
+        ptrdiff_t limit = ds_max_m >= 0 ? ds_max_m : (!SK_WIDE ? 0 : ds_cpu_amd() ? DS_AMD_MAX_M : m);
         return m > limit ? limit : m;
     }
 
@@ -248,8 +260,8 @@ def set_skinny_max_m(Py_ssize_t m):
 
 def set_depth_split_max_m(Py_ssize_t m):
     """Split products with at most ``m`` rows (and no transposed operand) by depth
-    across the threads; -1 restores the default (every skinny product with sixteen
-    lanes, none with eight).
+    across the threads; -1 restores the default (with sixteen lanes every skinny
+    product, up to 16 rows on AMD's CPUs; none with eight).
 
     For tests and benchmarks; returns the previous value."""
     if m < -1:
