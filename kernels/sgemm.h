@@ -563,50 +563,6 @@ void ADT_LANES_FN(sg_bcast_micro)(ptrdiff_t kc, const float* const* w, const flo
         }
 }
 
-/* C = alpha x W^T + beta C (+ bias[j] in every column j where bias is not NULL) for x
-   (M x K, rows lda apart) and W (N x K, rows ldw apart), M <= SG_BC_MAX_M.  Returns -1,
-   having written nothing, when the packing buffer cannot be allocated. */
-ADT_LANES_ATTR
-static int ADT_LANES_FN(sg_bcast)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
-                                  const float* x, ptrdiff_t lda, const float* W, ptrdiff_t ldw,
-                                  float beta, float* C, ptrdiff_t ldc, const float* bias) {
-    ptrdiff_t panels = (M + 15) / 16;
-    ptrdiff_t kcb = SG_BC_X_FLOATS / (16 * panels) / 8 * 8;
-    if (kcb > 1024) kcb = 1024;
-    if (kcb < 8) kcb = 8;                       /* more rows than it is meant for */
-    if ((size_t)(16 * panels * kcb) > SG_B_FLOATS) return -1;
-    float* xb = sg_thread_buffer();
-    if (xb == NULL) return -1;
-    for (ptrdiff_t k0 = 0; k0 < K; k0 += kcb) {
-        ptrdiff_t kc = K - k0 < kcb ? K - k0 : kcb;
-        /* x[:, k0:k0+kc] as panels of 16 rows, 16 floats a depth; rows past M zero */
-        for (ptrdiff_t p = 0; p < panels; p++) {
-            float* d = xb + p * 16 * kc;
-            for (ptrdiff_t i = 0; i < 16; i++) {
-                ptrdiff_t m = p * 16 + i;
-                const float* a = x + m * lda + k0;
-                if (m < M)
-                    for (ptrdiff_t k = 0; k < kc; k++) d[k * 16 + i] = a[k];
-                else
-                    for (ptrdiff_t k = 0; k < kc; k++) d[k * 16 + i] = 0.0f;
-            }
-        }
-        float bt = k0 == 0 ? beta : 1.0f;
-        for (ptrdiff_t n0 = 0; n0 < N; n0 += 6) {
-            ptrdiff_t nr = N - n0 < 6 ? N - n0 : 6;
-            const float* w[6];
-            for (int r = 0; r < 6; r++) w[r] = W + (n0 + (r < nr ? r : nr - 1)) * ldw + k0;
-            const float* pf = n0 + 12 <= N ? W + (n0 + 6) * ldw + k0 : NULL;
-            const float* bn = k0 == 0 && bias != NULL ? bias + n0 : NULL;
-            for (ptrdiff_t p = 0; p < panels; p++) {
-                ptrdiff_t mr = M - p * 16 < 16 ? M - p * 16 : 16;
-                ADT_LANES_FN(sg_bcast_micro)(kc, w, xb + p * 16 * kc, C + p * 16 * ldc + n0, ldc, mr, nr,
-                                             alpha, bt, bn, p == 0 ? pf : NULL, ldw, n0 + 8 <= N);
-            }
-        }
-    }
-    return 0;
-}
 #endif /* ADT_W == 8 */
 
 #if ADT_W == 16
@@ -620,8 +576,6 @@ static int ADT_LANES_FN(sg_bcast)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float a
    one 16 x 16 register transpose per half (the W rows' vectors and 8 zeros) makes
    rows of 8.  A last panel of at most 16 rows runs one vector of x (8 accumulators)
    instead of padding it to 32. */
-#define SG_BC16_X_FLOATS 65536
-#define SG_BC16_MAX_KC 512
 
 /* The 32 x 8 tile: C[0:mr, 0:nr] = alpha acc + beta C (+ bias[0:nr]), from the W rows
    w[r] (rows past nr repeat the last) and xp's 32 floats a depth; pf (NULL: none) the
@@ -630,7 +584,9 @@ ADT_LANES_ATTR
 static __attribute__((noinline))
 void ADT_LANES_FN(sg_bcast_micro)(ptrdiff_t kc, const float* const* w, const float* restrict xp,
                                   float* c, ptrdiff_t ldc, ptrdiff_t mr, ptrdiff_t nr, float alpha,
-                                  float beta, const float* bias, const float* pf, ptrdiff_t ldw) {
+                                  float beta, const float* bias, const float* pf, ptrdiff_t ldw,
+                                  int whole) {
+    (void)whole;
     const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
     const float *w4 = w[4], *w5 = w[5], *w6 = w[6], *w7 = w[7];
     adt_v16 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
@@ -688,6 +644,15 @@ void ADT_LANES_FN(sg_bcast_micro)(ptrdiff_t kc, const float* const* w, const flo
     }
 }
 
+#endif /* ADT_W == 16 */
+
+/* The W-broadcast tile of this width: SG_BC_ROWS rows of x (two vectors) by SG_BC_WROWS
+   rows of W, depth blocks of at most SG_BC_MAX_KC that keep x's panels within
+   SG_BC_X_FLOATS floats (256 KiB of L2). */
+#define SG_BC_ROWS (2 * ADT_W)
+#define SG_BC_WROWS (ADT_W == 16 ? 8 : 6)
+#define SG_BC_MAX_KC (ADT_W == 16 ? 512 : 1024)
+
 /* C = alpha x W^T + beta C (+ bias[j] in every column j where bias is not NULL) for x
    (M x K, rows lda apart) and W (N x K, rows ldw apart), M <= SG_BC_MAX_M.  Returns -1,
    having written nothing, when the packing buffer cannot be allocated. */
@@ -695,22 +660,22 @@ ADT_LANES_ATTR
 static int ADT_LANES_FN(sg_bcast)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha,
                                   const float* x, ptrdiff_t lda, const float* W, ptrdiff_t ldw,
                                   float beta, float* C, ptrdiff_t ldc, const float* bias) {
-    ptrdiff_t panels = (M + 31) / 32;
-    ptrdiff_t kcb = SG_BC16_X_FLOATS / (32 * panels) / 16 * 16;
-    if (kcb > SG_BC16_MAX_KC) kcb = SG_BC16_MAX_KC;
-    if (kcb < 16) kcb = 16;                     /* more rows than it is meant for */
-    if ((size_t)(32 * panels * kcb) > SG_B_FLOATS) return -1;
+    ptrdiff_t panels = (M + SG_BC_ROWS - 1) / SG_BC_ROWS;
+    ptrdiff_t kcb = SG_BC_X_FLOATS / (SG_BC_ROWS * panels) / ADT_W * ADT_W;
+    if (kcb > SG_BC_MAX_KC) kcb = SG_BC_MAX_KC;
+    if (kcb < ADT_W) kcb = ADT_W;               /* more rows than it is meant for */
+    if ((size_t)(SG_BC_ROWS * panels * kcb) > SG_B_FLOATS) return -1;
     float* xb = sg_thread_buffer();
     if (xb == NULL) return -1;
     for (ptrdiff_t k0 = 0; k0 < K; k0 += kcb) {
         ptrdiff_t kc = K - k0 < kcb ? K - k0 : kcb;
-        /* x[:, k0:k0+kc] as panels of 32 rows, 32 floats a depth (a last panel of at
-           most 16 rows: 16); rows past M zero */
+        /* x[:, k0:k0+kc] as panels of SG_BC_ROWS rows, as many floats a depth (in
+           sixteen lanes a last panel of at most 16 rows: 16); rows past M zero */
         for (ptrdiff_t p = 0; p < panels; p++) {
-            float* d = xb + p * 32 * kc;
-            ptrdiff_t width = M - p * 32 <= 16 ? 16 : 32;
+            float* d = xb + p * SG_BC_ROWS * kc;
+            ptrdiff_t width = ADT_W == 16 && M - p * SG_BC_ROWS <= 16 ? 16 : SG_BC_ROWS;
             for (ptrdiff_t i = 0; i < width; i++) {
-                ptrdiff_t m = p * 32 + i;
+                ptrdiff_t m = p * SG_BC_ROWS + i;
                 const float* a = x + m * lda + k0;
                 if (m < M)
                     for (ptrdiff_t k = 0; k < kc; k++) d[k * width + i] = a[k];
@@ -719,22 +684,25 @@ static int ADT_LANES_FN(sg_bcast)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float a
             }
         }
         float bt = k0 == 0 ? beta : 1.0f;
-        for (ptrdiff_t n0 = 0; n0 < N; n0 += 8) {
-            ptrdiff_t nr = N - n0 < 8 ? N - n0 : 8;
-            const float* w[8];
-            for (int r = 0; r < 8; r++) w[r] = W + (n0 + (r < nr ? r : nr - 1)) * ldw + k0;
-            const float* pf = n0 + 16 <= N ? W + (n0 + 8) * ldw + k0 : NULL;
+        for (ptrdiff_t n0 = 0; n0 < N; n0 += SG_BC_WROWS) {
+            ptrdiff_t nr = N - n0 < SG_BC_WROWS ? N - n0 : SG_BC_WROWS;
+            const float* w[SG_BC_WROWS];
+            for (int r = 0; r < SG_BC_WROWS; r++) w[r] = W + (n0 + (r < nr ? r : nr - 1)) * ldw + k0;
+            const float* pf = n0 + 2 * SG_BC_WROWS <= N ? W + (n0 + SG_BC_WROWS) * ldw + k0 : NULL;
             const float* bn = k0 == 0 && bias != NULL ? bias + n0 : NULL;
             for (ptrdiff_t p = 0; p < panels; p++) {
-                ptrdiff_t mr = M - p * 32 < 32 ? M - p * 32 : 32;
-                ADT_LANES_FN(sg_bcast_micro)(kc, w, xb + p * 32 * kc, C + p * 32 * ldc + n0, ldc, mr, nr,
-                                             alpha, bt, bn, p == 0 ? pf : NULL, ldw);
+                ptrdiff_t mr = M - p * SG_BC_ROWS < SG_BC_ROWS ? M - p * SG_BC_ROWS : SG_BC_ROWS;
+                ADT_LANES_FN(sg_bcast_micro)(kc, w, xb + p * SG_BC_ROWS * kc, C + p * SG_BC_ROWS * ldc + n0, ldc,
+                                             mr, nr, alpha, bt, bn, p == 0 ? pf : NULL, ldw, n0 + 8 <= N);
             }
         }
     }
     return 0;
 }
-#endif /* ADT_W == 16 */
+#undef SG_BC_ROWS
+#undef SG_BC_WROWS
+#undef SG_BC_MAX_KC
+
 
 #undef SG_MR
 #undef SG_NR
