@@ -293,7 +293,8 @@ def main(argv=None):
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "perfmodel_validation.json"), "w") as f:
         json.dump({"profile": profile.name, "profile_source": profile.source, "threads": profile.threads,
-                   "cpu": cpu_name(), "commit": git_commit(), "precisions": list(precisions), "records": records, "pending": pending}, f, indent=2)
+                   "cpu": cpu_name(), "commit": git_commit(), "precisions": list(precisions),
+                   "records": records, "pending": pending}, f, indent=2)
     plot(records, os.path.join(RESULTS, "perfmodel_validation.png"))
     print(f"{'check':<44}{'predicted':>14}{'measured':>14}{'error':>10}  unit")
     for r in records:

@@ -12,8 +12,9 @@ this-machine``, ``--plan`` and ``gpt2-train --max-memory`` read; --output writes
 Measures, at GPT-2 124M's shapes at a few (B, T): float32 sgemm throughput through the
 kernels' gemm for the forward product and both backward products, the same products
 with bf16 operands (kernels.bf16, what ``--precision bf16`` runs: curves of their own),
-the peak on a large square sgemm and on the same product in bf16, the physical peak of the cores (kernels.peak: register-only multiply-add
-loops of every ISA the CPU has, all threads at once; what MFU is taken against), memory bandwidth by array size (copied by all the threads), the fixed cost
+the peak on a large square sgemm and on the same product in bf16, the physical peak of
+the cores (kernels.peak: register-only multiply-add loops of every ISA the CPU has, all
+threads at once; what MFU is taken against), memory bandwidth by array size (copied by all the threads), the fixed cost
 of one kernel call and of one tape record, our kernels' throughput by op class
 (attention, layernorm, GELU, residual, embedding, loss, optimizer: whichever are built),
 the spill device's sequential write and read rates (O_DIRECT: the disk, not the page
