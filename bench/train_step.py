@@ -129,6 +129,16 @@ def parse_configs(text):
     return tuple(configs)
 
 
+def parse_engines(text):
+    """'tape,manual' -> ('tape', 'manual'): a non-empty subset of ENGINES, in their order."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in ENGINES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"engines must be among {','.join(ENGINES)}, "
+                                         f"got {text!r}")
+    return tuple(e for e in ENGINES if e in names)
+
+
 def model_choices():
     """gpt2 and the Llama-family presets bench/torch_llama.py can build (default rope)."""
     from gpt2.config import LLAMA_PRESETS
@@ -164,6 +174,11 @@ def build_parser():
                    help="fp32: float32 sides only; both: also ours with --precision bf16 "
                         "and PyTorch under bf16 autocast, in the same interleaved run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engines", type=parse_engines, default=ENGINES,
+                   help="GPT-2: our engines to time, comma-separated (default tape,manual; "
+                        "tape alone saves a side, e.g. in bench/thread_scan.py)")
+    p.add_argument("--results-dir", default=RESULTS,
+                   help="where the records, raw data and plot go (default bench/results)")
     p.add_argument("--worker", choices=("step", "limits"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--B", type=positive_int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--T", type=positive_int, default=None, help=argparse.SUPPRESS)
@@ -438,7 +453,7 @@ def run_step_worker(args):
     from gpt2.model import GPT2
 
     config = GPT2Config.preset("gpt2")
-    engines = [e for e in ENGINES
+    engines = [e for e in args.engines
                if e != "tape" or importlib.util.find_spec("gpt2.tape_engine") is not None]
     both = args.precision == "both"
     result = {"B": B, "T": T, "ftz": ftz, "threads": n, "engines": engines,
@@ -601,6 +616,7 @@ def run_worker(kind, args, extra, steps=None, timeout=3600):
                "--threads", str(args.threads), "--steps", str(steps or args.steps),
                "--weight-decay", repr(args.weight_decay), "--seed", str(args.seed),
                "--model", args.model, "--precision", args.precision,
+               "--engines", ",".join(args.engines),
                "--result-file", path, *extra]
         proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout)
         if proc.returncode != 0:
@@ -652,7 +668,8 @@ def summarize(raw, config, limits):
         "manual_ms": med.get("manual"), "tape_ms": med.get("tape"),
         "speedup": med["torch"] / med[ours_engine],
         "speedup_paired": paired_ratio("torch", ours_engine),
-        "tape_over_manual": (med["tape"] / med["manual"]) if "tape" in med else None,
+        "tape_over_manual": (med["tape"] / med["manual"]) if "tape" in med and "manual" in med
+        else None,
         "tokens_per_s": B * T / (med[ours_engine] / 1e3),
         "torch_tokens_per_s": B * T / (med["torch"] / 1e3),
         "gflops": flops / (med[ours_engine] / 1e3) / 1e9,
@@ -852,7 +869,8 @@ def plot(records, path, threads, limits):
         series = [("PyTorch eager", [r["torch_ms"] for r in recs], "tab:gray")]
         if any(r["tape_ms"] is not None for r in recs):
             series.append(("ours: tape", [r["tape_ms"] or np.nan for r in recs], "tab:blue"))
-        series.append(("ours: manual", [r["manual_ms"] or np.nan for r in recs], "tab:orange"))
+        if any(r["manual_ms"] is not None for r in recs):
+            series.append(("ours: manual", [r["manual_ms"] or np.nan for r in recs], "tab:orange"))
         width = 0.8 / len(series)
         ax = axes[0, col]
         for i, (name, values, color) in enumerate(series):
@@ -987,15 +1005,16 @@ def main(argv=None):
             print(f"  tape / manual step time: {min(ratios):.3f} to {max(ratios):.3f} "
                   f"(limit {TAPE_OVERHEAD_LIMIT}); within on "
                   f"{sum(x <= TAPE_OVERHEAD_LIMIT for x in ratios)} of {len(ratios)}")
-        else:
+        elif engine == "manual":
             print("  tape engine not available (gpt2/tape_engine.py missing): ours = manual")
     print(f"total {time.time() - started:.0f} s")
 
     # One records file for every model: this run replaces its own model's records.
     table = "train_step_quick" if args.quick else "train_step"
     stem = table if not llama else f"{table}_{args.model}"
-    os.makedirs(RESULTS, exist_ok=True)
-    write_records(os.path.join(RESULTS, f"{table}.json"), args.model, records)
+    results = args.results_dir
+    os.makedirs(results, exist_ok=True)
+    write_records(os.path.join(results, f"{table}.json"), args.model, records)
     meta = {"model": args.model, "threads": args.threads, "weight_decay": args.weight_decay,
             "lr": LR, "betas": BETAS, "eps": EPS, "steps": args.steps, "long_steps": args.long_steps,
             "long_tokens": LONG_TOKENS, "seed": args.seed,
@@ -1004,16 +1023,17 @@ def main(argv=None):
             "n_matmul_params": n_matmul, "n_layout_floats": n_layout,
             "flops_formula": flops_formula, "bytes_formula": bytes_formula,
             "limits": limits, "limits_runs": limits_runs, "skipped": skipped, "workers": raws}
-    with open(os.path.join(RESULTS, f"{stem}_raw.json"), "w") as f:
+    with open(os.path.join(results, f"{stem}_raw.json"), "w") as f:
         json.dump(meta, f, indent=1)
     if not records:
         print("nothing measured: no plot")
     elif llama:
-        plot_llama(records, os.path.join(RESULTS, f"{stem}.png"), args.threads, limits, title)
+        plot_llama(records, os.path.join(results, f"{stem}.png"), args.threads, limits, title)
     else:
-        plot(records, os.path.join(RESULTS, f"{stem}.png"), args.threads, limits)
-    print(f"wrote bench/results/{table}.json ({args.model}'s records), {stem}_raw.json, "
-          f"{stem}.png")
+        plot(records, os.path.join(results, f"{stem}.png"), args.threads, limits)
+    where = "bench/results" if results == RESULTS else results
+    print(f"wrote {where}/{table}.json ({args.model}'s records), "
+          f"{stem}_raw.json, {stem}.png")
 
 if __name__ == "__main__":
     main()
