@@ -36,6 +36,7 @@ from adtape.functional import (grad, value_and_grad, jvp, jacrev, jacobian, jacf
                                hvp)
 from adtape.gradcheck import check_grads
 from adtape import math, numpy
+from adtape.profiling import OpProfile, profile
 from adtape.checkpointing import checkpoint, checkpoint_loop, revolve_cost, revolve_schedule
 # Last: Tensor's operators, array methods and NumPy protocols (they need adtape.numpy).
 from adtape import _operators  # noqa: F401
@@ -53,5 +54,7 @@ __all__ = [
     "Scalar", "ScalarTape", "grad", "value_and_grad", "jvp", "jacrev", "jacobian", "jacfwd",
     "hessian", "hvp", "check_grads",
     "checkpoint", "checkpoint_loop", "revolve_cost", "revolve_schedule",
+    # where the time goes
+    "profile", "OpProfile",
 ]
 __version__ = "0.1.0"

@@ -199,6 +199,18 @@ cdef Graph reopen(Graph graph):
     raise RuntimeError("cannot record into a nested graph that was already swept")
 
 
+cdef object _record_hook = None
+
+
+def set_record_hook(hook):
+    """Call ``hook(prim)`` after each node is recorded (``adtape.profile`` times the
+    forward passes so); None removes it.  Returns the previous hook."""
+    global _record_hook
+    previous = _record_hook
+    _record_hook = hook
+    return previous
+
+
 cpdef record(prim, out, inputs, res, kwargs):
     """Append a node for ``prim`` and return its output tensor.
 
@@ -234,7 +246,10 @@ cpdef record(prim, out, inputs, res, kwargs):
         Py_INCREF(shape)
         PyTuple_SET_ITEM(shapes, i, shape)
     if graph.keep:
-        return record_keeping(graph, prim, out, refs, shapes, res, kwargs)
+        kept_t = record_keeping(graph, prim, out, refs, shapes, res, kwargs)
+        if _record_hook is not None:
+            _record_hook(prim)
+        return kept_t
     if res:
         res = tuple(res)
         n_res = len(res)
@@ -274,6 +289,8 @@ cpdef record(prim, out, inputs, res, kwargs):
     t._graph = graph
     t._ref = len(nodes)
     nodes.append((prim, refs, shapes, kept, n_tape, kwargs))
+    if _record_hook is not None:
+        _record_hook(prim)
     return t
 
 

@@ -43,6 +43,15 @@ _ndarray = np.ndarray
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+# Every Primitive alive, for adtape.profile(), which times their rules.
+_PRIMITIVES = weakref.WeakSet()
+
+
+def all_primitives():
+    """Every Primitive alive (the built-in ops, the kernel ops, user ones)."""
+    return list(_PRIMITIVES)
+
+
 class Primitive:
     """An op with a VJP rule.
 
@@ -70,6 +79,7 @@ class Primitive:
         # True when the rules are written in NumPy functions that also take Tensors, so
         # that a sweep that records (higher order, forward mode) can differentiate them.
         self.differentiable = False
+        _PRIMITIVES.add(self)
 
     def __repr__(self):
         return f"<adtape primitive {self.name}({', '.join(self.argnames)})>"
