@@ -2,6 +2,8 @@
 
 from libc.string cimport memcpy
 
+import numpy as np
+
 IF ADTAPE_OPENMP:
     cimport openmp
     from cython.parallel cimport prange
@@ -34,3 +36,24 @@ cdef void par_memcpy(char* dst, const char* src, size_t n) noexcept nogil:
                 if hi > n:
                     hi = n
                 memcpy(dst + lo, src + lo, hi - lo)
+
+
+def copy(dst, src):
+    """dst[...] = src through par_memcpy, on the OpenMP threads in force: the copy the
+    tape's pushes and pops make (the performance model's calibration times it).  Both
+    C-contiguous NumPy arrays of the same number of bytes, dst writable."""
+    if not (isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)):
+        raise TypeError(f"copy takes two NumPy arrays, got {type(dst).__name__} and "
+                        f"{type(src).__name__}")
+    if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        raise ValueError("copy: both arrays must be C-contiguous")
+    if not dst.flags.writeable:
+        raise ValueError("copy: dst is read-only")
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy: dst holds {dst.nbytes} bytes, src {src.nbytes}")
+    cdef size_t n = src.nbytes
+    cdef size_t d = dst.ctypes.data, s = src.ctypes.data
+    if n and d < s + n and s < d + n:
+        raise ValueError("copy: dst and src overlap")
+    with nogil:
+        par_memcpy(<char*>d, <const char*>s, n)

@@ -272,9 +272,16 @@ PARALLEL_COPY_MIN = 1 << 20
 def measure_memory(sizes, repeats, threads=1):
     """Copy bandwidth (bytes read + written per second) by array size; returns (peak bw, curve).
 
-    From PARALLEL_COPY_MIN bytes up, ``threads`` threads each copy one contiguous part, as
-    the tape's copies do (one core reaches only part of the machine's bandwidth)."""
+    From PARALLEL_COPY_MIN bytes up the copy is split over ``threads`` OpenMP threads as
+    the tape's copies and the kernels' streaming loops are (adtape._parcopy: one core
+    reaches only part of the machine's bandwidth); below, one thread copies.  (Threads of
+    a Python pool, as before, cost tens of microseconds a task to start: at 16 threads a
+    4 MiB copy read as 4 GB/s, and every conversion of a bf16 step was charged that.)"""
     from concurrent.futures import ThreadPoolExecutor
+    try:
+        from adtape._parcopy import copy as par_copy
+    except ImportError:         # the sources unbuilt: a pool of Python threads
+        par_copy = None
     tasks = {}
     with ThreadPoolExecutor(threads) as pool:
         for n in sizes:
@@ -282,6 +289,8 @@ def measure_memory(sizes, repeats, threads=1):
             dst = _array((n // 4,))
             if n < PARALLEL_COPY_MIN or threads == 1:
                 tasks[n] = (lambda s=src, d=dst: np.copyto(d, s))
+            elif par_copy is not None:
+                tasks[n] = (lambda s=src, d=dst: par_copy(d, s))
             else:
                 bounds = np.linspace(0, src.size, threads + 1).astype(int)
                 parts = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
