@@ -215,6 +215,7 @@ typedef struct {
                                   laid out by several threads) */
     int c_trans;               /* C stored transposed: element (i, j) at C[j ldc + i],
                                   the bias per row (bf_sp_trans_c) */
+    int c_stream;              /* C's whole tiles stored past the caches (bf_sp_stream_c) */
     uint32_t* pa;              /* A's chunk packed (mch rows of kpad pairs), or its tail */
     uint32_t* pb;              /* B's chunk packed (nch / 32 panels) */
 } bf_sprod;
@@ -266,6 +267,19 @@ static size_t bf_sp_init(bf_sprod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
 /* C of p is stored transposed (element (i, j) at C[j ldc + i]) and its bias is per row
    i: out^T = W x^T, where laying out x (few rows) costs less than laying out W. */
 static void bf_sp_trans_c(bf_sprod* p) { p->c_trans = 1; }
+
+/* C of p written afresh (not accumulated) in one block of depths, 64-byte aligned rows:
+   the VDPBF16PS build's whole tiles store it with non-temporal stores, which skip the
+   read of each line before it is written.  For weight gradients at few rows (the
+   depth): far larger than the caches at a step's sizes and next read by the optimizer,
+   as the float32 skinny weight gradient streams them (kernels/skinny.h).  The native
+   VDPBF16PS path only (its micro-kernel's add == 2; the AMX tiles read add as a flag).
+   Returns whether it took. */
+static int bf_sp_stream_c(bf_sprod* p) {
+    p->c_stream = !p->accumulate && !p->c_trans && (p->K + 1) / 2 <= BF_KB
+                  && ((uintptr_t)p->C & 63) == 0 && p->ldc % 16 == 0;
+    return p->c_stream;
+}
 
 /* Gives p its packing buffer (bf_sp_init's pairs, 64-byte aligned). */
 static void bf_sp_attach(bf_sprod* p, uint32_t* buf) {
@@ -364,7 +378,8 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
     ptrdiff_t c1 = c0 + p->tile_n < s.j1 ? c0 + p->tile_n : s.j1;
     for (ptrdiff_t k0 = 0; k0 < pairs; k0 += BF_KB) {
         ptrdiff_t kp = pairs - k0 < BF_KB ? pairs - k0 : BF_KB;
-        int add = p->accumulate || k0 > 0;
+        /* 1: add into C; 2: store past the caches (bf_sp_stream_c: one block) */
+        int add = p->accumulate || k0 > 0 ? 1 : p->c_stream ? 2 : 0;
         for (ptrdiff_t j = c0; j < c1; j += BF_NR) {
             const uint32_t* panel = p->pb + ((j - s.j0) / BF_NR * p->kpad + k0) * BF_NR;
             const float* bias = k0 == 0 && p->bias != NULL ? p->bias + j : NULL;
@@ -385,6 +400,7 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
             }
         }
     }
+    if (p->c_stream) adt_stream_fence();    /* the streamed stores, before anyone reads C */
 }
 
 /* ---- packing's transposes ---- */
@@ -598,6 +614,7 @@ ADT_INLINE adt_v16 bf_dot_twin(adt_v16 acc, uint32_t a, bf_pairs b) {
 #define BF_FN(f) f##_twin
 #define BF_ATTR ADT_MULTIVERSION
 #define BF_DOT(acc, a, b) bf_dot_twin(acc, a, b)
+#define BF_STREAM(p, v) adt_store16(p, v)
 #include "bf16_gemm.h"
 
 #if BF_HAVE_NATIVE
@@ -609,6 +626,7 @@ BF_TARGET ADT_INLINE adt_v16 bf_dot_nat(adt_v16 acc, uint32_t a, bf_pairs b) {
 #define BF_FN(f) f##_nat
 #define BF_ATTR BF_TARGET
 #define BF_DOT(acc, a, b) bf_dot_nat(acc, a, b)
+#define BF_STREAM(p, v) _mm512_stream_ps(p, (__m512)(v))
 #include "bf16_gemm.h"
 #endif
 

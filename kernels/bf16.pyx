@@ -74,6 +74,7 @@ cdef extern from "bf16.h" nogil:
                        Py_ssize_t ldc, const float* bias, int n_threads)
     void bf_sp_attach(bf_sprod* p, uint32_t* buf)
     void bf_sp_trans_c(bf_sprod* p)
+    int bf_sp_stream_c(bf_sprod* p)
     Py_ssize_t bf_sp_chunks(const bf_sprod* p)
     Py_ssize_t bf_sp_pack_tasks(const bf_sprod* p, Py_ssize_t chunk)
     Py_ssize_t bf_sp_tile_tasks(const bf_sprod* p, Py_ssize_t chunk)
@@ -603,6 +604,21 @@ cdef bint _packed_run(int path, const Convert* conv, int nconv, bf_sprod* prods,
     return True
 
 
+# Whether a weight gradient written afresh at few rows (one block of depths) is stored
+# past the caches on the VDPBF16PS path (bf_sp_stream_c; _set_stream_dweight, for the
+# tests and benchmarks)
+cdef bint _stream_dweight = True
+
+
+def _set_stream_dweight(bint on):
+    """Stream fresh weight gradients past the caches (the default) or store them plainly;
+    returns the previous setting.  The bits are the same either way."""
+    global _stream_dweight
+    previous = _stream_dweight
+    _stream_dweight = on
+    return previous
+
+
 # The VDPBF16PS forward's orientation: 0 chosen by the shape, 1 out = x W^T, 2 out^T = W
 # x^T (_set_forward_layout, for the tests and benchmarks)
 cdef int _forward_layout = 0
@@ -666,6 +682,8 @@ cdef int _packed_backward(int path, float* dinp, float* dweight, float* dbias,
     if dweight != NULL:     # NULL: a frozen weight (LoRA's base), no weight gradient
         pairs[nprod] = bf_sp_init(&prods[nprod], OC, C, N, d, 1, OC, inp, C, 1,
                                   not ow_dweight, dweight, C, NULL, nt)
+        if path == PATH_NATIVE and _stream_dweight:
+            bf_sp_stream_c(&prods[nprod])
         nprod += 1
     cdef bint done = _packed_run(path, &conv, 1, prods, nprod, pairs,
                                  &db if dbias != NULL else NULL, nt)

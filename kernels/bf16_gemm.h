@@ -4,13 +4,15 @@
  *   BF_ATTR           its target attribute,
  *   BF_DOT(acc, a, b) acc + the products of the pair a (broadcast) and the sixteen
  *                     pairs of b, summed per lane as VDPBF16PS does,
+ *   BF_STREAM(p, v)   a store of v to 64-byte-aligned p past the caches (or a plain one),
  * all undefined again at its end.
  *
  * The tile of C is 8 x 32, in sixteen accumulators; bf16.h's bf_sp_task hands them
  * out over a task's block of C. */
 
 /* The BF_MR x BF_NR tile over kp depth pairs: C = acc + bias[0:BF_NR] (on every row,
-   where bias is not NULL) (+ C where add).  A's rows at a, a stride of a_stride pairs,
+   where bias is not NULL) (+ C where add is 1; past the caches where it is 2: C 64-byte
+   aligned, bf_sp_stream_c).  A's rows at a, a stride of a_stride pairs,
    each row's pairs in order; pb a B panel, rows of BF_NR pairs.  Whole tiles only (the
    edges go through BF_FN(bf_edge)'s buffer), so that the accumulators stay in
    registers. */
@@ -43,9 +45,12 @@ void BF_FN(bf_micro)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
 #pragma GCC unroll 16
     for (int r = 0; r < BF_MR; r++) {
         float* out = c + r * ldc;
-        if (add) {
+        if (add == 1) {
             adt_store16(out, adt_load16(out) + acc[r][0]);
             adt_store16(out + 16, adt_load16(out + 16) + acc[r][1]);
+        } else if (add == 2) {
+            BF_STREAM(out, acc[r][0]);
+            BF_STREAM(out + 16, acc[r][1]);
         } else {
             adt_store16(out, acc[r][0]);
             adt_store16(out + 16, acc[r][1]);
@@ -54,7 +59,8 @@ void BF_FN(bf_micro)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
 }
 
 /* A tile at the edge of C, mr x nr: the micro-kernel into a buffer, then
-   C[0:mr, 0:nr] = that (+ bias[0:nr]) (+ C where add), in the micro-kernel's order. */
+   C[0:mr, 0:nr] = that (+ bias[0:nr]) (+ C where add is 1; plain stores where it is
+   2), in the micro-kernel's order. */
 BF_ATTR static void BF_FN(bf_edge)(ptrdiff_t kp, const bf_u32* a, ptrdiff_t a_stride,
                                    const uint32_t* pb, float* c, ptrdiff_t ldc, int add,
                                    const float* bias, ptrdiff_t mr, ptrdiff_t nr) {
@@ -63,7 +69,7 @@ BF_ATTR static void BF_FN(bf_edge)(ptrdiff_t kp, const bf_u32* a, ptrdiff_t a_st
     for (ptrdiff_t r = 0; r < mr; r++)
         for (ptrdiff_t j = 0; j < nr; j++) {
             float v = bias != NULL ? t[r][j] + bias[j] : t[r][j];
-            c[r * ldc + j] = add ? c[r * ldc + j] + v : v;
+            c[r * ldc + j] = add == 1 ? c[r * ldc + j] + v : v;
         }
 }
 
@@ -89,3 +95,4 @@ BF_ATTR static void BF_FN(bf_task)(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t
 #undef BF_FN
 #undef BF_ATTR
 #undef BF_DOT
+#undef BF_STREAM

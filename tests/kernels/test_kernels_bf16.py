@@ -425,6 +425,39 @@ def test_forward_layouts_give_the_same_bits(packed):
         bf16._set_forward_layout("wx")
 
 
+@pytest.mark.parametrize("packed", packed_paths())
+def test_streamed_weight_gradients_give_the_same_bits(packed):
+    # A weight gradient written afresh in one block of depths (up to 512 rows) into a
+    # 64-byte-aligned array is stored past the caches on the VDPBF16PS path
+    # (bf_sp_stream_c): the same bits as plain stores, whole and edge tiles; two
+    # blocks of depths (600 rows) and a destination off the 64-byte grid are not
+    # streamed, and come out the same too.
+    from adtape import buffers
+    rng = np.random.default_rng(21)
+    old = bf16.set_bf16_path(packed)
+    try:
+        for N, C, OC in [(64, 768, 96), (33, 40, 70), (512, 64, 48), (600, 64, 48)]:
+            xb, wb, bias, dout = operands(rng, (N,), C, OC)
+            runs = []
+            for stream in (True, False):
+                previous = bf16._set_stream_dweight(stream)
+                try:
+                    aligned = buffers.empty((OC, C))
+                    off = buffers.empty((OC * C + 1,))[1:].reshape(OC, C)
+                    for dw in (aligned, off):
+                        dw[...] = np.nan
+                        bf16.matmul_backward_bf16(None, dw, None, dout, xb, wb, overwrite=True)
+                finally:
+                    bf16._set_stream_dweight(previous)
+                runs.append((aligned.copy(), off.copy()))
+            for a, b in zip(runs[0] + runs[0][:1], runs[1] + runs[0][1:]):
+                np.testing.assert_array_equal(a, b)
+            x, d = f64(xb), f64(to_bf16(dout))
+            check_within(runs[0][0], d.T @ x, np.abs(d).T @ np.abs(x), N, "dweight")
+    finally:
+        bf16.set_bf16_path(old)
+
+
 def test_forward_layout_choice():
     # out^T = W x^T on the VDPBF16PS paths where the weight's rows can be read in place
     # and there are fewer rows than outputs: up to 256, or 8 times fewer; never on the
