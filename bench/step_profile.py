@@ -30,6 +30,7 @@ import _paths  # noqa: F401  (import order: source if built in place, installed,
 import numpy as np
 from _runinfo import cpu_flags, cpu_name, git_commit, physical_peak
 
+import train_step
 import adtape
 from adtape import nn
 from kernels import blas_dispatch
@@ -38,22 +39,11 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 LR = 1e-4
 
 
-def parse_configs(text):
-    out = []
-    for item in text.split(","):
-        try:
-            b, t = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"configurations are BxT, e.g. 4x256; got {item!r}") from None
-        out.append((b, t))
-    return out
-
-
 def build_parser():
-    import train_step
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt2", choices=train_step.model_choices())
-    p.add_argument("--configs", type=parse_configs, default=parse_configs("1x64,4x256"))
+    p.add_argument("--configs", type=train_step.parse_configs,
+                   default=train_step.parse_configs("1x64,4x256"))
     p.add_argument("--precision", choices=("fp32", "bf16", "both"), default="fp32")
     p.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")
     p.add_argument("--steps", type=int, default=5)
@@ -72,7 +62,6 @@ PRODUCT_OPS = ("linear", "gelu_linear", "swiglu_linear", "attention_linear", "at
 def product_flops(model, B, T):
     """FLOPs of the step's matrix products, bench/train_step.py's count: 6 N B T (N the
     parameters in products) and attention's 6 L B T^2 C."""
-    import train_step
     return train_step.step_flops(model.config, B, T)
 
 
@@ -104,7 +93,6 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if argv is None:
         blas_dispatch.ensure()
-    import train_step
     from kernels import _openmp, threads
     n = args.threads or threads.available_cores()
     # As bench/train_step.py's workers and gpt2-train: flush-to-zero before any thread
