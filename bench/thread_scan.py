@@ -90,8 +90,9 @@ def print_table(records):
     print(head)
     print("-" * len(head))
     for r in records:
+        paired = r.get("speedup_paired", r.get("torch_over_ours_paired"))   # GPT-2, Llama
         line = (f"{r['threads']:>3} {r['B']:>2} {r['T']:>5} {r['ours_ms']:>8.1f} "
-                f"{r['torch_ms']:>8.1f} {r['speedup_paired']:>7.2f}x {100 * r['share']:>5.1f}% "
+                f"{r['torch_ms']:>8.1f} {paired:>7.2f}x {100 * r['share']:>5.1f}% "
                 f"{r.get('ours_scaling', 1.0):>5.2f}x {100 * r.get('ours_efficiency', 1.0):>4.0f}%")
         if "bf16_ms" in r:
             line += (f" {r['bf16_ms']:>8.1f} {r['autocast_ms']:>8.1f} "
