@@ -27,7 +27,7 @@ from adtape import buffers as _buffers
 from adtape import numpy as anp
 from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp, defvjp_accumulate
 
-__all__ = ["set_precision", "get_precision", "weights_changed",
+__all__ = ["set_precision", "get_precision", "weights_changed", "provide_bf16_copy",
            "encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
            "attention_linear", "softmax_cross_entropy", "IGNORE_INDEX", "loss_denominator",
            "mean_cross_entropy", "take_rows", "rmsnorm", "rope", "swiglu",
@@ -106,6 +106,16 @@ def weights_changed():
     """The weights changed (an optimizer step, a load): the next bf16 product converts
     them again.  The training loop calls it at the start of every forward pass."""
     _bf16_weights.clear()
+
+
+def provide_bf16_copy(w, wb):
+    """``wb`` (uint16, ``w``'s shape) is ``w`` rounded to bf16 until the next
+    ``weights_changed()``: the products take it instead of converting ``w`` (an
+    optimizer that wrote the rounding in its own pass, ``gpt2.state.ArenaState``)."""
+    if wb.dtype != np.uint16 or wb.shape != w.shape:
+        raise ValueError(f"a bf16 copy must be uint16 of the weight's shape {w.shape}, got "
+                         f"{wb.dtype} {wb.shape}")
+    _bf16_weights[id(w)] = (w, wb)
 
 
 def _bf16_weight(w):

@@ -22,8 +22,14 @@ import numpy as np
 from adtape import buffers, nn
 from gpt2 import families
 from gpt2.params import ParamArena, init_params_
-from gpt2.state import OFFLOAD_POLICIES, FrozenState, training_state
+from gpt2.state import OFFLOAD_POLICIES, ArenaState, FrozenState, training_state
 from kernels import attention, layers, loss as loss_kernels, matmul, optim
+
+
+# A bf16 step's AdamW update waits for the next forward pass, which writes the weights'
+# bf16 copies in the same pass (``Model.train_step``; False: at once, the copies made by
+# the products; the same bits either way; for tests and benchmarks).
+DEFER_BF16_UPDATE = True
 
 
 class ActivationArena:
@@ -181,8 +187,11 @@ class Model:
     @property
     def params(self):
         """The parameters: the state's arena (None with offload="all"), or with LoRA the
-        frozen base."""
-        return self.state.params if self.base is None else self.base
+        frozen base; an update still pending is made first (``finish_update``)."""
+        if self.base is None:
+            self.state.finish()
+            return self.state.params
+        return self.base
 
     @property
     def grads(self):
@@ -190,10 +199,12 @@ class Model:
 
     @property
     def adam_m(self):
+        self.state.finish()
         return self.state.adam_m if self.base is None else None
 
     @property
     def adam_v(self):
+        self.state.finish()
         return self.state.adam_v if self.base is None else None
 
     @property
@@ -344,10 +355,15 @@ class Model:
         return self.state.clip_grad_norm(max_norm)
 
     def adamw_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                   grad_scale=1.0):
+                   grad_scale=1.0, defer=False):
         """One AdamW update of every parameter (PyTorch semantics, decay on all of them),
-        with the gradients multiplied by ``grad_scale`` as they are read."""
-        self.state.adamw(lr, beta1, beta2, eps, weight_decay, grad_scale)
+        with the gradients multiplied by ``grad_scale`` as they are read.  ``defer``: the
+        update may wait for the next forward pass (a state in RAM whose model runs bf16
+        products: ``gpt2.state.ArenaState``); readers of the parameters make it first."""
+        if defer:
+            self.state.adamw(lr, beta1, beta2, eps, weight_decay, grad_scale, defer=True)
+        else:
+            self.state.adamw(lr, beta1, beta2, eps, weight_decay, grad_scale)
 
     def finish_update(self):
         """Complete an offloaded AdamW update still pending (nothing otherwise): before
@@ -445,7 +461,14 @@ class Model:
             if grad_accum > 1:
                 norm /= grad_accum      # the norm of the mean gradient
             scale = optim.clip_coefficient(norm, grad_clip)
-        self.adamw_step(lr, weight_decay=weight_decay, grad_scale=scale / grad_accum)
+        # With bf16 products on the tape engine the update waits for the next forward
+        # pass, which writes the weights' bf16 copies in the same pass (gpt2.state.ArenaState);
+        # every reader of the parameters makes it first.
+        defer = (DEFER_BF16_UPDATE and self.engine == "tape" and self._tape_engine is not None
+                 and self.base is None and type(self.state) is ArenaState
+                 and nn.get_precision() == "bf16")
+        self.adamw_step(lr, weight_decay=weight_decay, grad_scale=scale / grad_accum,
+                        defer=defer)
         return loss, norm
 
     @property

@@ -133,9 +133,26 @@ class TapeEngine:
                                            lora.dropout, state.rng)
 
     def _ready(self, stage):
-        # An offloaded AdamW update still pending updates each stage's parameters as the
-        # forward pass reaches it (gpt2.offload).
+        # An AdamW update still pending (offloaded, or a bf16 step's: gpt2.state) updates
+        # each stage's parameters as the forward pass reaches it; a bf16 step's hands the
+        # weights' bf16 copies it wrote to the products.
         self.state.ready(stage)
+        if stage == "embed" and hasattr(self.state, "take_bf16_copies"):
+            copies = self.state.take_bf16_copies()
+            if copies is not None:
+                self._provide_bf16(copies)
+
+    def _provide_bf16(self, copies):
+        # each trained leaf's bf16 copy: the slice of ``copies`` (the parameter arena's
+        # rounding) at the leaf's offset in the arena
+        flat = self.state.params.flat
+        base, end = flat.ctypes.data, flat.ctypes.data + flat.nbytes
+        for leaf in self.leaves():
+            w = leaf.data
+            at = w.ctypes.data
+            if w.dtype == np.float32 and w.flags.c_contiguous and base <= at < end:
+                start = (at - base) // w.itemsize
+                nn.provide_bf16_copy(w, copies[start:start + w.size].reshape(w.shape))
 
     def block(self, l, x):
         """Transformer block ``l`` of the model's family."""

@@ -230,3 +230,37 @@ def test_clip_coefficient_and_grad_scale_checks():
             optim.adamw_step(*args, 1, 1e-3, grad_scale=bad)
         with pytest.raises(ValueError, match="grad_scale"):
             optim.adamw_step_naive(*args, 1, 1e-3, grad_scale=bad)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_adamw_writes_the_bf16_rounding_of_its_result(n, offset):
+    # out_bf16: the updated parameters rounded to bf16 in the same pass, kernels.bf16's
+    # bits (streamed in whole 16-byte runs, the edges and an unaligned array plainly);
+    # the update itself unchanged, on one thread and on two
+    from kernels import bf16
+    rng = np.random.default_rng(7)
+    arrays = [rand(rng, n, 0.02), rand(rng, n), rand(rng, n, 0.1), np.abs(rand(rng, n, 0.01))]
+    plain = [a.copy() for a in arrays]
+    optim.adamw_step(*plain, 3, 1e-3, weight_decay=0.1, grad_scale=0.5)
+    expected = np.empty(n, np.uint16)
+    bf16.to_bf16(expected, plain[0])
+    for nt in (1, 2):
+        fused = [a.copy() for a in arrays]
+        out = np.full(n + offset, 0xFFFF, np.uint16)[offset:]
+        optim.adamw_step(*fused, 3, 1e-3, weight_decay=0.1, grad_scale=0.5, out_bf16=out,
+                         n_threads=nt)
+        for a, b in zip(fused, plain):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(out, expected)
+
+
+def test_adamw_bf16_output_is_checked():
+    n = 64
+    p, g, m, v = (np.zeros(n, np.float32) for _ in range(4))
+    with pytest.raises(TypeError, match="out_bf16"):
+        optim.adamw_step(p, g, m, v, 1, 1e-3, out_bf16=np.zeros(n, np.float32))
+    with pytest.raises(ValueError, match="out_bf16"):
+        optim.adamw_step(p, g, m, v, 1, 1e-3, out_bf16=np.zeros(n - 1, np.uint16))
+    with pytest.raises(ValueError, match="out_bf16"):
+        optim.adamw_step(p, g, m, v, 1, 1e-3, out_bf16=p.view(np.uint16)[:n])
