@@ -28,6 +28,7 @@ from adtape import numpy as anp
 from adtape.tensor import Primitive, Tensor, _constant, _record, _state, defvjp, defvjp_accumulate
 
 __all__ = ["set_precision", "get_precision", "weights_changed", "provide_bf16_copy",
+           "set_bf16_targets", "drop_bf16_targets",
            "encoder", "layernorm", "gelu", "residual", "linear", "gelu_linear", "attention",
            "attention_linear", "softmax_cross_entropy", "IGNORE_INDEX", "loss_denominator",
            "mean_cross_entropy", "take_rows", "rmsnorm", "rope", "swiglu",
@@ -85,6 +86,10 @@ def _or_scratch(dest, fresh, like):
 PRECISIONS = ("fp32", "bf16")
 _precision = "fp32"
 _bf16_weights = {}          # id(weight array) -> (weight array, its bf16 copy)
+# id(weight array) -> (weight array, where its bf16 copy is written when one is made):
+# kept across weights_changed(), so that a model's copies live in one place of its own
+# (gpt2.state.ArenaState's arena of them) instead of buffers allocated every step.
+_bf16_targets = {}
 
 
 def set_precision(name):
@@ -112,10 +117,29 @@ def provide_bf16_copy(w, wb):
     """``wb`` (uint16, ``w``'s shape) is ``w`` rounded to bf16 until the next
     ``weights_changed()``: the products take it instead of converting ``w`` (an
     optimizer that wrote the rounding in its own pass, ``gpt2.state.ArenaState``)."""
+    _check_copy(w, wb)
+    _bf16_weights[id(w)] = (w, wb)
+
+
+def set_bf16_targets(pairs):
+    """For each (w, wb) of ``pairs``: a bf16 copy of ``w`` is written into ``wb`` (uint16,
+    ``w``'s shape) when the products need one, until ``drop_bf16_targets``."""
+    for w, wb in pairs:
+        _check_copy(w, wb)
+        _bf16_targets[id(w)] = (w, wb)
+
+
+def drop_bf16_targets(weights):
+    for w in weights:
+        entry = _bf16_targets.get(id(w))
+        if entry is not None and entry[0] is w:
+            del _bf16_targets[id(w)]
+
+
+def _check_copy(w, wb):
     if wb.dtype != np.uint16 or wb.shape != w.shape:
         raise ValueError(f"a bf16 copy must be uint16 of the weight's shape {w.shape}, got "
                          f"{wb.dtype} {wb.shape}")
-    _bf16_weights[id(w)] = (w, wb)
 
 
 def _bf16_weight(w):
@@ -123,7 +147,8 @@ def _bf16_weight(w):
         return w
     entry = _bf16_weights.get(id(w))
     if entry is None or entry[0] is not w:
-        wb = _buffers.empty(w.shape, np.uint16)
+        target = _bf16_targets.get(id(w))
+        wb = target[1] if target is not None and target[0] is w else _buffers.empty(w.shape, np.uint16)
         _bf16.to_bf16(wb, w)
         entry = _bf16_weights[id(w)] = (w, wb)
     return entry[1]

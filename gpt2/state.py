@@ -187,14 +187,19 @@ class ArenaState(TrainingState):
                             step, lr, beta1, beta2, eps, weight_decay, grad_scale=grad_scale,
                             out_bf16=out_bf16)
 
+    def bf16_arena(self):
+        """The parameters' bf16 copies, one uint16 arena (allocated on first use): where
+        a deferred update writes them and where the products' conversions go meanwhile."""
+        if self.bf16_copies is None:
+            from adtape import buffers
+            self.bf16_copies = buffers.empty(self.params.flat.size, np.uint16)
+        return self.bf16_copies
+
     def ready(self, stage):
         if self.pending is not None and stage == "embed":
-            if self.bf16_copies is None:
-                from adtape import buffers
-                self.bf16_copies = buffers.empty(self.params.flat.size, np.uint16)
             update, self.pending = self.pending, None
             self._copies_fresh = False
-            self._update(update, self.bf16_copies)
+            self._update(update, self.bf16_arena())
             self._copies_fresh = True
 
     def take_bf16_copies(self):

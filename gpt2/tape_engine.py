@@ -140,19 +140,29 @@ class TapeEngine:
         if stage == "embed" and hasattr(self.state, "take_bf16_copies"):
             copies = self.state.take_bf16_copies()
             if copies is not None:
-                self._provide_bf16(copies)
+                for w, wb in self._bf16_views(copies):
+                    nn.provide_bf16_copy(w, wb)
+            elif nn.get_precision() == "bf16" and self._bf16_targets is None:
+                # the products' copies go where the deferred update will write them:
+                # one set of copies, the state's
+                self._bf16_targets = [w for w, _ in self._bf16_views(self.state.bf16_arena())]
+                nn.set_bf16_targets(self._bf16_views(self.state.bf16_arena()))
 
-    def _provide_bf16(self, copies):
-        # each trained leaf's bf16 copy: the slice of ``copies`` (the parameter arena's
-        # rounding) at the leaf's offset in the arena
+    _bf16_targets = None
+
+    def _bf16_views(self, copies):
+        # each trained leaf with its bf16 copy: the slice of ``copies`` (the parameter
+        # arena's rounding) at the leaf's offset in the arena
         flat = self.state.params.flat
         base, end = flat.ctypes.data, flat.ctypes.data + flat.nbytes
+        out = []
         for leaf in self.leaves():
             w = leaf.data
             at = w.ctypes.data
             if w.dtype == np.float32 and w.flags.c_contiguous and base <= at < end:
                 start = (at - base) // w.itemsize
-                nn.provide_bf16_copy(w, copies[start:start + w.size].reshape(w.shape))
+                out.append((w, copies[start:start + w.size].reshape(w.shape)))
+        return out
 
     def block(self, l, x):
         """Transformer block ``l`` of the model's family."""
@@ -233,6 +243,9 @@ class TapeEngine:
         return out
 
     def close(self):
+        if self._bf16_targets is not None:
+            nn.drop_bf16_targets(self._bf16_targets)
+            self._bf16_targets = None
         if self.state.offload is not None and not self.optape.closed:
             self.state.offload.file.detach()
         self.optape.close()

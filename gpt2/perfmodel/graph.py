@@ -138,6 +138,15 @@ def value_bytes(workload, options):
     return 4 if engine_bf16(workload, options) else workload.act_bytes
 
 
+def update_writes_bf16_copies(workload, parallel, options):
+    """Whether the weights' bf16 copies are written by AdamW in its own pass (a bf16 step
+    of the whole model in one process: ``gpt2.state.ArenaState``'s deferred update)
+    rather than by a conversion in the forward pass.  (An offloaded state converts in the
+    forward pass; the graph does not see offload, so its plans count the conversion
+    as the in-RAM case does not.)"""
+    return engine_bf16(workload, options) and options.lora is None and parallel.dp == 1
+
+
 def product_weight_params(spec, parallel, stage):
     """Weights of the matrix products one device of ``stage`` runs (biases, norms and
     position rows excluded; the LM head's weight on the last stage, tied or not): what
@@ -158,9 +167,11 @@ def product_weight_params(spec, parallel, stage):
 class _Builder:
     """Emits the forward ops of one micro-batch and their backward twins."""
 
-    def __init__(self, spec, b, s, e, tp, sp, flash, options, sram_bytes, bf16=False):
+    def __init__(self, spec, b, s, e, tp, sp, flash, options, sram_bytes, bf16=False,
+                 copies_by_update=False):
         self.spec, self.b, self.s, self.e = spec, b, s, e
         self.lora = options.lora
+        self.copies_by_update = copies_by_update
         # A bf16 LoRA base runs its products in bf16 whatever the engine's precision.
         self.base_bf16 = self.lora is not None and self.lora.base_dtype == "bf16"
         self.bf16 = bf16 or self.base_bf16
@@ -258,8 +269,8 @@ class _Builder:
         """``matmul`` in the bf16 mode (adtape.nn._product_forward / _product_backward): the
         operands are read as bf16 (2 bytes), outputs and gradients written as float32;
         the forward converts its input and weight (the latter once per forward pass; a
-        re-run does not; a bf16 LoRA base's is bf16 already), the backward the output's
-        gradient."""
+        re-run does not; a bf16 LoRA base's is bf16 already, and AdamW writes the whole
+        model's where ``update_writes_bf16_copies``), the backward the output's gradient."""
         e, h = self.e, 2.0
         if saved is None:
             saved = (Saved(f"{name}.input", h * rows * fan_in / input_shard),)
@@ -267,7 +278,8 @@ class _Builder:
         dims = (rows, fan_in, fan_out)
         fwd = Op(name, "matmul", "fwd", layer, gemm, h * (rows * fan_in + fan_in * fan_out) + e * (rows * fan_out + b),
                  "fwd", tuple(saved), 1 if saved else 0, gemm, convert_bytes=(e + h) * rows * fan_in,
-                 weight_convert_bytes=0.0 if self.base_bf16 else (e + h) * fan_in * fan_out, precision="bf16",
+                 weight_convert_bytes=0.0 if self.base_bf16 or self.copies_by_update else (e + h) * fan_in * fan_out,
+                 precision="bf16",
                  dims=dims)
         bwd_in = Op(name, "matmul", "bwd", layer, gemm, h * (rows * fan_out + fan_in * fan_out) + 2 * e * rows * fan_in,
                     "bwd_input", gemm_flops=gemm, convert_bytes=(e + h) * rows * fan_out, precision="bf16",
@@ -575,7 +587,8 @@ def step_graph(spec, workload, parallel, options=GraphOptions(), stage=0, sram_b
     b = workload.micro_batch_size(parallel)
     builder = _Builder(spec, b, workload.seq_len, value_bytes(workload, options), parallel.tp,
                        parallel.sequence_parallel, parallel.flash_attention, options, sram_bytes,
-                       engine_bf16(workload, options))
+                       engine_bf16(workload, options),
+                       update_writes_bf16_copies(workload, parallel, options))
     per_stage = spec.n_layer // parallel.pp
     layers = range(stage * per_stage, (stage + 1) * per_stage)
     first, last = stage == 0, stage == parallel.pp - 1
@@ -668,9 +681,10 @@ def optimizer_ops(spec, parallel, stage, workload, options=GraphOptions()):
     updated = params / parallel.dp if parallel.sharding >= 1 else params
     grad_bytes = value_bytes(workload, options)
     # AdamW reads param, grad, m, v and writes param, m, v in fp32; with 16-bit training
-    # it also writes the 16-bit copy of the parameters (our bf16 mode converts the
-    # weights in the forward pass instead: the matmuls' weight_convert_bytes).
-    extra = 2.0 if grad_bytes == 2 else 0.0
+    # it also writes the 16-bit copy of the parameters, and so does our bf16 mode where
+    # ``update_writes_bf16_copies`` (elsewhere it converts the weights in the forward
+    # pass: the matmuls' weight_convert_bytes).
+    extra = 2.0 if grad_bytes == 2 or update_writes_bf16_copies(workload, parallel, options) else 0.0
     adam = Op("adamw", "optimizer", "optim", -1, ADAMW_FLOPS * updated,
               (6 * 4 + grad_bytes + extra) * updated)
     if options.layout == "adtape":
