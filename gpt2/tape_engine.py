@@ -138,17 +138,17 @@ class TapeEngine:
         # weights' bf16 copies it wrote to the products.
         self.state.ready(stage)
         if stage == "embed" and hasattr(self.state, "take_bf16_copies"):
-            copies = self.state.take_bf16_copies()
-            if copies is not None:
-                for w, wb in self._bf16_views(copies):
+            fresh = self.state.take_bf16_copies() is not None
+            if self._bf16_pairs is None and (fresh or nn.get_precision() == "bf16"):
+                # the products' copies go where the deferred update writes them: one set
+                # of copies, the state's
+                self._bf16_pairs = self._bf16_views(self.state.bf16_arena())
+                nn.set_bf16_targets(self._bf16_pairs)
+            if fresh:
+                for w, wb in self._bf16_pairs:
                     nn.provide_bf16_copy(w, wb)
-            elif nn.get_precision() == "bf16" and self._bf16_targets is None:
-                # the products' copies go where the deferred update will write them:
-                # one set of copies, the state's
-                self._bf16_targets = [w for w, _ in self._bf16_views(self.state.bf16_arena())]
-                nn.set_bf16_targets(self._bf16_views(self.state.bf16_arena()))
 
-    _bf16_targets = None
+    _bf16_pairs = None      # (leaf array, its slice of the state's bf16 arena), once known
 
     def _bf16_views(self, copies):
         # each trained leaf with its bf16 copy: the slice of ``copies`` (the parameter
@@ -243,9 +243,9 @@ class TapeEngine:
         return out
 
     def close(self):
-        if self._bf16_targets is not None:
-            nn.drop_bf16_targets(self._bf16_targets)
-            self._bf16_targets = None
+        if self._bf16_pairs is not None:
+            nn.drop_bf16_targets(w for w, _ in self._bf16_pairs)
+            self._bf16_pairs = None
         if self.state.offload is not None and not self.optape.closed:
             self.state.offload.file.detach()
         self.optape.close()

@@ -70,7 +70,7 @@ cdef extern from *:
                 v[i] = vi;
                 p[i] = pn;
                 if (zero_grads) g[i] = 0.0f;
-                b16[i - i0] = bf16_from_bits(bf16_f32_bits(pn));
+                if (out16 != NULL) b16[i - i0] = bf16_from_bits(bf16_f32_bits(pn));
             }
             if (out16 != NULL) {
                 /* the copies are read in the next forward pass, long after: whole
@@ -246,8 +246,6 @@ def adamw_step(params, grads, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
     if zero_grads:
         checked_data("grads", grads, cnp.NPY_FLOAT32, (n,), True)
     if out_bf16 is not None:
-        if isinstance(out_bf16, np.ndarray) and out_bf16.dtype != np.uint16:
-            raise TypeError(f"out_bf16 must be a uint16 (bf16) array, got dtype {out_bf16.dtype}")
         op = <uint16_t*>checked_data("out_bf16", out_bf16, cnp.NPY_UINT16, (n,), True)
         check_disjoint((("out_bf16", out_bf16),), (("params", params), ("grads", grads),
                                                    ("m", m), ("v", v)))
