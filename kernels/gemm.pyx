@@ -107,13 +107,20 @@ cdef extern from *:
     #define DS_AMD_MAX_M 16
     static ptrdiff_t ds_max_m = -1;
     static ptrdiff_t set_ds_max_m(ptrdiff_t m) { ptrdiff_t old = ds_max_m; ds_max_m = m; return old; }
-    static int ds_cpu_amd(void) {
+    /* Whether the products take AMD's routes (here and in _use_packed): the CPU's
+       vendor, unless set_amd_routes chose (1, 0; -1: the CPU's). */
+    static int amd_routes_forced = -1;
+    static int amd_routes(void) {
         static int amd = -1;
+        if (amd_routes_forced >= 0) return amd_routes_forced;
         if (amd < 0) amd = __builtin_cpu_is("amd") ? 1 : 0;     /* benign race */
         return amd;
     }
+    static int set_amd_routes_c(int flag) {
+        int old = amd_routes_forced; amd_routes_forced = flag; return old;
+    }
     static ptrdiff_t depth_split_limit(ptrdiff_t m) {
-        ptrdiff_t limit = ds_max_m >= 0 ? ds_max_m : (!SK_WIDE ? 0 : ds_cpu_amd() ? DS_AMD_MAX_M : m);
+        ptrdiff_t limit = ds_max_m >= 0 ? ds_max_m : (!SK_WIDE ? 0 : amd_routes() ? DS_AMD_MAX_M : m);
         return m > limit ? limit : m;
     }
 
@@ -225,6 +232,8 @@ cdef extern from *:
     Py_ssize_t skinny_tn_limit(Py_ssize_t k) nogil
     Py_ssize_t depth_split_limit(Py_ssize_t m) nogil
     Py_ssize_t set_ds_max_m(Py_ssize_t m) nogil
+    int amd_routes() nogil
+    int set_amd_routes_c(int flag) nogil
     Py_ssize_t set_bc_max_m(Py_ssize_t m) nogil
     void skinny_set_narrow(int narrow) nogil
     int skinny_wide() nogil
@@ -342,8 +351,22 @@ cdef enum:
     PACKED_NT_MAX_M = 128
     PACKED8_NT_MAX_M = 256
     PACKED8_TN_MIN_K = 16
+    PACKED_AMD_NT_MAX_M = 512
+    PACKED_AMD_NN_MAX_M = 1024
 
 
+# On AMD's AVX-512 CPUs (OpenBLAS runs its SkylakeX kernels there: it knows neither
+# Zen 4 nor Zen 5) the packed GEMM wins more: the weight gradient at every token
+# count past the skinny kernel's, the forward up to 512 rows, the input gradient up to
+# 1024, split by rows or columns.  Zen 4, GPT-2 124M's five layers, 12 weights from
+# memory (the head's one), medians of 3 interleaved rounds, % of the physical peak,
+# BLAS / packed (2026-11-28): 2 threads, weight gradient 73-85 / 84-92 at 128 tokens,
+# 83-85 / 89-94 at 256-512, 71-84 / 80-89 at 1024, 77-85 / 86-89 at 4096, 75-87 /
+# 88-91 at 8192; forward 77-83 / 85-91 at 256, 82-88 / 82-93 at 512, 76-89 / 76-86
+# at 1024 (mixed; BLAS from 4096: 86-91 / 85-89); input gradient 76-84 / 80-90 at
+# 1024, 86-90 / 83-89 at 4096.  One thread: weight gradient 86-89 / 91-95 at 1024
+# tokens, 85-90 / 89-94 at 4096; forward 77-87 / 82-92 at 256; input gradient 88-91 /
+# 93-95 at 1024, 89-92 / 86-90 at 4096.
 cdef inline bint _use_packed(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t K,
                              bint by_columns) noexcept nogil:
     if _packed_mode == 2:
@@ -352,11 +375,35 @@ cdef inline bint _use_packed(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_
         return False
     if not skinny_wide() and trans_a:
         return not trans_b and K >= PACKED8_TN_MIN_K
+    if skinny_wide() and amd_routes():
+        if trans_a:
+            return not trans_b and K > skinny_tn_limit(_skinny_max_m)
+        if trans_b:
+            return PACKED_NT_MIN_M <= M <= PACKED_AMD_NT_MAX_M
+        return PACKED_NN_MIN_M <= M <= PACKED_AMD_NN_MAX_M
     if trans_a or not by_columns:
         return False
     if trans_b:
         return PACKED_NT_MIN_M <= M <= (PACKED_NT_MAX_M if skinny_wide() else PACKED8_NT_MAX_M)
     return PACKED_NN_MIN_M <= M <= PACKED_NN_MAX_M
+
+
+def set_amd_routes(flag):
+    """Route the sixteen-lane products as on AMD's CPUs (True), as on the others
+    (False), or as this CPU's vendor says (None, the default): the depth split's rows
+    and the packed GEMM's share.  For tests and benchmarks; returns the previous
+    setting."""
+    if flag is not None and flag is not True and flag is not False:
+        raise ValueError(f"flag must be True, False or None, got {flag!r}")
+    old = set_amd_routes_c(-1 if flag is None else int(flag))
+    return None if old < 0 else bool(old)
+
+
+def packed_route(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K):
+    """Whether a product op(A) (M, K) @ op(B) (K, N) on more than one thread goes to
+    the packed GEMM (kernels/sgemm.h) under the present routes: the decision alone,
+    for tests."""
+    return _use_packed(trans_a, trans_b, M, K, N >= M)
 
 
 def set_packed_gemm(int mode):
@@ -504,6 +551,15 @@ cdef bint gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_
         nt = 1
     if nt > extent // MIN_BLOCK:
         nt = <int>(extent // MIN_BLOCK)
+    # Every thread's block at least PARALLEL_MIN_FLOPS multiply-adds: below about 100^3
+    # OpenBLAS's SkylakeX build runs its small-matrix kernels, which sum in another
+    # order than its blocked ones, so that a product of 40 x 64 x 600 (dW = dout^T x at
+    # 600 tokens) cut in two blocks got other bits than on one thread.
+    while nt > 1:
+        per = ((extent + nt - 1) // nt + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+        if min(per, extent - (nt - 1) * per) * (M if by_columns else N) * K >= PARALLEL_MIN_FLOPS:
+            break
+        nt -= 1
     if nt <= 1:
         return _block(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias,
                       a_sums, by_columns, 0, extent)

@@ -132,7 +132,7 @@ def test_one_and_two_threads_agree():
 # (float64, in order of rows), or, where that product does not run, by a pass of its
 # own (dbias_cols: four rows in float32 at a time, then float64).  Shapes: the
 # weight gradient split by rows (1100 channels, 8 inputs) and by columns (40, 300),
-# both large enough for two threads; 203 rows (not a multiple of the four summed at
+# both large enough for two threads; 407 rows (not a multiple of the four summed at
 # a time); 1100 channels (each thread's share crosses a pass of 512 channels, and
 # the shares end mid-line).
 @pytest.mark.parametrize("OC, C", [(1100, 8), (40, 300)])
@@ -140,7 +140,7 @@ def test_one_and_two_threads_agree():
 def test_dbias_is_a_float64_sum_the_same_on_any_thread_count(OC, C, packed):
     from kernels import gemm
     rng = np.random.default_rng(11)
-    inp, weight, bias, dout = make(rng, (203,), C, OC)
+    inp, weight, bias, dout = make(rng, (407,), C, OC)
     dout *= np.float32(1e3) ** rng.integers(-1, 2, dout.shape).astype(np.float32)
     want = dout.astype(np.float64).sum(0)
     got = []
@@ -404,6 +404,73 @@ def test_packed_gemm_setting():
         gemm.set_broadcast_max_m(-1)
     old = gemm.set_broadcast_max_m(0)
     assert old == 128 and gemm.set_broadcast_max_m(old) == 0
+
+
+def test_products_route_by_vendor():
+    # Which products the packed GEMM takes (kernels/gemm.pyx's _use_packed), GPT-2's
+    # qkv shapes: in eight lanes the same on every CPU (the forward to 256 rows); in
+    # sixteen, AMD's routes take
+    # the weight gradient past 64 tokens (the skinny kernel's), the forward to 512
+    # rows and the input gradient to 1024, the others' leave them to BLAS past 64
+    # tokens, 128 rows and 512.
+    from kernels import gemm
+
+    def routes():
+        fwd = [gemm.packed_route(False, True, m, 2304, 768) for m in (40, 41, 512, 513)]
+        dx = [gemm.packed_route(False, False, m, 768, 2304) for m in (15, 16, 512, 1024, 1025)]
+        dw = [gemm.packed_route(True, False, 2304, 768, t) for t in (15, 16, 64, 65, 8192)]
+        return fwd, dx, dw
+
+    old_lanes, old_amd = gemm.skinny_lanes(), gemm.set_amd_routes(True)
+    try:
+        assert gemm.set_amd_routes(None) is True
+        seen = {}
+        for lanes in _skinny_lanes():
+            gemm.set_skinny_lanes(lanes)
+            for amd in (True, False):
+                gemm.set_amd_routes(amd)
+                seen[lanes, amd] = routes()
+        with pytest.raises(ValueError, match="True, False or None"):
+            gemm.set_amd_routes(1)
+    finally:
+        gemm.set_skinny_lanes(old_lanes)
+        gemm.set_amd_routes(old_amd)
+    eight = ([False, True, False, False], [False, True, True, False, False],
+             [False, True, True, True, True])
+    assert seen[8, True] == seen[8, False] == eight
+    if 16 in _skinny_lanes():
+        assert seen[16, True] == ([False, True, True, False], [False, True, True, True, False],
+                                  [False, False, False, True, True])
+        assert seen[16, False] == ([False, True, False, False], [False, True, True, False, False],
+                                   [False, False, False, False, False])
+
+
+@pytest.mark.parametrize("amd", [True, False], ids=["amd routes", "other routes"])
+@pytest.mark.parametrize("lead, C, OC", [((1100,), 300, 70), ((600,), 96, 500), ((2, 300), 64, 40)])
+def test_linear_products_on_either_vendors_routes(lead, C, OC, amd):
+    # A linear layer's three products where the vendors' routes differ (100-1100
+    # rows), against float64 and the same bits on 1 and 2 threads.
+    from kernels import gemm
+    rng = np.random.default_rng(C + OC)
+    inp, weight, bias, dout = make(rng, lead, C, OC)
+    old = gemm.set_amd_routes(amd)
+    try:
+        got = {}
+        for n in (1, 2):
+            out = np.full(lead + (OC,), np.nan, np.float32)
+            matmul_forward(out, inp, weight, bias, n_threads=n)
+            got[n] = (out,) + grads_of(matmul_backward, inp, weight, dout, np.nan,
+                                       overwrite=True, n_threads=n)
+    finally:
+        gemm.set_amd_routes(old)
+    for a, b in zip(got[1], got[2]):
+        np.testing.assert_array_equal(a, b)
+    x, w, g = (v.astype(np.float64).reshape(-1, v.shape[-1]) for v in (inp, weight, dout))
+    wants = (x @ w.T + bias, g @ w, g.T @ x, g.sum(0))
+    sizes = (np.abs(x) @ np.abs(w.T) + np.abs(bias), np.abs(g) @ np.abs(w),
+             np.abs(g.T) @ np.abs(x), np.abs(g).sum(0))
+    for value, want, size in zip(got[1], wants, sizes):
+        assert (np.abs(value.reshape(want.shape) - want) / size).max() < 1e-6
 
 
 @pytest.mark.parametrize("lanes", _skinny_lanes())
