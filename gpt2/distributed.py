@@ -362,7 +362,8 @@ class ZeroShardState(TrainingState):
         raise NotImplementedError("under ZeRO-1 each rank holds a part of the gradient: clip "
                                   "through DataParallelTrainer.train_step(..., grad_clip=)")
 
-    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0,
+              defer=False):
         self.step += 1
         layout, r, offload = self.layout, self.rank, self.shard_offload
         requests = []

@@ -360,10 +360,7 @@ class Model:
         with the gradients multiplied by ``grad_scale`` as they are read.  ``defer``: the
         update may wait for the next forward pass (a state in RAM whose model runs bf16
         products: ``gpt2.state.ArenaState``); readers of the parameters make it first."""
-        if defer:
-            self.state.adamw(lr, beta1, beta2, eps, weight_decay, grad_scale, defer=True)
-        else:
-            self.state.adamw(lr, beta1, beta2, eps, weight_decay, grad_scale)
+        self.state.adamw(lr, beta1, beta2, eps, weight_decay, grad_scale, defer=defer)
 
     def finish_update(self):
         """Complete an offloaded AdamW update still pending (nothing otherwise): before

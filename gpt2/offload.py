@@ -250,7 +250,8 @@ class MomentState(_OffloadedState):
         return cls(params, ParamArena(config, layer_major=layer_major),
                    MomentOffload.for_model(config, spill_dir=spill_dir, layer_major=layer_major))
 
-    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0,
+              defer=False):
         self.step += 1
         # Deferred: the moments stream in while the next forward pass computes.
         self.offload.begin(self.params.flat, self.grads.flat, self.step, lr, beta1, beta2, eps,
@@ -654,7 +655,8 @@ class FullOffloadState(_OffloadedState):
         raise NotImplementedError("with offload='all' the gradients are on disk: clip "
                                   "through train_step(..., grad_clip=)")
 
-    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0,
+              defer=False):
         self.step += 1
         self.offload.begin(self.step, lr, beta1, beta2, eps, weight_decay, grad_scale)
 

@@ -78,10 +78,14 @@ class TrainingState:
 
     # -- the update ----------------------------------------------------------------------
 
-    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+    def adamw(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_scale=1.0,
+              defer=False):
         """One AdamW update of every parameter (PyTorch semantics, decay on all of them),
         the gradients multiplied by ``grad_scale`` as they are read; ``step`` counts it.
-        An implementation may defer it into the next forward pass (``ready``)."""
+        An implementation may defer it into the next forward pass (``ready``): the
+        offloaded ones always do, ``ArenaState`` where ``defer`` (its model runs bf16
+        products and the next forward writes the weights' bf16 copies in the update's
+        pass); the others ignore ``defer``."""
         raise NotImplementedError
 
     def ready(self, stage):

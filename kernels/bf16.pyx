@@ -716,20 +716,12 @@ cdef int matmul_backward_bf16_c(float* dinp, float* dweight, float* dbias, const
 
 # ---------------------------------------------------------------- Python boundary
 
-cdef void* _bf16_data(str name, object arr, tuple shape, bint writable) except? NULL:
-    # checked_data for a bf16 (uint16) array, whose dtype is named here
-    if isinstance(arr, np.ndarray) and (arr.dtype != np.uint16 or not arr.flags.aligned):
-        raise TypeError(f"{name} must be an aligned native uint16 (bf16) array, got dtype "
-                        f"{arr.dtype}")
-    return checked_data(name, arr, cnp.NPY_UINT16, shape, writable)
-
-
 def to_bf16(out, inp, *, n_threads=None):
     """out = inp rounded to bf16: float32 ``inp`` of any shape, uint16 ``out`` of its
     shape.  Nearest, ties to even; a NaN stays NaN (quiet, its sign and top payload
     bits kept); finite values past the largest bf16 round to inf."""
     cdef const float* src = <const float*>checked_data("inp", inp, cnp.NPY_FLOAT32, None, False)
-    cdef uint16_t* dst = <uint16_t*>_bf16_data("out", out, inp.shape, True)
+    cdef uint16_t* dst = <uint16_t*>checked_data("out", out, cnp.NPY_UINT16, inp.shape, True)
     check_disjoint((("out", out),), (("inp", inp),))
     cdef int nt = resolve_threads(n_threads)
     cdef Py_ssize_t n = inp.size
@@ -740,7 +732,8 @@ def to_bf16(out, inp, *, n_threads=None):
 def from_bf16(out, inp, *, n_threads=None):
     """out = inp widened to float32 (exact): uint16 (bf16) ``inp`` of any shape,
     float32 ``out`` of its shape."""
-    cdef const uint16_t* src = <const uint16_t*>_bf16_data("inp", inp, None, False)
+    cdef const uint16_t* src = <const uint16_t*>checked_data("inp", inp, cnp.NPY_UINT16, None,
+                                                             False)
     cdef float* dst = <float*>checked_data("out", out, cnp.NPY_FLOAT32, inp.shape, True)
     check_disjoint((("out", out),), (("inp", inp),))
     cdef int nt = resolve_threads(n_threads)
@@ -756,9 +749,9 @@ cdef int _forward_operands(out, inp, weight, bias, bint bf16_inp, void** inp_p,
     # bf16; bias (OC,) float32 or None; out float32; dims = N, C, OC.
     lead, dims[0], dims[1], dims[2] = _matmul_shapes(inp, weight)
     shape = lead + (dims[1],)
-    inp_p[0] = (_bf16_data("inp", inp, shape, False) if bf16_inp else
+    inp_p[0] = (checked_data("inp", inp, cnp.NPY_UINT16, shape, False) if bf16_inp else
                 checked_data("inp", inp, cnp.NPY_FLOAT32, shape, False))
-    w_p[0] = <uint16_t*>_bf16_data("weight", weight, (dims[2], dims[1]), False)
+    w_p[0] = <uint16_t*>checked_data("weight", weight, cnp.NPY_UINT16, (dims[2], dims[1]), False)
     b_p[0] = NULL
     if bias is not None:
         b_p[0] = <float*>checked_data("bias", bias, cnp.NPY_FLOAT32, (dims[2],), False)
@@ -816,8 +809,8 @@ def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, *, overwrite=F
     lead, N, C, OC = _backward_shapes(dout, inp, weight, dweight)
     cdef uint16_t* inp_p = NULL
     if inp is not None:
-        inp_p = <uint16_t*>_bf16_data("inp", inp, lead + (C,), False)
-    cdef uint16_t* w_p = <uint16_t*>_bf16_data("weight", weight, (OC, C), False)
+        inp_p = <uint16_t*>checked_data("inp", inp, cnp.NPY_UINT16, lead + (C,), False)
+    cdef uint16_t* w_p = <uint16_t*>checked_data("weight", weight, cnp.NPY_UINT16, (OC, C), False)
     cdef float* dout_p = <float*>checked_data("dout", dout, cnp.NPY_FLOAT32, lead + (OC,), False)
     cdef float* dw_p = NULL
     cdef float* dinp_p = NULL
@@ -842,7 +835,7 @@ def to_bf16_naive(out, inp):
     """Plain-loop twin of ``to_bf16`` (serial)."""
     cdef const uint32_t* src = <const uint32_t*>checked_data("inp", inp, cnp.NPY_FLOAT32, None,
                                                              False)
-    cdef uint16_t* dst = <uint16_t*>_bf16_data("out", out, inp.shape, True)
+    cdef uint16_t* dst = <uint16_t*>checked_data("out", out, cnp.NPY_UINT16, inp.shape, True)
     check_disjoint((("out", out),), (("inp", inp),))
     cdef Py_ssize_t i, n = inp.size
     cdef uint32_t u
@@ -856,7 +849,8 @@ def to_bf16_naive(out, inp):
 
 def from_bf16_naive(out, inp):
     """Plain-loop twin of ``from_bf16`` (serial)."""
-    cdef const uint16_t* src = <const uint16_t*>_bf16_data("inp", inp, None, False)
+    cdef const uint16_t* src = <const uint16_t*>checked_data("inp", inp, cnp.NPY_UINT16, None,
+                                                             False)
     cdef uint32_t* dst = <uint32_t*>checked_data("out", out, cnp.NPY_FLOAT32, inp.shape, True)
     check_disjoint((("out", out),), (("inp", inp),))
     cdef Py_ssize_t i, n = inp.size

@@ -557,7 +557,8 @@ cdef bint gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_
     # 600 tokens) cut in two blocks got other bits than on one thread.
     while nt > 1:
         per = ((extent + nt - 1) // nt + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
-        if min(per, extent - (nt - 1) * per) * (M if by_columns else N) * K >= PARALLEL_MIN_FLOPS:
+        if (min(per, extent - (nt - 1) * per) * (M if by_columns else N) * K
+                >= PARALLEL_MIN_FLOPS):
             break
         nt -= 1
     if nt <= 1:

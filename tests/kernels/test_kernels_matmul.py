@@ -441,12 +441,14 @@ def test_products_route_by_vendor():
     if 16 in _skinny_lanes():
         assert seen[16, True] == ([False, True, True, False], [False, True, True, True, False],
                                   [False, False, False, True, True])
-        assert seen[16, False] == ([False, True, False, False], [False, True, True, False, False],
+        assert seen[16, False] == ([False, True, False, False],
+                                   [False, True, True, False, False],
                                    [False, False, False, False, False])
 
 
 @pytest.mark.parametrize("amd", [True, False], ids=["amd routes", "other routes"])
-@pytest.mark.parametrize("lead, C, OC", [((1100,), 300, 70), ((600,), 96, 500), ((2, 300), 64, 40)])
+@pytest.mark.parametrize("lead, C, OC", [((1100,), 300, 70), ((600,), 96, 500),
+                                         ((2, 300), 64, 40)])
 def test_linear_products_on_either_vendors_routes(lead, C, OC, amd):
     # A linear layer's three products where the vendors' routes differ (100-1100
     # rows), against float64 and the same bits on 1 and 2 threads.
