@@ -25,7 +25,8 @@ import numpy as np
 
 cnp.import_array()
 
-# Below this many multiply-adds one thread does the whole product.
+# Below this many multiply-adds one thread does the whole product, and a product gets
+# only as many threads as leave each block at least this many (gemm()).
 cdef enum:
     PARALLEL_MIN_FLOPS = 1 << 20
     MIN_BLOCK = 16
