@@ -552,10 +552,12 @@ cdef bint gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_
         nt = 1
     if nt > extent // MIN_BLOCK:
         nt = <int>(extent // MIN_BLOCK)
-    # Every thread's block at least PARALLEL_MIN_FLOPS multiply-adds: below about 100^3
+    # Blocks of `per` (in multiples of 16 columns, so that every block starts on a
+    # cache line), each at least PARALLEL_MIN_FLOPS multiply-adds: below about 100^3
     # OpenBLAS's SkylakeX build runs its small-matrix kernels, which sum in another
     # order than its blocked ones, so that a product of 40 x 64 x 600 (dW = dout^T x at
-    # 600 tokens) cut in two blocks got other bits than on one thread.
+    # 600 tokens) cut in two blocks got other bits than on one thread.  The loop leaves
+    # `per` set for the nt it settles on.
     while nt > 1:
         per = ((extent + nt - 1) // nt + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
         if (min(per, extent - (nt - 1) * per) * (M if by_columns else N) * K
@@ -569,9 +571,7 @@ cdef bint gemm(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssize_
             and K >= DEPTH_SPLIT_MIN_K * nt
             and _depth_split(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bias, nt) == 0):
         return a_sums == NULL
-    # Blocks in multiples of 16 columns keep every block's start cache-line aligned.
     # Split by columns, every block packs all of op(A): the first one sums it.
-    per = ((extent + nt - 1) // nt + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
     for t in prange(nt, schedule='static', chunksize=1, nogil=True, num_threads=nt):
         lo = t * per
         hi = lo + per

@@ -409,10 +409,9 @@ def test_packed_gemm_setting():
 def test_products_route_by_vendor():
     # Which products the packed GEMM takes (kernels/gemm.pyx's _use_packed), GPT-2's
     # qkv shapes: in eight lanes the same on every CPU (the forward to 256 rows); in
-    # sixteen, AMD's routes take
-    # the weight gradient past 64 tokens (the skinny kernel's), the forward to 512
-    # rows and the input gradient to 1024, the others' leave them to BLAS past 64
-    # tokens, 128 rows and 512.
+    # sixteen, AMD's routes take the weight gradient past 64 tokens (the skinny
+    # kernel's), the forward to 512 rows and the input gradient to 1024, the others'
+    # leave them to BLAS past 64 tokens, 128 rows and 512.
     from kernels import gemm
 
     def routes():
