@@ -197,11 +197,32 @@ typedef struct {
     int c_trans;               /* C stored transposed: element (i, j) at C[j ldc + i],
                                   the bias per row (bf_sp_trans_c) */
     int c_stream;              /* C's whole tiles stored past the caches (bf_sp_stream_c) */
+    int b_direct;              /* B's pairs read where B lies (bf_sp_direct_b): no B panels */
+    int n_threads;             /* the threads the tasks were planned for */
+    size_t a_pairs;            /* the pairs A's packed rows (or tail) need */
     uint32_t* pa;              /* A's chunk packed (mch rows of kpad pairs), or its tail */
     uint32_t* pb;              /* B's chunk packed (nch / 32 panels) */
 } bf_sprod;
 
 typedef struct { ptrdiff_t i0, i1, j0, j1; } bf_sp_span;
+
+/* p's tasks for its n_threads: the largest square tile that gives each thread about
+   four (or the benchmarks' bf_sp_tiles); B's pack tasks cut by depth (slices of at
+   least 256 pairs) until there are about four a thread (a chunk of 64 columns of a
+   deep B: one task of 6 MiB otherwise). */
+static void bf_sp_plan_tasks(bf_sprod* p) {
+    ptrdiff_t n_threads = p->n_threads;
+    ptrdiff_t rows = p->M < p->mch ? p->M : p->mch, cols = p->N < p->nch ? p->N : p->nch;
+    ptrdiff_t tile = 256;
+    while (tile > BF_AMX_MR && bf_ceil(rows, tile) * bf_ceil(cols, tile) < 4 * n_threads)
+        tile /= 2;
+    p->tile_m = bf_sp_tiles[0] > 0 ? bf_sp_tiles[0] : tile;
+    p->tile_n = bf_sp_tiles[1] > 0 ? bf_sp_tiles[1] : tile;
+    ptrdiff_t b_tasks = bf_ceil(p->nch, BF_NR * BF_SP_PANELS), most_slices = p->kpad / 256;
+    p->b_slices = bf_ceil(4 * n_threads, b_tasks);
+    if (p->b_slices > most_slices) p->b_slices = most_slices;
+    if (p->b_slices < 1) p->b_slices = 1;
+}
 
 /* Plans p for n_threads; returns the pairs its packed operands need (bf_sp_attach). */
 static size_t bf_sp_init(bf_sprod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
@@ -229,20 +250,27 @@ static size_t bf_sp_init(bf_sprod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
         p->mchunks = bf_ceil(M, p->mch);
         a_pairs = (size_t)p->mch * (size_t)p->kpad;
     }
-    /* tasks: the largest square tile that gives each thread about four (or the
-       benchmarks' bf_sp_tiles) */
-    ptrdiff_t rows = M < p->mch ? M : p->mch, cols = N < p->nch ? N : p->nch, tile = 256;
-    while (tile > BF_AMX_MR && bf_ceil(rows, tile) * bf_ceil(cols, tile) < 4 * (ptrdiff_t)n_threads)
-        tile /= 2;
-    p->tile_m = bf_sp_tiles[0] > 0 ? bf_sp_tiles[0] : tile;
-    p->tile_n = bf_sp_tiles[1] > 0 ? bf_sp_tiles[1] : tile;
-    /* B's pack tasks: cut by depth (slices of at least 256 pairs) until there are about
-       four a thread (a chunk of 64 columns of a deep B: one task of 6 MiB otherwise) */
-    ptrdiff_t b_tasks = bf_ceil(p->nch, BF_NR * BF_SP_PANELS), most_slices = p->kpad / 256;
-    p->b_slices = bf_ceil(4 * (ptrdiff_t)n_threads, b_tasks);
-    if (p->b_slices > most_slices) p->b_slices = most_slices;
-    if (p->b_slices < 1) p->b_slices = 1;
+    p->a_pairs = a_pairs;
+    p->n_threads = n_threads;
+    bf_sp_plan_tasks(p);
     return a_pairs + (size_t)p->nch * (size_t)p->kpad;
+}
+
+/* B's pairs read where B lies, with no pack phase for B: the VDPBF16PS builds'
+   tiles interleave the two rows of each depth pair in registers.  Where op(B)'s rows
+   run along the columns (b_cs 1: the weight in dout @ W), the depth is whole pairs and
+   the columns whole panels; for few rows of C, where laying B out would be read once
+   or twice a pair (dout @ W at 64 rows: 13% of the tiles' time on Zen 4).  The same
+   sums in the same order: the same bits.  Returns the pairs p's packed operands need
+   now. */
+static size_t bf_sp_direct_b(bf_sprod* p) {
+    if (p->b_cs == 1 && p->K % 2 == 0 && p->N % BF_NR == 0) {
+        p->b_direct = 1;
+        p->nch = p->N;
+        p->nchunks = 1;
+        bf_sp_plan_tasks(p);
+    }
+    return p->a_pairs + (p->b_direct ? 0 : (size_t)p->nch * (size_t)p->kpad);
 }
 
 /* C of p is stored transposed (element (i, j) at C[j ldc + i]) and its bias is per row
@@ -265,7 +293,7 @@ static int bf_sp_stream_c(bf_sprod* p) {
 /* Gives p its packing buffer (bf_sp_init's pairs, 64-byte aligned). */
 static void bf_sp_attach(bf_sprod* p, uint32_t* buf) {
     p->pb = buf;
-    p->pa = buf + (size_t)p->nch * (size_t)p->kpad;
+    p->pa = p->b_direct ? buf : buf + (size_t)p->nch * (size_t)p->kpad;
 }
 
 static ptrdiff_t bf_sp_chunks(const bf_sprod* p) { return p->mchunks * p->nchunks; }
@@ -341,10 +369,11 @@ static void bf_sp_store_trans(const float* t, float* c, ptrdiff_t ldc, int add,
 }
 
 /* A build's tile of C: mr x nr (at most rows x 32) at c over kp depth pairs, A's rows
-   at a (stride a_stride bytes), B's panel at panel; C = the sum + bias (where not
-   NULL) (+ C where add). */
+   at a (stride a_stride bytes), B's panel at b (b_rs 0), or B read in place (b_rs > 0,
+   bf_sp_direct_b: b the bf16 of op(B)'s first depth at the tile's first column, its
+   depths b_rs elements apart); C = the sum + bias (where not NULL) (+ C where add). */
 typedef void (*bf_tile_fn)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride,
-                           const uint32_t* panel, float* c, ptrdiff_t ldc, int add,
+                           const void* b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc, int add,
                            const float* bias, ptrdiff_t mr, ptrdiff_t nr);
 
 /* Task t of chunk `chunk` of p: its block of C over all depths, in tiles of `rows` x
@@ -362,7 +391,10 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
         /* 1: add into C; 2: store past the caches (bf_sp_stream_c: one block) */
         int add = p->accumulate || k0 > 0 ? 1 : p->c_stream ? 2 : 0;
         for (ptrdiff_t j = c0; j < c1; j += BF_NR) {
-            const uint32_t* panel = p->pb + ((j - s.j0) / BF_NR * p->kpad + k0) * BF_NR;
+            const void* panel = p->b_direct
+                ? (const void*)(p->B + 2 * k0 * p->b_rs + j)
+                : (const void*)(p->pb + ((j - s.j0) / BF_NR * p->kpad + k0) * BF_NR);
+            ptrdiff_t b_rs = p->b_direct ? p->b_rs : 0;
             const float* bias = k0 == 0 && p->bias != NULL ? p->bias + j : NULL;
             ptrdiff_t nr = c1 - j < BF_NR ? c1 - j : BF_NR;
             for (ptrdiff_t i = r0; i < r1; i += rows) {
@@ -372,11 +404,12 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
                     /* the tile's sums into a buffer, then C^T = them (+ C) (+ bias): the
                        same sums, the same roundings */
                     float buf[BF_AMX_MR * BF_NR] __attribute__((aligned(64)));
-                    tile(kp, a, stride, panel, buf, BF_NR, 0, NULL, mr, nr);
+                    tile(kp, a, stride, panel, b_rs, buf, BF_NR, 0, NULL, mr, nr);
                     bf_sp_store_trans(buf, p->C + j * p->ldc + i, p->ldc, add,
                                       k0 == 0 && p->bias != NULL ? p->bias + i : NULL, mr, nr);
                 } else {
-                    tile(kp, a, stride, panel, p->C + i * p->ldc + j, p->ldc, add, bias, mr, nr);
+                    tile(kp, a, stride, panel, b_rs, p->C + i * p->ldc + j, p->ldc, add, bias,
+                         mr, nr);
                 }
             }
         }
@@ -447,7 +480,7 @@ static inline void bf_tr16(const void* src, ptrdiff_t ss, uint32_t* dst, ptrdiff
    (at a chunk's first columns), or A's tail. */
 static ptrdiff_t bf_sp_pack_b_tasks(const bf_sprod* p, ptrdiff_t chunk) {
     bf_sp_span s = bf_sp_chunk_span(p, chunk);
-    if (p->nchunks == 1 && chunk > 0) return 0;
+    if (p->b_direct || (p->nchunks == 1 && chunk > 0)) return 0;
     return bf_ceil(s.j1 - s.j0, BF_NR * BF_SP_PANELS) * p->b_slices;
 }
 static ptrdiff_t bf_sp_pack_tasks(const bf_sprod* p, ptrdiff_t chunk) {
@@ -592,10 +625,23 @@ ADT_INLINE adt_v16 bf_dot_twin(adt_v16 acc, uint32_t a, bf_pairs b) {
     return acc + a_even * b_even;
 }
 
+/* b0, b1 = the pairs of the rows lo and hi (a depth and the next) at 32 columns, in
+   the columns' order */
+ADT_INLINE void bf_interleave_twin(bf_pairs* b0, bf_pairs* b1, const uint16_t* lo,
+                                   const uint16_t* hi) {
+    for (int l = 0; l < 16; l++) {
+        (*b0)[l] = (uint32_t)lo[l] | (uint32_t)hi[l] << 16;
+        (*b1)[l] = (uint32_t)lo[16 + l] | (uint32_t)hi[16 + l] << 16;
+    }
+}
+
 #define BF_FN(f) f##_twin
 #define BF_ATTR ADT_MULTIVERSION
+#define BF_INLINE_ATTR
 #define BF_DOT(acc, a, b) bf_dot_twin(acc, a, b)
 #define BF_STREAM(p, v) adt_store16(p, v)
+#define BF_INTERLEAVE(b0, b1, lo, hi) bf_interleave_twin(&(b0), &(b1), lo, hi)
+#define BF_UNPERMUTE(acc0, acc1) ((void)0)
 #include "bf16_gemm.h"
 
 #if BF_HAVE_NATIVE
@@ -604,10 +650,32 @@ BF_TARGET ADT_INLINE adt_v16 bf_dot_nat(adt_v16 acc, uint32_t a, bf_pairs b) {
     return (adt_v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)a),
                                      (__m512bh)b);
 }
+/* The pairs of the rows lo and hi at 32 columns by two 16-bit unpacks, which work
+   within 128-bit lanes: b0 holds columns 0-3, 8-11, 16-19, 24-27, b1 columns 4-7,
+   12-15, 20-23, 28-31 (bf_unpermute_nat puts the sums back in order). */
+BF_TARGET ADT_INLINE void bf_interleave_nat(bf_pairs* b0, bf_pairs* b1, const uint16_t* lo,
+                                            const uint16_t* hi) {
+    __m512i r0 = _mm512_loadu_si512((const void*)lo), r1 = _mm512_loadu_si512((const void*)hi);
+    *b0 = (bf_pairs)_mm512_unpacklo_epi16(r0, r1);
+    *b1 = (bf_pairs)_mm512_unpackhi_epi16(r0, r1);
+}
+/* acc0, acc1 summed over bf_interleave_nat's pairs, put in the columns' order */
+BF_TARGET ADT_INLINE void bf_unpermute_nat(adt_v16* acc0, adt_v16* acc1) {
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                         30, 31);
+    __m512 a = (__m512)*acc0, b = (__m512)*acc1;
+    *acc0 = (adt_v16)_mm512_permutex2var_ps(a, lo, b);
+    *acc1 = (adt_v16)_mm512_permutex2var_ps(a, hi, b);
+}
+
 #define BF_FN(f) f##_nat
 #define BF_ATTR BF_TARGET
+#define BF_INLINE_ATTR BF_TARGET
 #define BF_DOT(acc, a, b) bf_dot_nat(acc, a, b)
 #define BF_STREAM(p, v) _mm512_stream_ps(p, (__m512)(v))
+#define BF_INTERLEAVE(b0, b1, lo, hi) bf_interleave_nat(&(b0), &(b1), lo, hi)
+#define BF_UNPERMUTE(acc0, acc1) bf_unpermute_nat(&(acc0), &(acc1))
 #include "bf16_gemm.h"
 #endif
 

@@ -67,7 +67,7 @@ cdef extern from "bf16.h" nogil:
     int bf16_cpu_amx()
     enum: BF_DBIAS_COLS
     ctypedef struct bf_sprod:
-        pass
+        int b_direct
     size_t bf_sp_init(bf_sprod* p, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                        const uint16_t* A, Py_ssize_t a_rs, Py_ssize_t a_cs, const uint16_t* B,
                        Py_ssize_t b_rs, Py_ssize_t b_cs, int accumulate, float* C,
@@ -75,6 +75,7 @@ cdef extern from "bf16.h" nogil:
     void bf_sp_attach(bf_sprod* p, uint32_t* buf)
     void bf_sp_trans_c(bf_sprod* p)
     int bf_sp_stream_c(bf_sprod* p)
+    size_t bf_sp_direct_b(bf_sprod* p)
     Py_ssize_t bf_sp_chunks(const bf_sprod* p)
     Py_ssize_t bf_sp_pack_tasks(const bf_sprod* p, Py_ssize_t chunk)
     Py_ssize_t bf_sp_tile_tasks(const bf_sprod* p, Py_ssize_t chunk)
@@ -107,6 +108,8 @@ cdef enum:
     # one Zen 3 core); an even count keeps two threads equally busy.
     BLOCK_MAX = 512
     BLOCK_ALIGN = 16
+    # dout @ W reads W in place up to this many rows (_direct_weight)
+    DIRECT_WEIGHT_MAX_N = 256
 
 cdef enum:
     CONVERT_WIDEN = 0       # bf16 -> float32
@@ -221,12 +224,19 @@ def _set_forward_layout(str layout):
     return old
 
 
-def _packed_bytes(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint a_rows_along_depth):
+def _packed_bytes(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint a_rows_along_depth,
+                  bint b_in_place=False):
     """The bytes of the buffer the packed paths lay an M x N x K product's operands out
-    in, A's rows along the depth (x, dout) or across it (dout^T); for the tests of the
-    memory planner's figure (gpt2.perfmodel.plan.bf16_packed_bytes)."""
+    in, A's rows along the depth (x, dout) or across it (dout^T), B laid out or (where
+    it can be) read in place (the weight in dout @ W); for the tests of the memory
+    planner's figure (gpt2.perfmodel.plan.bf16_packed_bytes)."""
     cdef bf_sprod p
     cdef uint16_t one = 0
+    cdef size_t pairs
+    if b_in_place:     # B's rows along the columns, as W in dout @ W
+        pairs = bf_sp_init(&p, M, N, K, &one, K if a_rows_along_depth else 1,
+                           1 if a_rows_along_depth else M, &one, N, 1, False, NULL, N, NULL, 1)
+        return 4 * bf_sp_direct_b(&p)
     return 4 * bf_sp_init(&p, M, N, K, &one, K if a_rows_along_depth else 1,
                           1 if a_rows_along_depth else M, &one, 1, K, False, NULL, N, NULL, 1)
 
@@ -619,6 +629,51 @@ def _set_stream_dweight(bint on):
     return previous
 
 
+# Whether dout @ W on the VDPBF16PS paths reads W's rows in place (bf_sp_direct_b): -1
+# by the rows, 0 never, 1 always (_set_direct_weight, for the tests and benchmarks)
+cdef int _direct_weight_mode = -1
+
+
+cdef bint _direct_weight(int path, Py_ssize_t N) noexcept nogil:
+    # Laying W out costs a read and a write of it per call, shared by the call's N rows;
+    # reading it in place costs two unpacks per 16 VDPBF16PS in every tile, and its
+    # columns are read 64 bytes a row (the tiles prefetch the next panel's).  Zen 4, 2
+    # threads, 12 weights from memory, in place / laid out: GPT-2's five layers 1.07-1.47x
+    # at 64 rows, 1.04-1.12x at 128, 0.99-1.05x at 256, 0.93-1.00x at 512, 0.95-0.99x at
+    # 1024; SmolLM2-135M's five 1.08-1.34x at 64, 1.10-1.15x at 256, 0.88-1.00x at 512.
+    if path != PATH_NATIVE and path != PATH_TWIN:
+        return False
+    if _direct_weight_mode >= 0:
+        return _direct_weight_mode == 1
+    return N <= DIRECT_WEIGHT_MAX_N
+
+
+def input_gradient_in_place(Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC):
+    """Whether ``matmul_backward_bf16``'s dinp = dout @ weight of N rows, C inputs and
+    OC outputs reads the weight in place on this path (no laid-out copy): for the memory
+    planner's figure of its buffer."""
+    cdef bf_sprod p
+    cdef uint16_t one = 0
+    if N <= 0 or C <= 0 or OC <= 0 or not _direct_weight(_path, N):
+        return False
+    bf_sp_init(&p, N, C, OC, &one, OC, 1, &one, C, 1, False, NULL, C, NULL, 1)
+    bf_sp_direct_b(&p)
+    return bool(p.b_direct)
+
+
+def _set_direct_weight(str mode):
+    """The VDPBF16PS paths' dout @ W: "auto" (W read in place at few rows, laid out
+    at many), "in_place" or "laid_out", for the tests and benchmarks: the results' bits
+    do not depend on it.  Returns the previous one."""
+    global _direct_weight_mode
+    names = {"auto": -1, "laid_out": 0, "in_place": 1}
+    if mode not in names:
+        raise ValueError(f"mode must be one of {tuple(names)}, got {mode!r}")
+    old = next(k for k, v in names.items() if v == _direct_weight_mode)
+    _direct_weight_mode = names[mode]
+    return old
+
+
 # The VDPBF16PS forward's orientation: 0 chosen by the shape, 1 out = x W^T, 2 out^T = W
 # x^T (_set_forward_layout, for the tests and benchmarks)
 cdef int _forward_layout = 0
@@ -678,6 +733,8 @@ cdef int _packed_backward(int path, float* dinp, float* dweight, float* dbias,
     if dinp != NULL:
         pairs[nprod] = bf_sp_init(&prods[nprod], N, C, OC, d, OC, 1, weight, C, 1,
                                   not ow_dinp, dinp, C, NULL, nt)
+        if _direct_weight(path, N):
+            pairs[nprod] = bf_sp_direct_b(&prods[nprod])
         nprod += 1
     if dweight != NULL:     # NULL: a frozen weight (LoRA's base), no weight gradient
         pairs[nprod] = bf_sp_init(&prods[nprod], OC, C, N, d, 1, OC, inp, C, 1,

@@ -16,14 +16,16 @@
 /* The 32 x 32 tile of C at c, mr x nr of it in C, over kp depth pairs (a multiple of
    16): C = init + the products, init being C (where add) + bias[0:nr] (where not NULL).
    a: rows 0-15 of the A tile at a, rows 16-31 at a + 16 a_stride (bytes), each row's
-   pairs in order; b: a B panel, rows of 32 pairs (128 bytes).  A whole tile reads and
+   pairs in order; panel: a B panel, rows of 32 pairs (128 bytes).  A whole tile reads and
    writes C in place (its init from C, from rows of the bias, or zero); an edge tile
    goes through a buffer, the same sums in the same order. */
 BF_AMX_ATTR static void BF_AMX_FN(bf_amx_tile)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride,
-                                               const uint32_t* b, float* c, ptrdiff_t ldc,
-                                               int add, const float* bias, ptrdiff_t mr,
-                                               ptrdiff_t nr) {
+                                               const void* panel, ptrdiff_t b_rs, float* c,
+                                               ptrdiff_t ldc, int add, const float* bias,
+                                               ptrdiff_t mr, ptrdiff_t nr) {
     BF_AMX_STATE;
+    const uint32_t* b = (const uint32_t*)panel;     /* packed: b_rs is 0 */
+    (void)b_rs;
     float t[BF_AMX_MR][BF_NR] __attribute__((aligned(64)));
     float* dst = c;
     ptrdiff_t ld = ldc;

@@ -171,14 +171,15 @@ def _widened_weight(fan_in, fan_out):
 PACKED_CHUNK_PAIRS = 1 << 21
 
 
-def bf16_packed_bytes(M, N, K, a_rows_along_depth):
+def bf16_packed_bytes(M, N, K, a_rows_along_depth, b_in_place=False):
     """[bytes] of the buffer the packed bf16 paths (native, AMX) lay an M x N x K
-    product's operands out in: B's panels (a chunk of columns) and A's rows (a chunk of
+    product's operands out in: B's panels (a chunk of columns; none where B is read in
+    place, ``b_in_place``: the weight of dout @ W at few rows) and A's rows (a chunk of
     rows; where A's rows run along the depth, ``a_rows_along_depth``, and the depth is a
     multiple of 32, A is read in place and only its last M % 32 rows are copied)."""
     kpad = -(-((K + 1) // 2) // 16) * 16
     most = max(32, PACKED_CHUNK_PAIRS // kpad // 32 * 32)
-    columns = min(-(-N // 32) * 32, most)
+    columns = 0 if b_in_place else min(-(-N // 32) * 32, most)
     if a_rows_along_depth and K % 32 == 0:
         a_pairs = 32 * kpad if M % 32 else 0
     else:
@@ -191,9 +192,11 @@ def bf16_backward_scratch(rows, fan_in, fan_out, emulated, weight_gradient=True)
     fan_out) product allocates: the output's gradient rounded to bf16; where the products
     are ``emulated`` that one in float32, the weight widened to float32 beside it, and for
     the weight's gradient the input too; else the laid-out operands of the input's
-    gradient (dout read in place where it can be) and the weight's (dout^T packed)."""
+    gradient (dout read in place where it can be, the weight too at few rows) and the
+    weight's (dout^T packed)."""
     if not emulated:
-        laid_out = bf16_packed_bytes(rows, fan_in, fan_out, True)
+        laid_out = bf16_packed_bytes(rows, fan_in, fan_out, True,
+                                     bf16_input_gradient_in_place(rows, fan_in, fan_out))
         if weight_gradient:
             laid_out += bf16_packed_bytes(fan_out, fan_in, rows, False)
         return [2.0 * rows * fan_out, laid_out]
@@ -210,6 +213,17 @@ def bf16_forward_transposed(rows, fan_in, fan_out):
     except ImportError:
         return False
     return bf16.forward_transposed(rows, fan_in, fan_out)
+
+
+def bf16_input_gradient_in_place(rows, fan_in, fan_out):
+    """Whether this machine's kernels.bf16 reads the weight in place for the input's
+    gradient, dout @ W (few rows on the VDPBF16PS paths); False where the kernels are
+    not built."""
+    try:
+        from kernels import bf16
+    except ImportError:
+        return False
+    return bf16.input_gradient_in_place(rows, fan_in, fan_out)
 
 
 def bf16_forward_scratch(rows, fan_in, fan_out, emulated):

@@ -365,10 +365,12 @@ def test_products_in_chunks_give_the_same_bits(packed, N, C, OC):
 
 
 @contextlib.contextmanager
-def kernel_modes(plain=None, layout=None):
-    """The packing's plain loops (``plain``) and the forward's layout (``layout``) set
-    for the block, restored after."""
-    setters = [(bf16._set_plain_transposes, plain), (bf16._set_forward_layout, layout)]
+def kernel_modes(plain=None, layout=None, weight=None):
+    """The packing's plain loops (``plain``), the forward's layout (``layout``) and
+    the weight of dout @ W read in place or laid out (``weight``) set for the block,
+    restored after."""
+    setters = [(bf16._set_plain_transposes, plain), (bf16._set_forward_layout, layout),
+               (bf16._set_direct_weight, weight)]
     previous = [(setter, setter(value)) for setter, value in setters if value is not None]
     try:
         yield
@@ -454,6 +456,64 @@ def test_streamed_weight_gradients_give_the_same_bits(packed):
                 np.testing.assert_array_equal(a, b)
             x, d = f64(xb), f64(to_bf16(dout))
             check_within(runs[0][0], d.T @ x, np.abs(d).T @ np.abs(x), N, "dweight")
+    finally:
+        bf16.set_bf16_path(old)
+
+
+@pytest.mark.parametrize("packed", packed_paths())
+def test_input_gradients_with_the_weight_in_place_give_the_same_bits(packed):
+    # The VDPBF16PS paths read W's rows in place for dinp = dout @ W at few rows (two
+    # rows of a depth pair interleaved in registers, the sums put back in the columns'
+    # order): the same bits as W laid out, accumulated or overwritten, whole and edge
+    # tiles (rows), two blocks of depths, dout read in place or its tail copied; an odd
+    # depth or columns short of a panel lay W out either way.  The AMX paths ignore it.
+    def backward(xb, wb, bias, dout):
+        N, C, OC = dout.shape[0], wb.shape[1], wb.shape[0]
+        dinp = np.full((N, C), 0.5, np.float32)
+        bf16.matmul_backward_bf16(dinp, None, None, dout, None, wb)
+        fresh = np.full((N, C), np.nan, np.float32)
+        bf16.matmul_backward_bf16(fresh, None, None, dout, None, wb, overwrite=True)
+        return dinp, fresh
+    shapes = [(64, 768, 2304), (37, 64, 100), (8, 32, 1030), (1, 96, 64), (300, 64, 96),
+              (64, 64, 33), (64, 40, 64)]
+    assert_same_bits_in_modes(packed, shapes, 13, [{"weight": "laid_out"},
+                                                    {"weight": "in_place"},
+                                                    {"weight": "auto"}], backward)
+    rng = np.random.default_rng(14)
+    xb, wb, bias, dout = operands(rng, (37,), 64, 100)
+    with kernel_modes(weight="in_place"):
+        old = bf16.set_bf16_path(packed)
+        try:
+            dinp = backward(xb, wb, bias, dout)[1]
+        finally:
+            bf16.set_bf16_path(old)
+    d, w = f64(to_bf16(dout)), f64(wb)
+    check_within(dinp, d @ w, np.abs(d) @ np.abs(w), 100, "dinp")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        bf16._set_direct_weight("direct")
+
+
+def test_input_gradient_in_place_choice():
+    # W read in place for dout @ W up to 256 rows on the VDPBF16PS paths, where the
+    # depth (OC) is even and the columns (C) whole panels of 32; never on the AMX or
+    # emulated paths.  The planner's figure of the backward's buffers follows it.
+    from gpt2.perfmodel.plan import bf16_backward_scratch, bf16_packed_bytes
+    old = bf16.bf16_path()
+    try:
+        bf16.set_bf16_path("twin")
+        cases = {(64, 768, 2304): True, (256, 576, 49152): True, (257, 768, 768): False,
+                 (1, 32, 2): True, (64, 40, 64): False, (64, 64, 33): False}
+        for (N, C, OC), in_place in cases.items():
+            assert bf16.input_gradient_in_place(N, C, OC) == in_place, (N, C, OC)
+            dinp = bf16_packed_bytes(N, C, OC, True, in_place)
+            assert dinp == bf16._packed_bytes(N, C, OC, True, in_place)
+            dweight = bf16_packed_bytes(OC, C, N, False)
+            assert bf16_backward_scratch(N, C, OC, emulated=False) == [2.0 * N * OC,
+                                                                       dinp + dweight]
+        assert bf16._packed_bytes(64, 768, 2304, True, True) == 0
+        for path in ("amx_twin", "emulated"):
+            bf16.set_bf16_path(path)
+            assert not bf16.input_gradient_in_place(64, 768, 2304)
     finally:
         bf16.set_bf16_path(old)
 
