@@ -25,6 +25,7 @@ from adtape.checkpointing import checkpoint, checkpoint_loop
 from adtape.tensor import OpTape, Primitive, Tensor, apply_deferred_zero, defvjp
 from gpt2.families import family_of
 from gpt2.lora import LORA_RECORDED, LoraWeight
+from gpt2.state import ArenaState
 
 
 def _marker_fwd(x, on_backward):
@@ -137,7 +138,7 @@ class TapeEngine:
         # each stage's parameters as the forward pass reaches it; a bf16 step's hands the
         # weights' bf16 copies it wrote to the products.
         self.state.ready(stage)
-        if stage == "embed" and hasattr(self.state, "take_bf16_copies"):
+        if stage == "embed" and isinstance(self.state, ArenaState):
             fresh = self.state.take_bf16_copies() is not None
             if self._bf16_pairs is None and (fresh or nn.get_precision() == "bf16"):
                 # the products' copies go where the deferred update writes them: one set

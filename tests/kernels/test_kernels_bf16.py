@@ -310,7 +310,8 @@ def test_empty_sizes(path):
 
 
 @pytest.mark.parametrize("N, C, OC", [(300, 200, 520), (520, 200, 96), (40, 700, 300),
-                                      (2000, 64, 64), (40, 2049, 70), (1100, 96, 40)])
+                                      (2000, 64, 64), (40, 2049, 70), (1100, 96, 40),
+                                      (70, 96, 600)])
 def test_results_do_not_depend_on_the_thread_count(path, N, C, OC):
     rng = np.random.default_rng(N + C + OC)
     xb, wb, bias, dout = operands(rng, (N,), C, OC)
