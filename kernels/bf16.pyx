@@ -641,6 +641,7 @@ cdef bint _direct_weight(int path, Py_ssize_t N) noexcept nogil:
     # threads, 12 weights from memory, in place / laid out: GPT-2's five layers 1.07-1.47x
     # at 64 rows, 1.04-1.12x at 128, 0.99-1.05x at 256, 0.93-1.00x at 512, 0.95-0.99x at
     # 1024; SmolLM2-135M's five 1.08-1.34x at 64, 1.10-1.15x at 256, 0.88-1.00x at 512.
+    # (bf_sp_direct_b keeps W laid out where its rows are a multiple of 4 KiB apart.)
     if path != PATH_NATIVE and path != PATH_TWIN:
         return False
     if _direct_weight_mode >= 0:

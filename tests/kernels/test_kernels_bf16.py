@@ -496,14 +496,15 @@ def test_input_gradients_with_the_weight_in_place_give_the_same_bits(packed):
 
 def test_input_gradient_in_place_choice():
     # W read in place for dout @ W up to 256 rows on the VDPBF16PS paths, where the
-    # depth (OC) is even and the columns (C) whole panels of 32; never on the AMX or
-    # emulated paths.  The planner's figure of the backward's buffers follows it.
+    # depth (OC) is even, the columns (C) whole panels of 32 and W's rows not a multiple
+    # of 4 KiB apart (C not a multiple of 2048); never on the AMX or emulated paths.  The planner's figure of the backward's buffers follows it.
     from gpt2.perfmodel.plan import bf16_backward_scratch, bf16_packed_bytes
     old = bf16.bf16_path()
     try:
         bf16.set_bf16_path("twin")
         cases = {(64, 768, 2304): True, (256, 576, 49152): True, (257, 768, 768): False,
-                 (1, 32, 2): True, (64, 40, 64): False, (64, 64, 33): False}
+                 (1, 32, 2): True, (64, 40, 64): False, (64, 64, 33): False,
+                 (64, 2048, 8192): False, (64, 14336, 4096): False, (64, 2080, 2048): True}
         for (N, C, OC), in_place in cases.items():
             assert bf16.input_gradient_in_place(N, C, OC) == in_place, (N, C, OC)
             dinp = bf16_packed_bytes(N, C, OC, True, in_place)
