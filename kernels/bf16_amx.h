@@ -20,12 +20,13 @@
    writes C in place (its init from C, from rows of the bias, or zero); an edge tile
    goes through a buffer, the same sums in the same order. */
 BF_AMX_ATTR static void BF_AMX_FN(bf_amx_tile)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride,
-                                               const void* panel, ptrdiff_t b_rs, float* c,
-                                               ptrdiff_t ldc, int add, const float* bias,
-                                               ptrdiff_t mr, ptrdiff_t nr) {
+                                               int ahead, const void* panel, ptrdiff_t b_rs,
+                                               float* c, ptrdiff_t ldc, int add,
+                                               const float* bias, ptrdiff_t mr, ptrdiff_t nr) {
     BF_AMX_STATE;
     const uint32_t* b = (const uint32_t*)panel;     /* packed: b_rs is 0 */
     (void)b_rs;
+    (void)ahead;     /* the tile loads read A's rows whole */
     float t[BF_AMX_MR][BF_NR] __attribute__((aligned(64)));
     float* dst = c;
     ptrdiff_t ld = ldc;

@@ -14,6 +14,11 @@
  * The tile of C is 8 x 32, in sixteen accumulators; bf16.h's bf_sp_task hands them
  * out over a task's block of C. */
 
+/* Depth pairs ahead of the tile that bf_micro_ahead fetches A's rows (4 lines) */
+#ifndef BF_AHEAD
+#define BF_AHEAD 64
+#endif
+
 /* The BF_MR x BF_NR tile over kp depth pairs: C = acc + bias[0:BF_NR] (on every row,
    where bias is not NULL) (+ C where add is 1; past the caches where it is 2: C 64-byte
    aligned, bf_sp_stream_c).  A's rows at a, a stride of a_stride pairs, each row's
@@ -24,7 +29,7 @@
 BF_INLINE_ATTR ADT_INLINE
 void BF_FN(bf_micro_body)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
                           const void* restrict b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc,
-                          int add, const float* bias, const int direct) {
+                          int add, const float* bias, const int direct, const int ahead) {
     adt_v16 acc[BF_MR][2];
     const bf_u32* row[BF_MR];
     const uint32_t* pb = (const uint32_t*)b;
@@ -45,6 +50,13 @@ void BF_FN(bf_micro_body)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_st
         } else {
             b0 = *(const bf_pairs*)pb, b1 = *(const bf_pairs*)(pb + 16);
             pb += BF_NR;
+        }
+        if (ahead && (p & 15) == 0) {
+            /* A's rows BF_AHEAD pairs on (past the block's end, the next tile's) */
+#pragma GCC unroll 16
+            for (int r = 0; r < BF_MR; r++)
+                __builtin_prefetch(p + BF_AHEAD < kp ? row[r] + p + BF_AHEAD
+                                   : row[r] + BF_MR * a_stride + (p + BF_AHEAD - kp), 0, 3);
         }
 #pragma GCC unroll 16
         for (int r = 0; r < BF_MR; r++) {
@@ -77,18 +89,25 @@ void BF_FN(bf_micro_body)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_st
     }
 }
 
-/* The micro-kernel on a packed panel, and on B read in place (b_rs > 0) */
+/* The micro-kernel on a packed panel; on B read in place (b_rs > 0); on a packed panel
+   with A's rows fetched ahead (the forward's weight rows, read from memory) */
 BF_ATTR static __attribute__((noinline))
 void BF_FN(bf_micro)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
                      const void* restrict b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc, int add,
                      const float* bias) {
-    BF_FN(bf_micro_body)(kp, a, a_stride, b, 0, c, ldc, add, bias, 0);
+    BF_FN(bf_micro_body)(kp, a, a_stride, b, 0, c, ldc, add, bias, 0, 0);
 }
 BF_ATTR static __attribute__((noinline))
 void BF_FN(bf_micro_direct)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
                             const void* restrict b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc,
                             int add, const float* bias) {
-    BF_FN(bf_micro_body)(kp, a, a_stride, b, b_rs, c, ldc, add, bias, 1);
+    BF_FN(bf_micro_body)(kp, a, a_stride, b, b_rs, c, ldc, add, bias, 1, 0);
+}
+BF_ATTR static __attribute__((noinline))
+void BF_FN(bf_micro_ahead)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
+                           const void* restrict b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc,
+                           int add, const float* bias) {
+    BF_FN(bf_micro_body)(kp, a, a_stride, b, 0, c, ldc, add, bias, 0, 1);
 }
 
 /* A tile at the edge of C, mr x nr: the micro-kernel into a buffer, then
@@ -110,14 +129,18 @@ BF_ATTR static void BF_FN(bf_edge)(ptrdiff_t kp, const bf_u32* a, ptrdiff_t a_st
 }
 
 /* bf_sp_task's tile: BF_MR rows of A (each row's pairs in order) at a, a_stride bytes
-   apart; B's panel, or B in place (b_rs > 0: whole panels only, bf_sp_direct_b). */
+   apart, fetched ahead where `ahead` (and the next tile's past the block's end); B's
+   panel, or B in place (b_rs > 0: whole panels only, bf_sp_direct_b). */
 BF_ATTR static void BF_FN(bf_tile)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride,
-                                   const void* b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc,
-                                   int add, const float* bias, ptrdiff_t mr, ptrdiff_t nr) {
+                                   int ahead, const void* b, ptrdiff_t b_rs, float* c,
+                                   ptrdiff_t ldc, int add, const float* bias, ptrdiff_t mr,
+                                   ptrdiff_t nr) {
     const bf_u32* rows = (const bf_u32*)a;
     ptrdiff_t stride = a_stride / (ptrdiff_t)sizeof(uint32_t);
     if (mr == BF_MR && nr == BF_NR && b_rs > 0)
         BF_FN(bf_micro_direct)(kp, rows, stride, b, b_rs, c, ldc, add, bias);
+    else if (mr == BF_MR && nr == BF_NR && ahead)
+        BF_FN(bf_micro_ahead)(kp, rows, stride, b, 0, c, ldc, add, bias);
     else if (mr == BF_MR && nr == BF_NR)
         BF_FN(bf_micro)(kp, rows, stride, b, 0, c, ldc, add, bias);
     else
