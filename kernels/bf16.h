@@ -259,10 +259,10 @@ static size_t bf_sp_init(bf_sprod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
 /* B's pairs read where B lies, with no pack phase for B: the VDPBF16PS builds'
    tiles interleave the two rows of each depth pair in registers.  Where op(B)'s rows
    run along the columns (b_cs 1: the weight in dout @ W), the depth is whole pairs,
-   the columns whole panels and the rows not a multiple of 4 KiB apart; for few rows of C, where laying B out would be read once
-   or twice a pair (dout @ W at 64 rows: 13% of the tiles' time on Zen 4).  The same
-   sums in the same order: the same bits.  Returns the pairs p's packed operands need
-   now. */
+   the columns whole panels and the rows not a multiple of 4 KiB apart; for few rows
+   of C, where laying B out would be read once or twice a pair (dout @ W at 64 rows:
+   13% of the tiles' time on Zen 4).  The same sums in the same order: the same bits.
+   Returns the pairs p's packed operands need now. */
 static size_t bf_sp_direct_b(bf_sprod* p) {
     /* rows a multiple of 4 KiB apart map every line of a panel's block (512 rows of 64
        bytes) to one L1 set and to few L2 sets, which the row tiles then read from L3:

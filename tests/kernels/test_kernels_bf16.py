@@ -497,7 +497,8 @@ def test_input_gradients_with_the_weight_in_place_give_the_same_bits(packed):
 def test_input_gradient_in_place_choice():
     # W read in place for dout @ W up to 256 rows on the VDPBF16PS paths, where the
     # depth (OC) is even, the columns (C) whole panels of 32 and W's rows not a multiple
-    # of 4 KiB apart (C not a multiple of 2048); never on the AMX or emulated paths.  The planner's figure of the backward's buffers follows it.
+    # of 4 KiB apart (C not a multiple of 2048); never on the AMX or emulated paths.
+    # The planner's figure of the backward's buffers follows it.
     from gpt2.perfmodel.plan import bf16_backward_scratch, bf16_packed_bytes
     old = bf16.bf16_path()
     try:
