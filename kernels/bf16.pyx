@@ -232,13 +232,11 @@ def _packed_bytes(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint a_rows_along_de
     planner's figure (gpt2.perfmodel.plan.bf16_packed_bytes)."""
     cdef bf_sprod p
     cdef uint16_t one = 0
-    cdef size_t pairs
-    if b_in_place:     # B's rows along the columns, as W in dout @ W
-        pairs = bf_sp_init(&p, M, N, K, &one, K if a_rows_along_depth else 1,
-                           1 if a_rows_along_depth else M, &one, N, 1, False, NULL, N, NULL, 1)
-        return 4 * bf_sp_direct_b(&p)
-    return 4 * bf_sp_init(&p, M, N, K, &one, K if a_rows_along_depth else 1,
-                          1 if a_rows_along_depth else M, &one, 1, K, False, NULL, N, NULL, 1)
+    # B's rows along the columns, as W in dout @ W (laid out, B's strides change nothing)
+    cdef size_t pairs = bf_sp_init(&p, M, N, K, &one, K if a_rows_along_depth else 1,
+                                   1 if a_rows_along_depth else M, &one, N, 1, False, NULL,
+                                   N, NULL, 1)
+    return 4 * (bf_sp_direct_b(&p) if b_in_place else pairs)
 
 
 # ---------------------------------------------------------------- the engine
