@@ -39,7 +39,7 @@
 /* ---- conversions ---- */
 
 /* out[i] = in[i] rounded to bf16 */
-ADT_MULTIVERSION
+ADT_MULTIVERSION_WIDE
 static void bf16_round_span(uint16_t* restrict out, const float* restrict in, ptrdiff_t n) {
     for (ptrdiff_t i = 0; i < n; i++) out[i] = bf16_from_bits(bf16_f32_bits(in[i]));
 }

@@ -15,8 +15,11 @@
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define ADT_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define ADT_MULTIVERSION_WIDE \
+    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define ADT_MULTIVERSION
+#define ADT_MULTIVERSION_WIDE
 #endif
 #define ADT_INLINE static inline __attribute__((always_inline))
 
