@@ -2,7 +2,7 @@
 
   python bench/products.py [--model gpt2] [--tokens 64,512,4096] [--threads N]
                            [--precision fp32|bf16|both] [--reps 5] [--stat median|best]
-                           [--rounds 1] [--out PATH]
+                           [--rounds 1] [--lanes 8|16] [--out PATH]
 
 Every linear layer of the model (GPT-2: qkv, attention projection, fc, fc projection
 and the tied LM head; a Llama preset: q|k|v, o, gate|up, down and the head) at B*T =
@@ -19,8 +19,13 @@ Its share is that rate over the physical peak of the threads in use (kernels.pea
 register-only multiply-adds, the best of measurements at the start and after each
 round; fp32 for fp32 products, the bf16 dot-product peak for bf16 ones where the
 CPU has one, fp32's where it emulates them).  SciPy's BLAS sgemm of the forward
-shape on as many BLAS threads is a column beside it.  bf16 products take operands converted beforehand (the
-conversions are timed apart: ``conv ms``, the input's and the output gradient's).
+shape on as many BLAS threads is a column beside it.  --lanes 8 runs the fp32 products
+in eight lanes on an AVX-512 CPU (kernels.gemm.set_skinny_lanes: the AVX2 build and
+its routes) against the AVX2 peak: an AVX2 CPU's kernels, measured where its FMA pipes
+are as wide (Zen 4 runs a 512-bit FMA as two 256-bit halves); with
+OPENBLAS_CORETYPE=Haswell BLAS's column and routes are an AVX2 CPU's too.  bf16
+products take operands converted beforehand (the conversions are timed apart: ``conv
+ms``, the input's and the output gradient's).
 
 Writes bench/results/products.json (a record per precision, layer, rows and product)
 unless --out names another file.
@@ -56,6 +61,15 @@ def limits(peak):
     peak where the CPU has one, else (emulated) against fp32's."""
     return {"fp32": peak["fp32_peak_gflops"],
             "bf16": peak.get("bf16_peak_gflops") or peak["fp32_peak_gflops"]}
+
+
+def lane_peak(peak, lanes):
+    """physical_peak's answer with fp32's peak that of ``lanes``-wide FMAs where the CPU
+    has wider ones (--lanes 8 on an AVX-512 CPU: the AVX2 loop's)."""
+    if lanes == 8 and "avx2" in peak["peak_gflops_by_isa"]:
+        peak = dict(peak, fp32_peak_isa="avx2",
+                    fp32_peak_gflops=peak["peak_gflops_by_isa"]["avx2"])
+    return peak
 
 
 def record(model, precision, name, M, K, N, n, t, conv, peak_gflops):
@@ -171,6 +185,8 @@ def main(argv=None):
                    help="run the whole table this many times and keep each product's best "
                         "(--stat median: the median of the rounds'): on a shared machine "
                         "the noisy stretches last minutes, longer than one product's reps")
+    p.add_argument("--lanes", type=int, choices=(8, 16), default=None,
+                   help="vector lanes of the fp32 products (default: the CPU's widest)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.rounds < 1 or args.reps < 1:
@@ -178,7 +194,13 @@ def main(argv=None):
     if argv is None:
         blas_dispatch.ensure()
     import numpy as np
-    from kernels import _openmp, bf16, threads
+    from kernels import _openmp, bf16, gemm, threads
+    if args.lanes:
+        try:
+            gemm.set_skinny_lanes(args.lanes)
+        except ValueError as e:
+            sys.exit(f"error: --lanes {args.lanes}: {e}")
+    lanes = gemm.skinny_lanes()
     n = args.threads or len(os.sched_getaffinity(0))
     threads.set_num_threads(n)
     _openmp.set_flush_denormal(True, n)
@@ -186,10 +208,10 @@ def main(argv=None):
         config = preset(args.model)
     except (KeyError, ValueError) as e:
         sys.exit(f"error: {e}")
-    peak = physical_peak(n)
+    peak = lane_peak(physical_peak(n), lanes)
     precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
     limit = limits(peak)
-    print(f"{args.model} products, {n} threads, {cpu_name()}; physical peak fp32 "
+    print(f"{args.model} products, {n} threads, {lanes} lanes, {cpu_name()}; physical peak fp32 "
           f"{limit['fp32']:.1f} GFLOP/s, bf16 "
           + (f"{peak['bf16_peak_gflops']:.1f}" if peak.get("bf16_peak_gflops") else
              "none (emulated: shares against fp32's)")
@@ -212,7 +234,7 @@ def main(argv=None):
                     print(row(record(args.model, precision, name, M, K, N, n, t, conv,
                                      limit[precision])), flush=True)
         # the peak again after every round: the shares are against the best probe
-        peak = best_peak(peak, physical_peak(n))
+        peak = lane_peak(best_peak(peak, physical_peak(n)), lanes)
         limit = limits(peak)
     if limit != start:
         print(f"physical peak, best of {args.rounds + 1} probes: fp32 {limit['fp32']:.1f} "
@@ -243,7 +265,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"cpu": cpu_name(), "cpu_flags": cpu_flags(), "commit": git_commit(),
-                   "threads": n, "stat": args.stat, "rounds": args.rounds, "peak": peak,
+                   "threads": n, "lanes": lanes, "stat": args.stat, "rounds": args.rounds,
+                   "peak": peak,
                    "bf16_path": bf16.bf16_path(),
                    **blas_dispatch.record(), "records": records}, f, indent=1)
     print(f"wrote {os.path.relpath(out)}")
