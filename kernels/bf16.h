@@ -330,6 +330,32 @@ static inline const char* bf_sp_a_rows(const bf_sprod* p, ptrdiff_t i0, ptrdiff_
 }
 
 #if BF_HAVE_NATIVE
+__attribute__((target("avx512f")))
+static void bf_tr16_avx512(const void* src, ptrdiff_t ss, uint32_t* dst, ptrdiff_t ds);
+
+/* bf_sp_store_trans of two whole VDPBF16PS tiles (16 x 32, rows of BF_NR at t): two
+   16 x 16 transposes (bf_tr16_avx512), then each column's sixteen sums a whole line
+   of C (where C's rows are 64-byte aligned).  Eight rows a tile left every line of C
+   to be written in two halves, by two tiles: with C's rows a multiple of 4 KiB apart
+   (a vocabulary of 49152: all 32 lines of a tile in one L1 set and one L2 set) each
+   half cost the line a trip to L3. */
+__attribute__((target("avx512f")))
+static void bf_store_trans16(const float* t, float* c, ptrdiff_t ldc, int add,
+                             const float* bias) {
+    float col[16 * 16] __attribute__((aligned(64)));
+    __m512 b = bias != NULL ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int j0 = 0; j0 < BF_NR; j0 += 16) {
+        bf_tr16_avx512(t + j0, BF_NR, (uint32_t*)col, 16);
+        for (int k = 0; k < 16; k++) {
+            __m512 v = _mm512_load_ps(col + 16 * k);
+            float* out = c + (j0 + k) * ldc;
+            if (bias != NULL) v = _mm512_add_ps(v, b);
+            if (add) v = _mm512_add_ps(_mm512_loadu_ps(out), v);
+            _mm512_storeu_ps(out, v);
+        }
+    }
+}
+
 /* bf_sp_store_trans of a whole VDPBF16PS tile (8 x 32): four 8 x 8 transposes in ymm
    registers (unpacks, shuffles, 128-bit lane permutes) */
 __attribute__((target("avx2")))
@@ -411,6 +437,21 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
             for (ptrdiff_t i = r0; i < r1; i += rows) {
                 ptrdiff_t stride, mr = r1 - i < rows ? r1 - i : rows;
                 const char* a = bf_sp_a_rows(p, s.i0, i, &stride) + k0 * sizeof(uint32_t);
+#if BF_HAVE_NATIVE
+                if (p->c_trans && rows == BF_MR && r1 - i >= 2 * BF_MR && nr == BF_NR
+                        && bf_sp_vector_transposes()
+                        && (!p->a_direct || i + 2 * BF_MR <= p->m_full)) {
+                    /* two tiles, then whole lines of C^T (bf_store_trans16) */
+                    float buf[2 * BF_MR * BF_NR] __attribute__((aligned(64)));
+                    tile(kp, a, stride, 1, panel, b_rs, buf, BF_NR, 0, NULL, BF_MR, nr);
+                    tile(kp, a + BF_MR * stride, stride, 1, panel, b_rs, buf + BF_MR * BF_NR,
+                         BF_NR, 0, NULL, BF_MR, nr);
+                    bf_store_trans16(buf, p->C + j * p->ldc + i, p->ldc, add,
+                                     k0 == 0 && p->bias != NULL ? p->bias + i : NULL);
+                    i += BF_MR;
+                    continue;
+                }
+#endif
                 if (p->c_trans) {
                     /* the tile's sums into a buffer, then C^T = them (+ C) (+ bias): the
                        same sums, the same roundings */

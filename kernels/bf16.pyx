@@ -683,15 +683,20 @@ cdef bint _forward_transposed(int path, Py_ssize_t N, Py_ssize_t C, Py_ssize_t O
     # not the weight (OC x C), and W's rows are read where they lie.  The VDPBF16PS
     # paths (the AMX tiles' loads read A in place either way), where the weight's rows
     # can be read in place (C a multiple of 32) and there are fewer rows than outputs:
-    # up to 256 rows, or 8 times fewer (the LM head).  Zen 4, 2 threads, GPT-2's five
-    # forwards, 12 weights from memory, medians of 7 interleaved: 1.13-1.43x the rate
-    # at 64 rows, 1.03-1.25x at 128, 0.96-1.20x at 256; at 512-4096 rows 0.86-1.04x but
-    # for the head's 1.05-1.09x.
+    # up to 256 rows, or 8 times fewer (the LM head) and no more than the depth C.
+    # Laying W out costs per row of x as 1/N, storing C transposed per product as 1/C.
+    # Zen 4, 2 threads, GPT-2's five forwards, 12 weights from memory, medians of 7
+    # interleaved: 1.13-1.43x the rate at 64 rows, 1.03-1.25x at 128, 0.96-1.20x at 256.
+    # The head (one weight, medians of 3, three rounds, x W^T / W x^T, GFLOP/s): C =
+    # 576, 49152 outputs (SmolLM2): 401 / 396 at 512 rows, 398 / 382 at 1024, 417 / 396
+    # at 2048, 416 / 391 at 4096; C = 768 (GPT-2): 416 / 425 at 512, 421 / 422 at 1024,
+    # 434 / 426 at 2048, 434 / 421 at 4096; C = 896, 151936 outputs: 437 / 431 at 2048;
+    # C = 2048, 128256 outputs: 417 / 437 at 512, 432 / 438 at 1024.
     if path != PATH_NATIVE and path != PATH_TWIN:
         return False
     if _forward_layout != 0:
         return _forward_layout == 2
-    return C % 32 == 0 and N < OC and (N <= 256 or 8 * N <= OC)
+    return C % 32 == 0 and N < OC and (N <= 256 or (8 * N <= OC and N <= C))
 
 
 cdef int _packed_forward(int path, float* out, const uint16_t* inp, const uint16_t* weight,

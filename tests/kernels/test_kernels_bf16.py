@@ -523,14 +523,17 @@ def test_input_gradient_in_place_choice():
 
 def test_forward_layout_choice():
     # out^T = W x^T on the VDPBF16PS paths where the weight's rows can be read in place
-    # and there are fewer rows than outputs: up to 256, or 8 times fewer; never on the
-    # AMX or emulated paths.  The planner's figure of the forward's buffer follows it.
+    # and there are fewer rows than outputs: up to 256, or 8 times fewer and no more
+    # than the depth; never on the AMX or emulated paths.  The planner's figure of the
+    # forward's buffer follows it.
     from gpt2.perfmodel.plan import bf16_forward_scratch, bf16_packed_bytes
     old = bf16.bf16_path()
     try:
         bf16.set_bf16_path("twin")
         cases = {(64, 768, 2304): True, (256, 768, 768): True, (512, 768, 3072): False,
-                 (1024, 768, 50304): True, (4096, 768, 50304): True, (8192, 768, 50304): False,
+                 (768, 768, 50304): True, (1024, 768, 50304): False,
+                 (1024, 2048, 128256): True, (4096, 768, 50304): False,
+                 (1024, 576, 49152): False, (8192, 768, 50304): False,
                  (64, 33, 2304): False, (300, 768, 200): False, (64, 768, 64): False}
         for (N, C, OC), transposed in cases.items():
             assert bf16.forward_transposed(N, C, OC) == transposed, (N, C, OC)
