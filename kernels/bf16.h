@@ -198,6 +198,8 @@ typedef struct {
                                   the bias per row (bf_sp_trans_c) */
     int c_stream;              /* C's whole tiles stored past the caches (bf_sp_stream_c) */
     int b_direct;              /* B's pairs read where B lies (bf_sp_direct_b): no B panels */
+    ptrdiff_t b_sub;           /* b_direct with B's rows a multiple of 4 KiB apart: each
+                                  block of depths in sub-blocks of b_sub pairs (else 0) */
     int n_threads;             /* the threads the tasks were planned for */
     size_t a_pairs;            /* the pairs A's packed rows (or tail) need */
     uint32_t* pa;              /* A's chunk packed (mch rows of kpad pairs), or its tail */
@@ -256,22 +258,42 @@ static size_t bf_sp_init(bf_sprod* p, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
     return a_pairs + (size_t)p->nch * (size_t)p->kpad;
 }
 
+/* Whether B's rows a multiple of 4 KiB apart are read in place a sub-block of depths
+   at a time (1), up to BF_SUB_MAX_M rows of C, or laid out (0: the benchmarks'); and
+   the pairs of a sub-block for rows `bytes` apart (0: none).  Such rows map to 16 /
+   gcd(bytes / 4 KiB, 16) sets of an L2 of 16 ways that repeats every 64 KiB (Zen 4,
+   Zen 5); a sub-block takes 4 lines a pair of them (its two rows, and the next
+   sub-block's fetched ahead): 64 pairs where the rows reach 16 sets, 32 where 8.
+   Fewer sets (rows 16 KiB apart: 8192 columns) lost to W laid out (Zen 4, 64 rows,
+   sub-blocks of 16 pairs: 284 against 297 GFLOP/s). */
+static int bf_sp_sub = 1;
+#define BF_SUB_MAX_M 128
+static inline ptrdiff_t bf_sub_pairs(ptrdiff_t bytes) {
+    ptrdiff_t pages = bytes / 4096 % 16, sets = 16;
+    while (pages % 2 == 0 && sets > 1) pages /= 2, sets /= 2;
+    return sets >= 8 ? 16 * sets / 4 : 0;
+}
+
 /* B's pairs read where B lies, with no pack phase for B: the VDPBF16PS builds'
    tiles interleave the two rows of each depth pair in registers.  Where op(B)'s rows
-   run along the columns (b_cs 1: the weight in dout @ W), the depth is whole pairs,
-   the columns whole panels and the rows not a multiple of 4 KiB apart; for few rows
-   of C, where laying B out would be read once or twice a pair (dout @ W at 64 rows:
-   13% of the tiles' time on Zen 4).  The same sums in the same order: the same bits.
-   Returns the pairs p's packed operands need now. */
+   run along the columns (b_cs 1: the weight in dout @ W), the depth is whole pairs and
+   the columns whole panels; for few rows of C, where laying B out would be read once
+   or twice a pair (dout @ W at 64 rows: 13% of the tiles' time on Zen 4).  The same
+   sums in the same order: the same bits.  Returns the pairs p's packed operands need
+   now. */
 static size_t bf_sp_direct_b(bf_sprod* p) {
-    /* rows a multiple of 4 KiB apart map every line of a panel's block (512 rows of 64
+    /* Rows a multiple of 4 KiB apart map every line of a panel's block (512 rows of 64
        bytes) to one L1 set and to few L2 sets, which the row tiles then read from L3:
        Zen 4, 64 rows, in place / laid out: 0.93-0.97x for Llama's 2048, 8192 and 14336
        columns (0.61-0.77x at 256 rows), against 1.34-1.43x for Qwen2.5's 896, 1536,
-       4864 and 8960 and for 2080 */
-    int aliased = (p->b_rs * (ptrdiff_t)sizeof(uint16_t)) % 4096 == 0;
-    if (p->b_cs == 1 && p->K % 2 == 0 && p->N % BF_NR == 0 && !aliased) {
+       4864 and 8960 and for 2080.  Those are read by sub-blocks of depths (b_sub) up
+       to BF_SUB_MAX_M rows, where their rows reach 8 L2 sets or more. */
+    ptrdiff_t bytes = p->b_rs * (ptrdiff_t)sizeof(uint16_t);
+    int aliased = bytes % 4096 == 0;
+    ptrdiff_t sub = aliased && bf_sp_sub && p->M <= BF_SUB_MAX_M ? bf_sub_pairs(bytes) : 0;
+    if (p->b_cs == 1 && p->K % 2 == 0 && p->N % BF_NR == 0 && (!aliased || sub > 0)) {
         p->b_direct = 1;
+        p->b_sub = sub;
         p->nch = p->N;
         p->nchunks = 1;
         bf_sp_plan_tasks(p);
@@ -412,12 +434,18 @@ static void bf_sp_store_trans(const float* t, float* c, ptrdiff_t ldc, int add,
 typedef void (*bf_tile_fn)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride, int ahead,
                            const void* b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc, int add,
                            const float* bias, ptrdiff_t mr, ptrdiff_t nr);
+/* A build's whole tile (rows x 32) over a sub-block of kp depth pairs of B read in
+   place (b_rs > 0): its sums from 0 (first) or from the ones spilled at part, then
+   spilled there (not last) or finished into C as bf_tile_fn's (last). */
+typedef void (*bf_part_fn)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride, const void* b,
+                           ptrdiff_t b_rs, ptrdiff_t sub, float* part, int first, int last,
+                           float* c, ptrdiff_t ldc, int add, const float* bias);
 
 /* Task t of chunk `chunk` of p: its block of C over all depths, in tiles of `rows` x
    32, each block of BF_KC depths (`pairs` pairs in all: the builds that sum in whole
    tiles of depth read the zero pairs of the padding too) in order. */
 static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_fn tile,
-                       ptrdiff_t rows, ptrdiff_t pairs) {
+                       bf_part_fn part, ptrdiff_t rows, ptrdiff_t pairs) {
     bf_sp_span s = bf_sp_chunk_span(p, chunk);
     ptrdiff_t tiles_n = bf_ceil(s.j1 - s.j0, p->tile_n);
     ptrdiff_t r0 = s.i0 + t / tiles_n * p->tile_m, c0 = s.j0 + t % tiles_n * p->tile_n;
@@ -434,6 +462,32 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
             ptrdiff_t b_rs = p->b_direct ? p->b_rs : 0;
             const float* bias = k0 == 0 && p->bias != NULL ? p->bias + j : NULL;
             ptrdiff_t nr = c1 - j < BF_NR ? c1 - j : BF_NR;
+            if (p->b_sub && part != NULL) {
+                /* B's rows a multiple of 4 KiB apart: a panel's block of rows (512 lines)
+                   maps to one L1 set and 16 L2 sets, past what L2 holds of it, so that
+                   every row tile read it from L3.  The row tiles go over b_sub pairs at
+                   a time (bf_sub_pairs: lines that L2 holds), their sums spilled and
+                   taken up again in between: the same sums in the same order. */
+                float sums[256 * BF_NR] __attribute__((aligned(64)));
+                ptrdiff_t sub = p->b_sub;
+                for (ptrdiff_t s0 = 0; s0 < kp; s0 += sub) {
+                    ptrdiff_t ks = kp - s0 < sub ? kp - s0 : sub;
+                    int first = s0 == 0, last = s0 + ks == kp;
+                    for (ptrdiff_t i = r0; i < r1; i += rows) {
+                        ptrdiff_t stride, mr = r1 - i < rows ? r1 - i : rows;
+                        const char* a = bf_sp_a_rows(p, s.i0, i, &stride)
+                                        + (k0 + s0) * sizeof(uint32_t);
+                        if (mr == rows && nr == BF_NR && r1 - r0 <= 256)
+                            part(ks, a, stride, (const uint16_t*)panel + 2 * s0 * b_rs, b_rs,
+                                 sub, sums + (i - r0) * BF_NR, first, last,
+                                 p->C + i * p->ldc + j, p->ldc, add, bias);
+                        else if (last)      /* an edge tile: its whole block at once */
+                            tile(kp, a - s0 * sizeof(uint32_t), stride, 0, panel, b_rs,
+                                 p->C + i * p->ldc + j, p->ldc, add, bias, mr, nr);
+                    }
+                }
+                continue;
+            }
             for (ptrdiff_t i = r0; i < r1; i += rows) {
                 ptrdiff_t stride, mr = r1 - i < rows ? r1 - i : rows;
                 const char* a = bf_sp_a_rows(p, s.i0, i, &stride) + k0 * sizeof(uint32_t);

@@ -84,6 +84,7 @@ cdef extern from "bf16.h" nogil:
     Py_ssize_t bf_sp_chunk_pairs
     Py_ssize_t bf_sp_tiles[2]
     int bf_sp_plain_transposes
+    int bf_sp_sub
 
 cdef enum:
     PATH_EMULATED = 0
@@ -658,6 +659,17 @@ def input_gradient_in_place(Py_ssize_t N, Py_ssize_t C, Py_ssize_t OC):
     bf_sp_init(&p, N, C, OC, &one, OC, 1, &one, C, 1, False, NULL, C, NULL, 1)
     bf_sp_direct_b(&p)
     return bool(p.b_direct)
+
+
+def _set_sub_blocks(bint on):
+    """Whether dout @ W reads a weight whose rows lie a multiple of 4 KiB apart in
+    place, a sub-block of depths at a time (True, the default), or lays it out (False),
+    at the rows where the VDPBF16PS paths read weights in place; for the tests and
+    benchmarks: the results' bits do not depend on it.  Returns the previous setting."""
+    global bf_sp_sub
+    old = bool(bf_sp_sub)
+    bf_sp_sub = on
+    return old
 
 
 def _set_direct_weight(str mode):

@@ -82,7 +82,7 @@ BF_AMX_ATTR static void BF_AMX_FN(bf_amx_tile)(ptrdiff_t kp, const char* a, ptrd
 BF_AMX_ATTR static void BF_AMX_FN(bf_amx_task)(const bf_sprod* p, ptrdiff_t chunk,
                                                ptrdiff_t t) {
     BF_TCFG();
-    bf_sp_task(p, chunk, t, BF_AMX_FN(bf_amx_tile), BF_AMX_MR, p->kpad);
+    bf_sp_task(p, chunk, t, BF_AMX_FN(bf_amx_tile), NULL, BF_AMX_MR, p->kpad);
     BF_TREL();
 }
 

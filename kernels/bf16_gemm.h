@@ -29,23 +29,31 @@
 BF_INLINE_ATTR ADT_INLINE
 void BF_FN(bf_micro_body)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
                           const void* restrict b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc,
-                          int add, const float* bias, const int direct, const int ahead) {
+                          int add, const float* bias, const int direct, const int ahead,
+                          const float* resume, float* spill, ptrdiff_t sub) {
     adt_v16 acc[BF_MR][2];
     const bf_u32* row[BF_MR];
     const uint32_t* pb = (const uint32_t*)b;
     const uint16_t* pw = (const uint16_t*)b;
 #pragma GCC unroll 16
     for (int r = 0; r < BF_MR; r++) {
-        acc[r][0] = (adt_v16){0};
-        acc[r][1] = (adt_v16){0};
+        acc[r][0] = resume != NULL ? adt_load16(resume + r * BF_NR) : (adt_v16){0};
+        acc[r][1] = resume != NULL ? adt_load16(resume + r * BF_NR + 16) : (adt_v16){0};
         row[r] = a + r * a_stride;
     }
     for (ptrdiff_t p = 0; p < kp; p++) {
         bf_pairs b0, b1;
         if (direct) {
             BF_INTERLEAVE(b0, b1, pw, pw + b_rs);
-            __builtin_prefetch(pw + BF_NR, 0, 3);
-            __builtin_prefetch(pw + b_rs + BF_NR, 0, 3);
+            if (sub > 0) {
+                /* the next sub-block's rows (bf_sp_task's b_sub), into L2: rows 4 KiB
+                   apart, which no prefetcher follows */
+                __builtin_prefetch(pw + 2 * sub * b_rs, 0, 2);
+                __builtin_prefetch(pw + (2 * sub + 1) * b_rs, 0, 2);
+            } else {
+                __builtin_prefetch(pw + BF_NR, 0, 3);
+                __builtin_prefetch(pw + b_rs + BF_NR, 0, 3);
+            }
             pw += 2 * b_rs;
         } else {
             b0 = *(const bf_pairs*)pb, b1 = *(const bf_pairs*)(pb + 16);
@@ -63,6 +71,15 @@ void BF_FN(bf_micro_body)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_st
             acc[r][0] = BF_DOT(acc[r][0], row[r][p], b0);
             acc[r][1] = BF_DOT(acc[r][1], row[r][p], b1);
         }
+    }
+    if (spill != NULL) {
+        /* the sums so far, as they are (a sub-block of bf_sp_task's b_sub) */
+#pragma GCC unroll 16
+        for (int r = 0; r < BF_MR; r++) {
+            adt_store16(spill + r * BF_NR, acc[r][0]);
+            adt_store16(spill + r * BF_NR + 16, acc[r][1]);
+        }
+        return;
     }
     if (direct) {
 #pragma GCC unroll 16
@@ -95,19 +112,29 @@ BF_ATTR static __attribute__((noinline))
 void BF_FN(bf_micro)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
                      const void* restrict b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc, int add,
                      const float* bias) {
-    BF_FN(bf_micro_body)(kp, a, a_stride, b, 0, c, ldc, add, bias, 0, 0);
+    BF_FN(bf_micro_body)(kp, a, a_stride, b, 0, c, ldc, add, bias, 0, 0, NULL, NULL, 0);
 }
 BF_ATTR static __attribute__((noinline))
 void BF_FN(bf_micro_direct)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
                             const void* restrict b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc,
                             int add, const float* bias) {
-    BF_FN(bf_micro_body)(kp, a, a_stride, b, b_rs, c, ldc, add, bias, 1, 0);
+    BF_FN(bf_micro_body)(kp, a, a_stride, b, b_rs, c, ldc, add, bias, 1, 0, NULL, NULL, 0);
+}
+/* bf_micro_direct over a sub-block: from the spilled sums at part (unless first), to
+   them (unless last) */
+BF_ATTR static __attribute__((noinline))
+void BF_FN(bf_micro_direct_part)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
+                                 const void* restrict b, ptrdiff_t b_rs, ptrdiff_t sub,
+                                 float* part, int first, int last, float* c, ptrdiff_t ldc,
+                                 int add, const float* bias) {
+    BF_FN(bf_micro_body)(kp, a, a_stride, b, b_rs, c, ldc, add, bias, 1, 0,
+                         first ? NULL : part, last ? NULL : part, sub);
 }
 BF_ATTR static __attribute__((noinline))
 void BF_FN(bf_micro_ahead)(ptrdiff_t kp, const bf_u32* restrict a, ptrdiff_t a_stride,
                            const void* restrict b, ptrdiff_t b_rs, float* c, ptrdiff_t ldc,
                            int add, const float* bias) {
-    BF_FN(bf_micro_body)(kp, a, a_stride, b, 0, c, ldc, add, bias, 0, 1);
+    BF_FN(bf_micro_body)(kp, a, a_stride, b, 0, c, ldc, add, bias, 0, 1, NULL, NULL, 0);
 }
 
 /* A tile at the edge of C, mr x nr: the micro-kernel into a buffer, then
@@ -147,10 +174,19 @@ BF_ATTR static void BF_FN(bf_tile)(ptrdiff_t kp, const char* a, ptrdiff_t a_stri
         BF_FN(bf_edge)(kp, rows, stride, b, b_rs, c, ldc, add, bias, mr, nr);
 }
 
+/* bf_sp_task's whole tile over a sub-block of B read in place (bf_part_fn) */
+BF_ATTR static void BF_FN(bf_tile_part)(ptrdiff_t kp, const char* a, ptrdiff_t a_stride,
+                                        const void* b, ptrdiff_t b_rs, ptrdiff_t sub,
+                                        float* part, int first, int last, float* c,
+                                        ptrdiff_t ldc, int add, const float* bias) {
+    BF_FN(bf_micro_direct_part)(kp, (const bf_u32*)a, a_stride / (ptrdiff_t)sizeof(uint32_t),
+                                b, b_rs, sub, part, first, last, c, ldc, add, bias);
+}
+
 /* Task t of chunk `chunk` of p (bf_sp_task's loops on this build's tiles, over the
    depth's pairs without the padding, the sums the per-tile packing made). */
 BF_ATTR static void BF_FN(bf_task)(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t) {
-    bf_sp_task(p, chunk, t, BF_FN(bf_tile), BF_MR, (p->K + 1) / 2);
+    bf_sp_task(p, chunk, t, BF_FN(bf_tile), BF_FN(bf_tile_part), BF_MR, (p->K + 1) / 2);
 }
 
 #undef BF_FN

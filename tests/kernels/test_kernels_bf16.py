@@ -366,12 +366,12 @@ def test_products_in_chunks_give_the_same_bits(packed, N, C, OC):
 
 
 @contextlib.contextmanager
-def kernel_modes(plain=None, layout=None, weight=None):
-    """The packing's plain loops (``plain``), the forward's layout (``layout``) and
-    the weight of dout @ W read in place or laid out (``weight``) set for the block,
-    restored after."""
+def kernel_modes(plain=None, layout=None, weight=None, sub=None):
+    """The packing's plain loops (``plain``), the forward's layout (``layout``), the
+    weight of dout @ W read in place or laid out (``weight``) and its rows 4 KiB apart
+    read in place by sub-blocks (``sub``) set for the block, restored after."""
     setters = [(bf16._set_plain_transposes, plain), (bf16._set_forward_layout, layout),
-               (bf16._set_direct_weight, weight)]
+               (bf16._set_direct_weight, weight), (bf16._set_sub_blocks, sub)]
     previous = [(setter, setter(value)) for setter, value in setters if value is not None]
     try:
         yield
@@ -466,8 +466,10 @@ def test_input_gradients_with_the_weight_in_place_give_the_same_bits(packed):
     # The VDPBF16PS paths read W's rows in place for dinp = dout @ W at few rows (two
     # rows of a depth pair interleaved in registers, the sums put back in the columns'
     # order): the same bits as W laid out, accumulated or overwritten, whole and edge
-    # tiles (rows), two blocks of depths, dout read in place or its tail copied; an odd
-    # depth or columns short of a panel lay W out either way.  The AMX paths ignore it.
+    # tiles (rows), two blocks of depths, dout read in place or its tail copied; W's
+    # rows 4 KiB apart (2048 columns) read a sub-block of depths at a time, the sums
+    # spilled in between (a short last sub-block, edge rows), or laid out; an odd depth
+    # or columns short of a panel lay W out either way.  The AMX paths ignore it.
     def backward(xb, wb, bias, dout):
         N, C, OC = dout.shape[0], wb.shape[1], wb.shape[0]
         dinp = np.full((N, C), 0.5, np.float32)
@@ -476,10 +478,12 @@ def test_input_gradients_with_the_weight_in_place_give_the_same_bits(packed):
         bf16.matmul_backward_bf16(fresh, None, None, dout, None, wb, overwrite=True)
         return dinp, fresh
     shapes = [(64, 768, 2304), (37, 64, 100), (8, 32, 1030), (1, 96, 64), (300, 64, 96),
-              (64, 64, 33), (64, 40, 64)]
+              (64, 64, 33), (64, 40, 64), (37, 2048, 200), (64, 2048, 700)]
     assert_same_bits_in_modes(packed, shapes, 13, [{"weight": "laid_out"},
                                                     {"weight": "in_place"},
-                                                    {"weight": "auto"}], backward)
+                                                    {"weight": "auto"},
+                                                    {"weight": "auto", "sub": False}],
+                              backward)
     rng = np.random.default_rng(14)
     xb, wb, bias, dout = operands(rng, (37,), 64, 100)
     with kernel_modes(weight="in_place"):
@@ -496,16 +500,20 @@ def test_input_gradients_with_the_weight_in_place_give_the_same_bits(packed):
 
 def test_input_gradient_in_place_choice():
     # W read in place for dout @ W up to 256 rows on the VDPBF16PS paths, where the
-    # depth (OC) is even, the columns (C) whole panels of 32 and W's rows not a multiple
-    # of 4 KiB apart (C not a multiple of 2048); never on the AMX or emulated paths.
-    # The planner's figure of the backward's buffers follows it.
+    # depth (OC) is even and the columns (C) whole panels of 32; W's rows a multiple of
+    # 4 KiB apart (C a multiple of 2048) a sub-block of depths at a time, up to 128 rows
+    # and where those rows reach 8 of L2's sets or more (not 16 KiB apart: 8192), unless
+    # that is turned off; never on the AMX or emulated paths.  The planner's figure of
+    # the backward's buffers follows it.
     from gpt2.perfmodel.plan import bf16_backward_scratch, bf16_packed_bytes
     old = bf16.bf16_path()
     try:
         bf16.set_bf16_path("twin")
         cases = {(64, 768, 2304): True, (256, 576, 49152): True, (257, 768, 768): False,
                  (1, 32, 2): True, (64, 40, 64): False, (64, 64, 33): False,
-                 (64, 2048, 8192): False, (64, 14336, 4096): False, (64, 2080, 2048): True}
+                 (64, 2048, 8192): True, (64, 14336, 4096): True, (64, 2080, 2048): True,
+                 (128, 4096, 2048): True, (129, 2048, 8192): False, (64, 8192, 2048): False,
+                 (64, 16384, 2048): False}
         for (N, C, OC), in_place in cases.items():
             assert bf16.input_gradient_in_place(N, C, OC) == in_place, (N, C, OC)
             dinp = bf16_packed_bytes(N, C, OC, True, in_place)
@@ -514,6 +522,9 @@ def test_input_gradient_in_place_choice():
             assert bf16_backward_scratch(N, C, OC, emulated=False) == [2.0 * N * OC,
                                                                        dinp + dweight]
         assert bf16._packed_bytes(64, 768, 2304, True, True) == 0
+        with kernel_modes(sub=False):
+            assert not bf16.input_gradient_in_place(64, 2048, 8192)
+            assert bf16.input_gradient_in_place(64, 2080, 2048)
         for path in ("amx_twin", "emulated"):
             bf16.set_bf16_path(path)
             assert not bf16.input_gradient_in_place(64, 768, 2304)
