@@ -234,7 +234,7 @@ def main(argv=None):
                     print(row(record(args.model, precision, name, M, K, N, n, t, conv,
                                      limit[precision])), flush=True)
         # the peak again after every round: the shares are against the best probe
-        peak = lane_peak(best_peak(peak, physical_peak(n)), lanes)
+        peak = best_peak(peak, physical_peak(n))    # keeps peak's ISAs (lane_peak's)
         limit = limits(peak)
     if limit != start:
         print(f"physical peak, best of {args.rounds + 1} probes: fp32 {limit['fp32']:.1f} "

@@ -31,19 +31,6 @@
 
 #define ABF_NR 32
 #define ABF_MR 8
-/* sixteen bf16, widened by shifting into the top halves of sixteen float32 lanes */
-typedef uint16_t abf_h16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t abf_w16 __attribute__((vector_size(64)));
-
-/* sixteen float32 rounded to bf16 as bf16_from_bits does each (the same bits) */
-ADT_INLINE abf_h16 abf_round16(adt_v16 x) {
-    abf_w16 u = (abf_w16)x;
-    abf_w16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    abf_w16 quiet = (u >> 16) | 0x40u;
-    abf_w16 nan = (abf_w16)((u & 0x7FFFFFFFu) > 0x7F800000u);
-    return __builtin_convertvector((quiet & nan) | (rounded & ~nan), abf_h16);
-}
-
 static inline ptrdiff_t abf_pairs(ptrdiff_t k) { return (k + 1) / 2; }
 static inline ptrdiff_t abf_npad(ptrdiff_t n) { return (n + ABF_NR - 1) / ABF_NR * ABF_NR; }
 
@@ -255,7 +242,7 @@ void ABF_FN(abf_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float alpha, const 
 /* Softmax of the scores s[0..n) into p[0..kpad) in bf16 (zero from n; kpad a
    multiple of 16, at least n), s left holding the exponentials; returns
    log(sum_j exp(s[j])).  attn_softmax_row in sixteen lanes, its last pass rounding
-   (abf_round16) where a pass of abf_rows over the float32 probabilities did (same
+   (bf16_round16) where a pass of abf_rows over the float32 probabilities did (same
    bits; that pass was 9% of the forward at T = 1024 on Zen 4). */
 ABF_INL static inline __attribute__((always_inline))
 float ABF_FN(abf_softmax_row)(float* s, uint16_t* p, ptrdiff_t n, ptrdiff_t kpad) {
@@ -284,11 +271,11 @@ float ABF_FN(abf_softmax_row)(float* s, uint16_t* p, ptrdiff_t n, ptrdiff_t kpad
     float total = adt_hsum16(sum);
     adt_v16 inv = adt_splat16(1.0f / total);
     for (j = 0; j < n; j += 16) {
-        abf_h16 h = abf_round16(adt_load16(s + j) * inv);
+        bf16_h16 h = bf16_round16(adt_load16(s + j) * inv);
         memcpy(p + j, &h, sizeof h);
     }
     for (; j < kpad; j += 16) {
-        abf_h16 h = {0};
+        bf16_h16 h = {0};
         memcpy(p + j, &h, sizeof h);
     }
     return mx + logf(total);
@@ -411,9 +398,9 @@ ABF_ATTR static void ABF_FN(abf_prepare_query)(uint32_t* qw, uint32_t* dow, uint
         adt_v16 acc = {0};
         ptrdiff_t j = 0;
         for (; j + 16 <= hs; j += 16) {
-            abf_h16 h;
+            bf16_h16 h;
             memcpy(&h, x + j, sizeof h);
-            acc += (adt_v16)(__builtin_convertvector(h, abf_w16) << 16) * adt_load16(y + j);
+            acc += (adt_v16)(__builtin_convertvector(h, bf16_w16) << 16) * adt_load16(y + j);
         }
         float s = 0.0f;
         for (; j < hs; j++) s += bf16_bits_f32((uint32_t)x[j] << 16) * y[j];

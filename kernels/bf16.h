@@ -468,7 +468,7 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
                    every row tile read it from L3.  The row tiles go over b_sub pairs at
                    a time (bf_sub_pairs: lines that L2 holds), their sums spilled and
                    taken up again in between: the same sums in the same order. */
-                float sums[256 * BF_NR] __attribute__((aligned(64)));
+                float sums[BF_SUB_MAX_M * BF_NR] __attribute__((aligned(64)));
                 ptrdiff_t sub = p->b_sub;
                 for (ptrdiff_t s0 = 0; s0 < kp; s0 += sub) {
                     ptrdiff_t ks = kp - s0 < sub ? kp - s0 : sub;
@@ -477,7 +477,7 @@ static void bf_sp_task(const bf_sprod* p, ptrdiff_t chunk, ptrdiff_t t, bf_tile_
                         ptrdiff_t stride, mr = r1 - i < rows ? r1 - i : rows;
                         const char* a = bf_sp_a_rows(p, s.i0, i, &stride)
                                         + (k0 + s0) * sizeof(uint32_t);
-                        if (mr == rows && nr == BF_NR && r1 - r0 <= 256)
+                        if (mr == rows && nr == BF_NR)  /* r1 - r0 <= p->M <= BF_SUB_MAX_M */
                             part(ks, a, stride, (const uint16_t*)panel + 2 * s0 * b_rs, b_rs,
                                  sub, sums + (i - r0) * BF_NR, first, last,
                                  p->C + i * p->ldc + j, p->ldc, add, bias);

@@ -16,6 +16,19 @@ ADT_INLINE uint16_t bf16_from_bits(uint32_t u) {
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
 }
 
+/* sixteen bf16, and sixteen float32's bits (a bf16 widened by a shift left of 16) */
+typedef uint16_t bf16_h16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t bf16_w16 __attribute__((vector_size(64)));
+
+/* sixteen float32 rounded to bf16 as bf16_from_bits rounds each (the same bits) */
+ADT_INLINE bf16_h16 bf16_round16(adt_v16 x) {
+    bf16_w16 u = (bf16_w16)x;
+    bf16_w16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    bf16_w16 quiet = (u >> 16) | 0x40u;
+    bf16_w16 nan = (bf16_w16)((u & 0x7FFFFFFFu) > 0x7F800000u);
+    return __builtin_convertvector((quiet & nan) | (rounded & ~nan), bf16_h16);
+}
+
 ADT_INLINE uint32_t bf16_f32_bits(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
