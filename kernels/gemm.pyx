@@ -236,6 +236,7 @@ cdef extern from *:
     int amd_routes() nogil
     int set_amd_routes_c(int flag) nogil
     Py_ssize_t set_bc_max_m(Py_ssize_t m) nogil
+    Py_ssize_t sg_set_direct_max_m(Py_ssize_t m) nogil
     void skinny_set_narrow(int narrow) nogil
     int skinny_wide() nogil
     void w16_widen(float* dst, const uint16_t* src, Py_ssize_t n) nogil
@@ -405,6 +406,17 @@ def packed_route(bint trans_a, bint trans_b, Py_ssize_t M, Py_ssize_t N, Py_ssiz
     the packed GEMM (kernels/sgemm.h) under the present routes: the decision alone,
     for tests."""
     return _use_packed(trans_a, trans_b, M, K, N >= M)
+
+
+def set_direct_b_max_m(m):
+    """The most rows at which the packed GEMM reads a B whose rows run along the
+    columns (dout @ W's weight) where it lies instead of packing it (kernels/sgemm.h);
+    None: the default (128 rows in sixteen lanes, none in eight).  The same bits
+    either way.  For tests and benchmarks; returns the previous setting."""
+    if m is not None and (not isinstance(m, int) or m < 0):
+        raise ValueError(f"m must be None or an int >= 0, got {m!r}")
+    old = sg_set_direct_max_m(-1 if m is None else m)
+    return None if old < 0 else old
 
 
 def set_packed_gemm(int mode):

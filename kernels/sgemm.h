@@ -151,6 +151,25 @@ static void sg_prefetch_plan(sg_prefetch* p, const float* B, ptrdiff_t b_rs, ptr
 }
 
 
+/* Up to SG_DIRECT_MAX_M rows, sixteen lanes' sg_gemm reads a B whose rows run along
+   the columns (dout @ W's weight) where it lies, panel by panel, instead of packing
+   it: at few rows each packed float served few micro-kernels, and packing W from
+   memory was 17% of a 64-row dout @ W (perf, Zen 4, 768 x 768).  The micro-kernel then
+   takes its two vectors a depth from W's rows (one line each, from L2: the panel's
+   rows share few L1 sets), the next block still fetched into L2 by the prefetch plan;
+   the same FMAs in the same order, so the same bits.  Zen 4, one thread, 12 weights
+   from memory, dout @ W of GPT-2's five layers, direct vs packed in alternating
+   processes (medians, GFLOP/s of 117): 64 rows 84-103 vs 67-89, 128 rows 84-92 vs
+   80-86, 256 rows 84-101 vs 92-100 (W rows 12 KiB apart lose there), 512 rows even.
+   Prefetching B 4 or 8 depths ahead in the micro-kernel gained nothing.  Eight lanes
+   (one line a depth for 12 FMAs) were mixed on Zen 4 and not measured where they run
+   (Zen 3): packed there unless sg_set_direct_max_m says otherwise. */
+#define SG_DIRECT_MAX_M 128
+static ptrdiff_t sg_direct_max_m = -1;      /* < 0: the width's default */
+static ptrdiff_t sg_set_direct_max_m(ptrdiff_t m) {
+    ptrdiff_t old = sg_direct_max_m; sg_direct_max_m = m; return old;
+}
+
 /* Packing space: SG_NC_TALL x SG_KC floats of B panels, then SG_MC x SG_KC of A
    panels (1.1 MiB) and 16 floats that sg_pack_a's whole-vector stores may run into,
    one buffer per thread, allocated on its first product and kept until the thread
@@ -363,8 +382,8 @@ static void ADT_LANES_FN(sg_pack_b)(ptrdiff_t kc, ptrdiff_t n, const float* B, p
 ADT_LANES_ATTR
 static __attribute__((noinline))
 void ADT_LANES_FN(sg_micro)(ptrdiff_t kc, const float* restrict pa, const float* restrict pb,
-                            float* c, ptrdiff_t ldc, float beta, const float* bias,
-                            sg_prefetch* pf) {
+                            ptrdiff_t pb_step, float* c, ptrdiff_t ldc, float beta,
+                            const float* bias, sg_prefetch* pf) {
     ADT_VT acc[SG_MR][2];
     /* the prefetch plan's position in registers, written back after the loop: read
        and written through pf in the loop, each depth's check waited on the last
@@ -383,7 +402,8 @@ void ADT_LANES_FN(sg_micro)(ptrdiff_t kc, const float* restrict pa, const float*
 #pragma GCC unroll 16
     for (int r = 0; r < SG_MR; r++) { acc[r][0] = (ADT_VT){0}; acc[r][1] = (ADT_VT){0}; }
     for (ptrdiff_t k = 0; k < kc; k++) {
-        ADT_VT b0 = *(const ADT_VT*)(pb), b1 = *(const ADT_VT*)(pb + ADT_W);
+        /* unaligned loads: direct panels lie where W does */
+        ADT_VT b0 = ADT_V(load)(pb), b1 = ADT_V(load)(pb + ADT_W);
 #pragma GCC unroll 16
         for (int r = 0; r < SG_MR; r++) {
             float x = pa[r];
@@ -391,7 +411,7 @@ void ADT_LANES_FN(sg_micro)(ptrdiff_t kc, const float* restrict pa, const float*
             acc[r][1] += x * b1;
         }
         pa += SG_MR;
-        pb += SG_NR;
+        pb += pb_step;
         if ((k & pf_mask) == 0 && pf_run < pf_nruns) {
             __builtin_prefetch((const void*)((size_t)(pf_at + pf_line * 64) & ~(size_t)63), 0, 2);
             if (++pf_line == pf_lines) {
@@ -427,11 +447,12 @@ void ADT_LANES_FN(sg_micro)(ptrdiff_t kc, const float* restrict pa, const float*
 /* A tile at the edge of C, mr x nr (at most SG_MR x SG_NR): the micro-kernel into
    a buffer, then C[0:mr, 0:nr] = that + beta C (+ bias[0:nr]). */
 ADT_LANES_ATTR
-static void ADT_LANES_FN(sg_edge)(ptrdiff_t kc, const float* pa, const float* pb, float* c,
-                                  ptrdiff_t ldc, float beta, const float* bias, ptrdiff_t mr,
-                                  ptrdiff_t nr, sg_prefetch* pf) {
+static void ADT_LANES_FN(sg_edge)(ptrdiff_t kc, const float* pa, const float* pb,
+                                  ptrdiff_t pb_step, float* c, ptrdiff_t ldc, float beta,
+                                  const float* bias, ptrdiff_t mr, ptrdiff_t nr,
+                                  sg_prefetch* pf) {
     float t[SG_MR][SG_NR] __attribute__((aligned(64)));
-    ADT_LANES_FN(sg_micro)(kc, pa, pb, &t[0][0], SG_NR, 0.0f, NULL, pf);
+    ADT_LANES_FN(sg_micro)(kc, pa, pb, pb_step, &t[0][0], SG_NR, 0.0f, NULL, pf);
     for (ptrdiff_t r = 0; r < mr; r++)
         for (ptrdiff_t j = 0; j < nr; j++)
             c[r * ldc + j] = (beta == 0.0f ? t[r][j] : t[r][j] + beta * c[r * ldc + j])
@@ -454,12 +475,19 @@ static int ADT_LANES_FN(sg_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float al
     float* pa = pb + SG_B_FLOATS;
     sg_prefetch pf;
     ptrdiff_t ncb = M > SG_TALL_M ? SG_NC_TALL : SG_NC;
+    int direct = b_cs == 1
+                 && M <= (sg_direct_max_m >= 0 ? sg_direct_max_m
+                                               : ADT_W == 16 ? SG_DIRECT_MAX_M : 0);
     for (ptrdiff_t j0 = 0; j0 < N; j0 += ncb) {
         ptrdiff_t nc = N - j0 < ncb ? N - j0 : ncb;
         for (ptrdiff_t k0 = 0; k0 < K; k0 += SG_KC) {
             ptrdiff_t kc = K - k0 < SG_KC ? K - k0 : SG_KC;
             float bt = k0 == 0 ? beta : 1.0f;
-            ADT_LANES_FN(sg_pack_b)(kc, nc, B + k0 * b_rs + j0 * b_cs, b_rs, b_cs, pb);
+            /* whole panels read where they lie (direct), the rest packed */
+            ptrdiff_t nd = direct ? nc / SG_NR * SG_NR : 0;
+            if (nd < nc)
+                ADT_LANES_FN(sg_pack_b)(kc, nc - nd, B + k0 * b_rs + (j0 + nd) * b_cs, b_rs,
+                                        b_cs, pb);
             {
                 ptrdiff_t k1 = k0 + SG_KC < K ? k0 + SG_KC : 0;
                 ptrdiff_t j1 = k0 + SG_KC < K ? j0 : j0 + ncb;
@@ -474,15 +502,17 @@ static int ADT_LANES_FN(sg_gemm)(ptrdiff_t M, ptrdiff_t N, ptrdiff_t K, float al
                                         j0 == 0 && a_sums != NULL ? a_sums + i0 : NULL);
                 for (ptrdiff_t j = 0; j < nc; j += SG_NR) {
                     ptrdiff_t nr = nc - j < SG_NR ? nc - j : SG_NR;
-                    const float* pbj = pb + (j / SG_NR) * SG_NR * kc;
+                    const float* pbj = j < nd ? B + k0 * b_rs + j0 + j
+                                              : pb + ((j - nd) / SG_NR) * SG_NR * kc;
+                    ptrdiff_t step = j < nd ? b_rs : SG_NR;
                     const float* bj = k0 == 0 && bias != NULL ? bias + j0 + j : NULL;
                     for (ptrdiff_t i = 0; i < mc; i += SG_MR) {
                         ptrdiff_t mr = mc - i < SG_MR ? mc - i : SG_MR;
                         if (mr == SG_MR && nr == SG_NR)
-                            ADT_LANES_FN(sg_micro)(kc, pa + (i / SG_MR) * SG_MR * kc, pbj,
+                            ADT_LANES_FN(sg_micro)(kc, pa + (i / SG_MR) * SG_MR * kc, pbj, step,
                                                    C + (i0 + i) * ldc + j0 + j, ldc, bt, bj, &pf);
                         else
-                            ADT_LANES_FN(sg_edge)(kc, pa + (i / SG_MR) * SG_MR * kc, pbj,
+                            ADT_LANES_FN(sg_edge)(kc, pa + (i / SG_MR) * SG_MR * kc, pbj, step,
                                                   C + (i0 + i) * ldc + j0 + j, ldc, bt, bj, mr, nr,
                                                   &pf);
                     }

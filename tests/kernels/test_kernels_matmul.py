@@ -404,6 +404,52 @@ def test_packed_gemm_setting():
         gemm.set_broadcast_max_m(-1)
     old = gemm.set_broadcast_max_m(0)
     assert old == 128 and gemm.set_broadcast_max_m(old) == 0
+    for bad in (-1, 2.0, "64"):
+        with pytest.raises(ValueError, match="None or an int"):
+            gemm.set_direct_b_max_m(bad)
+    assert gemm.set_direct_b_max_m(64) is None
+    assert gemm.set_direct_b_max_m(None) == 64
+
+
+@pytest.mark.parametrize("lanes", _skinny_lanes())
+@pytest.mark.parametrize("layout", ["nn", "tn"])
+@pytest.mark.parametrize("M,N,K", [(64, 768, 300), (13, 1043, 523), (130, 100, 257),
+                                   (8, 32, 1), (70, 1030, 600)])
+def test_packed_gemm_reads_b_in_place_with_the_same_bits(layout, M, N, K, lanes):
+    # Where op(B)'s rows run along the columns, few-row products read B's whole
+    # panels where they lie (kernels/sgemm.h's direct panels), the panel past the last
+    # whole one (N not a multiple of 16 or 32) packed, rows past the tile through the
+    # edge buffer, depths past the 256-deep block: the same sums in the same order as
+    # with B packed, on 1 and 2 threads, alpha and beta, in both widths.
+    from kernels import gemm
+    trans_a = layout == "tn"
+    rng = np.random.default_rng(M + 7 * N + K)
+    a = rng.standard_normal((K, M) if trans_a else (M, K)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    old_mode, old_m = gemm.set_packed_gemm(2), gemm.set_skinny_max_m(0)
+    old_lanes, old_direct = gemm.set_skinny_lanes(lanes), gemm.set_direct_b_max_m(None)
+    got = {}
+    try:
+        for direct in (1 << 20, 0):
+            gemm.set_direct_b_max_m(direct)
+            for n in (1, 2):
+                c = np.full((M, N), np.nan, np.float32)
+                got[direct, n, 0] = gemm.gemm_rowmajor(c, a, b, bias, trans_a=trans_a,
+                                                       n_threads=n)
+                got[direct, n, 1] = gemm.gemm_rowmajor(c0.copy(), a, b, trans_a=trans_a,
+                                                       alpha=0.5, beta=-2.0, n_threads=n)
+    finally:
+        gemm.set_direct_b_max_m(old_direct)
+        gemm.set_packed_gemm(old_mode)
+        gemm.set_skinny_max_m(old_m)
+        gemm.set_skinny_lanes(old_lanes)
+    for (direct, n, which), c in got.items():
+        np.testing.assert_array_equal(c, got[0, 1, which], err_msg=str((direct, n, which)))
+    a64 = (a.T if trans_a else a).astype(np.float64)
+    size = np.abs(a64) @ np.abs(b.astype(np.float64)) + np.abs(bias) + 1.0
+    assert (np.abs(got[0, 1, 0] - (a64 @ b + bias)) / size).max() < 1e-6
 
 
 def test_products_route_by_vendor():
