@@ -208,18 +208,37 @@ typedef struct {
 
 typedef struct { ptrdiff_t i0, i1, j0, j1; } bf_sp_span;
 
+/* The share of n_threads' time that t equal tasks keep busy. */
+static inline double bf_sp_balance(ptrdiff_t t, ptrdiff_t n_threads) {
+    return (double)t / (double)(bf_ceil(t, n_threads) * n_threads);
+}
+
 /* p's tasks for its n_threads: the largest square tile that gives each thread about
-   four (or the benchmarks' bf_sp_tiles); B's pack tasks cut by depth (slices of at
+   four, or that tile halved in one side or both where that shares the tasks out more
+   evenly (or the benchmarks' bf_sp_tiles); B's pack tasks cut by depth (slices of at
    least 256 pairs) until there are about four a thread (a chunk of 64 columns of a
-   deep B: one task of 6 MiB otherwise). */
+   deep B: one task of 6 MiB otherwise).  Squares alone left 9 tasks to 2 threads at
+   GPT-2's 768 x 768 weight gradient and at SmolLM2's 64-row products (one thread idle
+   a ninth of the time).  Zen 4, 2 threads, tiles alternated call by call, medians of
+   12-40, GFLOP/s, square -> halved: 768 x 768 dW at 1024 tokens 373 -> 402, at 4096 320
+   -> 329-338; 2304 x 768 dW (27 tasks) at 1024 tokens 391 -> 402; 64 rows, SmolLM2's
+   576 -> 576 forward 342 -> 361, 3072 -> 576 dX 328 -> 352. */
 static void bf_sp_plan_tasks(bf_sprod* p) {
     ptrdiff_t n_threads = p->n_threads;
     ptrdiff_t rows = p->M < p->mch ? p->M : p->mch, cols = p->N < p->nch ? p->N : p->nch;
     ptrdiff_t tile = 256;
     while (tile > BF_AMX_MR && bf_ceil(rows, tile) * bf_ceil(cols, tile) < 4 * n_threads)
         tile /= 2;
-    p->tile_m = bf_sp_tiles[0] > 0 ? bf_sp_tiles[0] : tile;
-    p->tile_n = bf_sp_tiles[1] > 0 ? bf_sp_tiles[1] : tile;
+    ptrdiff_t tm = tile, tn = tile;
+    double best = bf_sp_balance(bf_ceil(rows, tm) * bf_ceil(cols, tn), n_threads);
+    for (int halve = 1; halve < 4; halve++) {     /* one side, the other, both */
+        ptrdiff_t m = halve & 2 ? tile / 2 : tile, n = halve & 1 ? tile / 2 : tile;
+        if (m < BF_AMX_MR || n < BF_AMX_MR) continue;
+        double b = bf_sp_balance(bf_ceil(rows, m) * bf_ceil(cols, n), n_threads);
+        if (b > best + 0.02) best = b, tm = m, tn = n;
+    }
+    p->tile_m = bf_sp_tiles[0] > 0 ? bf_sp_tiles[0] : tm;
+    p->tile_n = bf_sp_tiles[1] > 0 ? bf_sp_tiles[1] : tn;
     ptrdiff_t b_tasks = bf_ceil(p->nch, BF_NR * BF_SP_PANELS), most_slices = p->kpad / 256;
     p->b_slices = bf_ceil(4 * n_threads, b_tasks);
     if (p->b_slices > most_slices) p->b_slices = most_slices;
